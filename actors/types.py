@@ -1,0 +1,107 @@
+"""Typed, frozen records that cross stage boundaries (ingress -> encoder -> prefill -> decode).
+
+No torch here: the ingress and the router's callers import these without a model.
+Tensors travel beside these records as separate top-level Ray arguments, never inside them.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class Modality(str, enum.Enum):
+    IMAGE = "image"
+    VIDEO = "video"
+    AUDIO = "audio"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"      # EOS token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"    # client went away or the request was cancelled
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One decoded, validated item. `data` layout depends on the modality:
+    image HxWx3 uint8, video TxHxWx3 uint8, audio mono float32 samples."""
+
+    modality: Modality
+    identifier: str
+    data: np.ndarray = field(repr=False, compare=False)
+    sample_rate_hz: int | None = None
+
+    @property
+    def size(self) -> int:
+        """Size in the unit the cost model uses: pixels, frame pixels or samples."""
+        return int(self.data.size // 3) if self.modality != Modality.AUDIO else int(self.data.size)
+
+
+@dataclass(frozen=True)
+class PlaceholderRange:
+    """The run of placeholder tokens in the prompt that one item's embeddings replace."""
+
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class EncodeJob:
+    request_id: str
+    item: MediaItem
+    num_embeddings: int
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int = 0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    placeholders: tuple[PlaceholderRange, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token_id: int
+    num_prompt_tokens: int
+    queue_ms: float
+    prefill_ms: float
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str
+    num_prompt_tokens: int
+    first_token_id: int
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Tokens a decode worker produced for one request since the last chunk."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    step_ms: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

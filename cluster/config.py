@@ -1,0 +1,128 @@
+"""The cluster's configuration: one validated model, loaded from YAML in configs/.
+
+Every field has a description; unknown keys are errors, so a typo never silently
+falls back to a default. Cross-stage checks run here, before any actor starts.
+"""
+from __future__ import annotations
+
+import enum
+import os
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "local_cpu.yaml"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Transport(str, enum.Enum):
+    OBJECT_STORE = "object_store"
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class ModelConfig(Strict):
+    checkpoint: str = Field(description="Checkpoint directory loaded with from_pretrained; ~ and $VARS expand.")
+    builtin: str | None = Field(None, description="Recipe that builds the checkpoint locally when the directory is missing.")
+    served_name: str = Field(description="Model id that clients send and GET /v1/models reports.")
+    dtype: str = Field("float32", description="Weights and activations dtype: float32, bfloat16 or float16.")
+    device: str = Field("cpu", description="Torch device of every worker: cpu or cuda.")
+    max_model_len: int = Field(2048, gt=0, description="Upper bound on prompt plus generated tokens.")
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return Path(os.path.expandvars(os.path.expanduser(self.checkpoint)))
+
+
+class PoolConfig(Strict):
+    num_workers: int = Field(1, ge=1, description="Actors in this pool.")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPU resources each actor reserves.")
+    num_gpus: float = Field(0.0, ge=0, description="Ray GPU resources each actor reserves.")
+    torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each actor process.")
+
+
+class EncoderPoolConfig(PoolConfig):
+    max_batch_size: int = Field(8, ge=1, description="Most items one tower forward pass takes.")
+    max_wait_ms: float = Field(5.0, ge=0, description="How long a partial batch waits for more items.")
+
+
+class PrefillPoolConfig(PoolConfig):
+    max_chunk_tokens: int = Field(512, ge=16, description="Prompt tokens per prefill forward pass (chunked prefill).")
+
+
+class DecodePoolConfig(PoolConfig):
+    max_batch_size: int = Field(32, ge=1, description="Most requests in one decode step (continuous batching).")
+
+
+class TransportConfig(Strict):
+    embeddings: Transport = Field(Transport.OBJECT_STORE, description="How embeddings travel encoder -> prefill.")
+    kv: Transport = Field(Transport.OBJECT_STORE, description="How KV caches travel prefill -> decode.")
+
+
+class LimitsConfig(Strict):
+    max_items_per_request: int = Field(4, ge=0, description="Most media items in one request.")
+    max_image_pixels: int = Field(16_000_000, gt=0, description="Most pixels in one decoded image (decompression bombs stop here).")
+    max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
+    allow_remote_media: bool = Field(False, description="Fetch http(s) media URLs; off by default.")
+    default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
+    request_timeout_s: float = Field(120.0, gt=0, description="A request that has not finished by then fails with 504.")
+
+
+class RouterConfig(Strict):
+    policy: str = Field("least_loaded", description="Routing policy name.")
+
+
+class ServerConfig(Strict):
+    host: str = Field("127.0.0.1", description="HTTP bind address.")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    num_cpus_ray: int = Field(8, ge=1, description="Logical CPUs of a local Ray cluster that `epd serve` starts.")
+
+
+class ClusterConfig(Strict):
+    model: ModelConfig
+    encoder: EncoderPoolConfig = EncoderPoolConfig()
+    prefill: PrefillPoolConfig = PrefillPoolConfig()
+    decode: DecodePoolConfig = DecodePoolConfig()
+    transport: TransportConfig = TransportConfig()
+    limits: LimitsConfig = LimitsConfig()
+    router: RouterConfig = RouterConfig()
+    server: ServerConfig = ServerConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "ClusterConfig":
+        uses_nccl = Transport.NCCL in (self.transport.embeddings, self.transport.kv)
+        if uses_nccl and self.model.device != "cuda":
+            raise ValueError("transport nccl needs model.device: cuda")
+        if self.model.device == "cuda" and min(self.encoder.num_gpus, self.prefill.num_gpus, self.decode.num_gpus) <= 0:
+            raise ValueError("model.device cuda needs num_gpus > 0 in every pool")
+        if self.model.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
+        return self
+
+    def replace(self, **sections) -> "ClusterConfig":
+        """A copy with whole sections or fields swapped, re-validated (tests and benchmarks use it)."""
+        data = self.model_dump()
+        for key, value in sections.items():
+            data[key] = {**data[key], **value} if isinstance(value, dict) else value
+        return ClusterConfig.model_validate(data)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(path: str | Path = DEFAULT_CONFIG) -> ClusterConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    try:
+        return ClusterConfig.model_validate(raw or {})
+    except ValidationError as exc:
+        raise ConfigError(f"invalid config {path}:\n{exc}") from exc
