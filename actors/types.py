@@ -78,12 +78,24 @@ class PrefillRequest:
 
 
 @dataclass(frozen=True)
+class EncodeStats:
+    """How one item's encoding went, reported back with its embeddings."""
+
+    identifier: str
+    queue_ms: float
+    encode_ms: float
+    batch_size: int
+    cache_hit: bool = False
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     request_id: str
     first_token_id: int
     num_prompt_tokens: int
     queue_ms: float
     prefill_ms: float
+    encode_stats: tuple[EncodeStats, ...] = ()
 
 
 @dataclass(frozen=True)

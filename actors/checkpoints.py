@@ -1,0 +1,317 @@
+"""Build small, seeded LLaVA checkpoints locally (no downloads) for tests and benchmarks.
+
+`python -m actors.checkpoints RECIPE OUT_DIR` writes a directory that
+`AutoProcessor.from_pretrained` and `LlavaForConditionalGeneration.from_pretrained` load.
+
+Conventions every caller can rely on:
+* The chat template starts with `<s>` and the tokenizer never adds bos/eos itself
+  (add_bos_token=False), so a rendered template tokenizes to exactly one bos whether
+  callers pass add_special_tokens=True or False (False is the recommended spelling).
+* vision_feature_layer=-1 (the last CLIP layer; there is no pretrained penultimate
+  layer worth preferring) with strategy "default": CLS is dropped, so an image yields
+  (image_size // patch_size) ** 2 placeholder tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>", "<image>", "<video>", "<audio>"]
+
+# LLaVA-style template; `<s>` comes from the template, never from the tokenizer.
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- for message in messages -%}"
+    "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- message['role'] | upper + ': ' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- elif part['type'] in ['image', 'video', 'audio'] -%}{{- '<' + part['type'] + '>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{%- if messages -%}{{- '\\n' -}}{%- endif -%}{{- 'ASSISTANT:' -}}"
+    "{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Sizes of one synthetic checkpoint (weight scales: see `_init_weights`)."""
+
+    name: str
+    seed: int
+    vocab_size: int
+    image_size: int
+    patch_size: int
+    vision_hidden: int
+    vision_layers: int
+    vision_heads: int
+    vision_intermediate: int
+    text_hidden: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    text_intermediate: int
+    max_positions: int = 2048
+
+    @property
+    def image_tokens(self) -> int:  # placeholder tokens per image ("default" drops CLS)
+        return (self.image_size // self.patch_size) ** 2
+
+
+RECIPES: dict[str, Recipe] = {
+    "tiny-llava": Recipe(
+        name="tiny-llava", seed=1234, vocab_size=1000, image_size=32, patch_size=8,
+        vision_hidden=64, vision_layers=2, vision_heads=4, vision_intermediate=128,
+        text_hidden=64, text_layers=2, text_heads=4, text_kv_heads=2, text_intermediate=128,
+    ),
+    "bench-llava": Recipe(
+        name="bench-llava", seed=4321, vocab_size=4000, image_size=224, patch_size=16,
+        vision_hidden=384, vision_layers=6, vision_heads=6, vision_intermediate=1536,
+        text_hidden=512, text_layers=8, text_heads=8, text_kv_heads=4, text_intermediate=1536,
+    ),
+}
+
+
+_WORDS = (
+    "the a an this that one two three many some every no all each other small big old new red green blue "
+    "black white yellow bright dark tall short long quiet happy fast slow warm cold cat dog bird fish horse "
+    "child man woman friend teacher team city river lake sea mountain tree flower garden house window door "
+    "road car train boat picture image photo scene sky sun moon star night morning day year time water bread "
+    "apple table book word number color shape person people animal bridge field stone sees likes shows finds "
+    "carries describes watches paints counts opens reads writes holds takes makes gives walks runs sits looks "
+    "wants knows is are was were has have had will can could would should may do does did not in on at of to "
+    "from with near under over behind between into through after before and or but because while when where "
+    "what which who why how yes very also only just still here there now then today above below left right"
+).split()
+_SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"] + ["ch", "sh", "th", "qu", "ng"]
+
+
+def _lcg(seed: int):
+    """Tiny LCG: identical on every platform and Python version, unlike `random`."""
+    x = seed
+    while True:
+        x = (1103515245 * x + 12345) % 2**31
+        yield x
+
+
+def _corpus(n_sentences: int) -> list[str]:
+    """Fixed English-like text: real words plus syllable pseudo-words, digits, punctuation, newlines."""
+    rnd = _lcg(7)
+    pseudo = ["".join(_SYLLABLES[next(rnd) % len(_SYLLABLES)] for _ in range(2 + next(rnd) % 3))
+              for _ in range(3000)]
+    vocab = _WORDS * 12 + pseudo  # real words dominate, pseudo-words add merge diversity
+    ends = [".", ".", ".", "?", "!", ",", ":"]
+    sentences = []
+    for i in range(n_sentences):
+        words = [vocab[next(rnd) % len(vocab)] for _ in range(4 + next(rnd) % 10)]
+        if i % 5 == 0:
+            words.insert(next(rnd) % len(words), str(next(rnd) % 2000))
+        s = " ".join(words)
+        sentences.append(s[0].upper() + s[1:] + ends[next(rnd) % len(ends)])
+    fixed = [
+        "USER: What is in this image?\nASSISTANT: The image shows a person standing near a lake.",
+        "SYSTEM: You are a helpful assistant.\nUSER: Describe the picture.\nASSISTANT: A red car.",
+        "def hello(name):\n    return f\"Hello, {name}!\"\n",
+    ]
+    # Newline-joined "documents" so newlines and indentation get merges too.
+    return ["\n".join(sentences[i:i + 8]) for i in range(0, len(sentences), 8)] + fixed * 50
+
+
+def build_tokenizer(recipe: Recipe) -> "PreTrainedTokenizerFast":
+    """Byte-level BPE trained on `_corpus()`; specials get ids 0..6 in SPECIAL_TOKENS order."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))  # byte-level: every string is encodable
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=recipe.vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(recipe.vocab_size * 10), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        extra_special_tokens={"image_token": "<image>", "video_token": "<video>", "audio_token": "<audio>"},
+        add_bos_token=False, add_eos_token=False,  # the chat template supplies <s>
+        chat_template=CHAT_TEMPLATE, model_max_length=recipe.max_positions,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def llava_config(recipe: Recipe, tokenizer) -> "LlavaConfig":
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(
+        hidden_size=recipe.vision_hidden, intermediate_size=recipe.vision_intermediate,
+        num_hidden_layers=recipe.vision_layers, num_attention_heads=recipe.vision_heads,
+        image_size=recipe.image_size, patch_size=recipe.patch_size,
+    )
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=recipe.text_hidden, intermediate_size=recipe.text_intermediate,
+        num_hidden_layers=recipe.text_layers, num_attention_heads=recipe.text_heads,
+        num_key_value_heads=recipe.text_kv_heads, max_position_embeddings=recipe.max_positions,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+    )
+    return LlavaConfig(
+        vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        projector_hidden_act="gelu", vision_feature_select_strategy="default", vision_feature_layer=-1,
+    )
+
+
+# Per-parameter gains (regex on the parameter name -> multiplier of 1/sqrt(fan_in)).
+_GAINS: dict[str, float] = {
+    "vision_tower.embeddings.position_embedding": 0.2,  # keep pixels dominant
+    "embed_tokens": 1.0,
+    "multi_modal_projector": 1.0,
+    "lm_head": 1.0,
+}
+
+
+def _init_weights(model, recipe: Recipe) -> None:
+    """Re-draw every matrix with std gain/sqrt(fan_in) instead of HF's 0.02.
+
+    Why: at std 0.02 the residual stream is just the token embedding, attention is
+    uniform and greedy decoding falls into one repeated token whatever the prompt or
+    image. Unit-variance activations make attention and the projected image features
+    actually steer the next-token argmax. Norm weights stay 1, biases 0.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(recipe.seed)  # private RNG: callers' global seed untouched
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim < 2 and not name.endswith("class_embedding"):
+                continue  # norms (1) and biases (0) are deterministic already
+            fan_in = 1 if "embed" in name and "patch" not in name else p[0].numel()
+            gain = next((g for key, g in _GAINS.items() if re.search(key, name)), 1.0)
+            p.normal_(0.0, gain / math.sqrt(fan_in), generator=gen)
+
+
+def _mute_unprintable(model, tokenizer) -> None:
+    """Zero the lm_head rows of specials other than </s> and of non-printable byte tokens.
+
+    Why: a zero logit sits mid-distribution, so greedy never picks these; outputs then
+    never contain <image>/<s> (which would confuse placeholder counting) and decode to
+    readable ASCII text instead of half UTF-8 sequences.
+    """
+    import torch
+
+    keep = {tokenizer.eos_token_id}
+    with torch.no_grad():
+        for tid in range(len(tokenizer)):
+            text = tokenizer.decode([tid])
+            printable = text.isascii() and (text.isprintable() or text == "\n") and tid >= len(SPECIAL_TOKENS)
+            if tid not in keep and not printable:
+                model.lm_head.weight[tid].zero_()
+
+
+def build_processor(recipe: Recipe, tokenizer) -> "LlavaProcessor":
+    from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+    # Pil backend: torchvision is not installed, so the "fast" processor is unavailable.
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": recipe.image_size},
+        crop_size={"height": recipe.image_size, "width": recipe.image_size},
+        do_resize=True, do_center_crop=True, do_convert_rgb=True,
+    )
+    # num_additional_image_tokens=1 (CLS) minus 1 for "default" = one token per patch.
+    return LlavaProcessor(
+        image_processor=images, tokenizer=tokenizer, patch_size=recipe.patch_size,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE, image_token="<image>",
+    )
+
+
+def build_model(recipe: Recipe, tokenizer) -> "LlavaForConditionalGeneration":
+    import torch
+    from transformers import GenerationConfig, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration(llava_config(recipe, tokenizer)).to(torch.float32).eval()
+    _init_weights(model, recipe)
+    _mute_unprintable(model, tokenizer)
+    # Only the special ids and greedy: nothing that would bend plain argmax decoding.
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, do_sample=False,
+    )
+    return model
+
+
+def build_checkpoint(recipe: str, out_dir: str | Path, *, progress: bool = True) -> Path:
+    """Build `recipe` into `out_dir` (which must not exist or be empty) and return it.
+
+    Why the temp dir: everything is written to a hidden sibling and renamed at the end,
+    so a crash never leaves a half-written dir that `ensure_checkpoint` would accept.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; known recipes: {', '.join(sorted(RECIPES))}")
+    r, out = RECIPES[recipe], Path(out_dir).resolve()
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty; refusing to overwrite it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    try:
+        with tqdm(total=3, desc=f"build {recipe}", disable=not progress, unit="step") as bar:
+            bar.set_postfix_str("tokenizer")
+            tokenizer = build_tokenizer(r)
+            processor = build_processor(r, tokenizer)
+            bar.update()
+            bar.set_postfix_str("model")
+            model = build_model(r, tokenizer)
+            bar.update()
+            bar.set_postfix_str("save")
+            model.save_pretrained(tmp)
+            processor.save_pretrained(tmp)
+            bar.update()
+        try:
+            os.rename(tmp, out)  # atomic; replaces `out` only if it is an empty dir
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise  # else a concurrent builder won the race with an identical build
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def ensure_checkpoint(out_dir: str | Path, recipe: str | None, *, progress: bool = True) -> Path:
+    """Return `out_dir` if it holds a checkpoint, else build `recipe` there."""
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return out.resolve()
+    if recipe is None:
+        raise FileNotFoundError(
+            f"no checkpoint at {out} (config.json missing) and no recipe given to build one; "
+            f"run `python -m actors.checkpoints RECIPE {out}` with RECIPE in {sorted(RECIPES)}"
+        )
+    return build_checkpoint(recipe, out, progress=progress)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m actors.checkpoints", description=__doc__.splitlines()[0])
+    parser.add_argument("recipe", choices=sorted(RECIPES))
+    parser.add_argument("out_dir", type=Path)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    path = build_checkpoint(args.recipe, args.out_dir)
+    size_mb = sum(f.stat().st_size for f in path.iterdir()) / 2**20
+    print(f"built {args.recipe} at {path} in {time.perf_counter() - start:.1f}s ({size_mb:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""All language-model device work: prefill (splice + chunked forward) and one batched decode step.
+
+The actors around this module only queue, batch and move data; everything here is plain
+torch on one device, so it can be driven directly by tests and benchmarks.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from actors import kv
+from actors.adapters import ModelAdapter
+from actors.sampling import sample
+from actors.types import PlaceholderRange, SamplingParams
+
+
+def splice(embeds: torch.Tensor, ranges: tuple[PlaceholderRange, ...], items: list[torch.Tensor]) -> torch.Tensor:
+    """Write each item's embeddings over its placeholder range, in one indexed copy."""
+    if not ranges:
+        return embeds
+    for r, item in zip(ranges, items, strict=True):
+        if item.shape[0] != r.length:
+            raise ValueError(f"item at offset {r.offset} has {item.shape[0]} embeddings for {r.length} placeholders")
+    index = torch.cat([torch.arange(r.offset, r.offset + r.length) for r in ranges]).to(embeds.device)
+    out = embeds.clone()
+    out[0, index] = torch.cat(items).to(embeds.device, embeds.dtype)
+    return out
+
+
+class LMRunner:
+    def __init__(self, adapter: ModelAdapter, max_chunk_tokens: int = 512):
+        self.adapter = adapter
+        self.max_chunk_tokens = max_chunk_tokens
+        self.device = torch.device(adapter.device)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: tuple[int, ...],
+        ranges: tuple[PlaceholderRange, ...],
+        items: list[torch.Tensor],
+        params: SamplingParams,
+    ) -> tuple[int, torch.Tensor]:
+        """First token and the packed KV cache of the whole prompt."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        embeds = splice(self.adapter.embed_tokens(ids), ranges, items)
+        positions = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
+        cache = DynamicCache()
+        for start in range(0, ids.shape[1], self.max_chunk_tokens):
+            end = start + self.max_chunk_tokens
+            hidden = self.adapter.forward(embeds[:, start:end], positions[:, start:end], cache)
+        logits = self.adapter.logits(hidden[:, -1])
+        return sample(logits, [params], [ids.shape[1]])[0], kv.pack(cache)
+
+    @torch.inference_mode()
+    def decode_step(
+        self, batch: kv.BatchedKV, last_tokens: list[int], params: list[SamplingParams], positions: list[int]
+    ) -> list[int]:
+        """Feed each row its last token; the cache grows by one slot; returns the next tokens."""
+        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)
+        position_ids = batch.lengths().unsqueeze(1)
+        mask = batch.step_mask()
+        cache = batch.as_cache()
+        hidden = self.adapter.forward(self.adapter.embed_tokens(ids), position_ids, cache, mask)
+        batch.absorb(cache)
+        return sample(self.adapter.logits(hidden[:, -1]), params, positions)

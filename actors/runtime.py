@@ -1,0 +1,57 @@
+"""Process set-up shared by the three worker kinds."""
+from __future__ import annotations
+
+import asyncio
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from actors.adapters import ModelAdapter, load_adapter
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker needs to load its part of the model."""
+
+    checkpoint: str
+    dtype: str
+    device: str
+    torch_threads: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's self-reported load, for the router's cluster view."""
+
+    queued: int
+    running: int
+
+
+class ModelWorker:
+    """Base of the Ray actor classes: one torch thread pool, one model part, one executor
+    thread so device work never blocks the actor's event loop."""
+
+    def __init__(self, spec: WorkerSpec, part: str):
+        torch.set_num_threads(spec.torch_threads)  # oversubscribed threads collapse on small hosts
+        # Received tensors are only ever read (caches grow by concatenation into new
+        # tensors), which is what zero-copy deserialisation requires.
+        warnings.filterwarnings("ignore", message="Zero-copy tensor serialization")
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.spec = spec
+        self.adapter: ModelAdapter = load_adapter(Path(spec.checkpoint), part=part, dtype=spec.dtype, device=spec.device)
+        self._executor = ThreadPoolExecutor(max_workers=1)
+
+    async def run_device(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def ready(self) -> bool:
+        return True
+
+    def pid(self) -> int:
+        return os.getpid()

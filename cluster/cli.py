@@ -1,0 +1,72 @@
+"""`epd` command line: build the default checkpoint, serve the cluster."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError, load_config
+
+
+def ensure_model(config: ClusterConfig) -> None:
+    from actors.checkpoints import ensure_checkpoint
+
+    ensure_checkpoint(config.model.checkpoint_path, config.model.builtin, progress=True)
+
+
+def start(config: ClusterConfig, *, address: str | None = None) -> str:
+    """Start (or join) Ray, deploy the Serve app; returns the OpenAI base URL."""
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+
+    if not ray.is_initialized():
+        ray.init(address=address, num_cpus=None if address else config.server.num_cpus_ray, include_dashboard=False)
+    serve.start(http_options={"host": config.server.host, "port": config.server.port})
+    serve.run(build_app(config), name="epd", route_prefix="/")
+    return f"http://{config.server.host}:{config.server.port}/v1"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    ensure_model(config)
+    url = start(config, address=args.address)
+    print(f"epd is serving {config.model.served_name} at {url}  (Ctrl-C stops it)", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            time.sleep(3600)
+    except (KeyboardInterrupt, SystemExit):
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
+def _build_model(args: argparse.Namespace) -> int:
+    ensure_model(load_config(args.config))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="epd", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_p = sub.add_parser("serve", help="start the cluster and the OpenAI endpoint")
+    serve_p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    serve_p.add_argument("--address", default=None, help="join a running Ray cluster (e.g. 'auto') instead of starting one")
+    serve_p.set_defaults(func=_serve)
+    build_p = sub.add_parser("build-model", help="build the config's built-in checkpoint if it is missing")
+    build_p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    build_p.set_defaults(func=_build_model)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"epd: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

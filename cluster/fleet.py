@@ -1,0 +1,97 @@
+"""Creation and supervision of the worker actors, placed by the resources in the config.
+
+The ingress process creates the fleet itself: Ray Direct Transport needs the caller to
+hold handles that carry the tensor-transport flag and to have created the collective
+group, which a handle fetched by name from another process would not.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+
+import ray
+
+from actors.decode import DecodeActor
+from actors.encoder import EncoderActor
+from actors.prefill import PrefillActor
+from actors.runtime import WorkerSpec
+from cluster.config import ClusterConfig, PoolConfig, Transport
+from router.types import WorkerKind
+
+log = logging.getLogger(__name__)
+
+_BACKEND = {Transport.GLOO: "torch_gloo", Transport.NCCL: "nccl"}
+_ZERO_COPY_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _rdt_transport(config: ClusterConfig) -> Transport | None:
+    used = {config.transport.embeddings, config.transport.kv} - {Transport.OBJECT_STORE}
+    return used.pop() if used else None
+
+
+class Fleet:
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.rdt = _rdt_transport(config)
+        m = config.model
+        self.spec = WorkerSpec(str(m.checkpoint_path), m.dtype, m.device, 1, m.max_model_len)
+        self.pools: dict[WorkerKind, list] = {kind: [] for kind in WorkerKind}
+        for kind in WorkerKind:
+            self.pools[kind] = [self._start(kind) for _ in range(self._pool_config(kind).num_workers)]
+        ray.get([a.ready.remote() for a in self.all_actors()])
+        self._group_name: str | None = None
+        self._form_group()
+
+    def _pool_config(self, kind: WorkerKind) -> PoolConfig:
+        return getattr(self.config, kind.value)
+
+    def _start(self, kind: WorkerKind):
+        pool = self._pool_config(kind)
+        spec = WorkerSpec(self.spec.checkpoint, self.spec.dtype, self.spec.device, pool.torch_threads, self.spec.max_model_len)
+        options = dict(
+            num_cpus=pool.num_cpus,
+            num_gpus=pool.num_gpus,
+            runtime_env={"env_vars": _ZERO_COPY_ENV},
+            max_concurrency=1000,
+        )
+        if kind == WorkerKind.ENCODER:
+            return EncoderActor.options(**options).remote(spec, pool.max_batch_size, pool.max_wait_ms)
+        if kind == WorkerKind.PREFILL:
+            return PrefillActor.options(**options).remote(spec, pool.max_chunk_tokens)
+        return DecodeActor.options(**options).remote(spec, pool.max_batch_size)
+
+    def all_actors(self) -> list:
+        return [a for kind in WorkerKind for a in self.pools[kind]]
+
+    def _form_group(self) -> None:
+        """One collective group over every worker: an actor joins one group per backend."""
+        if self.rdt is None:
+            return
+        from ray.experimental.collective import create_collective_group, destroy_collective_group
+
+        if self._group_name is not None:
+            try:
+                destroy_collective_group(self._group_name)
+            except Exception as exc:  # the group dies with any of its members
+                log.info("old collective group already gone: %s", exc)
+        self._group_name = f"epd-{uuid.uuid4().hex[:8]}"
+        create_collective_group(self.all_actors(), backend=_BACKEND[self.rdt], name=self._group_name)
+
+    def transport_option(self, transport: Transport) -> dict:
+        """Call options that make an actor method return its tensors over `transport`."""
+        return {} if transport == Transport.OBJECT_STORE else {"tensor_transport": transport.value}
+
+    def replace(self, kind: WorkerKind, index: int) -> None:
+        """Restart one worker; with RDT the whole group is re-formed (a failed transfer
+        destroys it for every member)."""
+        try:
+            ray.kill(self.pools[kind][index], no_restart=True)
+        except Exception:
+            pass
+        self.pools[kind][index] = self._start(kind)
+        ray.get(self.pools[kind][index].ready.remote())
+        self._form_group()
+
+    def shutdown(self) -> None:
+        for actor in self.all_actors():
+            ray.kill(actor, no_restart=True)

@@ -1,0 +1,203 @@
+"""One request's path through the cluster, top-down:
+
+admit (parse, validate, decode media, identify, plan the prompt) -> route -> encode
+-> prefill -> decode, yielding the request's tokens as TokenChunks. Tensors never come
+here: embeddings and KV move worker-to-worker as refs this module only passes along.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import ray
+from pydantic import ValidationError
+
+from actors.media import MediaError, load_media_item
+from actors.types import DecodeRequest, EncodeJob, MediaItem, PrefillRequest, PrefillResult, SamplingParams, TokenChunk
+from actors.decode_state import finish_reason, Sequence
+from cluster.config import ClusterConfig
+from cluster.fleet import Fleet
+from cluster.metrics import Metrics
+from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
+from cluster.protocol import ChatCompletionRequest, to_template_messages, validation_error_message
+from router.policies import Policy
+from router.types import RequestProfile, RouteDecision, WorkerKind
+from router.view import ClusterView, NoWorkerError
+
+
+class RequestError(Exception):
+    """Ends a request with an HTTP error in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+
+@dataclass(frozen=True)
+class Admitted:
+    request_id: str
+    request: ChatCompletionRequest
+    items: tuple[MediaItem, ...]
+    plan: PromptPlan
+    sampling: SamplingParams
+    arrived_s: float
+
+
+@dataclass
+class Trace:
+    """Per-request timings, filled in as the request moves (ms since arrival unless noted)."""
+
+    route: RouteDecision | None = None
+    ttft_ms: float | None = None
+    encode_ms: float = 0.0
+    prefill_ms: float = 0.0
+    prefill_queue_ms: float = 0.0
+
+
+class RequestPath:
+    def __init__(self, config: ClusterConfig, fleet: Fleet, planner: PromptPlanner, view: ClusterView, policy: Policy, metrics: Metrics):
+        self.config, self.fleet, self.planner = config, fleet, planner
+        self.view, self.policy, self.metrics = view, policy, metrics
+
+    # -- 1. admit -------------------------------------------------------------------------
+    def admit(self, body: bytes) -> Admitted:
+        arrived = time.perf_counter()
+        request = self._parse(body)
+        if request.model != self.config.model.served_name:
+            raise RequestError(404, f"model {request.model!r} does not exist; this server serves {self.config.model.served_name!r}", "model", code="model_not_found")
+        hf_messages, media = to_template_messages(request.messages)
+        items = tuple(self._decode_media(media))
+        plan = self._plan(hf_messages, items)
+        sampling = request.to_sampling_params(
+            default_max_tokens=self.config.limits.default_max_tokens, stop_token_ids=self.planner.eos_token_ids
+        )
+        return Admitted(f"chatcmpl-{uuid.uuid4().hex}", request, items, plan, sampling, arrived)
+
+    @staticmethod
+    def _parse(body: bytes) -> ChatCompletionRequest:
+        try:
+            raw = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+        try:
+            return ChatCompletionRequest.model_validate(raw)
+        except ValidationError as exc:
+            message, param = validation_error_message(exc)
+            raise RequestError(400, message, param) from None
+
+    def _decode_media(self, media) -> list[MediaItem]:
+        limits = self.config.limits
+        if len(media) > limits.max_items_per_request:
+            raise RequestError(400, f"request has {len(media)} media items; the limit is {limits.max_items_per_request}", "messages")
+        items = []
+        for part in media:
+            if part.modality not in self.planner.spec.modalities:
+                raise RequestError(400, f"model {self.config.model.served_name!r} does not take {part.modality.value} input", part.param)
+            try:
+                items.append(load_media_item(part.modality, part.payload, namespace=self.config.model.served_name, limits=limits, param=part.param))
+            except MediaError as exc:
+                raise RequestError(400, exc.message, exc.param) from None
+        return items
+
+    def _plan(self, hf_messages: list[dict], items: tuple[MediaItem, ...]) -> PromptPlan:
+        try:
+            plan = self.planner.plan(hf_messages, list(items))
+        except PromptError as exc:
+            raise RequestError(400, str(exc), "messages") from None
+        limit = self.config.model.max_model_len
+        if len(plan.token_ids) >= limit:
+            raise RequestError(400, f"prompt is {len(plan.token_ids)} tokens; this model's context is {limit} tokens", "messages", code="context_length_exceeded")
+        return plan
+
+    # -- 2. route ---------------------------------------------------------------------------
+    def route(self, adm: Admitted) -> RouteDecision:
+        profile = RequestProfile(len(adm.plan.token_ids), len(adm.items), frozenset(i.modality.value for i in adm.items))
+        try:
+            decision = self.policy.pick(profile, self.view)
+        except NoWorkerError as exc:
+            raise RequestError(503, str(exc), type="server_error") from None
+        self.view.begin_route(decision, len(adm.items))
+        self._publish_queues()
+        return decision
+
+    def _done(self, kind: WorkerKind, index: int | None, amount: int = 1) -> None:
+        self.view.end(kind, index, amount)
+        self._publish_queues()
+
+    def _publish_queues(self) -> None:
+        for kind in WorkerKind:
+            self.metrics.queue_depth.labels(kind.value).set(self.view.queue_depth(kind))
+
+    # -- 3..5. encode, prefill, decode --------------------------------------------------------
+    async def run(self, adm: Admitted, trace: Trace) -> AsyncIterator[TokenChunk]:
+        trace.route = decision = self.route(adm)
+        stages = {WorkerKind.ENCODER: len(adm.items), WorkerKind.PREFILL: 1, WorkerKind.DECODE: 1}
+        try:
+            encoded = self.encode(adm, decision)
+            result = await self.prefill(adm, decision, encoded)
+            self._done(WorkerKind.ENCODER, decision.encoder, stages.pop(WorkerKind.ENCODER))
+            self._done(WorkerKind.PREFILL, decision.prefill, stages.pop(WorkerKind.PREFILL))
+            self._record_prefill(result, trace)
+            first = self._first_chunk(adm, result)
+            trace.ttft_ms = (time.perf_counter() - adm.arrived_s) * 1e3
+            yield first
+            if first.finished:
+                self.fleet.pools[WorkerKind.PREFILL][decision.prefill].drop_kv.remote(adm.request_id)
+            else:
+                async for chunk in self.decode(adm, decision, result):
+                    yield chunk
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            raise RequestError(503, f"a worker failed while serving this request: {type(exc).__name__}", type="server_error") from None
+        finally:
+            for kind, amount in stages.items():
+                self._done(kind, getattr(decision, kind.value), amount)
+
+    def encode(self, adm: Admitted, decision: RouteDecision) -> list:
+        """One encode call per item; the encoder batches them with other requests' items."""
+        if not adm.items:
+            return []
+        encoder = self.fleet.pools[WorkerKind.ENCODER][decision.encoder]
+        method = encoder.encode.options(**self.fleet.transport_option(self.config.transport.embeddings))
+        return [method.remote(EncodeJob(adm.request_id, item, n)) for item, n in zip(adm.items, adm.plan.num_embeddings)]
+
+    async def prefill(self, adm: Admitted, decision: RouteDecision, encoded: list) -> PrefillResult:
+        request = PrefillRequest(adm.request_id, adm.plan.token_ids, adm.plan.placeholders, adm.sampling)
+        return await self.fleet.pools[WorkerKind.PREFILL][decision.prefill].prefill.remote(request, *encoded)
+
+    def _first_chunk(self, adm: Admitted, result: PrefillResult) -> TokenChunk:
+        seq = Sequence(DecodeRequest(adm.request_id, result.num_prompt_tokens, result.first_token_id, adm.sampling), None, [result.first_token_id])
+        return TokenChunk((result.first_token_id,), finish_reason(seq, self.config.model.max_model_len))
+
+    async def decode(self, adm: Admitted, decision: RouteDecision, result: PrefillResult) -> AsyncIterator[TokenChunk]:
+        prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
+        decoder = self.fleet.pools[WorkerKind.DECODE][decision.decode]
+        kv_ref = prefill.pop_kv.options(**self.fleet.transport_option(self.config.transport.kv)).remote(adm.request_id)
+        request = DecodeRequest(adm.request_id, result.num_prompt_tokens, result.first_token_id, adm.sampling)
+        stream = decoder.generate.options(num_returns="streaming").remote(request, kv_ref)
+        finished = False
+        try:
+            async for ref in stream:
+                chunk: TokenChunk = await ref
+                if chunk.step_ms:
+                    self.metrics.stage.labels("decode_step").observe(chunk.step_ms / 1e3)
+                finished = chunk.finished
+                yield chunk
+        finally:
+            if not finished:  # the client left or a stop string matched: free the batch row
+                decoder.abort.remote(adm.request_id)
+
+    def _record_prefill(self, result: PrefillResult, trace: Trace) -> None:
+        stage = self.metrics.stage
+        stage.labels("prefill").observe(result.prefill_ms / 1e3)
+        stage.labels("prefill_queue").observe(result.queue_ms / 1e3)
+        for stats in result.encode_stats:
+            stage.labels("encode").observe(stats.encode_ms / 1e3)
+            stage.labels("encode_queue").observe(stats.queue_ms / 1e3)
+            self.metrics.encoder_batch.observe(stats.batch_size)
+        trace.encode_ms = max((s.queue_ms + s.encode_ms for s in result.encode_stats), default=0.0)
+        trace.prefill_ms, trace.prefill_queue_ms = result.prefill_ms, result.queue_ms
+        self.metrics.prompt_tokens.inc(result.num_prompt_tokens)

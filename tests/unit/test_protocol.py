@@ -1,0 +1,213 @@
+"""cluster/protocol.py: request validation, template conversion and OpenAI-compatible output."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from actors.types import Modality
+from cluster.protocol import (SSE_DONE, AssistantMessage, ChatCompletion, ChatCompletionChunk,
+                              ChatCompletionRequest, Choice, ChunkChoice, DeltaMessage, ModelCard,
+                              ModelList, Usage, error_body, sse_event, to_template_messages,
+                              validation_error_message)
+
+USER = {"role": "user", "content": "hello"}
+
+
+def request(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [USER], **fields})
+
+
+def invalid(body: Any) -> tuple[str, str | None]:
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate(body)
+    return validation_error_message(info.value)
+
+
+def invalid_fields(**fields: Any) -> tuple[str, str | None]:
+    return invalid({"model": "m", "messages": [USER], **fields})
+
+
+# ----------------------------------------------------------------------------- valid requests
+
+def test_defaults_and_unknown_fields_ignored() -> None:
+    req = request(frequency_penalty=0.5, logit_bias={}, metadata={"x": 1})
+    assert (req.temperature, req.top_p, req.top_k, req.n, req.stream, req.stop) == (1.0, 1.0, 0, 1, False, None)
+    assert not req.include_usage and req.effective_max_tokens(64) == 64
+
+
+def test_null_means_default() -> None:
+    req = request(temperature=None, top_p=None, n=None, stream=None, top_k=None)
+    assert (req.temperature, req.top_p, req.n, req.stream, req.top_k) == (1.0, 1.0, 1, False, 0)
+
+
+def test_max_completion_tokens_wins_and_sampling_params() -> None:
+    req = request(max_tokens=10, max_completion_tokens=20, temperature=0, top_k=-1, seed=5,
+                  stream=True, stream_options={"include_usage": True})
+    params = req.to_sampling_params(default_max_tokens=64, stop_token_ids=(2,))
+    assert (params.max_tokens, params.top_k, params.seed, params.greedy, params.stop_token_ids) == (20, 0, 5, True, (2,))
+    assert req.include_usage
+    assert request(max_tokens=10).effective_max_tokens(64) == 10
+    assert isinstance(request().to_sampling_params(default_max_tokens=8).seed, int)
+
+
+def test_stop_string_becomes_list() -> None:
+    assert request(stop="###").stop == ["###"]
+    assert request(stop=["a", "b", "c", "d"]).stop == ["a", "b", "c", "d"]
+
+
+def test_content_parts_and_template_messages() -> None:
+    req = request(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "compare"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}},
+            {"type": "text", "text": "with"},
+            {"type": "image_url", "image_url": "data:image/jpeg;base64,BBBB"},  # bare-string form
+        ]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "CCCC", "format": "wav"}},
+                                     {"type": "video_url", "video_url": "data:video/mp4;base64,DDDD"}]},
+    ])
+    template, media = to_template_messages(req.messages)
+    assert template == [
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "compare"}, {"type": "image"},
+                                     {"type": "text", "text": "with"}, {"type": "image"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
+        {"role": "user", "content": [{"type": "audio"}, {"type": "video"}]},
+    ]
+    assert [(m.modality, m.payload, m.param) for m in media] == [
+        (Modality.IMAGE, "data:image/png;base64,AAAA", "messages[1].content[1].image_url"),
+        (Modality.IMAGE, "data:image/jpeg;base64,BBBB", "messages[1].content[3].image_url"),
+        (Modality.AUDIO, "CCCC", "messages[3].content[0].input_audio"),
+        (Modality.VIDEO, "data:video/mp4;base64,DDDD", "messages[3].content[1].video_url"),
+    ]
+    assert media[0].detail == "low" and media[2].format == "wav"
+
+
+# ----------------------------------------------------------------------------- invalid requests
+
+@pytest.mark.parametrize("fields,param,fragment", [
+    ({"n": 2}, "n", "only n=1 is supported"),
+    ({"temperature": 3}, "temperature", "less than or equal to 2"),
+    ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
+    ({"top_k": -2}, "top_k", "greater than or equal to -1"),
+    ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens", "greater than or equal to 1"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ({"stop": ["a", ""]}, "stop[1]", "at least 1 character"),
+    ({"stop": ""}, "stop[0]", "at least 1 character"),
+    ({"messages": []}, "messages", "at least 1 item"),
+    ({"seed": "x"}, "seed", "valid integer"),
+])
+def test_invalid_fields(fields: dict, param: str, fragment: str) -> None:
+    message, got_param = invalid_fields(**fields)
+    assert got_param == param
+    assert fragment in message and f"'{param}'" in message
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user"}, {"role": "user", "content": None}, {"role": "user", "content": ""},
+    {"role": "user", "content": []},
+])
+def test_message_without_content_names_the_message(message: dict) -> None:
+    text, param = invalid_fields(messages=[{"role": "system", "content": "s"}, message])
+    assert param == "messages[1].content" and "has no content" in text
+
+
+@pytest.mark.parametrize("role", ["assistant", "system", "developer"])
+def test_media_only_in_user_messages(role: str) -> None:
+    text, param = invalid_fields(messages=[USER, {"role": role, "content": [
+        {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    assert param == "messages[1]"
+    assert "content[1]" in text and "only allowed in user messages" in text
+
+
+@pytest.mark.parametrize("messages,param,fragment", [
+    ([{"role": "tool", "content": "x"}], "messages[0].role", "'user'"),
+    ([{"role": "user", "content": 5}], "messages[0].content", "string or a list of content parts"),
+    ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0].type", "'image_url'"),
+    ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]", "needs a 'image_url' field"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0]", "needs a 'text' field"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"detail": "low"}}]}],
+     "messages[0].content[0].image_url.url", "Missing required parameter"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u", "detail": "max"}}]}],
+     "messages[0].content[0].image_url.detail", "'auto', 'low' or 'high'"),
+])
+def test_invalid_messages(messages: list, param: str, fragment: str) -> None:
+    text, got_param = invalid_fields(messages=messages)
+    assert got_param == param and fragment in text
+
+
+def test_missing_model_and_non_object_body() -> None:
+    assert invalid({"messages": [USER]}) == ("Missing required parameter: 'model'.", "model")
+    text, param = invalid([1, 2])
+    assert param is None and "valid dictionary" in text
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate_json(b"{not json")
+    text, param = validation_error_message(info.value)
+    assert param is None and text.startswith("Request body is not valid JSON")
+
+
+# ----------------------------------------------------------------------------- responses
+
+def completion(**extra: Any) -> ChatCompletion:
+    return ChatCompletion(model="m", choices=[Choice(message=AssistantMessage(content="hi"), finish_reason="stop")],
+                          usage=Usage.of(5, 2), **extra)
+
+
+def test_completion_shape_and_openai_client_parses_it() -> None:
+    from openai.types.chat import ChatCompletion as OpenAIChatCompletion
+
+    body = json.loads(completion(timings={"ttft_ms": 12.5, "encode_ms": 3.0}).model_dump_json())
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert body["choices"][0]["logprobs"] is None and body["timings"]["ttft_ms"] == 12.5
+    parsed = OpenAIChatCompletion.model_validate(body)
+    assert parsed.choices[0].message.content == "hi" and parsed.usage.total_tokens == 7
+    assert "timings" not in json.loads(completion().model_dump_json())
+
+
+def test_chunks_and_sse_and_openai_client_parses_them() -> None:
+    from openai.types.chat import ChatCompletionChunk as OpenAIChunk
+
+    first = ChatCompletionChunk(id="chatcmpl-1", model="m",
+                                choices=[ChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+    middle = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[ChunkChoice(delta=DeltaMessage(content="he"))])
+    last = ChatCompletionChunk(id="chatcmpl-1", model="m",
+                               choices=[ChunkChoice(delta=DeltaMessage(), finish_reason="length")])
+    usage = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[], usage=Usage.of(5, 2))
+    events = [sse_event(c) for c in (first, middle, last, usage)]
+    for event in events:
+        assert event.startswith(b"data: {") and event.endswith(b"}\n\n")
+    bodies = [json.loads(e[len(b"data: "):]) for e in events]
+    assert bodies[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert bodies[1]["choices"][0]["delta"] == {"content": "he"}
+    assert bodies[2]["choices"][0]["delta"] == {} and bodies[2]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in bodies[0] and bodies[3]["usage"]["total_tokens"] == 7
+    for body in bodies:
+        assert body["object"] == "chat.completion.chunk"
+        OpenAIChunk.model_validate(body)
+    assert SSE_DONE == b"data: [DONE]\n\n"
+    assert sse_event({"a": 1}) == b'data: {"a":1}\n\n'
+
+
+def test_model_list() -> None:
+    from openai.types import Model
+
+    body = json.loads(ModelList(data=[ModelCard(id="llava", root="/ckpt/llava")]).model_dump_json())
+    assert body["object"] == "list"
+    card = body["data"][0]
+    assert (card["id"], card["object"], card["owned_by"], card["root"]) == ("llava", "model", "epd", "/ckpt/llava")
+    assert Model.model_validate(card).id == "llava"
+
+
+def test_error_body() -> None:
+    assert error_body("bad temperature", param="temperature") == {"error": {
+        "message": "bad temperature", "type": "invalid_request_error", "param": "temperature", "code": None}}
+    assert error_body("boom", type="server_error", code="internal")["error"]["code"] == "internal"
