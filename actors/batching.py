@@ -31,7 +31,8 @@ class MicroBatcher:
         self._queues: OrderedDict[Hashable, deque[_Pending]] = OrderedDict()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.batch_sizes: list[int] = []  # for tests and metrics
+        self.num_batches = 0
+        self.max_batch_seen = 0
 
     @property
     def queue_depth(self) -> int:
@@ -65,7 +66,8 @@ class MicroBatcher:
 
     async def _run(self, batch: list[_Pending]) -> None:
         started = time.monotonic()
-        self.batch_sizes.append(len(batch))
+        self.num_batches += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(batch))
         try:
             results = await self._run_batch([p.job for p in batch])
         except Exception as exc:

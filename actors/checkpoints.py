@@ -1,15 +1,11 @@
 """Build small, seeded LLaVA checkpoints locally (no downloads) for tests and benchmarks.
 
-`python -m actors.checkpoints RECIPE OUT_DIR` writes a directory that
-`AutoProcessor.from_pretrained` and `LlavaForConditionalGeneration.from_pretrained` load.
-
-Conventions every caller can rely on:
-* The chat template starts with `<s>` and the tokenizer never adds bos/eos itself
-  (add_bos_token=False), so a rendered template tokenizes to exactly one bos whether
-  callers pass add_special_tokens=True or False (False is the recommended spelling).
-* vision_feature_layer=-1 (the last CLIP layer; there is no pretrained penultimate
-  layer worth preferring) with strategy "default": CLS is dropped, so an image yields
-  (image_size // patch_size) ** 2 placeholder tokens.
+`python -m actors.checkpoints RECIPE OUT_DIR` writes a dir that `AutoProcessor` and
+`LlavaForConditionalGeneration.from_pretrained` load. Conventions callers rely on:
+* The chat template starts with `<s>`; the tokenizer never adds bos/eos (add_bos_token=False),
+  so a rendered prompt has exactly one bos with add_special_tokens False (recommended) or True.
+* vision_feature_layer=-1 (random weights: no reason to prefer the penultimate layer) and
+  strategy "default" (CLS dropped): an image becomes (image_size // patch_size) ** 2 tokens.
 """
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ CHAT_TEMPLATE = (
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
     "{%- elif part['type'] in ['image', 'video', 'audio'] -%}{{- '<' + part['type'] + '>' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
@@ -100,9 +95,8 @@ _WORDS = (
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"] + ["ch", "sh", "th", "qu", "ng"]
 
 
-def _lcg(seed: int):
-    """Tiny LCG: identical on every platform and Python version, unlike `random`."""
-    x = seed
+def _lcg(x: int):
+    """Tiny LCG: the same stream on every platform and Python version, unlike `random`."""
     while True:
         x = (1103515245 * x + 12345) % 2**31
         yield x
@@ -122,19 +116,14 @@ def _corpus(n_sentences: int) -> list[str]:
             words.insert(next(rnd) % len(words), str(next(rnd) % 2000))
         s = " ".join(words)
         sentences.append(s[0].upper() + s[1:] + ends[next(rnd) % len(ends)])
-    fixed = [
-        "USER: What is in this image?\nASSISTANT: The image shows a person standing near a lake.",
-        "SYSTEM: You are a helpful assistant.\nUSER: Describe the picture.\nASSISTANT: A red car.",
-        "def hello(name):\n    return f\"Hello, {name}!\"\n",
-    ]
+    fixed = "SYSTEM: Be kind.\nUSER: What is in this image?\nASSISTANT: A lake.\ndef f(x):\n    return x\n"
     # Newline-joined "documents" so newlines and indentation get merges too.
-    return ["\n".join(sentences[i:i + 8]) for i in range(0, len(sentences), 8)] + fixed * 50
+    return ["\n".join(sentences[i:i + 8]) for i in range(0, len(sentences), 8)] + [fixed] * 50
 
 
-def build_tokenizer(recipe: Recipe) -> "PreTrainedTokenizerFast":
+def train_bpe(recipe: Recipe) -> "tokenizers.Tokenizer":
     """Byte-level BPE trained on `_corpus()`; specials get ids 0..6 in SPECIAL_TOKENS order."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))  # byte-level: every string is encodable
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -144,8 +133,15 @@ def build_tokenizer(recipe: Recipe) -> "PreTrainedTokenizerFast":
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_corpus(recipe.vocab_size * 10), trainer=trainer)
+    return tok
+
+
+def build_tokenizer(recipe: Recipe) -> "PreTrainedTokenizerFast":
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        tokenizer_object=train_bpe(recipe),
+        bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
         extra_special_tokens={"image_token": "<image>", "video_token": "<video>", "audio_token": "<audio>"},
         add_bos_token=False, add_eos_token=False,  # the chat template supplies <s>
         chat_template=CHAT_TEMPLATE, model_max_length=recipe.max_positions,
@@ -174,22 +170,21 @@ def llava_config(recipe: Recipe, tokenizer) -> "LlavaConfig":
     )
 
 
-# Per-parameter gains (regex on the parameter name -> multiplier of 1/sqrt(fan_in)).
+# Regex on parameter name -> gain; every other matrix gets gain 1, i.e. std 1/sqrt(fan_in).
 _GAINS: dict[str, float] = {
-    "vision_tower.embeddings.position_embedding": 0.2,  # keep pixels dominant
-    "embed_tokens": 1.0,
-    "multi_modal_projector": 1.0,
-    "lm_head": 1.0,
+    r"vision_tower\.embeddings\.position_embedding": 0.2,  # keep pixel content dominant
+    r"language_model\..*\.[qk]_proj": 2.0,  # sharper attention: without it bench-llava ignores the
+    # prompt (196 image tokens swamp it) and falls into 1-2 token loops
 }
 
 
 def _init_weights(model, recipe: Recipe) -> None:
-    """Re-draw every matrix with std gain/sqrt(fan_in) instead of HF's 0.02.
+    """Redraw every matrix (and CLIP's class embedding) with std gain/sqrt(fan_in), not HF's 0.02.
 
-    Why: at std 0.02 the residual stream is just the token embedding, attention is
-    uniform and greedy decoding falls into one repeated token whatever the prompt or
-    image. Unit-variance activations make attention and the projected image features
-    actually steer the next-token argmax. Norm weights stay 1, biases 0.
+    Why: at std 0.02 the residual stream is little more than the token embedding and
+    attention is near uniform, so greedy decoding loops on one or two tokens whatever
+    the prompt or image. Unit-variance activations make the image features and the
+    prompt steer the argmax. Embeddings use std=gain (fan_in 1); norms stay 1, biases 0.
     """
     import torch
 
@@ -197,28 +192,27 @@ def _init_weights(model, recipe: Recipe) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim < 2 and not name.endswith("class_embedding"):
-                continue  # norms (1) and biases (0) are deterministic already
+                continue
             fan_in = 1 if "embed" in name and "patch" not in name else p[0].numel()
             gain = next((g for key, g in _GAINS.items() if re.search(key, name)), 1.0)
             p.normal_(0.0, gain / math.sqrt(fan_in), generator=gen)
 
 
 def _mute_unprintable(model, tokenizer) -> None:
-    """Zero the lm_head rows of specials other than </s> and of non-printable byte tokens.
+    """Zero lm_head rows of specials (except </s>) and of non-printable byte tokens.
 
-    Why: a zero logit sits mid-distribution, so greedy never picks these; outputs then
-    never contain <image>/<s> (which would confuse placeholder counting) and decode to
-    readable ASCII text instead of half UTF-8 sequences.
+    Why: a zero logit sits mid-distribution, so greedy never emits <image>/<s> (which would
+    confuse placeholder counting) and outputs decode to ASCII, not half UTF-8 sequences.
     """
     import torch
 
-    keep = {tokenizer.eos_token_id}
     with torch.no_grad():
-        for tid in range(len(tokenizer)):
+        for tid in range(len(SPECIAL_TOKENS), len(tokenizer)):
             text = tokenizer.decode([tid])
-            printable = text.isascii() and (text.isprintable() or text == "\n") and tid >= len(SPECIAL_TOKENS)
-            if tid not in keep and not printable:
+            if not (text.isascii() and (text.isprintable() or text == "\n")):
                 model.lm_head.weight[tid].zero_()
+        muted = [i for i in range(len(SPECIAL_TOKENS)) if i != tokenizer.eos_token_id]
+        model.lm_head.weight[muted] = 0.0
 
 
 def build_processor(recipe: Recipe, tokenizer) -> "LlavaProcessor":
@@ -254,30 +248,26 @@ def build_model(recipe: Recipe, tokenizer) -> "LlavaForConditionalGeneration":
 
 
 def build_checkpoint(recipe: str, out_dir: str | Path, *, progress: bool = True) -> Path:
-    """Build `recipe` into `out_dir` (which must not exist or be empty) and return it.
-
-    Why the temp dir: everything is written to a hidden sibling and renamed at the end,
-    so a crash never leaves a half-written dir that `ensure_checkpoint` would accept.
-    """
+    """Build `recipe` into `out_dir` (absent or empty) via a hidden sibling dir renamed at the
+    end, so a crash never leaves a half-written dir that `ensure_checkpoint` would accept."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; known recipes: {', '.join(sorted(RECIPES))}")
-    r, out = RECIPES[recipe], Path(out_dir).resolve()
+    r, out = RECIPES[recipe], Path(out_dir).expanduser().resolve()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; refusing to overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        with tqdm(total=3, desc=f"build {recipe}", disable=not progress, unit="step") as bar:
-            bar.set_postfix_str("tokenizer")
+        with tqdm(total=3, desc=f"build {recipe}: tokenizer", disable=not progress, unit="step") as bar:
             tokenizer = build_tokenizer(r)
             processor = build_processor(r, tokenizer)
             bar.update()
-            bar.set_postfix_str("model")
+            bar.set_description(f"build {recipe}: model")
             model = build_model(r, tokenizer)
             bar.update()
-            bar.set_postfix_str("save")
+            bar.set_description(f"build {recipe}: save")
             model.save_pretrained(tmp)
-            processor.save_pretrained(tmp)
+            processor.save_pretrained(tmp)  # also writes the tokenizer and chat_template.jinja
             bar.update()
         try:
             os.rename(tmp, out)  # atomic; replaces `out` only if it is an empty dir
@@ -291,7 +281,7 @@ def build_checkpoint(recipe: str, out_dir: str | Path, *, progress: bool = True)
 
 def ensure_checkpoint(out_dir: str | Path, recipe: str | None, *, progress: bool = True) -> Path:
     """Return `out_dir` if it holds a checkpoint, else build `recipe` there."""
-    out = Path(out_dir)
+    out = Path(out_dir).expanduser()
     if (out / "config.json").is_file():
         return out.resolve()
     if recipe is None:

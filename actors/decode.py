@@ -14,6 +14,7 @@ import torch
 from actors import kv
 from actors.adapters import Part
 from actors.decode_state import DecodeScheduler, Sequence
+from actors.inbox import TensorInbox
 from actors.lm_runner import LMRunner
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import DecodeRequest, FinishReason, TokenChunk
@@ -25,15 +26,19 @@ class DecodeWorker(ModelWorker):
         self.runner = LMRunner(self.adapter)
         self.scheduler = DecodeScheduler(max_batch_size, spec.max_model_len)
         self.batch = kv.BatchedKV()
+        self.inbox = TensorInbox()  # packed KV from prefill, until generate() claims it
         self._outboxes: dict[str, asyncio.Queue] = {}
         self._loop_task: asyncio.Task | None = None
-        self.step_batch_sizes: list[int] = []
+        self.max_batch_seen = 0
 
-    async def generate(self, request: DecodeRequest, packed_kv: torch.Tensor):
+    async def receive(self, request_id: str, packed_kv: torch.Tensor) -> None:
+        self.inbox.put(request_id, packed_kv)
+
+    async def generate(self, request: DecodeRequest):
         """Stream of TokenChunk for the tokens after the first (which prefill produced)."""
         outbox: asyncio.Queue = asyncio.Queue()
         self._outboxes[request.request_id] = outbox
-        self.scheduler.add(Sequence(request, packed_kv))
+        self.scheduler.add(Sequence(request, self.inbox.take(request.request_id)))
         self._ensure_loop()
         try:
             while True:
@@ -54,6 +59,7 @@ class DecodeWorker(ModelWorker):
         return TokenChunk(tuple(tokens), last.finish_reason, last.step_ms)
 
     def abort(self, request_id: str) -> None:
+        self.inbox.discard(request_id)
         self.scheduler.abort(request_id)
 
     def _ensure_loop(self) -> None:
@@ -76,7 +82,7 @@ class DecodeWorker(ModelWorker):
                 self._fail_all()
                 raise
             step_ms = (time.perf_counter() - started) * 1e3
-            self.step_batch_sizes.append(len(tokens))
+            self.max_batch_seen = max(self.max_batch_seen, len(tokens))
             for seq, token in zip(self.scheduler.running, tokens):
                 self._publish(seq, TokenChunk((token,), None, step_ms))
             self._release(self.scheduler.record(tokens), step_ms)
@@ -117,9 +123,10 @@ class DecodeWorker(ModelWorker):
     def load(self) -> WorkerLoad:
         return WorkerLoad(queued=len(self.scheduler.waiting), running=len(self.scheduler.running))
 
-    def num_rows(self) -> int:
-        """Rows in the KV batch (tests use it to check nothing leaks)."""
-        return self.batch.num_rows
+    def stats(self) -> dict[str, int]:
+        """`rows` counts KV rows held: zero when idle, or a request leaked its cache."""
+        return {"queued": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                "rows": self.batch.num_rows, "held_kv": len(self.inbox), "max_batch": self.max_batch_seen}
 
 
 # Tensor transport must be declared on the class: a per-handle option is not honoured.

@@ -43,8 +43,9 @@ class EncoderWorker(ModelWorker):
     def load(self) -> WorkerLoad:
         return WorkerLoad(queued=self.batcher.queue_depth, running=self._running)
 
-    def batch_sizes(self) -> list[int]:
-        return list(self.batcher.batch_sizes)
+    def stats(self) -> dict[str, int]:
+        return {"queued": self.batcher.queue_depth, "running": self._running,
+                "num_batches": self.batcher.num_batches, "max_batch": self.batcher.max_batch_seen}
 
 
 # Tensor transport must be declared on the class: a per-handle option is not honoured.

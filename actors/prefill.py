@@ -8,22 +8,25 @@ import ray
 import torch
 
 from actors.adapters import Part
+from actors.inbox import TensorInbox
 from actors.lm_runner import LMRunner
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import EncodeStats, PrefillRequest, PrefillResult
-
-KV_TTL_S = 120.0  # a KV nobody pulled by then belongs to a request that died upstream
 
 
 class PrefillWorker(ModelWorker):
     def __init__(self, spec: WorkerSpec, max_chunk_tokens: int):
         super().__init__(spec, Part.LANGUAGE_MODEL)
         self.runner = LMRunner(self.adapter, max_chunk_tokens)
-        self._kv: dict[str, tuple[float, torch.Tensor]] = {}
+        self.embeddings = TensorInbox()  # from encoders, until the prefill call
+        self.kv = TensorInbox()  # for the decode worker, until it pulls it
         self._queued = 0
 
-    async def prefill(self, request: PrefillRequest, *encoded: tuple[torch.Tensor, EncodeStats]) -> PrefillResult:
-        self._expire_kv()
+    async def receive(self, request_id: str, *encoded: tuple[torch.Tensor, EncodeStats]) -> None:
+        self.embeddings.put(request_id, encoded)
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        encoded = self.embeddings.take(request.request_id) if request.placeholders else ()
         arrived = time.perf_counter()
         self._queued += 1
         try:
@@ -32,7 +35,7 @@ class PrefillWorker(ModelWorker):
         finally:
             self._queued -= 1
         finished = time.perf_counter()
-        self._kv[request.request_id] = (time.monotonic(), packed)
+        self.kv.put(request.request_id, packed)
         return PrefillResult(
             request_id=request.request_id,
             first_token_id=token,
@@ -49,18 +52,15 @@ class PrefillWorker(ModelWorker):
 
     async def pop_kv(self, request_id: str) -> torch.Tensor:
         """The request's packed KV, handed over once (the caller picks the transport)."""
-        return self._kv.pop(request_id)[1]
+        return self.kv.take(request_id)
 
-    def drop_kv(self, request_id: str) -> bool:
-        return self._kv.pop(request_id, None) is not None
+    def drop(self, request_id: str) -> None:
+        """Forget everything held for a request that ended early."""
+        self.kv.discard(request_id)
+        self.embeddings.discard(request_id)
 
-    def num_held_kv(self) -> int:
-        return len(self._kv)
-
-    def _expire_kv(self) -> None:
-        cutoff = time.monotonic() - KV_TTL_S
-        for rid in [rid for rid, (t, _) in self._kv.items() if t < cutoff]:
-            del self._kv[rid]
+    def stats(self) -> dict[str, int]:
+        return {"queued": self._queued, "held_kv": len(self.kv), "held_embeddings": len(self.embeddings)}
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(queued=self._queued, running=0)

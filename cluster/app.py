@@ -98,10 +98,15 @@ class Ingress:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     @api.get("/health")
-    async def health(self) -> JSONResponse:
+    async def health(self, verbose: bool = False) -> JSONResponse:
+        """Liveness of the fleet; `?verbose=1` adds each worker's own stats."""
+        self.supervisor.ensure_running()
         healthy = {kind.value: sum(self.view.healthy[kind]) for kind in WorkerKind}
         ok = all(healthy.values())
-        return JSONResponse({"status": "ok" if ok else "degraded", "healthy_workers": healthy}, status_code=200 if ok else 503)
+        body = {"status": "ok" if ok else "degraded", "healthy_workers": healthy}
+        if verbose:
+            body["workers"] = {kind.value: await asyncio.gather(*[a.stats.remote() for a in self.fleet.pools[kind]]) for kind in WorkerKind}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
 
 def build_app(config: ClusterConfig):

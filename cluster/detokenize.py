@@ -32,12 +32,15 @@ class IncrementalText:
         return delta
 
     def _held_back(self, text: str) -> int:
+        """Length of the prefix of `text` that is safe to show: all but a trailing incomplete
+        character and the longest tail that could still grow into any one stop string."""
         end = len(text)
         while end and text[end - 1] == "\ufffd":  # a multi-byte character still arriving
             end -= 1
-        for stop in self._stop:
+        body, hold = text[:end], 0
+        for stop in self._stop:  # each stop is matched against the same tail, independently
             for k in range(min(len(stop) - 1, end), 0, -1):
-                if text[:end].endswith(stop[:k]):
-                    end = min(end, len(text[:end]) - k)
+                if body.endswith(stop[:k]):
+                    hold = max(hold, k)
                     break
-        return end
+        return end - hold

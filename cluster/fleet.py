@@ -6,6 +6,8 @@ group, which a handle fetched by name from another process would not.
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import uuid
 
@@ -41,6 +43,7 @@ class Fleet:
         ray.get([a.ready.remote() for a in self.all_actors()])
         self._group_name: str | None = None
         self._form_group()
+        self._receive_locks: dict[tuple[WorkerKind, int], asyncio.Lock] = {}
 
     def _pool_config(self, kind: WorkerKind) -> PoolConfig:
         return getattr(self.config, kind.value)
@@ -80,6 +83,14 @@ class Fleet:
     def transport_option(self, transport: Transport) -> dict:
         """Call options that make an actor method return its tensors over `transport`."""
         return {} if transport == Transport.OBJECT_STORE else {"tensor_transport": transport.value}
+
+    def receiving(self, kind: WorkerKind, index: int, transport: Transport):
+        """Context for handing tensors to one worker. Over gloo/nccl, transfers into one
+        actor run one at a time: concurrent receives on an actor corrupt each other
+        (Ray 2.60 RDT). Transfers into different actors still overlap."""
+        if transport == Transport.OBJECT_STORE:
+            return contextlib.nullcontext()
+        return self._receive_locks.setdefault((kind, index), asyncio.Lock())
 
     def replace(self, kind: WorkerKind, index: int) -> None:
         """Restart one worker; with RDT the whole group is re-formed (a failed transfer

@@ -146,7 +146,7 @@ class RequestPath:
             trace.ttft_ms = (time.perf_counter() - adm.arrived_s) * 1e3
             yield first
             if first.finished:
-                self.fleet.pools[WorkerKind.PREFILL][decision.prefill].drop_kv.remote(adm.request_id)
+                self.fleet.pools[WorkerKind.PREFILL][decision.prefill].drop.remote(adm.request_id)
             else:
                 async for chunk in self.decode(adm, decision, result):
                     yield chunk
@@ -164,9 +164,22 @@ class RequestPath:
         method = encoder.encode.options(**self.fleet.transport_option(self.config.transport.embeddings))
         return [method.remote(EncodeJob(adm.request_id, item, n)) for item, n in zip(adm.items, adm.plan.num_embeddings)]
 
+    async def deliver(self, kind: WorkerKind, index: int, request_id: str, refs: list, transport) -> None:
+        """Hand tensors (as refs) to a worker's inbox; they move worker-to-worker, never here."""
+        worker = self.fleet.pools[kind][index]
+        async with self.fleet.receiving(kind, index, transport):
+            await worker.receive.remote(request_id, *refs)
+
     async def prefill(self, adm: Admitted, decision: RouteDecision, encoded: list) -> PrefillResult:
+        prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
+        if encoded:
+            await self.deliver(WorkerKind.PREFILL, decision.prefill, adm.request_id, encoded, self.config.transport.embeddings)
         request = PrefillRequest(adm.request_id, adm.plan.token_ids, adm.plan.placeholders, adm.sampling)
-        return await self.fleet.pools[WorkerKind.PREFILL][decision.prefill].prefill.remote(request, *encoded)
+        try:
+            return await prefill.prefill.remote(request)
+        except BaseException:
+            prefill.drop.remote(adm.request_id)
+            raise
 
     def _first_chunk(self, adm: Admitted, result: PrefillResult) -> TokenChunk:
         seq = Sequence(DecodeRequest(adm.request_id, result.num_prompt_tokens, result.first_token_id, adm.sampling), None, [result.first_token_id])
@@ -177,9 +190,10 @@ class RequestPath:
         decoder = self.fleet.pools[WorkerKind.DECODE][decision.decode]
         kv_ref = prefill.pop_kv.options(**self.fleet.transport_option(self.config.transport.kv)).remote(adm.request_id)
         request = DecodeRequest(adm.request_id, result.num_prompt_tokens, result.first_token_id, adm.sampling)
-        stream = decoder.generate.options(num_returns="streaming").remote(request, kv_ref)
         finished = False
         try:
+            await self.deliver(WorkerKind.DECODE, decision.decode, adm.request_id, [kv_ref], self.config.transport.kv)
+            stream = decoder.generate.options(num_returns="streaming").remote(request)
             async for ref in stream:
                 chunk: TokenChunk = await ref
                 if chunk.step_ms:

@@ -1,6 +1,10 @@
 """Unit tests for actors.checkpoints: the locally built tiny LLaVA checkpoint (no Ray)."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +19,18 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration  # noqa: E
 from actors import checkpoints as ck  # noqa: E402
 
 TINY = ck.RECIPES["tiny-llava"]
+REPO = Path(__file__).resolve().parents[2]
+FILES = ["config.json", "generation_config.json", "processor_config.json", "tokenizer.json",
+         "tokenizer_config.json", "chat_template.jinja"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The tiny model gains nothing from threads, and they thrash on a busy 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +75,7 @@ def _greedy(processor, model, text: str, image: Image.Image) -> tuple[int, ...]:
 
 def test_loads_with_auto_classes(processor, model):
     assert type(processor).__name__ == "LlavaProcessor"
-    assert type(processor.image_processor).__name__ == "CLIPImageProcessorPil"  # no torchvision needed
+    assert type(processor.image_processor).__name__ == "CLIPImageProcessorPil"  # works without torchvision
     assert model.dtype == torch.float32
     assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<image>")
     gen = model.generation_config
@@ -69,7 +85,7 @@ def test_loads_with_auto_classes(processor, model):
 
 def test_placeholder_count_matches_image_features(processor, model):
     images = _images()[:3]
-    inputs = processor(text=_prompt(processor, "compare", n_images=3), images=images, return_tensors="pt")
+    inputs = processor(text=_prompt(processor, "compare", 3), images=images, return_tensors="pt")
     n_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum())
     with torch.no_grad():
         feats = model.get_image_features(pixel_values=inputs["pixel_values"])
@@ -98,9 +114,11 @@ def test_chat_template(processor):
     ]
     rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
     assert rendered == (
-        "<s>SYSTEM: Be brief.\nUSER: <image>What?<video>\nASSISTANT: A cat.</s>\nUSER: <audio>And?\nASSISTANT:"
+        "<s>SYSTEM: Be brief.\nUSER: <image>What?<video>\nASSISTANT: A cat.</s>\n"
+        "USER: <audio>And?\nASSISTANT:"
     )
-    assert processor.tokenizer.apply_chat_template(messages, tokenize=False) == rendered.rsplit("\n", 1)[0]
+    without_prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False)
+    assert without_prompt == rendered.removesuffix("\nASSISTANT:")
 
 
 def test_tokenizer_round_trip_and_specials(processor):
@@ -108,7 +126,7 @@ def test_tokenizer_round_trip_and_specials(processor):
     assert len(tok) == TINY.vocab_size
     ids = {t: tok.convert_tokens_to_ids(t) for t in ck.SPECIAL_TOKENS}
     assert ids == {t: i for i, t in enumerate(ck.SPECIAL_TOKENS)}
-    for text in ["Hello world!\n  two  spaces\n\nnew\tlines ", "ünïcödé 日本 😀", "The cat sees 42 trees."]:
+    for text in ["Hello world!\n  two  spaces\n\nnew\tlines ", "ünïcödé 日本 😀", "The cat sees 42."]:
         assert tok.decode(tok(text)["input_ids"]) == text
     # Placeholders are single ids and never merge with neighbouring text.
     enc = tok("a<image>b<video><audio>c")["input_ids"]
@@ -117,8 +135,9 @@ def test_tokenizer_round_trip_and_specials(processor):
 
 
 def test_greedy_depends_on_image_and_prompt(processor, model):
+    image = _images()[0]
     by_image = [_greedy(processor, model, "What is in this image?", im) for im in _images()]
-    by_prompt = [_greedy(processor, model, p, _images()[0]) for p in ["Describe it.", "Count the cats.", "Hello"]]
+    by_prompt = [_greedy(processor, model, p, image) for p in ["Describe it.", "Count the cats.", "Hello"]]
     assert len(set(by_image)) == len(by_image) >= 3
     assert len(set(by_prompt)) == len(by_prompt)
     for out in by_image + by_prompt:
@@ -128,12 +147,25 @@ def test_greedy_depends_on_image_and_prompt(processor, model):
 
 def test_build_is_deterministic(ckpt, tmp_path):
     again = ck.build_checkpoint("tiny-llava", tmp_path / "again", progress=False)
-    a, b = load_file(ckpt / "model.safetensors"), load_file(again / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert all(t.dtype == torch.float32 for t in a.values())
-    for name in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"]:
-        assert (ckpt / name).read_bytes() == (again / name).read_bytes(), name
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["again"]  # no temp dir left behind
+    ck.main(["tiny-llava", str(tmp_path / "cli")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "cli"]  # no temp dirs left behind
+    ref = load_file(ckpt / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in ref.values())
+    for other in (again, tmp_path / "cli"):
+        weights = load_file(other / "model.safetensors")
+        assert ref.keys() == weights.keys() and all(torch.equal(ref[k], weights[k]) for k in ref)
+        for name in FILES:
+            assert (ckpt / name).read_bytes() == (other / name).read_bytes(), name
+
+
+def test_bpe_is_deterministic_across_processes(ckpt):
+    """BPE training hashes words; a process with another hash seed must learn the same merges."""
+    code = "from actors import checkpoints as c; print(c.train_bpe(c.RECIPES['tiny-llava']).to_str())"
+    env = {**os.environ, "PYTHONHASHSEED": "123", "TOKENIZERS_PARALLELISM": "true"}
+    cmd = [sys.executable, "-c", code]
+    out = subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
+    saved = json.loads((ckpt / "tokenizer.json").read_text())
+    assert json.loads(out.stdout)["model"] == saved["model"]
 
 
 def test_unknown_recipe_and_existing_dirs(ckpt, tmp_path):
@@ -143,10 +175,12 @@ def test_unknown_recipe_and_existing_dirs(ckpt, tmp_path):
         ck.build_checkpoint("tiny-llava", ckpt, progress=False)
     with pytest.raises(FileNotFoundError, match="config.json"):
         ck.ensure_checkpoint(tmp_path / "missing", None)
-    before = (ckpt / "config.json").stat().st_mtime_ns
+    before = [(ckpt / f).stat().st_mtime_ns for f in ("config.json", "model.safetensors")]
     assert ck.ensure_checkpoint(ckpt, "tiny-llava") == ckpt
     assert ck.ensure_checkpoint(ckpt, None) == ckpt
-    assert (ckpt / "config.json").stat().st_mtime_ns == before
+    assert [(ckpt / f).stat().st_mtime_ns for f in ("config.json", "model.safetensors")] == before
+    built = ck.ensure_checkpoint(tmp_path / "new", "tiny-llava", progress=False)
+    assert (built / "config.json").is_file() and (built / "model.safetensors").is_file()
 
 
 def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
@@ -163,8 +197,8 @@ def test_bench_recipe_sizes():
     bench = ck.RECIPES["bench-llava"]
     cfg = ck.llava_config(bench, ck.build_tokenizer(bench))
     text, vision = cfg.text_config, cfg.vision_config
-    assert (text.vocab_size, text.hidden_size, text.num_hidden_layers, text.num_attention_heads) == (4000, 512, 8, 8)
-    assert text.intermediate_size == 1536 and text.max_position_embeddings == 2048
+    assert (text.vocab_size, text.hidden_size, text.num_hidden_layers) == (4000, 512, 8)
+    assert (text.num_attention_heads, text.intermediate_size, text.max_position_embeddings) == (8, 1536, 2048)
     assert (vision.image_size, vision.patch_size, vision.hidden_size, vision.num_hidden_layers) == (224, 16, 384, 6)
     assert bench.image_tokens == 196
     assert (cfg.vision_feature_layer, cfg.vision_feature_select_strategy) == (-1, "default")

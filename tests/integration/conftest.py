@@ -1,0 +1,79 @@
+"""A real local Ray cluster and a real Serve app, shared by the integration tests.
+
+One Ray instance per session; the Serve app is redeployed when a test needs another
+configuration (e.g. another transport), which tears the previous fleet down with it.
+"""
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import numpy as np
+import pytest
+import ray
+from PIL import Image
+from ray import serve
+
+from cluster.cli import ensure_model, start
+from cluster.config import ClusterConfig, load_config
+
+TEST_PORT = 8765
+
+
+def cluster_config(**sections) -> ClusterConfig:
+    base = load_config().replace(server={"port": TEST_PORT}, encoder={"num_workers": 2, "max_wait_ms": 20})
+    return base.replace(**sections) if sections else base
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    ensure_model(load_config())
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+class Deployed:
+    """The app deployed with one config: its URL, its config, an HTTP client."""
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.base_url = start(config)
+        self.root = self.base_url.removesuffix("/v1")
+        self.http = httpx.Client(base_url=self.root, timeout=120)
+
+    def chat(self, messages, **params) -> httpx.Response:
+        body = {"model": self.config.model.served_name, "messages": messages, **params}
+        return self.http.post("/v1/chat/completions", json=body)
+
+
+_current: dict[str, Deployed] = {}
+
+
+def deploy(config: ClusterConfig) -> Deployed:
+    """Deploy `config` unless it is what is running now."""
+    key = config.model_dump_json()
+    if key not in _current:
+        _current.clear()
+        _current[key] = Deployed(config)
+    return _current[key]
+
+
+@pytest.fixture(scope="module")
+def app(ray_session) -> Deployed:
+    return deploy(cluster_config())
+
+
+def png_data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **({"lossless": True} if fmt == "WEBP" else {}))
+    mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp"}[fmt]
+    return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def random_image(seed: int, width: int, height: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(base)

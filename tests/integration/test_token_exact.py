@@ -1,0 +1,105 @@
+"""Greedy output of the cluster equals the checkpoint's own `generate`, token for token,
+through HTTP, with many requests in flight at once, for each transport."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.integration.conftest import deploy, png_data_url, random_image, cluster_config
+from tests.integration.reference import reference_generate
+
+MAX_TOKENS = 20
+
+
+def _img(seed: int, w: int, h: int, fmt: str = "PNG") -> dict:
+    return {"type": "image_url", "image_url": {"url": png_data_url(random_image(seed, w, h), fmt)}}
+
+
+def _text(t: str) -> dict:
+    return {"type": "text", "text": t}
+
+
+LONG = " ".join(f"Sentence {i} talks about the colour of the sky and the sea." for i in range(40))
+
+
+def varied_requests() -> list[list[dict]]:
+    """One to three images at different positions, short and long prompts, several sizes."""
+    return [
+        [{"role": "user", "content": "Hello there, how are you?"}],
+        [{"role": "user", "content": LONG}],
+        [{"role": "user", "content": [_img(1, 32, 32), _text("What is this?")]}],
+        [{"role": "user", "content": [_text("Look:"), _img(2, 64, 48)]}],
+        [{"role": "user", "content": [_text("Compare"), _img(3, 20, 90), _text("with"), _img(4, 128, 128, "JPEG")]}],
+        [{"role": "user", "content": [_img(5, 40, 40), _img(6, 33, 77, "WEBP"), _img(7, 300, 200), _text("Three pictures.")]}],
+        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": [_img(8, 50, 50), _text(LONG[:400])]}],
+        [
+            {"role": "user", "content": [_img(9, 32, 32), _text("first")]},
+            {"role": "assistant", "content": "a reply"},
+            {"role": "user", "content": [_text("and this one"), _img(10, 64, 64)]},
+        ],
+        [{"role": "user", "content": [_text("Same prompt, other image."), _img(11, 32, 32)]}],
+        [{"role": "user", "content": [_text("Same prompt, other image."), _img(12, 32, 32)]}],
+        [{"role": "user", "content": "Tell me a story about a fox."}],
+        [{"role": "user", "content": "Tell me a story about a cat."}],
+    ]
+
+
+async def _send_all(app, requests: list[list[dict]], copies: int) -> list[dict]:
+    async with httpx.AsyncClient(base_url=app.root, timeout=300) as client:
+        body = lambda msgs: {"model": app.config.model.served_name, "messages": msgs, "temperature": 0, "max_tokens": MAX_TOKENS}
+        calls = [client.post("/v1/chat/completions", json=body(m)) for m in requests * copies]
+        responses = await asyncio.gather(*calls)
+    for r in responses:
+        assert r.status_code == 200, r.text
+    return [r.json() for r in responses]
+
+
+@pytest.fixture(scope="module")
+def references(ray_session):
+    checkpoint = str(cluster_config().model.checkpoint_path)
+    return [reference_generate(checkpoint, m, MAX_TOKENS) for m in varied_requests()]
+
+
+def test_greedy_outputs_depend_on_the_input(references):
+    texts = [text for _, text, _ in references]
+    assert len(set(texts)) >= len(texts) - 1, texts  # different images/prompts, different answers
+    for ids, _, _ in references:
+        assert len(set(ids)) > 3, ids  # not one token repeated
+
+
+@pytest.mark.parametrize("transport", ["object_store", "gloo"])
+def test_cluster_equals_generate_under_load(ray_session, references, transport):
+    app = deploy(cluster_config(transport={"embeddings": transport, "kv": transport}))
+    copies = 3  # 36 requests in flight: encoder batches and decode batches form
+    got = asyncio.run(_send_all(app, varied_requests(), copies))
+    for i, response in enumerate(got):
+        ids, text, finish = references[i % len(references)]
+        assert response["choices"][0]["message"]["content"] == text, f"request {i % len(references)}"
+        assert response["usage"]["completion_tokens"] == len(ids)
+        assert response["choices"][0]["finish_reason"] == finish
+    workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]
+    assert max(w["max_batch"] for w in workers["encoder"]) > 1, workers  # batching really happened
+    assert max(w["max_batch"] for w in workers["decode"]) > 1, workers
+    assert all(w["rows"] == 0 for w in workers["decode"]) and all(w["held_kv"] == 0 for w in workers["prefill"]), workers
+
+
+def test_streaming_equals_whole_response(app, references):
+    messages = varied_requests()[4]
+    with app.http.stream(
+        "POST", "/v1/chat/completions",
+        json={"model": app.config.model.served_name, "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS,
+              "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    import json
+
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"])
+    assert text == references[4][1]
+    assert events[-1]["usage"]["completion_tokens"] == len(references[4][0])
+    assert [c["choices"][0]["finish_reason"] for c in events if c["choices"]][-1] in ("stop", "length")

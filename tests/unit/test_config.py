@@ -1,0 +1,160 @@
+"""Unit tests for cluster.config: loading and validating the cluster YAML."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster.config import (
+    DEFAULT_CONFIG,
+    REPO_ROOT,
+    ClusterConfig,
+    ConfigError,
+    Transport,
+    load_config,
+)
+
+CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
+MINIMAL = {"model": {"checkpoint": "/tmp/ckpt", "served_name": "m"}}
+
+
+def write(tmp_path: Path, data, name: str = "c.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def test_there_are_configs_to_check():
+    assert DEFAULT_CONFIG in CONFIGS
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_repo_configs_load(path):
+    config = load_config(path)
+    assert isinstance(config, ClusterConfig)
+    assert config.model.served_name
+    # every key written in the file is a real field (extra keys would have raised) and
+    # survives the round trip
+    raw = yaml.safe_load(path.read_text())
+    dumped = config.model_dump(mode="json")
+    for section, fields in raw.items():
+        for key, value in (fields or {}).items():
+            assert dumped[section][key] == value, (section, key)
+
+
+def test_default_config_is_cpu_and_object_store():
+    config = load_config()
+    assert config.model.device == "cpu"
+    assert config.transport.kv == Transport.OBJECT_STORE
+    assert config.router.policy == "least_loaded"
+
+
+def test_minimal_config_takes_defaults(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL))
+    assert config.model.dtype == "float32"
+    assert config.decode.max_batch_size == 32
+    assert config.transport.embeddings == Transport.OBJECT_STORE
+
+
+def test_checkpoint_path_expands_user_and_vars(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPD_TEST_DIR", "/data/x")
+    config = load_config(write(tmp_path, {"model": {"checkpoint": "$EPD_TEST_DIR/m", "served_name": "m"}}))
+    assert config.model.checkpoint_path == Path("/data/x/m")
+    config = load_config(write(tmp_path, {"model": {"checkpoint": "~/m", "served_name": "m"}}))
+    assert config.model.checkpoint_path == Path.home() / "m"
+
+
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({**MINIMAL, "decoder": {"num_workers": 1}}, "decoder"),  # unknown section
+        ({**MINIMAL, "decode": {"max_batch_sise": 4}}, "max_batch_sise"),  # typo in a field
+        ({"model": {**MINIMAL["model"], "devcie": "cpu"}}, "devcie"),
+    ],
+)
+def test_unknown_keys_are_rejected_by_name(tmp_path, data, key):
+    path = write(tmp_path, data)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert key in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_nccl_with_cpu_device_is_rejected(tmp_path):
+    for section in ("kv", "embeddings"):
+        data = {**MINIMAL, "transport": {section: "nccl"}}
+        with pytest.raises(ConfigError, match="nccl"):
+            load_config(write(tmp_path, data))
+
+
+def test_cuda_needs_gpus_in_every_pool(tmp_path):
+    data = {"model": {**MINIMAL["model"], "device": "cuda"}, "encoder": {"num_gpus": 1}, "prefill": {"num_gpus": 1}}
+    with pytest.raises(ConfigError, match="num_gpus"):
+        load_config(write(tmp_path, data))
+    data["decode"] = {"num_gpus": 0.5}
+    data["transport"] = {"kv": "nccl"}
+    assert load_config(write(tmp_path, data)).transport.kv == Transport.NCCL
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        ({"model": {**MINIMAL["model"], "dtype": "int8"}}, "int8"),
+        ({**MINIMAL, "prefill": {"max_chunk_tokens": 4}}, "max_chunk_tokens"),
+        ({**MINIMAL, "server": {"port": 70000}}, "port"),
+        ({**MINIMAL, "transport": {"kv": "carrier_pigeon"}}, "kv"),
+        ({"encoder": {"num_workers": 1}}, "model"),  # the model section is required
+    ],
+)
+def test_invalid_values_are_rejected(tmp_path, data, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(write(tmp_path, data))
+
+
+def test_missing_file_names_the_path(tmp_path):
+    path = tmp_path / "nope" / "missing.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_bad_yaml_names_the_path(tmp_path):
+    path = write(tmp_path, "model: [unclosed\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_empty_file_is_an_error_not_a_crash(tmp_path):
+    with pytest.raises(ConfigError, match="model"):
+        load_config(write(tmp_path, ""))
+
+
+def test_config_is_frozen():
+    config = load_config()
+    with pytest.raises(Exception):
+        config.model.device = "cuda"  # type: ignore[misc]
+
+
+def test_replace_swaps_fields_and_keeps_the_rest():
+    config = load_config()
+    before = config.decode.max_batch_size
+    new = config.replace(decode={"max_batch_size": before + 1}, server={"port": 9000})
+    assert new.decode.max_batch_size == before + 1
+    assert new.decode.num_workers == config.decode.num_workers
+    assert new.server.port == 9000 and new.server.host == config.server.host
+    assert new.model == config.model
+    assert config.decode.max_batch_size == before, "replace must not modify the original"
+
+
+def test_replace_revalidates():
+    config = load_config()
+    with pytest.raises(ValueError, match="nccl"):
+        config.replace(transport={"kv": "nccl"})
+    with pytest.raises(ValueError, match="max_batch_size"):
+        config.replace(decode={"max_batch_size": 0})
+    with pytest.raises(ValueError, match="bogus"):
+        config.replace(decode={"bogus": 1})
+    with pytest.raises(ValueError, match="dtype"):
+        config.replace(model={"dtype": "float64"})

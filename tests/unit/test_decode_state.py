@@ -1,0 +1,175 @@
+"""Unit tests for actors.decode_state: the decode worker's scheduler bookkeeping (no torch)."""
+from __future__ import annotations
+
+from actors.decode_state import DecodeScheduler, Sequence, SeqStatus, finish_reason
+from actors.types import DecodeRequest, FinishReason, SamplingParams
+
+EOS = 1
+
+
+def seq(rid: str, *, prompt: int = 5, first: int = 10, max_tokens: int = 16, stop=(EOS,)) -> Sequence:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=tuple(stop))
+    return Sequence(DecodeRequest(rid, prompt, first, params), kv=object())
+
+
+def ids(seqs) -> list[str]:
+    return [s.request_id for s in seqs]
+
+
+def test_add_seeds_first_token_and_waits():
+    sched = DecodeScheduler(max_batch_size=4, max_model_len=100)
+    s = seq("a", prompt=7, first=42)
+    sched.add(s)
+    assert s.token_ids == [42]
+    assert s.status == SeqStatus.WAITING
+    assert s.next_position == 8
+    assert sched.num_active == 1
+
+
+def test_admission_respects_max_batch_size_and_fifo():
+    sched = DecodeScheduler(max_batch_size=3, max_model_len=100)
+    for i in range(5):
+        sched.add(seq(f"r{i}"))
+    joined = sched.admit()
+    assert ids(joined) == ["r0", "r1", "r2"]
+    assert all(s.status == SeqStatus.RUNNING for s in joined)
+    assert ids(sched.running) == ["r0", "r1", "r2"]
+    assert ids(sched.waiting) == ["r3", "r4"]
+    assert sched.admit() == [], "a full batch admits nobody"
+    # one finishes: exactly one slot opens, taken by the oldest waiter
+    sched.running[1].status = SeqStatus.FINISHED
+    assert sched.remove_finished() == [0, 2]
+    assert ids(sched.admit()) == ["r3"]
+    assert ids(sched.running) == ["r0", "r2", "r3"]
+    assert ids(sched.waiting) == ["r4"]
+    assert sched.num_active == 4
+
+
+def test_record_finishes_on_stop_token():
+    sched = DecodeScheduler(max_batch_size=4, max_model_len=100)
+    a, b = seq("a", stop=(EOS, 2)), seq("b", stop=(EOS, 2))
+    sched.add(a)
+    sched.add(b)
+    sched.admit()
+    assert sched.record([50, 2]) == [b]
+    assert b.status == SeqStatus.FINISHED and b.finish_reason == FinishReason.STOP
+    assert a.status == SeqStatus.RUNNING and a.finish_reason is None
+    assert a.token_ids == [10, 50] and b.token_ids == [10, 2]
+    assert sched.remove_finished() == [0]
+    assert sched.record([EOS]) == [a]
+    assert a.finish_reason == FinishReason.STOP
+    assert sched.remove_finished() == []
+    assert sched.num_active == 0
+
+
+def test_stop_token_only_counts_at_the_end():
+    s = seq("a", stop=(EOS,))
+    s.token_ids = [EOS, 7]  # an earlier EOS does not matter, only the newest token
+    assert finish_reason(s, max_model_len=100) is None
+
+
+def test_record_finishes_on_max_tokens():
+    sched = DecodeScheduler(max_batch_size=4, max_model_len=1000)
+    s = seq("a", max_tokens=3)
+    sched.add(s)
+    sched.admit()
+    assert sched.record([11]) == []
+    assert sched.record([12]) == [s]  # first token + 2 decoded = 3
+    assert s.token_ids == [10, 11, 12]
+    assert s.finish_reason == FinishReason.LENGTH
+
+
+def test_stop_token_wins_over_length_on_the_same_step():
+    sched = DecodeScheduler(max_batch_size=4, max_model_len=1000)
+    s = seq("a", max_tokens=2)
+    sched.add(s)
+    sched.admit()
+    assert sched.record([EOS]) == [s]
+    assert s.finish_reason == FinishReason.STOP
+
+
+def test_record_finishes_on_max_model_len():
+    sched = DecodeScheduler(max_batch_size=4, max_model_len=8)
+    s = seq("a", prompt=5, max_tokens=100)  # 5 prompt + first token = 6 of 8
+    sched.add(s)
+    sched.admit()
+    assert sched.record([11]) == []  # 7 tokens
+    assert sched.record([12]) == [s]  # 8 tokens = max_model_len
+    assert s.finish_reason == FinishReason.LENGTH
+    assert len(s.token_ids) == 3
+
+
+def test_first_token_alone_can_finish_a_sequence():
+    """The worker sweeps right after admit: a first token that is EOS (or max_tokens=1)
+    must finish before any decode step."""
+    sched = DecodeScheduler(max_batch_size=4, max_model_len=100)
+    eos_first, one_token, normal = seq("e", first=EOS), seq("o", max_tokens=1), seq("n")
+    for s in (eos_first, one_token, normal):
+        sched.add(s)
+    sched.admit()
+    done = sched.sweep()
+    assert done == [eos_first, one_token]
+    assert eos_first.finish_reason == FinishReason.STOP
+    assert one_token.finish_reason == FinishReason.LENGTH
+    assert sched.remove_finished() == [2]
+    assert ids(sched.running) == ["n"]
+
+
+def test_aborted_waiting_sequences_are_never_admitted():
+    sched = DecodeScheduler(max_batch_size=2, max_model_len=100)
+    for rid in ("a", "b", "c", "d"):
+        sched.add(seq(rid))
+    sched.abort("a")
+    sched.abort("c")
+    joined = sched.admit()
+    assert ids(joined) == ["b", "d"], "aborted waiters must not take batch slots"
+    assert ids(sched.running) == ["b", "d"]
+    assert not sched.waiting
+    assert sched.num_active == 2
+
+
+def test_abort_of_unknown_request_is_a_no_op():
+    sched = DecodeScheduler(max_batch_size=2, max_model_len=100)
+    sched.add(seq("a"))
+    sched.abort("nope")
+    assert ids(sched.admit()) == ["a"]
+
+
+def test_aborted_running_sequences_are_swept():
+    sched = DecodeScheduler(max_batch_size=4, max_model_len=100)
+    for rid in ("a", "b", "c"):
+        sched.add(seq(rid))
+    sched.admit()
+    sched.abort("b")
+    done = sched.sweep()
+    assert ids(done) == ["b"]
+    assert done[0].finish_reason == FinishReason.ABORT
+    assert done[0].status == SeqStatus.FINISHED
+    assert sched.remove_finished() == [0, 2]
+    assert ids(sched.running) == ["a", "c"]
+
+
+def test_abort_wins_over_stop_token():
+    sched = DecodeScheduler(max_batch_size=4, max_model_len=100)
+    s = seq("a")
+    sched.add(s)
+    sched.admit()
+    sched.abort("a")
+    assert sched.record([EOS]) == [s]
+    assert s.finish_reason == FinishReason.ABORT
+
+
+def test_remove_finished_returns_kept_rows_in_order():
+    sched = DecodeScheduler(max_batch_size=8, max_model_len=100)
+    for i in range(6):
+        sched.add(seq(f"r{i}", stop=(EOS,)))
+    sched.admit()
+    done = sched.record([EOS, 20, EOS, 21, 22, EOS])
+    assert ids(done) == ["r0", "r2", "r5"]
+    assert sched.remove_finished() == [1, 3, 4]
+    assert ids(sched.running) == ["r1", "r3", "r4"]
+    # the running list and the kept rows stay aligned for the next step
+    assert sched.record([EOS, 30, 31]) == [sched.running[0]]
+    assert sched.remove_finished() == [1, 2]
+    assert ids(sched.running) == ["r3", "r4"]
+    assert [s.token_ids for s in sched.running] == [[10, 21, 30], [10, 22, 31]]

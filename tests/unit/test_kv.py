@@ -1,0 +1,186 @@
+"""Unit tests for actors.kv: packing one request's cache and the left-padded decode batch."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from transformers.cache_utils import DynamicCache  # noqa: E402
+
+from actors import kv  # noqa: E402
+
+LAYERS, HEADS, DIM = 3, 2, 4
+
+
+def make_cache(num_tokens: int, seed: int) -> DynamicCache:
+    """A batch-1 DynamicCache with distinct random values per layer/key/value."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = DynamicCache()
+    for layer in range(LAYERS):
+        k = torch.randn(1, HEADS, num_tokens, DIM, generator=gen)
+        v = torch.randn(1, HEADS, num_tokens, DIM, generator=gen)
+        cache.update(k, v, layer)
+    return cache
+
+
+def packed_of(num_tokens: int, seed: int) -> torch.Tensor:
+    return kv.pack(make_cache(num_tokens, seed))
+
+
+def check_integrity(batch: kv.BatchedKV, expected: list[torch.Tensor] | None = None) -> None:
+    """Invariants of a BatchedKV; with `expected` (one packed cache per row, in row order,
+    grown by any absorbed slots) also that every row's valid data is right-aligned and intact."""
+    rows, slots = batch.num_rows, batch.num_slots
+    assert batch.mask.shape == (rows, slots)
+    assert batch.mask.dtype == torch.long
+    assert len(batch.layers) == LAYERS if rows else len(batch.layers) in (0, LAYERS)
+    for k, v in batch.layers:
+        assert k.shape == (rows, HEADS, slots, DIM)
+        assert v.shape == (rows, HEADS, slots, DIM)
+    lengths = batch.lengths()
+    assert torch.equal(lengths, batch.mask.sum(1))
+    for r in range(rows):
+        n = int(lengths[r])
+        assert n >= 1, "a row with no valid slot"
+        want = torch.cat((torch.zeros(slots - n, dtype=torch.long), torch.ones(n, dtype=torch.long)))
+        assert torch.equal(batch.mask[r], want), f"row {r} mask is not left-padded: {batch.mask[r].tolist()}"
+        for k, v in batch.layers:  # padding slots hold zeros
+            assert not k[r, :, : slots - n].any() and not v[r, :, : slots - n].any()
+    if rows:
+        assert batch.mask[:, 0].any(), "a leading all-padding column was kept"
+    if expected is not None:
+        assert len(expected) == rows
+        for r, packed in enumerate(expected):
+            n = packed.shape[3]
+            assert int(lengths[r]) == n
+            for layer, (k, v) in enumerate(batch.layers):
+                assert torch.equal(k[r, :, slots - n :], packed[layer, 0])
+                assert torch.equal(v[r, :, slots - n :], packed[layer, 1])
+
+
+def test_pack_layout_and_unpack_round_trip():
+    cache = make_cache(5, seed=1)
+    packed = kv.pack(cache)
+    assert packed.shape == (LAYERS, 2, HEADS, 5, DIM)
+    assert packed.is_contiguous()
+    layers = kv.unpack(packed)
+    assert len(layers) == LAYERS
+    for (k, v), layer in zip(layers, cache.layers):
+        assert k.shape == (1, HEADS, 5, DIM)
+        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+    # and back again
+    again = DynamicCache(ddp_cache_data=layers)
+    assert torch.equal(kv.pack(again), packed)
+
+
+def test_join_single_row():
+    batch = kv.BatchedKV()
+    assert batch.num_rows == 0 and batch.num_slots == 0
+    p = packed_of(4, 0)
+    batch.join(p)
+    assert batch.mask.tolist() == [[1, 1, 1, 1]]
+    check_integrity(batch, [p])
+
+
+def test_join_different_lengths_right_aligns_rows():
+    batch = kv.BatchedKV()
+    p3, p6, p2 = packed_of(3, 1), packed_of(6, 2), packed_of(2, 3)
+    batch.join(p3)
+    batch.join(p6)  # longer: the existing row is re-padded on the left
+    batch.join(p2)  # shorter: the new row is padded
+    assert batch.mask.tolist() == [
+        [0, 0, 0, 1, 1, 1],
+        [1, 1, 1, 1, 1, 1],
+        [0, 0, 0, 0, 1, 1],
+    ]
+    assert batch.lengths().tolist() == [3, 6, 2]
+    check_integrity(batch, [p3, p6, p2])
+
+
+def test_keep_drops_rows_reorders_and_trims_leading_padding():
+    batch = kv.BatchedKV()
+    ps = [packed_of(n, i) for i, n in enumerate((2, 7, 4, 3))]
+    for p in ps:
+        batch.join(p)
+    assert batch.num_slots == 7
+    batch.keep([3, 0, 2])  # the only 7-long row leaves
+    assert batch.num_rows == 3
+    assert batch.num_slots == 4, "columns no remaining row uses must go"
+    assert batch.mask.tolist() == [[0, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]]
+    check_integrity(batch, [ps[3], ps[0], ps[2]])
+    batch.keep([1])
+    assert batch.num_slots == 2
+    check_integrity(batch, [ps[0]])
+    batch.keep([])
+    assert batch.num_rows == 0 and batch.num_slots == 0
+    check_integrity(batch)
+    # an emptied batch takes new rows again
+    batch.join(ps[1])
+    check_integrity(batch, [ps[1]])
+
+
+def _step(batch: kv.BatchedKV, seed: int) -> list[torch.Tensor]:
+    """What a decode step does to the cache: one new slot per row, then absorb."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = batch.as_cache()
+    new = []
+    for layer in range(LAYERS):
+        k = torch.randn(batch.num_rows, HEADS, 1, DIM, generator=gen)
+        v = torch.randn(batch.num_rows, HEADS, 1, DIM, generator=gen)
+        cache.update(k, v, layer)
+        new.append((k, v))
+    batch.absorb(cache)
+    # per-row packed [layers, 2, heads, 1, dim] for the new slot
+    return [torch.stack([torch.stack((k[r], v[r])) for k, v in new]) for r in range(batch.num_rows)]
+
+
+def test_step_mask_and_absorb_grow_by_one_slot():
+    batch = kv.BatchedKV()
+    p2, p5 = packed_of(2, 1), packed_of(5, 2)
+    batch.join(p2)
+    batch.join(p5)
+    step_mask = batch.step_mask()
+    assert step_mask.tolist() == [[0, 0, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
+    assert batch.num_slots == 5, "step_mask must not change the batch"
+    added = _step(batch, seed=9)
+    assert batch.num_slots == 6
+    assert torch.equal(batch.mask, step_mask)
+    assert batch.lengths().tolist() == [3, 6]
+    expected = [torch.cat((p, a), dim=3) for p, a in zip((p2, p5), added)]
+    check_integrity(batch, expected)
+
+
+def test_as_cache_shares_the_batch_tensors():
+    batch = kv.BatchedKV()
+    batch.join(packed_of(3, 0))
+    batch.join(packed_of(5, 1))
+    cache = batch.as_cache()
+    assert cache.get_seq_length() == batch.num_slots
+    for (k, v), layer in zip(batch.layers, cache.layers):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_join_keep_absorb_sequences_keep_invariants(seed):
+    rnd = random.Random(seed)
+    batch = kv.BatchedKV()
+    rows: list[torch.Tensor] = []  # the expected per-row packed caches
+    for op_index in range(60):
+        op = rnd.choice(("join", "join", "keep", "absorb", "absorb"))
+        if op == "join" or not rows:
+            p = packed_of(rnd.randint(1, 9), seed * 1000 + op_index)
+            batch.join(p)
+            rows.append(p)
+        elif op == "keep":
+            kept = sorted(rnd.sample(range(len(rows)), rnd.randint(0, len(rows))))
+            if rnd.random() < 0.3:
+                rnd.shuffle(kept)
+            batch.keep(kept)
+            rows = [rows[i] for i in kept]
+        else:
+            added = _step(batch, seed * 1000 + op_index)
+            rows = [torch.cat((p, a), dim=3) for p, a in zip(rows, added)]
+        check_integrity(batch, rows)
+        if rows:
+            assert batch.num_slots == max(p.shape[3] for p in rows)

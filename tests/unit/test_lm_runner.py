@@ -1,0 +1,228 @@
+"""Unit tests for actors.lm_runner + actors.adapters on the tiny checkpoint (no Ray).
+
+The reference is Hugging Face's own `generate` on the whole LlavaForConditionalGeneration:
+chunked prefill, KV packing, the left-padded decode batch with requests joining and
+leaving between steps, and splicing encoder embeddings must give exactly its greedy tokens.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from PIL import Image  # noqa: E402
+from transformers import AutoProcessor, LlavaForConditionalGeneration  # noqa: E402
+
+from actors import kv  # noqa: E402
+from actors.adapters import LlavaAdapter, Part  # noqa: E402
+from actors.checkpoints import SPECIAL_TOKENS, build_checkpoint  # noqa: E402
+from actors.decode_state import DecodeScheduler, Sequence  # noqa: E402
+from actors.lm_runner import LMRunner, splice  # noqa: E402
+from actors.types import DecodeRequest, MediaItem, Modality, PlaceholderRange, SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny matrices: intra-op threads only add overhead (and spin badly on a busy machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return build_checkpoint("tiny-llava", tmp_path_factory.mktemp("lm") / "tiny", progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_model(ckpt):
+    return LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def lm(ckpt):
+    return LlavaAdapter(ckpt, part=Part.LANGUAGE_MODEL, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def encoder(ckpt):
+    return LlavaAdapter(ckpt, part=Part.ENCODER, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def processor(ckpt):
+    return AutoProcessor.from_pretrained(ckpt)
+
+
+def hf_greedy(model, max_new_tokens: int, **inputs) -> list[int]:
+    """HF greedy generation for exactly max_new_tokens (EOS does not stop it)."""
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
+    assert len(new) == max_new_tokens, "the reference stopped early"
+    return new
+
+
+def run_continuous_batching(
+    runner: LMRunner,
+    prompts: list[tuple[tuple[int, ...], tuple[PlaceholderRange, ...], list[torch.Tensor], int]],
+    arrivals: list[int],
+    max_batch_size: int,
+) -> dict[str, list[int]]:
+    """Drive prefill + decode steps the way the decode worker does: prompt i arrives
+    before step arrivals[i], joins when the batch has room, leaves when done."""
+    sched = DecodeScheduler(max_batch_size=max_batch_size, max_model_len=10_000)
+    batch = kv.BatchedKV()
+    finished: dict[str, list[int]] = {}
+    step, pending = 0, sorted(range(len(prompts)), key=lambda i: arrivals[i])
+    max_rows = 0
+    while pending or sched.num_active:
+        while pending and arrivals[pending[0]] <= step:
+            i = pending.pop(0)
+            token_ids, ranges, items, max_tokens = prompts[i]
+            first, packed = runner.prefill(token_ids, ranges, items, GREEDY)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)  # no stop ids: run to max_tokens
+            sched.add(Sequence(DecodeRequest(f"r{i}", len(token_ids), first, params), packed))
+        for seq in sched.admit():
+            batch.join(seq.kv)
+            seq.kv = None
+        done = sched.sweep()
+        if done:
+            finished.update({s.request_id: s.token_ids for s in done})
+            batch.keep(sched.remove_finished())
+        if sched.running:
+            assert batch.num_rows == len(sched.running)
+            max_rows = max(max_rows, batch.num_rows)
+            running = sched.running
+            tokens = runner.decode_step(
+                batch,
+                [s.token_ids[-1] for s in running],
+                [s.request.sampling for s in running],
+                [s.next_position for s in running],
+            )
+            done = sched.record(tokens)
+            finished.update({s.request_id: s.token_ids for s in done})
+            batch.keep(sched.remove_finished())
+        step += 1
+    assert batch.num_rows == 0, "finished requests leaked their rows"
+    assert max_rows > 1, "the test never batched"
+    return finished
+
+
+@pytest.mark.parametrize("max_chunk_tokens", [4, 512])
+def test_text_only_continuous_batching_matches_hf_generate(lm, hf_model, max_chunk_tokens):
+    rnd = random.Random(max_chunk_tokens)
+    vocab = hf_model.config.text_config.vocab_size
+    prompts, arrivals = [], []
+    for i in range(7):
+        length = rnd.randint(3, 40)
+        token_ids = tuple(rnd.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(length))
+        prompts.append((token_ids, (), [], rnd.randint(1, 12)))
+        arrivals.append(rnd.randint(0, 10))
+    prompts[0] = ((50, 60, 70), (), [], 12)  # the shortest length, a long generation
+    arrivals[0] = 0
+
+    runner = LMRunner(lm, max_chunk_tokens=max_chunk_tokens)
+    got = run_continuous_batching(runner, prompts, arrivals, max_batch_size=3)
+
+    for i, (token_ids, _, _, max_tokens) in enumerate(prompts):
+        want = hf_greedy(hf_model, max_tokens, input_ids=torch.tensor([token_ids]))
+        assert got[f"r{i}"] == want, f"prompt {i} (length {len(token_ids)})"
+
+
+def test_chunked_prefill_matches_one_pass(lm):
+    token_ids = tuple(range(10, 47))  # 37 tokens: chunks of 5 leave a remainder
+    first_a, kv_a = LMRunner(lm, max_chunk_tokens=5).prefill(token_ids, (), [], GREEDY)
+    first_b, kv_b = LMRunner(lm, max_chunk_tokens=512).prefill(token_ids, (), [], GREEDY)
+    assert first_a == first_b
+    layers = lm.config.text_config.num_hidden_layers
+    kv_heads = lm.config.text_config.num_key_value_heads
+    assert kv_a.shape == kv_b.shape
+    assert kv_a.shape[:4] == (layers, 2, kv_heads, len(token_ids))
+    torch.testing.assert_close(kv_a, kv_b, rtol=1e-5, atol=1e-5)
+
+
+def test_splice_writes_items_over_their_ranges():
+    embeds = torch.zeros(1, 10, 3)
+    ranges = (PlaceholderRange(1, 2), PlaceholderRange(6, 3))
+    items = [torch.full((2, 3), 1.0), torch.full((3, 3), 2.0)]
+    out = splice(embeds, ranges, items)
+    assert out[0, :, 0].tolist() == [0, 1, 1, 0, 0, 0, 2, 2, 2, 0]
+    assert not embeds.any(), "splice must not modify its input"
+    assert splice(embeds, (), []) is embeds
+
+
+def test_splice_wrong_embedding_count_names_the_offset():
+    embeds = torch.zeros(1, 10, 3)
+    ranges = (PlaceholderRange(1, 2), PlaceholderRange(6, 3))
+    with pytest.raises(ValueError, match="offset 6"):
+        splice(embeds, ranges, [torch.ones(2, 3), torch.ones(4, 3)])
+    with pytest.raises(ValueError):
+        splice(embeds, ranges, [torch.ones(2, 3)])  # one item short
+
+
+def placeholder_ranges(token_ids: list[int], image_token_id: int) -> tuple[PlaceholderRange, ...]:
+    ranges, start = [], None
+    for i, t in enumerate(token_ids + [None]):
+        if t == image_token_id and start is None:
+            start = i
+        elif t != image_token_id and start is not None:
+            ranges.append(PlaceholderRange(start, i - start))
+            start = None
+    return tuple(ranges)
+
+
+@pytest.mark.parametrize("max_chunk_tokens", [7, 512])
+def test_image_prompt_matches_hf_generate(lm, encoder, hf_model, processor, max_chunk_tokens):
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, (40, 50, 3), dtype=np.uint8), rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)]
+    image_id = hf_model.config.image_token_id
+    prompts, refs = [], []
+    for n, (array, question) in enumerate(zip(arrays, ["What is in this image?", "Describe it."])):
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        inputs = processor(text=text, images=[Image.fromarray(array)], return_tensors="pt")
+        token_ids = inputs["input_ids"][0].tolist()
+        ranges = placeholder_ranges(token_ids, image_id)
+        assert len(ranges) == 1 and ranges[0].length == encoder.config.vision_config.image_size ** 2 // (
+            encoder.config.vision_config.patch_size ** 2
+        )
+        [embeddings] = encoder.encode([MediaItem(Modality.IMAGE, f"img{n}", data=array)])
+        assert embeddings.shape == (ranges[0].length, lm.config.text_config.hidden_size)
+        max_tokens = 10 + 3 * n
+        prompts.append((tuple(token_ids), ranges, [embeddings], max_tokens))
+        refs.append(hf_greedy(hf_model, max_tokens, **inputs))
+
+    # a text-only request shares the batch with the image ones
+    prompts.append(((11, 12, 13, 14, 15), (), [], 8))
+    refs.append(hf_greedy(hf_model, 8, input_ids=torch.tensor([[11, 12, 13, 14, 15]])))
+
+    runner = LMRunner(lm, max_chunk_tokens=max_chunk_tokens)
+    got = run_continuous_batching(runner, prompts, arrivals=[0, 2, 1], max_batch_size=4)
+    for i, want in enumerate(refs):
+        assert got[f"r{i}"] == want, f"prompt {i}"
+
+
+def test_image_embeddings_change_the_output(lm, encoder, processor):
+    """The spliced embeddings are used: two different images give different first tokens
+    or caches (guards against a splice that silently writes nowhere)."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    token_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    inputs = processor(text=text, images=[Image.new("RGB", (32, 32))], return_tensors="pt")
+    token_ids = inputs["input_ids"][0].tolist()
+    ranges = placeholder_ranges(token_ids, lm.config.image_token_id)
+    runner = LMRunner(lm)
+    caches = []
+    for color in ((255, 0, 0), (0, 0, 255)):
+        array = np.array(Image.new("RGB", (32, 32), color))
+        [emb] = encoder.encode([MediaItem(Modality.IMAGE, str(color), data=array)])
+        caches.append(runner.prefill(tuple(token_ids), ranges, [emb], GREEDY)[1])
+    assert not torch.allclose(caches[0], caches[1])
