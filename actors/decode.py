@@ -6,6 +6,7 @@ back to its caller as they are produced.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import ray
@@ -125,7 +126,7 @@ class DecodeWorker(ModelWorker):
 
     def stats(self) -> dict[str, int]:
         """`rows` counts KV rows held: zero when idle, or a request leaked its cache."""
-        return {"queued": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+        return {"pid": os.getpid(), "queued": len(self.scheduler.waiting), "running": len(self.scheduler.running),
                 "rows": self.batch.num_rows, "held_kv": len(self.inbox), "max_batch": self.max_batch_seen}
 
 

@@ -1,6 +1,7 @@
 """Encoder worker: batches items across requests and runs the model's towers on them."""
 from __future__ import annotations
 
+import os
 import time
 
 import ray
@@ -44,7 +45,7 @@ class EncoderWorker(ModelWorker):
         return WorkerLoad(queued=self.batcher.queue_depth, running=self._running)
 
     def stats(self) -> dict[str, int]:
-        return {"queued": self.batcher.queue_depth, "running": self._running,
+        return {"pid": os.getpid(), "queued": self.batcher.queue_depth, "running": self._running,
                 "num_batches": self.batcher.num_batches, "max_batch": self.batcher.max_batch_seen}
 
 

@@ -2,6 +2,7 @@
 until the decode worker pulls it."""
 from __future__ import annotations
 
+import os
 import time
 
 import ray
@@ -60,7 +61,7 @@ class PrefillWorker(ModelWorker):
         self.embeddings.discard(request_id)
 
     def stats(self) -> dict[str, int]:
-        return {"queued": self._queued, "held_kv": len(self.kv), "held_embeddings": len(self.embeddings)}
+        return {"pid": os.getpid(), "queued": self._queued, "held_kv": len(self.kv), "held_embeddings": len(self.embeddings)}
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(queued=self._queued, running=0)

@@ -44,8 +44,8 @@ class Deployed:
         self.root = self.base_url.removesuffix("/v1")
         self.http = httpx.Client(base_url=self.root, timeout=120)
 
-    def chat(self, messages, **params) -> httpx.Response:
-        body = {"model": self.config.model.served_name, "messages": messages, **params}
+    def chat(self, messages=None, **params) -> httpx.Response:
+        body = {"model": self.config.model.served_name, "messages": messages, **params} if messages else {"model": self.config.model.served_name, **params}
         return self.http.post("/v1/chat/completions", json=body)
 
 

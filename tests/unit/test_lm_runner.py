@@ -82,7 +82,7 @@ def run_continuous_batching(
     batch = kv.BatchedKV()
     finished: dict[str, list[int]] = {}
     step, pending = 0, sorted(range(len(prompts)), key=lambda i: arrivals[i])
-    max_rows = 0
+    max_rows, events = 0, set()
     while pending or sched.num_active:
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
@@ -90,7 +90,10 @@ def run_continuous_batching(
             first, packed = runner.prefill(token_ids, ranges, items, GREEDY)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens)  # no stop ids: run to max_tokens
             sched.add(Sequence(DecodeRequest(f"r{i}", len(token_ids), first, params), packed))
-        for seq in sched.admit():
+        joining = sched.admit()
+        if joining and batch.num_rows:
+            events.add("joined mid-flight")
+        for seq in joining:
             batch.join(seq.kv)
             seq.kv = None
         done = sched.sweep()
@@ -110,9 +113,12 @@ def run_continuous_batching(
             done = sched.record(tokens)
             finished.update({s.request_id: s.token_ids for s in done})
             batch.keep(sched.remove_finished())
+            if done and batch.num_rows:
+                events.add("left mid-flight")
         step += 1
     assert batch.num_rows == 0, "finished requests leaked their rows"
     assert max_rows > 1, "the test never batched"
+    assert events == {"joined mid-flight", "left mid-flight"}, events
     return finished
 
 
@@ -121,16 +127,17 @@ def test_text_only_continuous_batching_matches_hf_generate(lm, hf_model, max_chu
     rnd = random.Random(max_chunk_tokens)
     vocab = hf_model.config.text_config.vocab_size
     prompts, arrivals = [], []
-    for i in range(7):
+    for i in range(10):
         length = rnd.randint(3, 40)
         token_ids = tuple(rnd.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(length))
-        prompts.append((token_ids, (), [], rnd.randint(1, 12)))
-        arrivals.append(rnd.randint(0, 10))
-    prompts[0] = ((50, 60, 70), (), [], 12)  # the shortest length, a long generation
+        prompts.append((token_ids, (), [], rnd.randint(1, 16)))
+        arrivals.append(rnd.randint(0, 12))
+    prompts[0] = ((50, 60, 70), (), [], 16)  # the shortest length, a long generation
+    prompts[1] = (tuple(rnd.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(40)), (), [], 1)  # prefill only
     arrivals[0] = 0
 
     runner = LMRunner(lm, max_chunk_tokens=max_chunk_tokens)
-    got = run_continuous_batching(runner, prompts, arrivals, max_batch_size=3)
+    got = run_continuous_batching(runner, prompts, arrivals, max_batch_size=4)
 
     for i, (token_ids, _, _, max_tokens) in enumerate(prompts):
         want = hf_greedy(hf_model, max_tokens, input_ids=torch.tensor([token_ids]))
@@ -215,7 +222,6 @@ def test_image_embeddings_change_the_output(lm, encoder, processor):
     or caches (guards against a splice that silently writes nowhere)."""
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
-    token_ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
     inputs = processor(text=text, images=[Image.new("RGB", (32, 32))], return_tensors="pt")
     token_ids = inputs["input_ids"][0].tolist()
     ranges = placeholder_ranges(token_ids, lm.config.image_token_id)

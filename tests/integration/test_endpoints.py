@@ -1,0 +1,94 @@
+"""The endpoints a user and their monitoring meet: the official openai client, model list,
+health, a real Prometheus scrape, and recovery from a worker that dies."""
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import png_data_url, random_image
+
+IMAGE = {"type": "image_url", "image_url": {"url": png_data_url(random_image(21, 48, 48))}}
+MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "What is in"}, IMAGE, {"type": "text", "text": "?"}]}]
+
+
+@pytest.fixture(scope="module")
+def client(app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=app.base_url, api_key="unused", max_retries=0)
+
+
+def test_openai_client_whole_and_streamed(app, client):
+    whole = client.chat.completions.create(model=app.config.model.served_name, messages=MESSAGES, temperature=0, max_tokens=10)
+    assert whole.object == "chat.completion" and whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.prompt_tokens > 16 and whole.usage.completion_tokens == 10 or whole.choices[0].finish_reason == "stop"
+    chunks = list(
+        client.chat.completions.create(
+            model=app.config.model.served_name, messages=MESSAGES, temperature=0, max_tokens=10,
+            stream=True, stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+
+
+def test_models_lists_the_checkpoint(app, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [app.config.model.served_name]
+    assert app.http.get("/v1/models").json()["data"][0]["root"] == str(app.config.model.checkpoint_path)
+
+
+def _scrape(app) -> dict:
+    families = text_string_to_metric_families(app.http.get("/metrics").text)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def test_metrics_scrape(app):
+    before = _scrape(app)
+    assert app.chat(MESSAGES, temperature=0, max_tokens=6).status_code == 200
+    assert app.chat([{"role": "user", "content": "x"}], temperature=9).status_code == 400
+    after = _scrape(app)
+    grew = lambda key: after.get(key, 0) - before.get(key, 0)
+    assert grew(("epd_requests_total", (("status", "ok"),))) == 1
+    assert grew(("epd_requests_total", (("status", "400"),))) == 1
+    assert grew(("epd_ttft_seconds_count", ())) == 1
+    assert grew(("epd_tpot_seconds_count", ())) == 1
+    assert grew(("epd_e2e_latency_seconds_count", ())) == 1
+    for stage in ("encode", "prefill", "decode_step"):
+        assert grew(("epd_stage_latency_seconds_count", (("stage", stage),))) >= 1, stage
+    assert grew(("epd_encoder_batch_size_count", ())) == 1
+    for kind in ("encoder", "prefill", "decode"):
+        assert after[("epd_queue_depth", (("kind", kind),))] == 0
+
+
+def test_health(app):
+    body = app.http.get("/health").json()
+    assert body["status"] == "ok" and body["healthy_workers"]["encoder"] == app.config.encoder.num_workers
+
+
+def test_dead_worker_is_replaced_and_service_resumes(app):
+    workers = app.http.get("/health", params={"verbose": 1}).json()
+    pid = _decode_pid(app)
+    import os, signal
+
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        r = app.chat(MESSAGES, temperature=0, max_tokens=4)
+        assert r.status_code in (200, 503), r.text  # fails cleanly, never hangs
+        if r.status_code == 200 and _decode_pid(app) != pid:
+            break
+        time.sleep(1)
+    else:
+        pytest.fail("the decode worker was not replaced within 90 s")
+    assert workers["workers"]["decode"]
+    assert app.http.get("/health").json()["status"] == "ok"
+
+
+def _decode_pid(app) -> int:
+    return app.http.get("/health", params={"verbose": 1}).json()["workers"]["decode"][0]["pid"]
