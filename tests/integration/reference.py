@@ -12,9 +12,9 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 
 @lru_cache(maxsize=2)
-def _load(checkpoint: str):
+def _load(checkpoint: str, device: str = "cpu"):
     processor = AutoProcessor.from_pretrained(checkpoint)
-    model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).to(device).eval()
     return processor, model
 
 
@@ -35,12 +35,12 @@ def _to_hf(messages: list[dict]) -> tuple[list[dict], list[Image.Image]]:
 
 
 @torch.inference_mode()
-def reference_generate(checkpoint: str, messages: list[dict], max_new_tokens: int) -> tuple[list[int], str, str]:
+def reference_generate(checkpoint: str, messages: list[dict], max_new_tokens: int, device: str = "cpu") -> tuple[list[int], str, str]:
     """(new token ids, their text, OpenAI finish reason)."""
-    processor, model = _load(checkpoint)
+    processor, model = _load(checkpoint, device)
     hf, images = _to_hf(messages)
     text = processor.apply_chat_template(hf, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    inputs = processor(text=text, images=images or None, return_tensors="pt").to(device)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     new = out[0, inputs["input_ids"].shape[1]:].tolist()
     finish = "stop" if new[-1] == processor.tokenizer.eos_token_id else "length"
