@@ -70,6 +70,12 @@ class MicroBatcher:
         self.max_batch_seen = max(self.max_batch_seen, len(batch))
         try:
             results = await self._run_batch([p.job for p in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"batch of {len(batch)} jobs returned {len(results)} results")
+        except asyncio.CancelledError:
+            for pending in batch:  # never leave a caller waiting forever
+                pending.future.cancel()
+            raise
         except Exception as exc:
             if len(batch) == 1:
                 if not batch[0].future.done():

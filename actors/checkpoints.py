@@ -16,10 +16,17 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
+
+if TYPE_CHECKING:  # heavy imports stay lazy: `train_bpe` runs without torch/transformers
+    import tokenizers
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>", "<image>", "<video>", "<audio>"]
 
@@ -95,7 +102,7 @@ _WORDS = (
 _SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"] + ["ch", "sh", "th", "qu", "ng"]
 
 
-def _lcg(x: int):
+def _lcg(x: int) -> Iterator[int]:
     """Tiny LCG: the same stream on every platform and Python version, unlike `random`."""
     while True:
         x = (1103515245 * x + 12345) % 2**31
@@ -121,7 +128,7 @@ def _corpus(n_sentences: int) -> list[str]:
     return ["\n".join(sentences[i:i + 8]) for i in range(0, len(sentences), 8)] + [fixed] * 50
 
 
-def train_bpe(recipe: Recipe) -> "tokenizers.Tokenizer":
+def train_bpe(recipe: Recipe) -> tokenizers.Tokenizer:
     """Byte-level BPE trained on `_corpus()`; specials get ids 0..6 in SPECIAL_TOKENS order."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -136,7 +143,7 @@ def train_bpe(recipe: Recipe) -> "tokenizers.Tokenizer":
     return tok
 
 
-def build_tokenizer(recipe: Recipe) -> "PreTrainedTokenizerFast":
+def build_tokenizer(recipe: Recipe) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
@@ -149,7 +156,7 @@ def build_tokenizer(recipe: Recipe) -> "PreTrainedTokenizerFast":
     )
 
 
-def llava_config(recipe: Recipe, tokenizer) -> "LlavaConfig":
+def llava_config(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
     vision = CLIPVisionConfig(
@@ -178,7 +185,7 @@ _GAINS: dict[str, float] = {
 }
 
 
-def _init_weights(model, recipe: Recipe) -> None:
+def _init_weights(model: LlavaForConditionalGeneration, recipe: Recipe) -> None:
     """Redraw every matrix (and CLIP's class embedding) with std gain/sqrt(fan_in), not HF's 0.02.
 
     Why: at std 0.02 the residual stream is little more than the token embedding and
@@ -198,7 +205,7 @@ def _init_weights(model, recipe: Recipe) -> None:
             p.normal_(0.0, gain / math.sqrt(fan_in), generator=gen)
 
 
-def _mute_unprintable(model, tokenizer) -> None:
+def _mute_unprintable(model: LlavaForConditionalGeneration, tokenizer: PreTrainedTokenizerFast) -> None:
     """Zero lm_head rows of specials (except </s>) and of non-printable byte tokens.
 
     Why: a zero logit sits mid-distribution, so greedy never emits <image>/<s> (which would
@@ -215,7 +222,7 @@ def _mute_unprintable(model, tokenizer) -> None:
         model.lm_head.weight[muted] = 0.0
 
 
-def build_processor(recipe: Recipe, tokenizer) -> "LlavaProcessor":
+def build_processor(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> LlavaProcessor:
     from transformers import CLIPImageProcessorPil, LlavaProcessor
 
     # Pil backend: torchvision is not installed, so the "fast" processor is unavailable.
@@ -232,7 +239,7 @@ def build_processor(recipe: Recipe, tokenizer) -> "LlavaProcessor":
     )
 
 
-def build_model(recipe: Recipe, tokenizer) -> "LlavaForConditionalGeneration":
+def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> LlavaForConditionalGeneration:
     import torch
     from transformers import GenerationConfig, LlavaForConditionalGeneration
 

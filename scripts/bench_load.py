@@ -14,6 +14,7 @@ import asyncio
 import base64
 import io
 import json
+import os
 import random
 import subprocess
 import sys
@@ -80,6 +81,18 @@ def make_workload(n: int, rate: float, image_fraction: float, seed: int) -> list
 def idle_workload(k: int, seed: int) -> list[Req]:
     rng = random.Random(seed + 1)
     return [Req(i, 0.0, make_prompt(rng), make_png(rng)) for i in range(k)]
+
+
+def warmup_reqs(idle: list[Req], n: int) -> list[Req]:
+    return (idle[:1] + [Req(0, 0.0, "Hello there.", None)] * n)[:n]
+
+
+def machine_load() -> float:
+    """1-minute load average; other work on the host skews every figure, so it is recorded."""
+    load = os.getloadavg()[0]
+    if load > 1.0:
+        print(f"warning: load average {load:.1f} before this phase; figures will be skewed", file=sys.stderr)
+    return load
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -158,10 +171,6 @@ async def sequential_cluster(url: str, reqs: list[Req], model: str, args, desc: 
                 for r in tqdm(reqs, desc=desc, unit="req")]
 
 
-def warmup_reqs(idle: list[Req], n: int) -> list[Req]:
-    return (idle[:1] + [Req(0, 0.0, "Hello there.", None)] * n)[:n]
-
-
 def server_profile(results: list[Result]) -> dict:
     keys = ("ttft_ms", "encode_ms", "prefill_queue_ms", "prefill_ms")
     with_t = [r.timings for r in results if r.timings]
@@ -169,6 +178,27 @@ def server_profile(results: list[Result]) -> dict:
     img = [t for t in with_t if t.get("encode_ms")]
     out["encode_ms_p50_images"] = pct([t["encode_ms"] for t in img], 50)
     return out
+
+
+def scrape(base: str) -> dict[str, float]:
+    """Sums and counts of the decode-step and encoder-batch histograms from GET /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=10).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith(("_sum", "_count")) and s.labels.get("stage", "decode_step") == "decode_step":
+                out[s.name] = s.value
+    return out
+
+
+def step_profile(before: dict, after: dict) -> dict:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps, items = d.get("epd_stage_latency_seconds_count", 0), d.get("epd_encoder_batch_size_count", 0)
+    return {"decode_steps": steps, "decode_step_mean_ms": 1e3 * d.get("epd_stage_latency_seconds_sum", 0) / max(steps, 1),
+            "encoder_batches": items, "encoder_batch_mean": d.get("epd_encoder_batch_size_sum", 0) / max(items, 1)}
 
 
 def run_cluster(args, reqs: list[Req], idle: list[Req]) -> dict:
@@ -186,13 +216,17 @@ def run_cluster(args, reqs: list[Req], idle: list[Req]) -> dict:
     try:
         asyncio.run(sequential_cluster(url, warmup_reqs(idle, args.warmup), model, args, "cluster warm-up"))
         idle_res = asyncio.run(sequential_cluster(url, idle, model, args, "cluster idle"))
+        before, load_avg = scrape(base), machine_load()
         results, wall = asyncio.run(replay_cluster(url, reqs, model, args, "cluster load"))
+        steps = step_profile(before, scrape(base))
     finally:
         serve.shutdown()
         ray.shutdown()
     out = summarize(results, wall)
     out["idle_ttft_p50_ms"] = pct([r.ttft_s * 1e3 for r in idle_res], 50)
     out["server_profile_load"], out["server_profile_idle"] = server_profile(results), server_profile(idle_res)
+    out["server_profile_load"].update(steps)
+    out["load_avg_before"] = load_avg
     return out
 
 
@@ -270,8 +304,9 @@ def run_baselines(args, reqs: list[Req], idle: list[Req]) -> dict:
         for req in warmup_reqs(idle, args.warmup):
             base.serve(req)
         idle_ms = base.idle_ttft(idle, f"baseline {threads}t idle")
+        load_avg = machine_load()
         results, wall = base.replay(reqs, f"baseline {threads}t load")
-        out[f"baseline_{threads}t"] = {**summarize(results, wall), "idle_ttft_p50_ms": pct(idle_ms, 50)}
+        out[f"baseline_{threads}t"] = {**summarize(results, wall), "idle_ttft_p50_ms": pct(idle_ms, 50), "load_avg_before": load_avg}
     return out
 
 
