@@ -33,6 +33,7 @@ class PlaceholderSpec:
     token_by_modality: dict[Modality, str]
     token_id_by_modality: dict[Modality, int]
     image_embeddings: int
+    embedding_bytes_per_token: int  # one embedding row as it travels (LM width x dtype size)
 
     def num_embeddings(self, item: MediaItem) -> int:
         if item.modality == Modality.IMAGE:
@@ -111,7 +112,7 @@ class LlavaAdapter(ModelAdapter):
         return self._lm_head(hidden)
 
 
-def _llava_spec(config, tokenizer) -> PlaceholderSpec:
+def _llava_spec(config, tokenizer, dtype_bytes: int) -> PlaceholderSpec:
     vision = config.vision_config
     num_patches = (vision.image_size // vision.patch_size) ** 2
     extra = 1 if config.vision_feature_select_strategy == "full" else 0
@@ -120,6 +121,7 @@ def _llava_spec(config, tokenizer) -> PlaceholderSpec:
         token_by_modality={Modality.IMAGE: token},
         token_id_by_modality={Modality.IMAGE: config.image_token_id},
         image_embeddings=num_patches + extra,
+        embedding_bytes_per_token=config.text_config.hidden_size * dtype_bytes,
     )
 
 
@@ -139,6 +141,9 @@ def load_adapter(checkpoint: Path, *, part: str, dtype: str, device: str) -> Mod
     return adapter_cls(checkpoint, part=part, dtype=getattr(torch, dtype), device=device)
 
 
-def placeholder_spec(checkpoint: Path, tokenizer) -> PlaceholderSpec:
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def placeholder_spec(checkpoint: Path, tokenizer, dtype: str = "float32") -> PlaceholderSpec:
     config = AutoConfig.from_pretrained(checkpoint)
-    return ADAPTERS[_family(config)][1](config, tokenizer)
+    return ADAPTERS[_family(config)][1](config, tokenizer, DTYPE_BYTES[dtype])

@@ -40,7 +40,7 @@ class Ingress:
         self.metrics = Metrics()
         self.fleet = Fleet(self.config)
         self.view = ClusterView({kind: len(self.fleet.pools[kind]) for kind in WorkerKind})
-        self.planner = PromptPlanner(self.config.model.checkpoint_path)
+        self.planner = PromptPlanner(self.config.model.checkpoint_path, self.config.model.dtype)
         self.path = RequestPath(self.config, self.fleet, self.planner, self.view, make_policy(self.config.router.policy), self.metrics)
         self.supervisor = Supervisor(self.fleet, self.view)
 

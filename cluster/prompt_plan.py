@@ -27,10 +27,10 @@ class PromptPlan:
 
 
 class PromptPlanner:
-    def __init__(self, checkpoint: Path):
+    def __init__(self, checkpoint: Path, dtype: str = "float32"):
         self.processor = AutoProcessor.from_pretrained(checkpoint)
         self.tokenizer = self.processor.tokenizer
-        self.spec: PlaceholderSpec = placeholder_spec(checkpoint, self.tokenizer)
+        self.spec: PlaceholderSpec = placeholder_spec(checkpoint, self.tokenizer, dtype)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
 from cluster.protocol import ChatCompletionRequest, to_template_messages, validation_error_message
 from router.policies import Policy
-from router.types import RequestProfile, RouteDecision, WorkerKind
+from router.types import MediaJob, RequestProfile, RouteDecision, WorkerKind
 from router.view import ClusterView, NoWorkerError
 
 
@@ -115,7 +115,7 @@ class RequestPath:
 
     # -- 2. route ---------------------------------------------------------------------------
     def route(self, adm: Admitted) -> RouteDecision:
-        profile = RequestProfile(len(adm.plan.token_ids), len(adm.items), frozenset(i.modality.value for i in adm.items))
+        profile = RequestProfile(len(adm.plan.token_ids), tuple(self._media_job(adm, i) for i in range(len(adm.items))))
         try:
             decision = self.policy.pick(profile, self.view)
         except NoWorkerError as exc:
@@ -123,6 +123,10 @@ class RequestPath:
         self.view.begin_route(decision, len(adm.items))
         self._publish_queues()
         return decision
+
+    def _media_job(self, adm: Admitted, i: int) -> MediaJob:
+        item, n = adm.items[i], adm.plan.num_embeddings[i]
+        return MediaJob(item.identifier, item.modality.value, item.size / 1e6, n, n * self.planner.spec.embedding_bytes_per_token)
 
     def _done(self, kind: WorkerKind, index: int | None, amount: int = 1) -> None:
         self.view.end(kind, index, amount)

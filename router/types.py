@@ -1,8 +1,12 @@
-"""Records the router reads and returns. Plain Python: no torch, no Ray."""
+"""Records the router reads and returns. Plain Python: no torch, no Ray.
+
+The live cluster and the simulator build the same records, so every policy and the
+cost model run unchanged in both.
+"""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class WorkerKind(str, enum.Enum):
@@ -11,13 +15,69 @@ class WorkerKind(str, enum.Enum):
     DECODE = "decode"
 
 
+class Placement(str, enum.Enum):
+    """Where two workers are relative to each other; transfer bandwidth depends on it."""
+
+    SAME_PROCESS = "same_process"
+    SAME_NODE = "same_node"
+    CROSS_NODE = "cross_node"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker as the router knows it: static facts, not load."""
+
+    kind: WorkerKind
+    index: int
+    node: str = "node-0"
+    modalities: frozenset[str] = frozenset()  # encoders: the towers it hosts ("image", "video", "audio")
+
+
+@dataclass(frozen=True)
+class MediaJob:
+    """One media item of a request, as the cost model sees it."""
+
+    identifier: str
+    modality: str  # "image" | "video" | "audio"
+    size: float  # in the modality's cost unit: megapixels, frames, seconds
+    num_embeddings: int
+    embedding_bytes: int
+
+
 @dataclass(frozen=True)
 class RequestProfile:
     """What the router knows of a request before it runs."""
 
     num_prompt_tokens: int
-    num_items: int
-    modalities: frozenset[str] = frozenset()
+    items: tuple[MediaJob, ...] = ()
+    prefix_hashes: tuple[str, ...] = ()  # block hashes of the prompt, in order
+    block_size: int = 16  # tokens per prefix block
+    max_tokens: int = 16
+
+    @property
+    def num_items(self) -> int:
+        return len(self.items)
+
+    @property
+    def modalities(self) -> frozenset[str]:
+        return frozenset(item.modality for item in self.items)
+
+
+@dataclass(frozen=True)
+class TTFTEstimate:
+    """The cost model's estimate for one (encoder, prefill) pair, in milliseconds."""
+
+    encoder_queue_ms: float = 0.0
+    encode_ms: float = 0.0
+    transfer_ms: float = 0.0
+    prefill_queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+
+    @property
+    def total_ms(self) -> float:
+        # A sum, not a max: the ingress queues the prefill only once the embeddings are
+        # in, so the prefill queue does not overlap encoding.
+        return self.encoder_queue_ms + self.encode_ms + self.transfer_ms + self.prefill_queue_ms + self.prefill_ms
 
 
 @dataclass(frozen=True)
@@ -27,3 +87,8 @@ class RouteDecision:
     encoder: int | None
     prefill: int
     decode: int
+    estimate: TTFTEstimate = field(default_factory=TTFTEstimate)
+
+    @property
+    def estimated_ttft_ms(self) -> float:
+        return self.estimate.total_ms

@@ -8,14 +8,15 @@ from pathlib import Path
 import pytest
 
 from router.policies import POLICIES, LeastLoaded, make_policy
-from router.types import RequestProfile, RouteDecision, WorkerKind
+from router.types import MediaJob, RequestProfile, RouteDecision, WorkerKind
 from router.view import ClusterView, NoWorkerError
 
 E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 REPO = Path(__file__).resolve().parents[2]
 
-IMAGE = RequestProfile(num_prompt_tokens=100, num_items=2, modalities=frozenset({"image"}))
-TEXT = RequestProfile(num_prompt_tokens=10, num_items=0)
+_ITEM = MediaJob(identifier="a", modality="image", size=0.05, num_embeddings=16, embedding_bytes=4096)
+IMAGE = RequestProfile(num_prompt_tokens=100, items=(_ITEM, _ITEM))
+TEXT = RequestProfile(num_prompt_tokens=10)
 
 
 def view(e: int = 3, p: int = 3, d: int = 3) -> ClusterView:
