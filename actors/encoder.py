@@ -9,13 +9,15 @@ import torch
 
 from actors.adapters import Part
 from actors.batching import MicroBatcher
+from actors.encoder_cache import EncoderCache
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import EncodeJob, EncodeStats
 
 
 class EncoderWorker(ModelWorker):
-    def __init__(self, spec: WorkerSpec, max_batch_size: int, max_wait_ms: float):
+    def __init__(self, spec: WorkerSpec, max_batch_size: int, max_wait_ms: float, cache_mb: float):
         super().__init__(spec, Part.ENCODER)
+        self.cache = EncoderCache(int(cache_mb * 2**20))
         self.batcher = MicroBatcher(
             self._encode_batch,
             max_batch_size=max_batch_size,
@@ -38,15 +40,25 @@ class EncoderWorker(ModelWorker):
         return [(emb, encode_ms) for emb in embeddings]
 
     async def encode(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats]:
+        identifier = job.item.identifier
+        cached = self.cache.get(identifier)
+        if cached is not None:
+            return cached, EncodeStats(identifier, 0.0, 0.0, 0, cache_hit=True)
         (embedding, encode_ms), queue_ms, batch_size = await self.batcher.submit(job)
-        return embedding, EncodeStats(job.item.identifier, queue_ms, encode_ms, batch_size)
+        self.cache.put(identifier, embedding, embedding.numel() * embedding.element_size())
+        return embedding, EncodeStats(identifier, queue_ms, encode_ms, batch_size)
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(queued=self.batcher.queue_depth, running=self._running)
 
     def stats(self) -> dict[str, int]:
         return {"pid": os.getpid(), "queued": self.batcher.queue_depth, "running": self._running,
-                "num_batches": self.batcher.num_batches, "max_batch": self.batcher.max_batch_seen}
+                "num_batches": self.batcher.num_batches, "max_batch": self.batcher.max_batch_seen,
+                "cache_hits": self.cache.hits, "cache_entries": len(self.cache)}
+
+    def cached_identifiers(self) -> frozenset[str]:
+        """What this encoder holds, for the router's cluster view."""
+        return self.cache.identifiers()
 
 
 # Tensor transport must be declared on the class: a per-handle option is not honoured.

@@ -49,6 +49,7 @@ class PoolConfig(Strict):
 class EncoderPoolConfig(PoolConfig):
     max_batch_size: int = Field(8, ge=1, description="Most items one tower forward pass takes.")
     max_wait_ms: float = Field(5.0, ge=0, description="How long a partial batch waits for more items.")
+    cache_mb: float = Field(256.0, ge=0, description="Encoder cache budget: embeddings kept by media identifier.")
 
 
 class PrefillPoolConfig(PoolConfig):

@@ -58,7 +58,7 @@ class Fleet:
             max_concurrency=1000,
         )
         if kind == WorkerKind.ENCODER:
-            return EncoderActor.options(**options).remote(spec, pool.max_batch_size, pool.max_wait_ms)
+            return EncoderActor.options(**options).remote(spec, pool.max_batch_size, pool.max_wait_ms, pool.cache_mb)
         if kind == WorkerKind.PREFILL:
             return PrefillActor.options(**options).remote(spec, pool.max_chunk_tokens)
         return DecodeActor.options(**options).remote(spec, pool.max_batch_size)

@@ -21,6 +21,7 @@ class Metrics:
         self.encoder_batch = Histogram(
             "epd_encoder_batch_size", "Items per encoder forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
         )
+        self.encoder_cache = Counter("epd_encoder_cache", "Encoder cache lookups by result.", ["result"], registry=r)
         self.queue_depth = Gauge("epd_queue_depth", "Outstanding jobs per worker kind.", ["kind"], registry=r)
         self.prompt_tokens = Counter("epd_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.completion_tokens = Counter("epd_completion_tokens", "Tokens generated.", registry=r)

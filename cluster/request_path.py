@@ -213,6 +213,9 @@ class RequestPath:
         stage.labels("prefill").observe(result.prefill_ms / 1e3)
         stage.labels("prefill_queue").observe(result.queue_ms / 1e3)
         for stats in result.encode_stats:
+            self.metrics.encoder_cache.labels("hit" if stats.cache_hit else "miss").inc()
+            if stats.cache_hit:
+                continue
             stage.labels("encode").observe(stats.encode_ms / 1e3)
             stage.labels("encode_queue").observe(stats.queue_ms / 1e3)
             self.metrics.encoder_batch.observe(stats.batch_size)

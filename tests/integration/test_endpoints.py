@@ -50,7 +50,8 @@ def _scrape(app) -> dict:
 
 def test_metrics_scrape(app):
     before = _scrape(app)
-    assert app.chat(MESSAGES, temperature=0, max_tokens=6).status_code == 200
+    fresh = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(random_image(77, 30, 30))}}]}]
+    assert app.chat(fresh, temperature=0, max_tokens=6).status_code == 200  # a new image: no cache hit
     assert app.chat([{"role": "user", "content": "x"}], temperature=9).status_code == 400
     after = _scrape(app)
     grew = lambda key: after.get(key, 0) - before.get(key, 0)
@@ -92,3 +93,15 @@ def test_dead_worker_is_replaced_and_service_resumes(app):
 
 def _decode_pid(app) -> int:
     return app.http.get("/health", params={"verbose": 1}).json()["workers"]["decode"][0]["pid"]
+
+
+def test_repeated_image_hits_the_encoder_cache(app):
+    image = {"type": "image_url", "image_url": {"url": png_data_url(random_image(404, 36, 36))}}
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": "again"}]}]
+    before = _scrape(app)
+    answers = [app.chat(messages, temperature=0, max_tokens=8).json()["choices"][0]["message"]["content"] for _ in range(3)]
+    after = _scrape(app)
+    hits = after.get(("epd_encoder_cache_total", (("result", "hit"),)), 0) - before.get(("epd_encoder_cache_total", (("result", "hit"),)), 0)
+    misses = after.get(("epd_encoder_cache_total", (("result", "miss"),)), 0) - before.get(("epd_encoder_cache_total", (("result", "miss"),)), 0)
+    assert len(set(answers)) == 1
+    assert misses >= 1 and hits >= 1 and hits + misses == 3  # two encoders: the least-loaded pick may alternate
