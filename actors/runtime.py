@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ class WorkerSpec:
     device: str
     torch_threads: int
     max_model_len: int
+    slowdown: float = 1.0  # experiments: stretch device work by this factor
 
 
 @dataclass(frozen=True)
@@ -48,10 +50,22 @@ class ModelWorker:
         self._executor = ThreadPoolExecutor(max_workers=1)
 
     async def run_device(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._stretched, fn, *args)
+
+    def _stretched(self, fn, *args):
+        started = time.perf_counter()
+        result = fn(*args)
+        if self.spec.slowdown > 1.0:  # sleep in the executor, so the worker really is slower
+            time.sleep((self.spec.slowdown - 1.0) * (time.perf_counter() - started))
+        return result
 
     def ready(self) -> bool:
         return True
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def pid(self) -> int:
         return os.getpid()

@@ -44,6 +44,20 @@ class PoolConfig(Strict):
     num_cpus: float = Field(1.0, ge=0, description="Ray CPU resources each actor reserves.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPU resources each actor reserves.")
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each actor process.")
+    slowdown: list[float] = Field(
+        default_factory=list,
+        description="Experiments only: per-worker factors (>= 1) by which each worker's device work is slowed, "
+        "to study routing with heterogeneous workers. Missing entries mean 1.0.",
+    )
+
+    @model_validator(mode="after")
+    def _slowdown_in_range(self) -> "PoolConfig":
+        if any(f < 1.0 for f in self.slowdown) or len(self.slowdown) > self.num_workers:
+            raise ValueError("slowdown needs at most num_workers factors, each >= 1.0")
+        return self
+
+    def slowdown_of(self, index: int) -> float:
+        return self.slowdown[index] if index < len(self.slowdown) else 1.0
 
 
 class EncoderPoolConfig(PoolConfig):

@@ -39,7 +39,7 @@ class Fleet:
         self.spec = WorkerSpec(str(m.checkpoint_path), m.dtype, m.device, 1, m.max_model_len)
         self.pools: dict[WorkerKind, list] = {kind: [] for kind in WorkerKind}
         for kind in WorkerKind:
-            self.pools[kind] = [self._start(kind) for _ in range(self._pool_config(kind).num_workers)]
+            self.pools[kind] = [self._start(kind, i) for i in range(self._pool_config(kind).num_workers)]
         ray.get([a.ready.remote() for a in self.all_actors()])
         self._group_name: str | None = None
         self._form_group()
@@ -48,9 +48,11 @@ class Fleet:
     def _pool_config(self, kind: WorkerKind) -> PoolConfig:
         return getattr(self.config, kind.value)
 
-    def _start(self, kind: WorkerKind):
+    def _start(self, kind: WorkerKind, index: int):
         pool = self._pool_config(kind)
-        spec = WorkerSpec(self.spec.checkpoint, self.spec.dtype, self.spec.device, pool.torch_threads, self.spec.max_model_len)
+        spec = WorkerSpec(
+            self.spec.checkpoint, self.spec.dtype, self.spec.device, pool.torch_threads, self.spec.max_model_len, pool.slowdown_of(index)
+        )
         options = dict(
             num_cpus=pool.num_cpus,
             num_gpus=pool.num_gpus,
@@ -99,7 +101,7 @@ class Fleet:
             ray.kill(self.pools[kind][index], no_restart=True)
         except Exception:
             pass
-        self.pools[kind][index] = self._start(kind)
+        self.pools[kind][index] = self._start(kind, index)
         ray.get(self.pools[kind][index].ready.remote())
         self._form_group()
 

@@ -158,3 +158,15 @@ def test_replace_revalidates():
         config.replace(decode={"bogus": 1})
     with pytest.raises(ValueError, match="dtype"):
         config.replace(model={"dtype": "float64"})
+
+
+def test_slowdown_factors_are_validated_and_default_to_one():
+    from cluster.config import load_config as _load
+
+    base = _load()
+    slowed = base.replace(prefill={"num_workers": 2, "slowdown": [1.0, 3.0]})
+    assert [slowed.prefill.slowdown_of(i) for i in range(2)] == [1.0, 3.0]
+    assert base.prefill.slowdown_of(0) == 1.0
+    for bad in ([0.5], [1.0, 2.0, 2.0]):
+        with pytest.raises(ValueError, match="slowdown"):
+            base.replace(prefill={"num_workers": 2, "slowdown": bad})
