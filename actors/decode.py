@@ -32,8 +32,8 @@ class DecodeWorker(ModelWorker):
         self._loop_task: asyncio.Task | None = None
         self.max_batch_seen = 0
 
-    async def receive(self, request_id: str, packed_kv: torch.Tensor) -> None:
-        self.inbox.put(request_id, packed_kv)
+    async def receive(self, request_id: str, slot: int, packed_kv: torch.Tensor) -> None:
+        self.inbox.put(request_id, packed_kv)  # a request has one KV: slot is always 0
 
     async def generate(self, request: DecodeRequest):
         """Stream of TokenChunk for the tokens after the first (which prefill produced)."""

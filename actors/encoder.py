@@ -43,10 +43,10 @@ class EncoderWorker(ModelWorker):
         identifier = job.item.identifier
         cached = self.cache.get(identifier)
         if cached is not None:
-            return cached, EncodeStats(identifier, 0.0, 0.0, 0, cache_hit=True)
+            return cached, EncodeStats(identifier, 0.0, 0.0, 0, cache_hit=True, finished_at_s=time.time())
         (embedding, encode_ms), queue_ms, batch_size = await self.batcher.submit(job)
         self.cache.put(identifier, embedding, embedding.numel() * embedding.element_size())
-        return embedding, EncodeStats(identifier, queue_ms, encode_ms, batch_size)
+        return embedding, EncodeStats(identifier, queue_ms, encode_ms, batch_size, finished_at_s=time.time())
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(queued=self.batcher.queue_depth, running=self._running)

@@ -30,6 +30,10 @@ class TensorInbox:
     def discard(self, key: str) -> bool:
         return self._items.pop(key, None) is not None
 
+    def discard_prefix(self, prefix: str) -> None:
+        for key in [k for k in self._items if k.startswith(prefix)]:
+            del self._items[key]
+
     def expire(self) -> None:
         cutoff = time.monotonic() - self.ttl_s
         for key in [k for k, (t, _) in self._items.items() if t < cutoff]:

@@ -23,11 +23,14 @@ class PrefillWorker(ModelWorker):
         self.kv = TensorInbox()  # for the decode worker, until it pulls it
         self._queued = 0
 
-    async def receive(self, request_id: str, *encoded: tuple[torch.Tensor, EncodeStats]) -> None:
-        self.embeddings.put(request_id, encoded)
+    async def receive(self, request_id: str, slot: int, encoded: tuple[torch.Tensor, EncodeStats]) -> float:
+        """Keep one item's embeddings for the prefill call; returns the wall clock of arrival,
+        so the ingress can time the hand-over against the encoder's finish time."""
+        self.embeddings.put(f"{request_id}/{slot}", encoded)
+        return time.time()
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        encoded = self.embeddings.take(request.request_id) if request.placeholders else ()
+        encoded = [self.embeddings.take(f"{request.request_id}/{i}") for i in range(len(request.placeholders))]
         arrived = time.perf_counter()
         self._queued += 1
         try:
@@ -58,7 +61,7 @@ class PrefillWorker(ModelWorker):
     def drop(self, request_id: str) -> None:
         """Forget everything held for a request that ended early."""
         self.kv.discard(request_id)
-        self.embeddings.discard(request_id)
+        self.embeddings.discard_prefix(f"{request_id}/")
 
     def stats(self) -> dict[str, int]:
         return {"pid": os.getpid(), "queued": self._queued, "held_kv": len(self.kv), "held_embeddings": len(self.embeddings)}

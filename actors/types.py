@@ -86,6 +86,7 @@ class EncodeStats:
     encode_ms: float
     batch_size: int
     cache_hit: bool = False
+    finished_at_s: float = 0.0  # wall clock when the embeddings were ready (transfer timing)
 
 
 @dataclass(frozen=True)

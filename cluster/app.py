@@ -20,9 +20,9 @@ from cluster.prompt_plan import PromptPlanner
 from cluster.protocol import ModelCard, ModelList, error_body, sse_event
 from cluster.request_path import RequestError, RequestPath
 from cluster.supervisor import Supervisor
-from router.policies import make_policy
+from cluster.routing import LiveRouting
+from router.router import Router
 from router.types import WorkerKind
-from router.view import ClusterView
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="epd")
@@ -39,10 +39,13 @@ class Ingress:
         self.config = ClusterConfig.model_validate(config)
         self.metrics = Metrics()
         self.fleet = Fleet(self.config)
-        self.view = ClusterView({kind: len(self.fleet.pools[kind]) for kind in WorkerKind})
         self.planner = PromptPlanner(self.config.model.checkpoint_path, self.config.model.dtype)
-        self.path = RequestPath(self.config, self.fleet, self.planner, self.view, make_policy(self.config.router.policy), self.metrics)
-        self.supervisor = Supervisor(self.fleet, self.view)
+        rc = self.config.router
+        workers = self.fleet.worker_infos(frozenset(m.value for m in self.planner.spec.modalities))
+        self.router = Router(workers, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s, dead_after_s=rc.dead_after_s)
+        routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token)
+        self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics)
+        self.supervisor = Supervisor(self.fleet, self.router)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
@@ -101,7 +104,7 @@ class Ingress:
     async def health(self, verbose: bool = False) -> JSONResponse:
         """Liveness of the fleet; `?verbose=1` adds each worker's own stats."""
         self.supervisor.ensure_running()
-        healthy = {kind.value: sum(self.view.healthy[kind]) for kind in WorkerKind}
+        healthy = {kind.value: sum(self.router.view.healthy[kind]) for kind in WorkerKind}
         ok = all(healthy.values())
         body = {"status": "ok" if ok else "degraded", "healthy_workers": healthy}
         if verbose:

@@ -89,13 +89,33 @@ class LimitsConfig(Strict):
 
 
 class RouterConfig(Strict):
-    policy: str = Field("least_loaded", description="Routing policy name.")
+    policy: str = Field("joint", description="Routing policy: joint, random, round_robin, least_loaded, affinity.")
+    seed: int = Field(0, description="Seed of the randomised policies.")
+    priors: dict = Field(default_factory=dict, description="Cost-model priors (router.cost_model.CostPriors fields); calibrated online.")
+    staleness_s: float = Field(5.0, gt=0, description="Cache contents a worker published longer ago than this are ignored.")
+    dead_after_s: float = Field(10.0, gt=0, description="A worker silent this long leaves the candidate set until it reports again.")
+
+    @model_validator(mode="after")
+    def _known(self) -> "RouterConfig":
+        from router.cost_model import CostPriors
+        from router.policies import POLICIES
+
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; known: {sorted(POLICIES)}")
+        CostPriors.from_dict(self.priors)  # raises naming the bad prior
+        return self
+
+    def build_priors(self):
+        from router.cost_model import CostPriors
+
+        return CostPriors.from_dict(self.priors)
 
 
 class ServerConfig(Strict):
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     num_cpus_ray: int = Field(8, ge=1, description="Logical CPUs of a local Ray cluster that `epd serve` starts.")
+    trace_path: str | None = Field(None, description="Append one JSONL record per finished request here (simulator replay format).")
 
 
 class ClusterConfig(Strict):

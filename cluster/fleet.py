@@ -18,7 +18,7 @@ from actors.encoder import EncoderActor
 from actors.prefill import PrefillActor
 from actors.runtime import WorkerSpec
 from cluster.config import ClusterConfig, PoolConfig, Transport
-from router.types import WorkerKind
+from router.types import WorkerInfo, WorkerKind
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,15 @@ class Fleet:
         if kind == WorkerKind.PREFILL:
             return PrefillActor.options(**options).remote(spec, pool.max_chunk_tokens)
         return DecodeActor.options(**options).remote(spec, pool.max_batch_size)
+
+    def worker_infos(self, encoder_modalities: frozenset[str]) -> list[WorkerInfo]:
+        """The router's static picture of the fleet: kind, index, node (for placements)."""
+        infos = []
+        for kind in WorkerKind:
+            nodes = ray.get([actor.node_id.remote() for actor in self.pools[kind]])
+            modalities = encoder_modalities if kind == WorkerKind.ENCODER else frozenset()
+            infos += [WorkerInfo(kind, i, node=node, modalities=modalities) for i, node in enumerate(nodes)]
+        return infos
 
     def all_actors(self) -> list:
         return [a for kind in WorkerKind for a in self.pools[kind]]

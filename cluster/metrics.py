@@ -13,6 +13,12 @@ class Metrics:
         r = self.registry
         self.requests = Counter("epd_requests", "Chat requests by outcome.", ["status"], registry=r)
         self.ttft = Histogram("epd_ttft_seconds", "Time to first token.", buckets=LATENCY_BUCKETS_S, registry=r)
+        self.estimated_ttft = Histogram(
+            "epd_estimated_ttft_seconds", "The router's TTFT estimate for the pair it chose.", buckets=LATENCY_BUCKETS_S, registry=r
+        )
+        self.ttft_estimate_error = Histogram(
+            "epd_ttft_estimate_abs_error_seconds", "|measured - estimated| TTFT.", buckets=LATENCY_BUCKETS_S, registry=r
+        )
         self.tpot = Histogram("epd_tpot_seconds", "Time per output token after the first.", buckets=STEP_BUCKETS_S, registry=r)
         self.e2e = Histogram("epd_e2e_latency_seconds", "Request latency, arrival to last token.", buckets=LATENCY_BUCKETS_S, registry=r)
         self.stage = Histogram(

@@ -19,14 +19,13 @@ from pydantic import ValidationError
 from actors.media import MediaError, load_media_item
 from actors.types import DecodeRequest, EncodeJob, MediaItem, PrefillRequest, PrefillResult, SamplingParams, TokenChunk
 from actors.decode_state import finish_reason, Sequence
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, Transport
 from cluster.fleet import Fleet
 from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
 from cluster.protocol import ChatCompletionRequest, to_template_messages, validation_error_message
-from router.policies import Policy
-from router.types import MediaJob, RequestProfile, RouteDecision, WorkerKind
-from router.view import ClusterView, NoWorkerError
+from cluster.routing import LiveRouting, RoutingUnavailable
+from router.types import RequestProfile, RouteDecision, WorkerKind
 
 
 class RequestError(Exception):
@@ -52,6 +51,7 @@ class Trace:
     """Per-request timings, filled in as the request moves (ms since arrival unless noted)."""
 
     route: RouteDecision | None = None
+    profile: RequestProfile | None = None
     ttft_ms: float | None = None
     encode_ms: float = 0.0
     prefill_ms: float = 0.0
@@ -59,9 +59,9 @@ class Trace:
 
 
 class RequestPath:
-    def __init__(self, config: ClusterConfig, fleet: Fleet, planner: PromptPlanner, view: ClusterView, policy: Policy, metrics: Metrics):
+    def __init__(self, config: ClusterConfig, fleet: Fleet, planner: PromptPlanner, routing: LiveRouting, metrics: Metrics):
         self.config, self.fleet, self.planner = config, fleet, planner
-        self.view, self.policy, self.metrics = view, policy, metrics
+        self.routing, self.metrics = routing, metrics
 
     # -- 1. admit -------------------------------------------------------------------------
     def admit(self, body: bytes) -> Admitted:
@@ -114,40 +114,27 @@ class RequestPath:
         return plan
 
     # -- 2. route ---------------------------------------------------------------------------
-    def route(self, adm: Admitted) -> RouteDecision:
-        profile = RequestProfile(len(adm.plan.token_ids), tuple(self._media_job(adm, i) for i in range(len(adm.items))))
+    def route(self, adm: Admitted, trace: Trace) -> RouteDecision:
+        trace.profile = self.routing.profile(adm.items, adm.plan, adm.sampling.max_tokens)
         try:
-            decision = self.policy.pick(profile, self.view)
-        except NoWorkerError as exc:
+            trace.route = self.routing.route(trace.profile)
+        except RoutingUnavailable as exc:
             raise RequestError(503, str(exc), type="server_error") from None
-        self.view.begin_route(decision, len(adm.items))
-        self._publish_queues()
-        return decision
-
-    def _media_job(self, adm: Admitted, i: int) -> MediaJob:
-        item, n = adm.items[i], adm.plan.num_embeddings[i]
-        return MediaJob(item.identifier, item.modality.value, item.size / 1e6, n, n * self.planner.spec.embedding_bytes_per_token)
-
-    def _done(self, kind: WorkerKind, index: int | None, amount: int = 1) -> None:
-        self.view.end(kind, index, amount)
-        self._publish_queues()
-
-    def _publish_queues(self) -> None:
-        for kind in WorkerKind:
-            self.metrics.queue_depth.labels(kind.value).set(self.view.queue_depth(kind))
+        return trace.route
 
     # -- 3..5. encode, prefill, decode --------------------------------------------------------
     async def run(self, adm: Admitted, trace: Trace) -> AsyncIterator[TokenChunk]:
-        trace.route = decision = self.route(adm)
-        stages = {WorkerKind.ENCODER: len(adm.items), WorkerKind.PREFILL: 1, WorkerKind.DECODE: 1}
+        decision = self.route(adm, trace)
+        prefilled = False
         try:
             encoded = self.encode(adm, decision)
-            result = await self.prefill(adm, decision, encoded)
-            self._done(WorkerKind.ENCODER, decision.encoder, stages.pop(WorkerKind.ENCODER))
-            self._done(WorkerKind.PREFILL, decision.prefill, stages.pop(WorkerKind.PREFILL))
+            result, transfer_ms = await self.prefill(adm, decision, encoded)
+            prefilled = True
+            self.routing.prefill_finished(decision, result, transfer_ms)
             self._record_prefill(result, trace)
             first = self._first_chunk(adm, result)
             trace.ttft_ms = (time.perf_counter() - adm.arrived_s) * 1e3
+            self.routing.record_ttft(decision, trace.ttft_ms)
             yield first
             if first.finished:
                 self.fleet.pools[WorkerKind.PREFILL][decision.prefill].drop.remote(adm.request_id)
@@ -157,8 +144,7 @@ class RequestPath:
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise RequestError(503, f"a worker failed while serving this request: {type(exc).__name__}", type="server_error") from None
         finally:
-            for kind, amount in stages.items():
-                self._done(kind, getattr(decision, kind.value), amount)
+            self.routing.release(decision, before_prefill=not prefilled)
 
     def encode(self, adm: Admitted, decision: RouteDecision) -> list:
         """One encode call per item; the encoder batches them with other requests' items."""
@@ -168,22 +154,33 @@ class RequestPath:
         method = encoder.encode.options(**self.fleet.transport_option(self.config.transport.embeddings))
         return [method.remote(EncodeJob(adm.request_id, item, n)) for item, n in zip(adm.items, adm.plan.num_embeddings)]
 
-    async def deliver(self, kind: WorkerKind, index: int, request_id: str, refs: list, transport) -> None:
-        """Hand tensors (as refs) to a worker's inbox; they move worker-to-worker, never here."""
+    async def deliver(self, kind: WorkerKind, index: int, request_id: str, refs: list, transport) -> list:
+        """Hand tensors (as refs) to a worker's inbox, one receive call per item; they move
+        worker-to-worker, never here. Returns each receive's answer."""
         worker = self.fleet.pools[kind][index]
+        calls = lambda: [worker.receive.remote(request_id, slot, ref) for slot, ref in enumerate(refs)]
+        if transport == Transport.OBJECT_STORE:
+            return await asyncio.gather(*calls())
         async with self.fleet.receiving(kind, index, transport):
-            await worker.receive.remote(request_id, *refs)
+            # One transfer at a time into an actor: gloo pairs sends and receives by order
+            # alone, and Ray issues concurrent ones in no fixed order (equal sizes swap silently).
+            return [await worker.receive.remote(request_id, slot, ref) for slot, ref in enumerate(refs)]
 
-    async def prefill(self, adm: Admitted, decision: RouteDecision, encoded: list) -> PrefillResult:
+    async def prefill(self, adm: Admitted, decision: RouteDecision, encoded: list) -> tuple[PrefillResult, float | None]:
+        """The prefill result, and how long the embeddings took from encoder to prefill worker."""
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
+        received_at = None
         if encoded:
-            await self.deliver(WorkerKind.PREFILL, decision.prefill, adm.request_id, encoded, self.config.transport.embeddings)
+            received_at = max(await self.deliver(WorkerKind.PREFILL, decision.prefill, adm.request_id, encoded, self.config.transport.embeddings))
         request = PrefillRequest(adm.request_id, adm.plan.token_ids, adm.plan.placeholders, adm.sampling)
         try:
-            return await prefill.prefill.remote(request)
+            result = await prefill.prefill.remote(request)
         except BaseException:
             prefill.drop.remote(adm.request_id)
             raise
+        ready_at = max((s.finished_at_s for s in result.encode_stats if not s.cache_hit), default=None)
+        transfer_ms = (received_at - ready_at) * 1e3 if received_at and ready_at else None
+        return result, (max(transfer_ms, 0.0) if transfer_ms is not None else None)
 
     def _first_chunk(self, adm: Admitted, result: PrefillResult) -> TokenChunk:
         seq = Sequence(DecodeRequest(adm.request_id, result.num_prompt_tokens, result.first_token_id, adm.sampling), None, [result.first_token_id])

@@ -1,13 +1,16 @@
-"""Keeps the fleet whole: pings every worker, takes a dead one out of routing and
-restarts it (re-forming the collective group when tensors travel over one)."""
+"""Keeps the fleet whole and the router's view fresh: polls every worker's stats (its
+load and, for encoders, the media it holds), publishes them to the router, takes a dead
+worker out of routing and restarts it (re-forming the collective group when tensors
+travel over one)."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from cluster.fleet import Fleet
+from router.router import Router
 from router.types import WorkerKind
-from router.view import ClusterView
 
 log = logging.getLogger(__name__)
 
@@ -16,8 +19,8 @@ PING_TIMEOUT_S = 10.0
 
 
 class Supervisor:
-    def __init__(self, fleet: Fleet, view: ClusterView):
-        self.fleet, self.view = fleet, view
+    def __init__(self, fleet: Fleet, router: Router):
+        self.fleet, self.router = fleet, router
         self._task: asyncio.Task | None = None
         self.num_restarts = 0
 
@@ -36,19 +39,31 @@ class Supervisor:
     async def check(self) -> None:
         for kind in WorkerKind:
             for index, actor in enumerate(list(self.fleet.pools[kind])):
-                if not await self._alive(actor):
+                report = await self._poll(kind, actor)
+                if report is None:
                     await self._restart(kind, index)
+                else:
+                    self._publish(kind, index, *report)
 
     @staticmethod
-    async def _alive(actor) -> bool:
+    async def _poll(kind: WorkerKind, actor):
         try:
-            return await asyncio.wait_for(actor.ready.remote(), timeout=PING_TIMEOUT_S)
+            stats = await asyncio.wait_for(actor.stats.remote(), timeout=PING_TIMEOUT_S)
+            cached = None
+            if kind == WorkerKind.ENCODER:
+                cached = await asyncio.wait_for(actor.cached_identifiers.remote(), timeout=PING_TIMEOUT_S)
+            return stats, cached
         except Exception:
-            return False
+            return None
+
+    def _publish(self, kind: WorkerKind, index: int, stats: dict, cached: frozenset[str] | None) -> None:
+        self.router.publish(
+            kind, index, now_s=time.monotonic(), queued=stats.get("queued"), running=stats.get("running"), cached_identifiers=cached
+        )
 
     async def _restart(self, kind: WorkerKind, index: int) -> None:
         log.warning("%s worker %d is down; restarting it", kind.value, index)
-        self.view.set_healthy(kind, index, False)
+        self.router.set_healthy(kind, index, False)
         await asyncio.to_thread(self.fleet.replace, kind, index)
-        self.view.set_healthy(kind, index, True)
+        self.router.set_healthy(kind, index, True)
         self.num_restarts += 1

@@ -31,6 +31,7 @@ class WorkerInfo:
     index: int
     node: str = "node-0"
     modalities: frozenset[str] = frozenset()  # encoders: the towers it hosts ("image", "video", "audio")
+    process: str | None = None  # an encoder and a prefill worker sharing one process: SAME_PROCESS transfer
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,33 @@ class RouteDecision:
     prefill: int
     decode: int
     estimate: TTFTEstimate = field(default_factory=TTFTEstimate)
+    # What the completions need to release the dispatched work and calibrate the cost model:
+    items: tuple[MediaJob, ...] = ()  # all media items of the request
+    encode_items: tuple[MediaJob, ...] = ()  # the ones the chosen encoder was expected to encode (cache misses)
+    uncached_tokens: int = 0  # prompt tokens the chosen prefill worker was expected to compute
 
     @property
     def estimated_ttft_ms(self) -> float:
         return self.estimate.total_ms
+
+
+# -- additions for the router proper (cost model, view, policies) ---------------------------
+
+
+class WorkerState(str, enum.Enum):
+    """Why a worker is or is not a routing candidate."""
+
+    UP = "up"
+    DOWN = "down"  # marked unhealthy (set_healthy(False)), e.g. by the supervisor
+    SILENT = "silent"  # reported before, but not within dead_after_s
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """What a worker last published about itself (None: that report carried no such field)."""
+
+    at_s: float
+    queued: int | None = None
+    running: int | None = None
+    cached_identifiers: frozenset[str] | None = None
+    prefix_hashes: frozenset[str] | None = None

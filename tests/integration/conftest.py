@@ -6,6 +6,7 @@ configuration (e.g. another transport), which tears the previous fleet down with
 from __future__ import annotations
 
 import base64
+import os
 import io
 
 import httpx
@@ -22,7 +23,7 @@ TEST_PORT = 8765
 
 
 def cluster_config(**sections) -> ClusterConfig:
-    base = load_config().replace(server={"port": TEST_PORT}, encoder={"num_workers": 2, "max_wait_ms": 20})
+    base = load_config().replace(server={"port": TEST_PORT}, encoder={"num_workers": 2, "max_wait_ms": 20, "cache_mb": float(os.environ.get("EPD_TEST_CACHE_MB", 256))})
     return base.replace(**sections) if sections else base
 
 

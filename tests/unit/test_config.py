@@ -47,7 +47,7 @@ def test_default_config_is_cpu_and_object_store():
     config = load_config()
     assert config.model.device == "cpu"
     assert config.transport.kv == Transport.OBJECT_STORE
-    assert config.router.policy == "least_loaded"
+    assert config.router.policy == "joint"
 
 
 def test_minimal_config_takes_defaults(tmp_path):

@@ -1,0 +1,73 @@
+"""The live cluster's side of the router: builds request profiles, books and releases
+each request's stages in the Router, and feeds it the timings the workers report.
+
+The Router itself (router/) is the same object the simulator drives.
+"""
+from __future__ import annotations
+
+import time
+
+from actors.types import PrefillResult
+from cluster.metrics import Metrics
+from cluster.prompt_plan import PromptPlan
+from router.router import Router
+from router.types import MediaJob, RequestProfile, RouteDecision, WorkerKind
+from router.view import NoWorkerError
+
+
+class RoutingUnavailable(RuntimeError):
+    pass
+
+
+class LiveRouting:
+    def __init__(self, router: Router, metrics: Metrics, embedding_bytes_per_token: int):
+        self.router, self.metrics = router, metrics
+        self.embedding_bytes_per_token = embedding_bytes_per_token
+
+    def profile(self, items, plan: PromptPlan, max_tokens: int) -> RequestProfile:
+        jobs = tuple(
+            MediaJob(item.identifier, item.modality.value, item.size / 1e6, n, n * self.embedding_bytes_per_token)
+            for item, n in zip(items, plan.num_embeddings)
+        )
+        return RequestProfile(len(plan.token_ids), jobs, max_tokens=max_tokens)
+
+    def route(self, profile: RequestProfile) -> RouteDecision:
+        try:
+            decision = self.router.route(profile, time.monotonic())
+        except NoWorkerError as exc:
+            raise RoutingUnavailable(str(exc)) from None
+        self._publish_queues()
+        return decision
+
+    def prefill_finished(self, decision: RouteDecision, result: PrefillResult, transfer_ms: float | None) -> None:
+        """Release the encode and prefill bookings and calibrate from what the workers measured."""
+        now = time.monotonic()
+        by_id = {item.identifier: item for item in decision.items}
+        encoded = [(by_id[s.identifier], s) for s in result.encode_stats if not s.cache_hit and s.identifier in by_id]
+        for item, stats in encoded:  # a batch's time is shared by the items in it
+            self.router.observe_encode(decision.encoder, item.modality, item.size, stats.encode_ms / max(stats.batch_size, 1))
+        self.router.encode_done(decision, now)
+        self.router.prefill_done(decision, now, duration_ms=result.prefill_ms, uncached_tokens=result.num_prompt_tokens)
+        if transfer_ms is not None and decision.encoder is not None and decision.items:
+            num_bytes = sum(item.embedding_bytes for item in decision.items)
+            self.router.observe_transfer(self.router.placement(decision.encoder, decision.prefill), num_bytes, transfer_ms)
+        self._publish_queues()
+
+    def release(self, decision: RouteDecision, *, before_prefill: bool) -> None:
+        """Free what is still booked when a request ends (normally only its decode slot)."""
+        now = time.monotonic()
+        if before_prefill:
+            self.router.encode_done(decision, now)
+            self.router.prefill_done(decision, now)
+        self.router.decode_done(decision, now)
+        self._publish_queues()
+
+    def record_ttft(self, decision: RouteDecision, measured_ms: float) -> None:
+        estimated_s = decision.estimated_ttft_ms / 1e3
+        self.metrics.estimated_ttft.observe(estimated_s)
+        self.metrics.ttft_estimate_error.observe(abs(measured_ms / 1e3 - estimated_s))
+
+    def _publish_queues(self) -> None:
+        view = self.router.view
+        for kind in WorkerKind:
+            self.metrics.queue_depth.labels(kind.value).set(view.queue_depth(kind))

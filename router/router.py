@@ -1,0 +1,83 @@
+"""The router facade: one object the ingress and the simulator both drive.
+
+    router = Router(workers, CostPriors(), "joint")
+    decision = router.route(profile, now_s)            # picks, and books the work in the view
+    router.encode_done(decision, now_s, duration_ms)   # releases it, calibrates the cost model
+    router.prefill_done(decision, now_s, duration_ms)
+    router.decode_done(decision, now_s)
+
+Durations are the stage's own compute time (no queueing): the queue is modelled from the
+work the router booked, the compute time is what calibration learns.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from router.cost_model import CostModel, CostPriors
+from router.policies import Policy, make_policy
+from router.types import MediaJob, Placement, RequestProfile, RouteDecision, WorkerInfo, WorkerKind
+from router.view import ClusterView
+
+_E, _P, _D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
+
+
+class Router:
+    def __init__(self, workers: Iterable[WorkerInfo], priors: CostPriors | None = None, policy: str | Policy = "joint", *,
+                 seed: int = 0, staleness_s: float = 5.0, dead_after_s: float = 10.0):
+        self.view = ClusterView(workers, staleness_s=staleness_s, dead_after_s=dead_after_s)
+        self.cost = CostModel.for_view(priors, self.view)
+        self.policy = make_policy(policy, seed) if isinstance(policy, str) else policy
+
+    def route(self, profile: RequestProfile, now_s: float) -> RouteDecision:
+        """Pick the workers (NoWorkerError if a stage has none) and book the request's work."""
+        decision = self.policy.pick(profile, self.view, self.cost, now_s)
+        self.view.dispatch(decision, profile)
+        return decision
+
+    def encode_done(self, decision: RouteDecision, now_s: float, duration_ms: float | None = None, items: tuple[MediaJob, ...] | None = None) -> None:
+        """The request's items are encoded; `duration_ms` is the compute time of `items`
+        (default: the items the router expected to miss the cache), split by their estimates."""
+        if decision.encoder is None:
+            return
+        self.view.refresh(now_s)
+        self.view.end(_E, decision.encoder, len(decision.items), decision.estimate.encode_ms)
+        encoded = decision.encode_items if items is None else items
+        if duration_ms is not None and encoded:
+            self._calibrate_encode(decision.encoder, encoded, duration_ms)
+
+    def _calibrate_encode(self, encoder: int, items: tuple[MediaJob, ...], duration_ms: float) -> None:
+        expected = [self.cost.encode_ms(encoder, item.modality, item.size) for item in items]
+        total = sum(expected)
+        for item, part in zip(items, expected):
+            share = part / total if total > 0 else 1 / len(items)
+            self.cost.observe_encode(encoder, item.modality, item.size, duration_ms * share)
+
+    def prefill_done(self, decision: RouteDecision, now_s: float, duration_ms: float | None = None, uncached_tokens: int | None = None) -> None:
+        """The first token is out; `uncached_tokens` defaults to the router's expectation."""
+        self.view.refresh(now_s)
+        self.view.end(_P, decision.prefill, 1, decision.estimate.prefill_ms)
+        if duration_ms is not None:
+            tokens = decision.uncached_tokens if uncached_tokens is None else uncached_tokens
+            self.cost.observe_prefill(decision.prefill, tokens, duration_ms)
+
+    def decode_done(self, decision: RouteDecision, now_s: float) -> None:
+        self.view.refresh(now_s)
+        self.view.end(_D, decision.decode, 1)
+
+    def observe_encode(self, encoder: int, modality: str, size: float, duration_ms: float) -> None:
+        """Per-item timing straight from the encoder (its EncodeStats), instead of encode_done's split."""
+        self.cost.observe_encode(encoder, modality, size, duration_ms)
+
+    def observe_transfer(self, placement: Placement, num_bytes: int, duration_ms: float) -> None:
+        self.cost.observe_transfer(placement, num_bytes, duration_ms)
+
+    def placement(self, encoder: int, prefill: int) -> Placement:
+        return self.view.placement(encoder, prefill)
+
+    def publish(self, kind: WorkerKind, index: int, *, now_s: float, queued: int | None = None, running: int | None = None,
+                cached_identifiers: frozenset[str] | None = None, prefix_hashes: frozenset[str] | None = None) -> None:
+        self.view.publish(kind, index, now_s=now_s, queued=queued, running=running,
+                          cached_identifiers=cached_identifiers, prefix_hashes=prefix_hashes)
+
+    def set_healthy(self, kind: WorkerKind, index: int, healthy: bool) -> None:
+        self.view.set_healthy(kind, index, healthy)
