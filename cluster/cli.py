@@ -1,4 +1,4 @@
-"""`epd` command line: build the default checkpoint, serve the cluster."""
+"""`epd` command line: build the default checkpoint, serve the cluster, simulate routing."""
 from __future__ import annotations
 
 import argparse
@@ -60,7 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     build_p = sub.add_parser("build-model", help="build the config's built-in checkpoint if it is missing")
     build_p.add_argument("--config", default=str(DEFAULT_CONFIG))
     build_p.set_defaults(func=_build_model)
-    args = parser.parse_args(argv)
+    # The simulator owns its flags (epd simulate --help); they pass through untouched.
+    sub.add_parser("simulate", help="routing-policy simulator, driving the router's own code", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "simulate":
+        from router.sim.cli import main as simulate_main
+
+        return simulate_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args)
     except ConfigError as exc:

@@ -25,6 +25,7 @@ from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
 from cluster.protocol import ChatCompletionRequest, to_template_messages, validation_error_message
 from cluster.routing import LiveRouting, RoutingUnavailable
+from cluster.trace import TraceWriter
 from router.types import RequestProfile, RouteDecision, WorkerKind
 
 
@@ -62,6 +63,7 @@ class RequestPath:
     def __init__(self, config: ClusterConfig, fleet: Fleet, planner: PromptPlanner, routing: LiveRouting, metrics: Metrics):
         self.config, self.fleet, self.planner = config, fleet, planner
         self.routing, self.metrics = routing, metrics
+        self.trace = TraceWriter(config.server.trace_path) if config.server.trace_path else None
 
     # -- 1. admit -------------------------------------------------------------------------
     def admit(self, body: bytes) -> Admitted:
@@ -135,6 +137,8 @@ class RequestPath:
             first = self._first_chunk(adm, result)
             trace.ttft_ms = (time.perf_counter() - adm.arrived_s) * 1e3
             self.routing.record_ttft(decision, trace.ttft_ms)
+            if self.trace is not None:
+                self.trace.record(adm.arrived_s, trace.profile, decision, trace.ttft_ms)
             yield first
             if first.finished:
                 self.fleet.pools[WorkerKind.PREFILL][decision.prefill].drop.remote(adm.request_id)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import os
+import tempfile
+from pathlib import Path
 import io
 
 import httpx
@@ -20,10 +22,11 @@ from cluster.cli import ensure_model, start
 from cluster.config import ClusterConfig, load_config
 
 TEST_PORT = 8765
+TRACE_PATH = Path(tempfile.gettempdir()) / f"epd-test-trace-{os.getpid()}.jsonl"  # every app records its requests
 
 
 def cluster_config(**sections) -> ClusterConfig:
-    base = load_config().replace(server={"port": TEST_PORT}, encoder={"num_workers": 2, "max_wait_ms": 20, "cache_mb": float(os.environ.get("EPD_TEST_CACHE_MB", 256))})
+    base = load_config().replace(server={"port": TEST_PORT, "trace_path": str(TRACE_PATH)}, encoder={"num_workers": 2, "max_wait_ms": 20, "cache_mb": float(os.environ.get("EPD_TEST_CACHE_MB", 256))})
     return base.replace(**sections) if sections else base
 
 

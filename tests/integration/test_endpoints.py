@@ -105,3 +105,18 @@ def test_repeated_image_hits_the_encoder_cache(app):
     misses = after.get(("epd_encoder_cache_total", (("result", "miss"),)), 0) - before.get(("epd_encoder_cache_total", (("result", "miss"),)), 0)
     assert len(set(answers)) == 1
     assert misses >= 1 and hits >= 1 and hits + misses == 3  # two encoders: the least-loaded pick may alternate
+
+
+def test_estimated_ttft_is_reported_and_requests_are_traced(app):
+    from router.sim.workload import load_trace
+    from tests.integration.conftest import TRACE_PATH
+
+    image = {"type": "image_url", "image_url": {"url": png_data_url(random_image(505, 40, 40))}}
+    body = app.chat([{"role": "user", "content": [image, {"type": "text", "text": "trace me"}]}], temperature=0, max_tokens=4).json()
+    timings = body["timings"]
+    assert timings["estimated_ttft_ms"] > 0 and timings["ttft_ms"] > 0
+    assert _scrape(app)[("epd_estimated_ttft_seconds_count", ())] >= 1
+    workload = load_trace(TRACE_PATH)  # the simulator's own loader reads what the cluster wrote
+    last = workload.profiles[len(workload) - 1]
+    assert last.items and last.items[0].modality == "image" and last.items[0].num_embeddings == 16
+    assert last.num_prompt_tokens == body["usage"]["prompt_tokens"]

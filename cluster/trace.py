@@ -1,0 +1,29 @@
+"""Records the live cluster's requests as a JSONL trace the simulator replays
+(router/sim/workload.py documents the format): arrival, profile, measured TTFT, plus
+the router's estimate and the chosen workers, so simulated and measured can be compared."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from router.sim.workload import profile_to_record
+from router.types import RequestProfile, RouteDecision
+
+
+class TraceWriter:
+    def __init__(self, path: str | Path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", buffering=1)  # line-buffered: a crash loses at most one line
+        self._start_s: float | None = None
+
+    def record(self, arrived_s: float, profile: RequestProfile, decision: RouteDecision, ttft_ms: float) -> None:
+        """`arrived_s` is a perf_counter reading; the trace counts from its first request."""
+        if self._start_s is None:
+            self._start_s = arrived_s
+        rec = profile_to_record(arrived_s - self._start_s, profile, ttft_ms)
+        rec["estimated_ttft_ms"] = round(decision.estimated_ttft_ms, 3)
+        rec["route"] = [decision.encoder, decision.prefill, decision.decode]
+        self._file.write(json.dumps(rec) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
