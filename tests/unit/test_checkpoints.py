@@ -24,20 +24,6 @@ FILES = ["config.json", "generation_config.json", "processor_config.json", "toke
          "tokenizer_config.json", "chat_template.jinja"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """The tiny model gains nothing from threads, and they thrash on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return ck.build_checkpoint("tiny-llava", tmp_path_factory.mktemp("ck") / "tiny", progress=False)
-
-
 @pytest.fixture(scope="module")
 def processor(ckpt):
     return AutoProcessor.from_pretrained(ckpt)

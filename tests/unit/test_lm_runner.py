@@ -27,20 +27,6 @@ from actors.types import DecodeRequest, MediaItem, Modality, PlaceholderRange, S
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matrices: intra-op threads only add overhead (and spin badly on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return build_checkpoint("tiny-llava", tmp_path_factory.mktemp("lm") / "tiny", progress=False)
-
-
 @pytest.fixture(scope="module")
 def hf_model(ckpt):
     return LlavaForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32).eval()
