@@ -8,7 +8,42 @@ one left-padded [batch, kv_heads, tokens, head_dim] tensor per layer and key/val
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+SPARE_SLOTS = 64  # decode steps a slab absorbs before it must grow (and copy)
+
+
+class _SlabLayer(DynamicLayer):
+    """A cache layer in a buffer with spare slots: a decode step writes its column in place,
+    where the stock layer would concatenate (copy) the whole cache every step."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self._length = keys.shape[-2]
+        self._k, self._v = self._alloc(keys), self._alloc(values)
+        self._expose()
+
+    def _alloc(self, t: torch.Tensor) -> torch.Tensor:
+        buf = t.new_zeros(*t.shape[:-2], t.shape[-2] + SPARE_SLOTS, t.shape[-1])
+        buf[:, :, : t.shape[-2]] = t
+        return buf
+
+    def _expose(self) -> None:
+        self.keys, self.values = self._k[:, :, : self._length], self._v[:, :, : self._length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[-2]
+        if self._length + n > self._k.shape[-2]:
+            self._k, self._v = self._alloc(self.keys), self._alloc(self.values)
+        self._k[:, :, self._length : self._length + n] = key_states
+        self._v[:, :, self._length : self._length + n] = value_states
+        self._length += n
+        self._expose()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length
 
 
 def pack(cache: DynamicCache) -> torch.Tensor:
@@ -34,8 +69,17 @@ class BatchedKV:
     """The decode batch's cache: rows are requests, columns are token slots (left-padded)."""
 
     def __init__(self) -> None:
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._cache = DynamicCache()
         self.mask = torch.zeros(0, 0, dtype=torch.long)
+
+    @property
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self._cache.layers]
+
+    @layers.setter
+    def layers(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._cache = DynamicCache()
+        self._cache.layers = [_SlabLayer(k, v) for k, v in layers]
 
     @property
     def num_rows(self) -> int:
@@ -73,11 +117,13 @@ class BatchedKV:
         self.layers = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:]) for k, v in self.layers]
 
     def as_cache(self) -> DynamicCache:
-        return DynamicCache(ddp_cache_data=self.layers)
+        """The batch's own cache object: a step's forward pass appends to it in place."""
+        return self._cache
 
     def absorb(self, cache: DynamicCache) -> None:
         """Take back the cache after a step that appended one slot to every row."""
-        self.layers = [(layer.keys, layer.values) for layer in cache.layers]
+        if cache is not self._cache:
+            self.layers = [(layer.keys, layer.values) for layer in cache.layers]
         self.mask = torch.cat((self.mask, self.mask.new_ones(self.num_rows, 1)), dim=1)
 
     def step_mask(self) -> torch.Tensor:
