@@ -4,22 +4,29 @@ Estimated TTFT of a request on (encoder e, prefill p) =
     queue of e (only if some item misses e's cache: hits skip the encoder's queue)
   + encode time on e of the items e does not hold
   + transfer of all embeddings over the e->p placement
-  + queue of p + prefill of the prompt tokens p's prefix cache does not cover.
+  + queue of p (its booked work, less what the job it is serving has done: prefill_queue_ms)
+  + prefill of the prompt tokens p's prefix cache does not cover.
 
 Every linear term is `fixed_ms + per_unit_ms * x` with an `OnlineLinear` fit per worker
 (per modality for encoders, per placement for transfers): O(1) to observe, O(1) to read.
+The routing fast path reads the fits' coefficients from flat per-worker lists (prefill_a,
+encode lists per modality, ...), brought up to date by _sync() before each read.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from router.types import MediaJob, Placement, RequestProfile, TTFTEstimate, WorkerKind
 from router.view import ClusterView, bits, unique_items
 
 _E, _P = WorkerKind.ENCODER, WorkerKind.PREFILL
+_INF = math.inf
+_TIERS = (Placement.SAME_PROCESS, Placement.SAME_NODE, Placement.CROSS_NODE)  # closest first
+_TIER_INDEX = {placement: i for i, placement in enumerate(_TIERS)}
 
 
 @dataclass(frozen=True)
@@ -79,47 +86,69 @@ def _positive(name: str, value: Any) -> float:
 
 class OnlineLinear:
     """y ~ a + b*x, exponentially weighted least squares; until the sizes seen vary enough to
-    fit a slope, the prior scaled by an EWMA of observed/predicted. a, b stay finite and >= 0."""
+    fit a slope, the prior scaled by an EWMA of observed/predicted. a, b stay finite and >= 0.
+
+    `observe` only updates the sufficient statistics (a few multiply-adds); the fit is redone
+    lazily, the next time the coefficients are read, so a burst of observations between two
+    routing decisions costs one fit. The fit is a pure function of the statistics, so the
+    coefficients are exactly those an eager refit after every observation would give."""
 
     DECAY, RATIO_ALPHA, MIN_WEIGHT, MIN_CV = 0.9, 0.2, 3.0, 0.1
 
-    __slots__ = ("prior", "ratio", "sw", "sx", "sy", "sxx", "sxy", "a", "b")
+    __slots__ = ("prior", "ratio", "sw", "sx", "sy", "sxx", "sxy", "_coefficients", "stale")
 
     def __init__(self, prior: LinearCost):
         self.prior, self.ratio = prior, 1.0
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.a, self.b = prior.fixed_ms, prior.per_unit_ms
+        self._coefficients = (prior.fixed_ms, prior.per_unit_ms)  # (a, b) as of the last fit
+        self.stale = False  # observed since the last fit
+
+    @property
+    def a(self) -> float:
+        return self.coefficients()[0]
+
+    @property
+    def b(self) -> float:
+        return self.coefficients()[1]
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b), refitted first if anything was observed since the last fit."""
+        if self.stale:
+            self._coefficients = self._fit()
+            self.stale = False
+        return self._coefficients
 
     def predict(self, x: float) -> float:
-        return self.a + self.b * x
+        a, b = self.coefficients()
+        return a + b * x
 
     def observe(self, x: float, y: float) -> None:
-        if not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
-            return  # a broken timing must not poison the fit
+        if not (0.0 <= x < _INF and 0.0 <= y < _INF):
+            return  # a broken timing (NaN, infinite, negative) must not poison the fit
         expected = self.prior.fixed_ms + self.prior.per_unit_ms * x
         if expected > 0:
-            ratio = min(max(y / expected, 1e-3), 1e3)
+            ratio = y / expected
+            ratio = 1e-3 if ratio < 1e-3 else 1e3 if ratio > 1e3 else ratio
             self.ratio += self.RATIO_ALPHA * (ratio - self.ratio)
         d = self.DECAY
         self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + x, d * self.sy + y
         self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
-        self.a, self.b = self._fit()
+        self.stale = True
 
     def _fit(self) -> tuple[float, float]:
-        scaled = (self.ratio * self.prior.fixed_ms, self.ratio * self.prior.per_unit_ms)
-        if self.sw < self.MIN_WEIGHT:
-            return scaled
-        mx, my = self.sx / self.sw, self.sy / self.sw
-        var = self.sxx / self.sw - mx * mx
-        if var <= (self.MIN_CV * mx) ** 2 or var <= 1e-12:
-            return scaled  # (nearly) one size seen: a slope would be noise
-        b = (self.sxy / self.sw - mx * my) / var
-        a = my - b * mx
-        if b < 0:
-            return scaled
-        if a < 0:  # through the origin instead
-            a, b = 0.0, self.sxy / self.sxx
-        return (a, b) if math.isfinite(a) and math.isfinite(b) else scaled
+        sw = self.sw
+        if sw >= self.MIN_WEIGHT:
+            mx, my = self.sx / sw, self.sy / sw
+            var = self.sxx / sw - mx * mx
+            if var > (self.MIN_CV * mx) ** 2 and var > 1e-12:  # else (nearly) one size seen: a slope would be noise
+                b = (self.sxy / sw - mx * my) / var
+                if b >= 0:
+                    a = my - b * mx
+                    if a < 0:  # through the origin instead
+                        a, b = 0.0, self.sxy / self.sxx
+                    if -_INF < a < _INF and -_INF < b < _INF:  # both finite (NaN fails too)
+                        return a, b
+        return self.ratio * self.prior.fixed_ms, self.ratio * self.prior.per_unit_ms  # the prior, scaled
 
 
 class CostModel:
@@ -135,6 +164,14 @@ class CostModel:
         self.prefill_a = [f.a for f in self._prefill]
         self.prefill_b = [f.b for f in self._prefill]
         self._transfer = {pl: OnlineLinear(LinearCost(0.0, 1.0 / (gbps * 1e6))) for pl, gbps in self.priors.bandwidth_gbps.items()}
+        if missing := [pl.value for pl in _TIERS if pl not in self._transfer]:
+            raise ValueError(f"cost priors lack bandwidth_gbps for {missing}")
+        # the three transfer fits' coefficients, in _TIERS order, for transfer_tiers()
+        self._transfer_a = [self._transfer[pl].a for pl in _TIERS]
+        self._transfer_b = [self._transfer[pl].b for pl in _TIERS]
+        # Fits observed since their flat coefficients were last copied: (fit, a list, b list, index).
+        # Copied (refitting each once) before the next read, so observing stays a few multiply-adds.
+        self._pending: list[tuple[OnlineLinear, list[float], list[float], int]] = []
 
     @classmethod
     def for_view(cls, priors: CostPriors | None, view: ClusterView) -> CostModel:
@@ -148,12 +185,33 @@ class CostModel:
             found = self._encode[modality] = (fits, [f.a for f in fits], [f.b for f in fits])
         return found
 
+    def _sync(self) -> None:
+        """Bring the flat coefficient lists up to date with the fits observed since the last read."""
+        for fit, a, b, index in self._pending:
+            if fit.stale:  # fit.coefficients(), inlined
+                fit._coefficients, fit.stale = fit._fit(), False
+            a[index], b[index] = fit._coefficients
+        self._pending.clear()
+
     # -- single terms --------------------------------------------------------------------------
     def encode_ms(self, encoder: int, modality: str, size: float) -> float:
+        if self._pending:
+            self._sync()
         _, a, b = self._modality(modality)
         return a[encoder] + b[encoder] * size
 
+    def _encode_sum(self, encoder: int, items: tuple[MediaJob, ...] | list[MediaJob]) -> float:
+        """Encode ms of `items` on `encoder`, one at a time, summed in order (coefficients synced).
+        The pair estimate and the joint policy's per-encoder costs both use this, so they agree."""
+        total = 0.0
+        for item in items:
+            _, a, b = self._modality(item.modality)
+            total += a[encoder] + b[encoder] * item.size
+        return total
+
     def prefill_ms(self, prefill: int, uncached_tokens: int) -> float:
+        if self._pending:
+            self._sync()
         return self.prefill_a[prefill] + self.prefill_b[prefill] * uncached_tokens
 
     def transfers(self, num_bytes: int) -> dict[Placement, float]:
@@ -164,10 +222,14 @@ class CostModel:
 
     def transfer_tiers(self, num_bytes: int) -> tuple[float, float, float]:
         """(same process, same node, cross node) transfer ms, non-decreasing."""
-        fits = self._transfer
-        cross = fits[Placement.CROSS_NODE].predict(num_bytes)
-        node = min(fits[Placement.SAME_NODE].predict(num_bytes), cross)
-        return min(fits[Placement.SAME_PROCESS].predict(num_bytes), node), node, cross
+        if self._pending:
+            self._sync()
+        a, b = self._transfer_a, self._transfer_b
+        cross = a[2] + b[2] * num_bytes
+        node = a[1] + b[1] * num_bytes
+        node = cross if cross < node else node  # min(node, cross)
+        proc = a[0] + b[0] * num_bytes
+        return (node if node < proc else proc), node, cross  # min(proc, node)
 
     def transfer_ms(self, placement: Placement, num_bytes: int) -> float:
         proc, node, cross = self.transfer_tiers(num_bytes)
@@ -177,31 +239,80 @@ class CostModel:
         return self.priors.decode_step_ms + self.priors.decode_per_seq_ms * running
 
     # -- calibration -----------------------------------------------------------------------------
+    # Each queues its fit for _sync() unless it is queued already (stale); a rejected observation
+    # leaves the fit as it was, and syncing it then copies what was there.
     def observe_encode(self, encoder: int, modality: str, size: float, duration_ms: float) -> None:
         fits, a, b = self._modality(modality)
-        fits[encoder].observe(size, duration_ms)
-        a[encoder], b[encoder] = fits[encoder].a, fits[encoder].b
+        fit = fits[encoder]
+        if not fit.stale:
+            self._pending.append((fit, a, b, encoder))
+        fit.observe(size, duration_ms)
 
     def observe_prefill(self, prefill: int, uncached_tokens: int, duration_ms: float) -> None:
         fit = self._prefill[prefill]
+        if not fit.stale:
+            self._pending.append((fit, self.prefill_a, self.prefill_b, prefill))
         fit.observe(uncached_tokens, duration_ms)
-        self.prefill_a[prefill], self.prefill_b[prefill] = fit.a, fit.b
 
     def observe_transfer(self, placement: Placement, num_bytes: int, duration_ms: float) -> None:
-        self._transfer[placement].observe(num_bytes, duration_ms)
+        fit = self._transfer[placement]
+        if not fit.stale:
+            self._pending.append((fit, self._transfer_a, self._transfer_b, _TIER_INDEX[placement]))
+        fit.observe(num_bytes, duration_ms)
 
     # -- one (encoder, prefill) pair: what every policy reports ---------------------------------------
     def evaluate(self, profile: RequestProfile, view: ClusterView, encoder: int | None, prefill: int) -> tuple[TTFTEstimate, tuple[MediaJob, ...], int]:
         """The estimate for one pair, the items expected to miss the encoder cache, the uncached tokens."""
-        uncached = self.uncached_tokens(profile, view.prefix_blocks(prefill, profile.prefix_hashes) if profile.prefix_hashes else 0)
-        prefill_queue, prefill_ms = view.outstanding_ms[_P][prefill], self.prefill_ms(prefill, uncached)
         if encoder is None:
-            return TTFTEstimate(prefill_queue_ms=prefill_queue, prefill_ms=prefill_ms), (), uncached
-        misses = tuple(item for item in unique_items(profile.items) if not view.holds_item(encoder, item.identifier))
-        encode = sum((self.encode_ms(encoder, item.modality, item.size) for item in misses), 0.0)
+            return self.pair_estimate(profile, view, None, prefill, (), [], (0.0, 0.0, 0.0))
+        items = unique_items(profile.items)
+        tiers = self.transfer_tiers(embedding_bytes(profile.items))
+        return self.pair_estimate(profile, view, encoder, prefill, items, view.item_holders(items), tiers)
+
+    def pair_estimate(self, profile: RequestProfile, view: ClusterView, encoder: int | None, prefill: int,
+                      items: tuple[MediaJob, ...], holders: list[int], tiers: tuple[float, float, float]) -> tuple[TTFTEstimate, tuple[MediaJob, ...], int]:
+        """evaluate(), given what depends on the request only and the joint policy has already worked
+        out: the unique items, their holder bitmasks (view.item_holders) and the transfer tiers."""
+        if self._pending:
+            self._sync()
+        uncached = profile.num_prompt_tokens  # what uncached_tokens() gives, without the call
+        if profile.prefix_hashes:
+            uncached -= view.prefix_blocks(prefill, profile.prefix_hashes) * profile.block_size
+        if uncached < 0:
+            uncached = 0
+        prefill_queue = self.prefill_queue_ms(view, prefill)
+        prefill_ms = self.prefill_a[prefill] + self.prefill_b[prefill] * uncached
+        if encoder is None:
+            return TTFTEstimate.of(0.0, 0.0, 0.0, prefill_queue, prefill_ms), (), uncached
+        if len(items) == 1:  # the usual case, without the comprehension and the loop
+            if holders[0] >> encoder & 1:
+                misses, encode = (), 0.0
+            else:
+                item = items[0]
+                _, a, b = self._modality(item.modality)
+                misses, encode = items, 0.0 + (a[encoder] + b[encoder] * item.size)  # _encode_sum(encoder, items)
+        else:
+            misses = tuple([item for item, held in zip(items, holders) if not held >> encoder & 1])
+            encode = self._encode_sum(encoder, misses)
         queue = view.outstanding_ms[_E][encoder] if misses else 0.0
-        transfer = self.transfer_ms(view.placement(encoder, prefill), sum(item.embedding_bytes for item in profile.items))
-        return TTFTEstimate(queue, encode, transfer, prefill_queue, prefill_ms), misses, uncached
+        t_proc, t_node, t_cross = tiers
+        if encoder in view.colocated[prefill]:
+            transfer = t_proc
+        else:
+            transfer = t_node if view.node_ids[_E][encoder] == view.node_ids[_P][prefill] else t_cross
+        return TTFTEstimate.of(queue, encode, transfer, prefill_queue, prefill_ms), misses, uncached
+
+    # A prefill worker's booked ms include the whole of the job it is serving, which has on average
+    # done half its work when the next request looks: counting all of it made the estimates ~15 ms
+    # high at 80% load. So the time since that job started (at most its booked ms) comes off.
+    @staticmethod
+    def prefill_queue_ms(view: ClusterView, prefill: int) -> float:
+        """Estimated ms of booked work ahead of a request reaching `prefill` now."""
+        queued, elapsed = view.outstanding_ms[_P][prefill], view.now_s * 1e3 - view.service_started_ms[prefill]
+        if elapsed > 0.0:
+            done = view.service_ms[prefill]
+            queued -= done if done < elapsed else elapsed
+        return queued if queued > 0.0 else 0.0  # never below 0 while service_ms <= outstanding_ms (see ClusterView)
 
     @staticmethod
     def uncached_tokens(profile: RequestProfile, cached_blocks: int) -> int:
@@ -209,33 +320,60 @@ class CostModel:
 
     # -- all workers at once: the joint policy's fast path ------------------------------------------
     def encoder_costs(self, profile: RequestProfile, view: ClusterView) -> list[float]:
-        """queue + encode per encoder index (meaningful for the request's candidates only):
-        O(E x modalities) for the all-miss case, then exact sums for the few cache holders."""
+        """queue + encode per encoder index (meaningful for the request's candidates only)."""
         items = unique_items(profile.items)
-        totals: dict[str, list[float]] = {}  # modality -> [count, total size]
-        for item in items:
-            entry = totals.setdefault(item.modality, [0, 0.0])
-            entry[0] += 1
-            entry[1] += item.size
-        costs = list(view.outstanding_ms[_E])
-        for modality, (count, size) in totals.items():
-            _, a, b = self._modality(modality)
-            costs = [c + count * ai + size * bi for c, ai, bi in zip(costs, a, b)]
-        holders = 0
-        for item in items:
-            holders |= view.encoder_cache.holders(item.identifier)
-        for e in bits(holders & view.candidate_mask(_E)):
-            misses = [item for item in items if not view.holds_item(e, item.identifier)]
-            encode = sum((self.encode_ms(e, item.modality, item.size) for item in misses), 0.0)
-            costs[e] = view.outstanding_ms[_E][e] + encode if misses else 0.0
+        return self.encoder_costs_of(items, view.item_holders(items), view)
+
+    def encoder_costs_of(self, items: tuple[MediaJob, ...], holders: list[int], view: ClusterView) -> list[float]:
+        """encoder_costs() of the unique `items` and their holder bitmasks: O(E x modalities) for
+        the all-miss case, then exact sums for the few cache holders."""
+        if self._pending:
+            self._sync()
+        queue = view.outstanding_ms[_E]
+        if len(items) == 1:  # the usual case: the loop below with one modality and count 1
+            item = items[0]
+            _, a, b = self._modality(item.modality)
+            size = item.size
+            costs = [c + ai + size * bi for c, ai, bi in zip(queue, a, b)]
+        else:
+            totals: dict[str, list[float]] = {}  # modality -> [count, total size]
+            for item in items:
+                entry = totals.setdefault(item.modality, [0, 0.0])
+                entry[0] += 1
+                entry[1] += item.size
+            costs = queue
+            for modality, (count, size) in totals.items():
+                _, a, b = self._modality(modality)
+                costs = [c + count * ai + size * bi for c, ai, bi in zip(costs, a, b)]
+            if costs is queue:  # no items: a copy, never the view's own list
+                costs = list(queue)
+        held_any = 0
+        for held in holders:
+            held_any |= held
+        if held_any:
+            for e in bits(held_any & view.candidate_mask(_E)):
+                misses = [item for item, held in zip(items, holders) if not held >> e & 1]
+                costs[e] = queue[e] + self._encode_sum(e, misses) if misses else 0.0
         return costs
 
     def prefill_costs(self, profile: RequestProfile, view: ClusterView) -> list[float]:
-        """queue + prefill per prefill index: everything uncached, then the few prefix holders fixed up."""
-        q, a, b, n = view.outstanding_ms[_P], self.prefill_a, self.prefill_b, profile.num_prompt_tokens
-        costs = [qi + ai + bi * n for qi, ai, bi in zip(q, a, b)]
-        bs = profile.block_size
-        for p, blocks in view.prefix_matches(profile.prefix_hashes).items():
-            uncached = n - blocks * bs
-            costs[p] = q[p] + a[p] + b[p] * (uncached if uncached > 0 else 0)
-        return costs
+        """queue + prefill per prefill index (the prefix holders' cached blocks taken off their tokens)."""
+        if self._pending:
+            self._sync()
+        now_ms, n = view.now_s * 1e3, profile.num_prompt_tokens
+        tokens: list[int] | repeat[int] = repeat(n)  # uncached tokens per prefill worker
+        if profile.prefix_hashes:
+            tokens, bs = [n] * len(self.prefill_a), profile.block_size
+            for p, blocks in view.prefix_matches(profile.prefix_hashes).items():
+                uncached = n - blocks * bs
+                tokens[p] = uncached if uncached > 0 else 0
+        # prefill_queue_ms() of each worker, inlined (this runs for every worker on every decision)
+        # and without its clamp at 0, which the view's invariant service_ms <= outstanding_ms makes moot
+        return [(queued - (done if done < now_ms - started else now_ms - started) if now_ms > started else queued) + a + b * t
+                for queued, started, done, a, b, t in zip(view.outstanding_ms[_P], view.service_started_ms, view.service_ms,
+                                                          self.prefill_a, self.prefill_b, tokens)]
+
+
+def embedding_bytes(items: tuple[MediaJob, ...]) -> int:
+    """Bytes of all the request's embeddings (cache hits travel too)."""
+    return items[0].embedding_bytes if len(items) == 1 else sum(item.embedding_bytes for item in items)

@@ -2,7 +2,8 @@
 
 Every policy returns the cost model's TTFT estimate of the pair it chose, so estimate
 error can be measured whatever the policy. `joint` minimises that estimate over all
-(encoder, prefill) pairs in O(E + P); the others are the baselines it is compared with.
+(encoder, prefill) pairs without scanning them (O(E + P log P), the log at C speed); the
+others are the baselines it is compared with.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import random
 import time
 from typing import ClassVar
 
-from router.cost_model import CostModel
+from router.cost_model import CostModel, embedding_bytes
 from router.types import RequestProfile, RouteDecision, WorkerKind
 from router.view import ClusterView, bits, unique_items
 
@@ -30,6 +31,11 @@ class Policy(abc.ABC):
         """`cost` and `now_s` may be left out by callers that predate the cost model (priors, wall clock)."""
         cost = cost or self._default_cost(view)
         view.refresh(time.monotonic() if now_s is None else now_s)
+        return self.decision(profile, view, cost)
+
+    def decision(self, profile: RequestProfile, view: ClusterView, cost: CostModel) -> RouteDecision:
+        """pick() at the view's clock as it stands (the caller refreshed it): choose the workers,
+        then price the pair. Joint overrides this to reuse what it priced while choosing."""
         encoder, prefill, decode = self._choose(profile, view, cost)
         return decide(profile, view, cost, encoder, prefill, decode)
 
@@ -61,12 +67,19 @@ class StagewisePolicy(Policy):
 
 def decide(profile: RequestProfile, view: ClusterView, cost: CostModel, encoder: int | None, prefill: int, decode: int) -> RouteDecision:
     estimate, misses, uncached = cost.evaluate(profile, view, encoder, prefill)
-    return RouteDecision(encoder, prefill, decode, estimate, profile.items, misses, uncached)
+    return RouteDecision.of(encoder, prefill, decode, estimate, profile.items, misses, uncached)
 
 
 def least_decode(view: ClusterView) -> int:
     """Fewest running sequences (lowest step time); ties to the lowest index."""
-    return min(view.candidates(_D), key=view.decode_loads().__getitem__)
+    return view.least_loaded_decode()
+
+
+def argmin(workers: list[int], costs: list[float]) -> int:
+    """The worker of least cost; ties to the first listed."""
+    if len(workers) == len(costs):  # all are candidates: workers == [0, 1, ..., n-1]
+        return costs.index(min(costs))
+    return min(workers, key=costs.__getitem__)
 
 
 def least_ms(view: ClusterView, kind: WorkerKind, workers: list[int]) -> int:
@@ -82,43 +95,66 @@ class Joint(Policy):
     name = "joint"
 
     def _choose(self, profile: RequestProfile, view: ClusterView, cost: CostModel) -> tuple[int | None, int, int]:
+        decision = self.decision(profile, view, cost)
+        return decision.encoder, decision.prefill, decision.decode
+
+    def decision(self, profile: RequestProfile, view: ClusterView, cost: CostModel) -> RouteDecision:
+        # The per-request parts of the estimate (unique items, who holds them, transfer tiers) are
+        # worked out once, used to rank every pair, and reused to price the chosen one.
         prefills = view.candidates(_P)
         prefill_costs = cost.prefill_costs(profile, view)
         if not profile.items:
-            encoder, prefill = None, min(prefills, key=prefill_costs.__getitem__)
+            encoder, prefill = None, argmin(prefills, prefill_costs)
+            items, holders, tiers = (), [], (0.0, 0.0, 0.0)
         else:
-            encoder, prefill = self._pair(profile, view, cost, prefills, prefill_costs)
-        return encoder, prefill, least_decode(view)
-
-    @staticmethod
-    def _pair(profile: RequestProfile, view: ClusterView, cost: CostModel, prefills: list[int], prefill_costs: list[float]) -> tuple[int, int]:
-        encoders = view.candidates(_E, profile.modalities)
-        enc_cost = cost.encoder_costs(profile, view)
-        t_proc, t_node, t_cross = cost.transfer_tiers(sum(item.embedding_bytes for item in profile.items))
-        best = min(encoders, key=enc_cost.__getitem__)
-        cross = enc_cost[best] + t_cross  # any prefill worker can have the global best, cross-node
-        # A node's own best beats that only if it is within (t_cross - t_node) of the global best;
-        # transfers are monotone in distance, so this never undercuts a real pair.
-        near = _best_per_node(view, encoders, enc_cost, cross - t_node)
-        via = {n: enc_cost[e] + t_node for n, e in near.items()}.get
-        pnode = view.node_ids[_P]
-        totals = [via(pnode[p], cross) + prefill_costs[p] for p in prefills]
-        i = min(range(len(prefills)), key=totals.__getitem__)
-        prefill = prefills[i]
-        encoder = near.get(pnode[prefill], best)
-        if view.any_colocated:  # an encoder in the prefill worker's own process: cheaper still
-            encoder, prefill = _colocated(view, t_proc, encoders, enc_cost, prefills, prefill_costs, totals[i], (encoder, prefill))
-        return encoder, prefill
+            encoders, encoders_on = view.encoders_for(profile.items)
+            items = profile.items if len(profile.items) == 1 else unique_items(profile.items)
+            holders = view.item_holders(items)
+            enc_cost = cost.encoder_costs_of(items, holders, view)
+            tiers = cost.transfer_tiers(embedding_bytes(profile.items))
+            encoder, prefill = _pair(view, encoders, encoders_on, enc_cost, tiers, prefills, prefill_costs)
+        decode = view.least_loaded_decode()  # least_decode()
+        estimate, misses, uncached = cost.pair_estimate(profile, view, encoder, prefill, items, holders, tiers)
+        return RouteDecision.of(encoder, prefill, decode, estimate, profile.items, misses, uncached)
 
 
-def _best_per_node(view: ClusterView, encoders: list[int], enc_cost: list[float], limit: float) -> dict[int, int]:
-    """node -> its cheapest encoder (queue + encode), among encoders costing at most `limit`."""
-    node_of, near = view.node_ids[_E], {}
-    for e in [e for e in encoders if enc_cost[e] <= limit]:
-        n = node_of[e]
-        if n not in near or enc_cost[e] < enc_cost[near[n]]:
-            near[n] = e
-    return near
+def _pair(view: ClusterView, encoders: list[int], encoders_on: dict[int, list[int]], enc_cost: list[float],
+          tiers: tuple[float, float, float], prefills: list[int], prefill_costs: list[float]) -> tuple[int, int]:
+    """The (encoder, prefill) pair of least enc_cost + transfer + prefill_cost; ties to the lowest
+    prefill index. `encoders_on`: the candidate encoders per node id.
+
+    Any prefill worker can have the cheapest encoder `best` cross-node; being on a node whose own
+    cheapest encoder is within (t_cross - t_node) of it saves at most that much (transfers are
+    monotone in distance). So only prefill workers costing at most the cheapest one plus that
+    saving can win, and only their nodes' encoders need a look: a min over E and a sort of P at
+    C speed, plus a loop over those few workers (usually one to three)."""
+    t_proc, t_node, t_cross = tiers
+    cost_of = enc_cost.__getitem__
+    best = argmin(encoders, enc_cost)
+    cross = enc_cost[best] + t_cross
+    limit = cross - t_node  # a node's own best encoder helps only if it costs at most this
+    # The most that can save, loosened by far more than float rounding so no tied minimum is missed.
+    saving = (t_cross - t_node) * (1 + 1e-9) + 1e-9
+    pnode = view.node_ids[_P]
+    via: dict[int, tuple[float, int]] = {}  # node -> (encoder-side cost for a prefill worker there, its encoder)
+    order = sorted(prefills, key=prefill_costs.__getitem__)  # cheapest first, ties in index order
+    bound = prefill_costs[order[0]] + saving
+    top, pair = math.inf, (best, order[0])
+    for p in order:
+        if prefill_costs[p] > bound:
+            break
+        n = pnode[p]
+        found = via.get(n)
+        if found is None:
+            group = encoders_on.get(n)
+            e = min(group, key=cost_of) if group else best
+            found = via[n] = (enc_cost[e] + t_node, e) if group and enc_cost[e] <= limit else (cross, best)
+        total = found[0] + prefill_costs[p]
+        if total < top or (total == top and p < pair[1]):
+            top, pair = total, (found[1], p)
+    if view.any_colocated:  # an encoder in the prefill worker's own process: cheaper still
+        pair = _colocated(view, t_proc, encoders, enc_cost, prefills, prefill_costs, top, pair)
+    return pair
 
 
 def _colocated(view: ClusterView, t_proc: float, encoders: list[int], enc_cost: list[float],

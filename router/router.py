@@ -7,7 +7,9 @@
     router.decode_done(decision, now_s)
 
 Durations are the stage's own compute time (no queueing): the queue is modelled from the
-work the router booked, the compute time is what calibration learns.
+work the router booked, the compute time is what calibration learns. Of the completions only
+prefill_done advances the view's clock (the next prefill job starts then); route() does before
+deciding, so encode_done and decode_done, which need no clock, leave it alone.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ class Router:
 
     def route(self, profile: RequestProfile, now_s: float) -> RouteDecision:
         """Pick the workers (NoWorkerError if a stage has none) and book the request's work."""
-        decision = self.policy.pick(profile, self.view, self.cost, now_s)
+        self.view.refresh(now_s)
+        decision = self.policy.decision(profile, self.view, self.cost)  # pick(), the clock just set
         self.view.dispatch(decision, profile)
         return decision
 
@@ -39,13 +42,16 @@ class Router:
         (default: the items the router expected to miss the cache), split by their estimates."""
         if decision.encoder is None:
             return
-        self.view.refresh(now_s)
         self.view.end(_E, decision.encoder, len(decision.items), decision.estimate.encode_ms)
         encoded = decision.encode_items if items is None else items
         if duration_ms is not None and encoded:
             self._calibrate_encode(decision.encoder, encoded, duration_ms)
 
     def _calibrate_encode(self, encoder: int, items: tuple[MediaJob, ...], duration_ms: float) -> None:
+        if len(items) == 1:  # the usual case: all of it is that item's (what the split below gives)
+            item = items[0]
+            self.cost.observe_encode(encoder, item.modality, item.size, duration_ms)
+            return
         expected = [self.cost.encode_ms(encoder, item.modality, item.size) for item in items]
         total = sum(expected)
         for item, part in zip(items, expected):
@@ -61,7 +67,6 @@ class Router:
             self.cost.observe_prefill(decision.prefill, tokens, duration_ms)
 
     def decode_done(self, decision: RouteDecision, now_s: float) -> None:
-        self.view.refresh(now_s)
         self.view.end(_D, decision.decode, 1)
 
     def observe_encode(self, encoder: int, modality: str, size: float, duration_ms: float) -> None:

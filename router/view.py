@@ -52,10 +52,20 @@ class HolderIndex:
         self._recent: dict[str, int] = {}  # the optimistic part, newer generation
         self._older: dict[str, int] = {}
         self._rotate_at = -math.inf
+        self.due = -math.inf  # refresh() has nothing to do before this time (min of the two deadlines)
         self.version = 0  # bumped on every change, so callers may memoise lookups
 
     def publish(self, worker: int, keys: frozenset[str], now_s: float) -> None:
         bit, old = 1 << worker, self._published[worker]
+        if keys is not old:  # workers often re-send the very same snapshot
+            self._replace(bit, old, keys)
+        self._published[worker], self._published_at[worker] = keys, now_s
+        self.version += 1
+        self._fresh |= bit
+        self._fresh_until = min(self._fresh_until, now_s + self.ttl_s)
+        self.due = min(self._rotate_at, self._fresh_until)
+
+    def _replace(self, bit: int, old: frozenset[str], keys: frozenset[str]) -> None:
         for key in old - keys:
             left = self._mask[key] & ~bit
             if left:
@@ -64,10 +74,6 @@ class HolderIndex:
                 del self._mask[key]
         for key in keys - old:
             self._mask[key] = self._mask.get(key, 0) | bit
-        self._published[worker], self._published_at[worker] = keys, now_s
-        self.version += 1
-        self._fresh |= bit
-        self._fresh_until = min(self._fresh_until, now_s + self.ttl_s)
 
     def add(self, worker: int, keys: tuple[str, ...]) -> None:
         """The router just sent these keys to `worker`: assume it holds them for a while."""
@@ -75,13 +81,17 @@ class HolderIndex:
             return
         bit, recent = 1 << worker, self._recent
         self.version += 1
-        new = [key for key in keys if key not in recent]
-        recent.update(dict.fromkeys(new, bit))  # the usual case, at C speed
-        if len(new) < len(keys):
-            for key in set(keys).difference(new):
-                recent[key] |= bit
+        if len(keys) == 1:  # the usual case for media (one item), without the sets below
+            key = keys[0]
+            recent[key] = recent.get(key, 0) | bit
+            return
+        held = {key: recent[key] | bit for key in recent.keys() & keys}  # usually none: found at C speed
+        recent.update(dict.fromkeys(keys, bit))
+        recent.update(held)
 
     def refresh(self, now_s: float) -> None:
+        if now_s < self.due:
+            return
         if now_s >= self._rotate_at:  # age the optimistic entries by one generation
             long_gap = now_s >= self._rotate_at + self.ttl_s / 2
             self._older, self._recent = ({} if long_gap else self._recent), {}
@@ -94,6 +104,7 @@ class HolderIndex:
                 if at is not None and at >= limit:
                     self._fresh |= 1 << i
                     self._fresh_until = min(self._fresh_until, at + self.ttl_s)
+        self.due = min(self._rotate_at, self._fresh_until)
 
     def holders(self, key: str) -> int:
         return (self._mask.get(key, 0) & self._fresh) | self._recent.get(key, 0) | self._older.get(key, 0)
@@ -105,14 +116,14 @@ class HolderIndex:
         for k, key in enumerate(keys):
             held = alive & pub.get(key, 0) & fresh  # the small published index first: usually enough
             if held != alive:
-                held = alive & (held | recent.get(key, 0) | older.get(key, 0))
-            if held != alive:
-                if k:
-                    for i in bits(alive ^ held):
-                        out[i] = k
-                alive = held
-                if not alive:
-                    return out
+                held |= alive & (recent.get(key, 0) | older.get(key, 0))
+                if held != alive:
+                    if k:
+                        for i in bits(alive ^ held):
+                            out[i] = k
+                    alive = held
+                    if not alive:
+                        return out
         for i in bits(alive):
             out[i] = len(keys)
         return out
@@ -135,6 +146,8 @@ class ClusterView:
         self.workers = _as_infos(workers)
         self.staleness_s, self.dead_after_s = staleness_s, dead_after_s
         sizes = {kind: len(infos) for kind, infos in self.workers.items()}
+        # Per kind, lists indexed by worker. The hot paths bind the list of one kind to a local
+        # once; the lists are only ever updated in place, so such a binding never goes stale.
         self.outstanding = {kind: [0] * n for kind, n in sizes.items()}  # jobs (encoder: items) dispatched, not done
         self.outstanding_ms = {kind: [0.0] * n for kind, n in sizes.items()}  # their estimated work
         self.healthy = {kind: [True] * n for kind, n in sizes.items()}  # explicit set_healthy
@@ -147,20 +160,38 @@ class ClusterView:
         self.colocated = [tuple(e.index for e in self.workers[_E] if p.process is not None and e.process == p.process) for p in self.workers[_P]]
         self.any_colocated = any(self.colocated)
         self._prefix_memo: tuple[tuple[str, ...] | None, int, int, dict[int, int]] = (None, 0, -1, {})
-        self._running_reported = False  # has any decode worker published `running`
+        # The prefill job presumably in service on each worker: when it started, in ms on the view's
+        # clock (inf: none), and its booked ms; the cost model credits the part of it already done
+        # (CostModel.prefill_queue_ms). The router sees no start events, so it infers them: a job
+        # booked on an idle worker starts once its embeddings are in (its estimated encoder queue +
+        # encode + transfer after dispatch: begin_route); the next one as soon as a job finishes, its
+        # booked ms taken as the mean of those left (end). Both may be early (the next job may still
+        # be encoding). Either way service_ms <= outstanding_ms.
+        self.service_started_ms = [math.inf] * sizes[_P]
+        self.service_ms = [0.0] * sizes[_P]
+        # decode_loads(), kept up to date on every change instead of rebuilt per decision:
+        self._loads = [0] * sizes[_D]  # max(own running, reported running) per decode worker
+        self._reported_running = [0] * sizes[_D]  # `running` of each fresh report (0: none or stale)
+        self._oldest_running_at = math.inf  # at_s of the oldest report counted there: recount once it is stale
         self.now_s = -math.inf
         self._dirty = True  # candidate lists are recomputed when dirty or once now_s passes _valid_until
         self._valid_until = math.inf
         self._candidates: dict[WorkerKind, list[int]] = {}
         self._masks: dict[WorkerKind, int] = {}
-        self._by_modalities: dict[frozenset[str], list[int]] = {}
+        # modalities (or one modality's name) -> (candidate encoders hosting them, the same per node id)
+        self._by_modalities: dict[frozenset[str] | str, tuple[list[int], dict[int, list[int]]]] = {}
 
     # -- time, liveness, candidates -----------------------------------------------------------
     def refresh(self, now_s: float) -> None:
-        """Advance the view's clock: expire stale cache reports and silent workers."""
-        self.now_s = max(self.now_s, now_s)
-        self.encoder_cache.refresh(self.now_s)
-        self.prefix_cache.refresh(self.now_s)
+        """Advance the view's clock: expire stale cache reports and silent workers. Called several
+        times per request, so it only compares times until a cache has something to expire."""
+        if now_s > self.now_s:
+            self.now_s = now_s
+        now_s = self.now_s
+        if now_s >= self.encoder_cache.due:
+            self.encoder_cache.refresh(now_s)
+        if now_s >= self.prefix_cache.due:
+            self.prefix_cache.refresh(now_s)
 
     def state(self, kind: WorkerKind, index: int) -> WorkerState:
         if not self.healthy[kind][index]:
@@ -192,10 +223,27 @@ class ClusterView:
             if not self._candidates[kind]:
                 raise NoWorkerError(f"no healthy {kind.value} worker")
             return self._candidates[kind]
-        found = self._by_modalities.get(modalities)
+        return self._hosting(modalities, modalities)[0]
+
+    def encoders_for(self, items: tuple[MediaJob, ...]) -> tuple[list[int], dict[int, list[int]]]:
+        """candidates(ENCODER, the modalities of `items`), and the same per node id (each list in
+        index order; do not mutate). Memoised; a one-item request skips building the modality set."""
+        self._ensure()
+        key = items[0].modality if len(items) == 1 else frozenset(item.modality for item in items)
+        found = self._by_modalities.get(key)
+        if found is None or not found[0]:  # not memoised yet, or nobody hosts them (raises)
+            found = self._hosting(key, frozenset([key]) if len(items) == 1 else key)
+        return found
+
+    def _hosting(self, key: frozenset[str] | str, modalities: frozenset[str]) -> tuple[list[int], dict[int, list[int]]]:
+        found = self._by_modalities.get(key)
         if found is None:
-            found = self._by_modalities[modalities] = [i for i in self._candidates[_E] if modalities <= self.workers[_E][i].modalities]
-        if not found:
+            encoders = [i for i in self._candidates[_E] if modalities <= self.workers[_E][i].modalities]
+            on_node: dict[int, list[int]] = {}
+            for e in encoders:
+                on_node.setdefault(self.node_ids[_E][e], []).append(e)
+            found = self._by_modalities[key] = (encoders, on_node)
+        if not found[0]:
             hosted = set().union(*(self.workers[_E][i].modalities for i in self._candidates[_E]))
             missing = sorted(modalities - hosted)
             what = " + ".join(missing) if missing else "all of " + " + ".join(sorted(modalities))
@@ -216,7 +264,8 @@ class ClusterView:
         self.now_s = max(self.now_s, now_s)
         was_silent = self.state(kind, index) is WorkerState.SILENT
         self.reports[kind][index] = WorkerReport(now_s, queued, running, cached_identifiers, prefix_hashes)
-        self._running_reported |= kind is _D and running is not None
+        if kind is _D:
+            self._report_running(index, running, now_s)
         if was_silent or now_s + self.dead_after_s < self._valid_until:
             self._dirty = True
         if kind is _E and cached_identifiers is not None:
@@ -234,11 +283,18 @@ class ClusterView:
     def holds_item(self, encoder: int, identifier: str) -> bool:
         return bool(self.encoder_cache.holders(identifier) >> encoder & 1)
 
+    def item_holders(self, items: tuple[MediaJob, ...]) -> list[int]:
+        """Per item, the bitmask of the encoders holding it."""
+        holders = self.encoder_cache.holders
+        return [holders(item.identifier) for item in items]
+
     def prefix_blocks(self, prefill: int, prefix_hashes: tuple[str, ...]) -> int:
         memo = self._prefix_memo  # the policy usually just matched this very prompt
         if memo[0] is prefix_hashes and memo[1] >> prefill & 1 and memo[2] == self.prefix_cache.version:
             return memo[3].get(prefill, 0)
-        return self.prefix_cache.longest_runs(prefix_hashes, 1 << prefill).get(prefill, 0)
+        version, found = self.prefix_cache.version, self.prefix_cache.longest_runs(prefix_hashes, 1 << prefill)
+        self._prefix_memo = (prefix_hashes, 1 << prefill, version, found)  # dispatch() asks again
+        return found.get(prefill, 0)
 
     def prefix_matches(self, prefix_hashes: tuple[str, ...]) -> dict[int, int]:
         """Leading blocks held, per candidate prefill worker holding at least one (do not mutate)."""
@@ -251,44 +307,105 @@ class ClusterView:
         self._prefix_memo = (prefix_hashes, among, version, found)  # holds the tuple, so `is` stays sound
         return found
 
+    # -- decode load ------------------------------------------------------------------------------
+    def least_loaded_decode(self) -> int:
+        """The candidate decode worker of fewest running sequences (decode_loads()); ties to the lowest index."""
+        self._ensure()
+        decoders, loads = self._candidates[_D], self._loads
+        if self._oldest_running_at < self.now_s - self.staleness_s:  # decode_loads(), inlined
+            self._recount_running()
+        if not decoders:
+            raise NoWorkerError(f"no healthy {_D.value} worker")
+        if len(decoders) == len(loads):  # all are candidates (the usual case): the first minimum, at C speed
+            return loads.index(min(loads))
+        return min(decoders, key=loads.__getitem__)
+
     def decode_loads(self) -> list[int]:
         """Running sequences per decode worker: ours, or its fresh report if that counts more
-        (other ingress replicas route to it too). Do not mutate."""
-        own, reports = self.outstanding[_D], self.reports[_D]
-        if not self._running_reported:
-            return own
-        limit = self.now_s - self.staleness_s
-        return [o if r is None or r.running is None or r.at_s < limit else max(o, r.running) for o, r in zip(own, reports)]
+        (other ingress replicas route to it too). Do not mutate.
+
+        Maintained per worker as its count or its report changes; rebuilt only when the oldest
+        report counted goes stale (reports arrive in rounds, so that is rare)."""
+        if self._oldest_running_at < self.now_s - self.staleness_s:
+            self._recount_running()
+        return self._loads
+
+    def _report_running(self, index: int, running: int | None, at_s: float) -> None:
+        self._reported_running[index] = 0 if running is None else running
+        self._set_load(index)
+        if running is not None:
+            self._oldest_running_at = min(self._oldest_running_at, at_s)
+
+    def _recount_running(self) -> None:
+        limit, self._oldest_running_at = self.now_s - self.staleness_s, math.inf
+        for d, report in enumerate(self.reports[_D]):
+            fresh = report is not None and report.running is not None and not report.at_s < limit
+            self._reported_running[d] = report.running if fresh else 0
+            if fresh:
+                self._oldest_running_at = min(self._oldest_running_at, report.at_s)
+            self._set_load(d)
+
+    def _set_load(self, index: int) -> None:
+        own, reported = self.outstanding[_D][index], self._reported_running[index]
+        self._loads[index] = own if own >= reported else reported
 
     # -- dispatch bookkeeping -----------------------------------------------------------------
     def begin(self, kind: WorkerKind, index: int | None, amount: int = 1, ms: float = 0.0) -> None:
         if index is not None:
             self.outstanding[kind][index] += amount
             self.outstanding_ms[kind][index] += ms
+            if kind is _D:
+                self._set_load(index)
 
     def end(self, kind: WorkerKind, index: int | None, amount: int = 1, ms: float | None = None) -> None:
         """Release finished work; without `ms`, the finished jobs' share of the worker's ms."""
         if index is None:
             return
-        count, total = self.outstanding[kind][index], self.outstanding_ms[kind][index]
-        if ms is None:
-            ms = total * min(amount, count) / count if count else total
-        left = max(0, count - amount)
-        self.outstanding[kind][index] = left
-        self.outstanding_ms[kind][index] = max(0.0, total - ms) if left else 0.0  # no float residue when idle
+        counts, booked = self.outstanding[kind], self.outstanding_ms[kind]
+        count = counts[index]
+        left = count - amount if count > amount else 0
+        counts[index] = left
+        if left:
+            total = booked[index]
+            if ms is None:  # amount < count here
+                ms = total * amount / count
+            left_ms = total - ms
+            booked[index] = left_ms if left_ms > 0.0 else 0.0
+        else:
+            booked[index] = 0.0  # no float residue when idle
+        if kind is _D:
+            self._set_load(index)
+        elif kind is _P:  # the next job, if any, starts now (see __init__)
+            self.service_started_ms[index] = self.now_s * 1e3 if left else math.inf
+            self.service_ms[index] = booked[index] / left if left else 0.0
 
     def begin_route(self, decision: RouteDecision, num_items: int) -> None:
-        self.begin(_E, decision.encoder, num_items, decision.estimate.encode_ms)
-        self.begin(_P, decision.prefill, 1, decision.estimate.prefill_ms)
-        self.begin(_D, decision.decode)
+        """begin() for each stage of the decision (encoder: its items and their estimated ms)."""
+        estimate, encoder, prefill, decode = decision.estimate, decision.encoder, decision.prefill, decision.decode
+        counts, booked = self.outstanding, self.outstanding_ms
+        if encoder is not None:
+            counts[_E][encoder] += num_items
+            booked[_E][encoder] += estimate.encode_ms
+        jobs = counts[_P]
+        if not jobs[prefill]:  # an idle worker: the job starts once its embeddings are in
+            ahead_ms = estimate.encoder_queue_ms + estimate.encode_ms + estimate.transfer_ms
+            self.service_started_ms[prefill] = self.now_s * 1e3 + ahead_ms  # see __init__
+            self.service_ms[prefill] = estimate.prefill_ms
+        jobs[prefill] += 1
+        booked[_P][prefill] += estimate.prefill_ms
+        running = counts[_D]
+        own = running[decode] = running[decode] + 1
+        if own > self._loads[decode]:  # what _set_load() gives
+            self._loads[decode] = own
 
     def dispatch(self, decision: RouteDecision, profile: RequestProfile) -> None:
         """Record a routed request: its work, and the caches it will warm (what they lack)."""
-        self.begin_route(decision, profile.num_items)
-        if decision.encoder is not None:
-            self.encoder_cache.add(decision.encoder, tuple(item.identifier for item in decision.encode_items))
-        held = self.prefix_blocks(decision.prefill, profile.prefix_hashes) if profile.prefix_hashes else 0
-        self.prefix_cache.add(decision.prefill, profile.prefix_hashes[held:OPTIMISTIC_PREFIX_BLOCKS])
+        self.begin_route(decision, len(profile.items))
+        if decision.encode_items:
+            self.encoder_cache.add(decision.encoder, tuple([item.identifier for item in decision.encode_items]))
+        if profile.prefix_hashes:
+            held = self.prefix_blocks(decision.prefill, profile.prefix_hashes)
+            self.prefix_cache.add(decision.prefill, profile.prefix_hashes[held:OPTIMISTIC_PREFIX_BLOCKS])
 
     def queue_depth(self, kind: WorkerKind) -> int:
         return sum(self.outstanding[kind])

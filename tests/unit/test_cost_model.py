@@ -206,3 +206,50 @@ def test_priors_from_dict():
         CostPriors.from_dict({"encode": {"image": {"fixed_ms": -1}}})
     with pytest.raises(ValueError):
         CostPriors.from_dict({"bandwidth_gbps": {"same_rack": 5}})
+
+
+def test_lazy_fit_equals_a_fit_after_every_observation():
+    rng = random.Random(5)
+    eager, lazy = OnlineLinear(LinearCost(2.0, 10.0)), OnlineLinear(LinearCost(2.0, 10.0))
+    for _ in range(60):
+        x = rng.choice([0.5, 0.5, rng.uniform(0, 3)])
+        y = 2 + 11 * x + rng.uniform(-1, 1)
+        eager.observe(x, y)
+        lazy.observe(x, y)
+        eager.coefficients()  # refit now; `lazy` only when read below
+    assert lazy.coefficients() == eager.coefficients() and (lazy.a, lazy.b) == eager.coefficients()
+    cost = CostModel(PRIORS, num_encoders=1, num_prefill=1)
+    cost.observe_prefill(0, 1000, 500.0)
+    assert cost.prefill_ms(0, 1000) == cost._prefill[0].predict(1000) > 101  # the flat copy follows the fit
+
+
+def test_prefill_queue_credits_the_job_in_service():
+    view, cost = setup()
+    text = RequestProfile(1000)  # 1 + 1000/10 = 101 ms of prefill
+    from router.types import RouteDecision
+
+    est = cost.evaluate(text, view, None, 0)[0]
+    view.begin_route(RouteDecision(None, 0, 0, est), 0)  # idle worker: starts at once (no encoding)
+    view.refresh(0.040)
+    assert cost.prefill_queue_ms(view, 0) == pytest.approx(101.0 - 40.0)  # 40 ms of it done
+    second = RouteDecision(None, 0, 0, est)
+    view.begin_route(second, 0)  # queued behind it
+    assert cost.prefill_queue_ms(view, 0) == pytest.approx(202.0 - 40.0)
+    view.refresh(0.500)  # the first overran its estimate: still all of the second ahead
+    assert cost.prefill_queue_ms(view, 0) == pytest.approx(101.0)
+    view.end(P, 0, 1, 101.0)  # the first is done at 0.5 s: the second starts
+    view.refresh(0.510)
+    assert cost.prefill_queue_ms(view, 0) == pytest.approx(101.0 - 10.0)
+    assert cost.prefill_costs(text, view)[0] == pytest.approx(91.0 + 101.0)
+    assert cost.evaluate(text, view, None, 0)[0].prefill_queue_ms == cost.prefill_queue_ms(view, 0)
+    view.end(P, 0, 1, 101.0)
+    assert cost.prefill_queue_ms(view, 0) == 0.0 and view.service_started_ms[0] == math.inf
+    # a media request booked on an idle worker starts once its embeddings are in
+    media = cost.evaluate(REQUEST, view, 1, 1)[0]
+    view.refresh(1.0)
+    view.begin_route(RouteDecision(1, 1, 0, media), 2)
+    ahead = media.encoder_queue_ms + media.encode_ms + media.transfer_ms
+    view.refresh(1.0 + ahead / 2e3)
+    assert cost.prefill_queue_ms(view, 1) == pytest.approx(media.prefill_ms)  # not started yet
+    view.refresh(1.0 + (ahead + 5.0) / 1e3)
+    assert cost.prefill_queue_ms(view, 1) == pytest.approx(media.prefill_ms - 5.0)

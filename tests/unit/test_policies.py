@@ -101,6 +101,27 @@ def test_joint_equals_brute_force_minimum_on_random_clusters():
     assert checked > 250  # most instances have a feasible encoder
 
 
+def test_joint_equals_brute_force_minimum_with_jobs_in_service():
+    """The same, with prefill workers part-way through a job (the queue credit in play)."""
+    checked = 0
+    for seed in range(200):
+        rng = random.Random(1000 + seed)
+        view, cost, profile = random_instance(rng)
+        for p in range(len(view.workers[P])):  # as ClusterView.end / begin_route set them
+            if rng.random() < 0.7:
+                view.service_started_ms[p] = view.now_s * 1e3 - rng.uniform(-50, 300)
+                view.service_ms[p] = view.outstanding_ms[P][p] * rng.uniform(0, 1)
+        try:
+            expected = brute_force_min(view, cost, profile)
+        except NoWorkerError:
+            continue
+        decision = Joint().pick(profile, view, cost, view.now_s)
+        assert decision.estimated_ttft_ms == pytest.approx(expected, rel=1e-9, abs=1e-9), seed
+        assert decision.estimate == cost.evaluate(profile, view, decision.encoder, decision.prefill)[0]
+        checked += 1
+    assert checked > 120
+
+
 def test_joint_trades_encoder_queue_against_prefill_cache():
     view, cost = setup(fleet(2, 2, 1))
     view.publish(E, 1, now_s=0.0, cached_identifiers=frozenset({"a"}))

@@ -209,3 +209,46 @@ def test_router_imports_no_torch_and_no_ray():
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+# -- the fast paths keep the records and the loads exactly what the plain code gives ----------------
+
+
+def test_record_constructors_build_the_same_records():
+    from dataclasses import fields
+
+    from router.types import TTFTEstimate
+
+    est = TTFTEstimate.of(1.0, 2.0, 3.0, 4.0, 5.0)
+    assert est == TTFTEstimate(1.0, 2.0, 3.0, 4.0, 5.0) and hash(est) == hash(TTFTEstimate(1.0, 2.0, 3.0, 4.0, 5.0))
+    decision = RouteDecision.of(1, 2, 3, est, (_ITEM,), (), 7)
+    assert decision == RouteDecision(1, 2, 3, est, (_ITEM,), (), 7) and decision.estimated_ttft_ms == 15.0
+    for record in (est, decision):  # every field set: a field added to the class must be added to `of`
+        assert set(vars(record)) == {f.name for f in fields(record)}
+    with pytest.raises(AttributeError):  # still frozen
+        est.encode_ms = 0.0
+
+
+def test_decode_loads_kept_incrementally_equal_the_definition():
+    import random
+
+    rng = random.Random(4)
+    v = ClusterView(workers(1, 1, 5), staleness_s=2.0)
+    for step in range(400):
+        now = step * 0.05
+        action = rng.random()
+        d = rng.randrange(5)
+        if action < 0.35:
+            v.begin(D, d, rng.randint(1, 3))
+        elif action < 0.6:
+            v.end(D, d, rng.randint(1, 2))
+        elif action < 0.75:
+            v.publish(D, d, now_s=now - rng.uniform(0, 3), running=rng.choice([None, 0, 2, 9]))
+        elif action < 0.85:
+            v.begin_route(RouteDecision(None, 0, d), 0)
+        v.refresh(now)
+        limit = v.now_s - v.staleness_s
+        expected = [o if r is None or r.running is None or r.at_s < limit else max(o, r.running)
+                    for o, r in zip(v.outstanding[D], v.reports[D])]
+        assert v.decode_loads() == expected, step
+        assert LeastLoaded().pick(TEXT, v, None, now).decode in range(5)
