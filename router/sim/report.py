@@ -120,6 +120,10 @@ def plot_ttft_cdf(results: Sequence, path: str | Path, *, title: str | None = No
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title(title or "TTFT CDF by routing policy")
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
@@ -144,8 +148,4 @@ def plot_load_sweep(sweep: Mapping[str, Sequence[Mapping]], path: str | Path, *,
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     ax.set_title(title or "TTFT percentiles vs offered load")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
