@@ -16,12 +16,12 @@ import io
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import numpy as np
 from PIL import Image
 from tqdm import tqdm
@@ -98,39 +98,50 @@ def summarize(results: list[Result], wall_s: float) -> dict:
                   "decode_concurrency_mean": sum(r.done_s - r.first_s for r in results) / wall_s}
 
 
+def procs() -> dict[int, tuple[str, int, float]]:
+    """pid -> (name, parent pid, CPU seconds incl. reaped children), from /proc."""
+    out, tick = {}, os.sysconf("SC_CLK_TCK")
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            name, rest = (d / "stat").read_text()[:-1].split(" (", 1)[1].rsplit(") ", 1)
+            f = rest.split()
+            out[int(d.name)] = (name, int(f[1]), sum(int(x) for x in f[11:15]) / tick)
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 class CpuWatch:
-    """CPU seconds that processes outside this process tree used during a phase: other
-    work on the host (e.g. someone's test run) skews every figure, so it is recorded."""
+    """CPU seconds per process name in this process tree (Ray's raylet, GCS and workers
+    descend from this driver), and what processes outside it used meanwhile: other work
+    on the host skews every figure, so it is recorded and warned about."""
 
     def __enter__(self):
-        self.start = self._busy() - self._mine()
+        self.start = self._snapshot()
         return self
 
     def __exit__(self, *exc):
-        self.other_cpu_s = max(0.0, self._busy() - self._mine() - self.start)
+        end = self._snapshot()
+        self.other_cpu_s = max(0.0, end.pop("<other>") - self.start.pop("<other>"))
+        used = {k: round(v - self.start.get(k, 0.0), 2) for k, v in end.items()}
+        self.by_process = dict(sorted(used.items(), key=lambda kv: -kv[1]))
         if self.other_cpu_s > 2.0:
             print(f"warning: other processes used {self.other_cpu_s:.1f} CPU-s during this phase", file=sys.stderr)
 
     @staticmethod
-    def _busy() -> float:
+    def _snapshot() -> dict[str, float]:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        return sum(fields[i] for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")  # user nice system irq softirq
-
-    @staticmethod
-    def _mine() -> float:
-        stats = {}
-        for d in Path("/proc").glob("[0-9]*"):
-            try:
-                s = (d / "stat").read_text().rsplit(")", 1)[1].split()
-                stats[int(d.name)] = (int(s[1]), sum(int(x) for x in s[11:15]))  # ppid, utime+stime+cutime+cstime
-            except (OSError, IndexError):
-                continue
-        tree, frontier = {os.getpid()}, [os.getpid()]
-        while frontier:  # Ray's raylet, GCS and workers all descend from this driver
-            kids = [pid for pid, (ppid, _) in stats.items() if ppid == frontier[-1] and pid not in tree]
+        busy = sum(fields[i] for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")  # user nice system irq softirq
+        table, tree, frontier = procs(), {os.getpid()}, [os.getpid()]
+        while frontier:
+            kids = [pid for pid, (_, ppid, _) in table.items() if ppid == frontier[-1] and pid not in tree]
             frontier = frontier[:-1] + kids
             tree.update(kids)
-        return sum(stats[p][1] for p in tree if p in stats) / os.sysconf("SC_CLK_TCK")
+        out = {}
+        for pid in tree & table.keys():
+            name = "driver (client)" if pid == os.getpid() else table[pid][0]
+            out[name] = out.get(name, 0.0) + table[pid][2]
+        return out | {"<other>": busy - sum(out.values())}
 
 
 # ----------------------------------------------------------------------------- cluster
@@ -164,8 +175,6 @@ async def stream_one(client, url: str, body: bytes, arrival: float, t0: float) -
 
 
 async def replay_cluster(url: str, reqs: list[Req], model: str, args) -> tuple[list[Result], float]:
-    import httpx
-
     bodies = [chat_body(r, model, args.max_tokens) for r in reqs]
     sem, bar = asyncio.Semaphore(args.concurrency), tqdm(total=len(reqs), desc="cluster load", unit="req")
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -186,8 +195,6 @@ async def replay_cluster(url: str, reqs: list[Req], model: str, args) -> tuple[l
 
 async def sequential_cluster(url: str, reqs: list[Req], model: str, args, desc: str) -> list[Result]:
     """One request at a time, nothing else in flight (warm-up and idle TTFT)."""
-    import httpx
-
     async with httpx.AsyncClient(timeout=300) as client:
         return [await stream_one(client, url, chat_body(r, model, args.max_tokens), 0.0, time.perf_counter())
                 for r in tqdm(reqs, desc=desc, unit="req")]
@@ -208,20 +215,22 @@ def run_cluster(args, reqs: list[Req], idle: list[Req]) -> dict:
 
     cfg = load_config(args.config)
     ensure_model(cfg)
-    if subprocess.run([str(Path(sys.executable).parent / "ray"), "status"], capture_output=True).returncode == 0:
-        sys.exit("a Ray cluster is already running here; wait for it to stop before benchmarking")
+    if any(name in ("raylet", "gcs_server") for name, _, _ in procs().values()):  # `ray status` misses token-auth ones
+        sys.exit("a Ray cluster is already running on this host; wait for it to stop before benchmarking")
     base = start(cfg)
     url, model = f"{base}/chat/completions", cfg.model.served_name
     try:
         asyncio.run(sequential_cluster(url, warmup_reqs(idle, args.warmup), model, args, "cluster warm-up"))
-        with CpuWatch() as watch:
+        with CpuWatch() as idle_watch:
             idle_res = asyncio.run(sequential_cluster(url, idle, model, args, "cluster idle"))
+        with CpuWatch() as watch:
             results, wall = asyncio.run(replay_cluster(url, reqs, model, args))
     finally:
         serve.shutdown()
         ray.shutdown()
     return summarize(results, wall) | {
-        "idle_ttft_p50_ms": pct([r.ttft_s * 1e3 for r in idle_res], 50), "other_cpu_s": watch.other_cpu_s,
+        "idle_ttft_p50_ms": pct([r.ttft_s * 1e3 for r in idle_res], 50),
+        "other_cpu_s": watch.other_cpu_s + idle_watch.other_cpu_s, "cpu_s_by_process_load": watch.by_process,
         "server_profile_load": server_profile(results), "server_profile_idle": server_profile(idle_res)}
 
 
@@ -316,6 +325,7 @@ def print_table(report: dict) -> None:
     print("\nratios:", json.dumps(report.get("ratios", {}), indent=1))
     print("cluster, server-side under load:", json.dumps(report["cluster"]["server_profile_load"]))
     print("cluster, server-side idle:", json.dumps(report["cluster"]["server_profile_idle"]))
+    print("cluster, CPU-s by process under load:", json.dumps(report["cluster"]["cpu_s_by_process_load"]))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
