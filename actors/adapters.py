@@ -1,23 +1,23 @@
-"""Model adapters: which parts of a Hugging Face checkpoint are the towers, the projector
-and the language model, and how many placeholder tokens one item expands to.
+"""Model adapters: the one interface between the workers and a Hugging Face model family.
 
-The encoder actor calls `encode`; the prefill and decode actors call `embed_tokens`,
-`forward` and `logits`; the ingress calls only `num_embeddings` (through a
-`PlaceholderSpec`, which needs no weights). New families (audio, all-modality)
-subclass `ModelAdapter` and register themselves in `ADAPTERS`.
+An adapter knows which parts of a checkpoint are the towers, the projector and the
+language model. The encoder actor calls `encode`; the prefill and decode actors call
+`embed_tokens`, `forward`, `logits` and the position helpers; the ingress needs only a
+`PlaceholderSpec`, which is built from the config and processor (no weights). Each family
+lives in its own module (`adapter_llava`, `adapter_qwen2_audio`, `adapter_omni`) and is
+named in `FAMILIES` by its config's `model_type`.
 """
 from __future__ import annotations
 
 import abc
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
-from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration
+from transformers import AutoConfig
 
-from actors.types import MediaItem, Modality
+from actors.types import MediaItem, Modality, PlaceholderRange
 
 
 class Part:
@@ -26,23 +26,38 @@ class Part:
 
 
 @dataclass(frozen=True)
-class PlaceholderSpec:
-    """What the ingress needs to plan a prompt: the placeholder token per modality and
-    how many embeddings one item becomes. Built from the config alone (no weights)."""
+class ItemLayout:
+    """How one item sits in the prompt: its embedding count and, for 3-D rotary models,
+    its grid (see PlaceholderRange)."""
+
+    num_embeddings: int
+    grid_thw: tuple[int, int, int] | None = None
+    seconds_per_grid: float | None = None
+
+
+class PlaceholderSpec(abc.ABC):
+    """What the ingress needs to plan a prompt: the placeholder token per modality, how an
+    item becomes embeddings, and how audio is windowed. Built without weights."""
 
     token_by_modality: dict[Modality, str]
     token_id_by_modality: dict[Modality, int]
-    image_embeddings: int
     embedding_bytes_per_token: int  # one embedding row as it travels (LM width x dtype size)
+    audio_sample_rate_hz: int = 16000
+    audio_window_samples: int | None = None  # longer clips are split into windows of at most this
+
+    @abc.abstractmethod
+    def layout(self, item: MediaItem) -> ItemLayout:
+        """The item's layout; ValueError if this model does not take its modality."""
 
     def num_embeddings(self, item: MediaItem) -> int:
-        if item.modality == Modality.IMAGE:
-            return self.image_embeddings
-        raise ValueError(f"this model does not take {item.modality.value} input")
+        return self.layout(item).num_embeddings
 
     @property
     def modalities(self) -> frozenset[Modality]:
         return frozenset(self.token_by_modality)
+
+    def _refuse(self, item: MediaItem) -> ValueError:
+        return ValueError(f"this model does not take {item.modality.value} input")
 
 
 class ModelAdapter(abc.ABC):
@@ -55,95 +70,50 @@ class ModelAdapter(abc.ABC):
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
         """Embeddings, one [num_embeddings, hidden] tensor per item; items share a modality."""
 
-    @abc.abstractmethod
-    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor: ...
-
-    @abc.abstractmethod
-    def forward(self, inputs_embeds, position_ids, cache, attention_mask=None) -> torch.Tensor:
-        """Last hidden states of the language model; `cache` is updated in place."""
-
-    @abc.abstractmethod
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-
-class LlavaAdapter(ModelAdapter):
-    """LLaVA family: CLIP/SigLIP vision tower + projector + a Llama/Qwen2-style LM."""
-
-    def __init__(self, checkpoint: Path, *, part: str, dtype: torch.dtype, device: str):
-        super().__init__(checkpoint, part=part, dtype=dtype, device=device)
-        model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
-        self.config = model.config
-        if part == Part.ENCODER:
-            self._processor = AutoProcessor.from_pretrained(checkpoint).image_processor
-            self._llava = model.model
-            self._llava.language_model = None  # the encoder never runs the LM: free it
-            self._llava.to(device).eval()
-        else:
-            self._lm = model.model.language_model.to(device).eval()
-            self._lm_head = model.lm_head.to(device).eval()
-            # keep the LM's embedding table only (towers and projector are the encoder's)
-        del model
-
-    @torch.inference_mode()
-    def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
-        images = [Image.fromarray(np.ascontiguousarray(item.data)) for item in items]
-        pixels = self._processor(images=images, return_tensors="pt")["pixel_values"]
-        out = self._llava.get_image_features(
-            pixel_values=pixels.to(self.device, self.dtype),
-            vision_feature_layer=self.config.vision_feature_layer,
-            vision_feature_select_strategy=self.config.vision_feature_select_strategy,
-        )
-        return [features.contiguous() for features in out.pooler_output]
-
+    # The language-model side: families set self._lm (the decoder stack, with embed_tokens)
+    # and self._lm_head when part == LANGUAGE_MODEL.
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self._lm.embed_tokens(token_ids)
 
     def forward(self, inputs_embeds, position_ids, cache, attention_mask=None) -> torch.Tensor:
-        out = self._lm(
-            inputs_embeds=inputs_embeds,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            past_key_values=cache,
-            use_cache=True,
-        )
+        """Last hidden states of the language model; `cache` is updated in place."""
+        out = self._lm(inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=attention_mask,
+                       past_key_values=cache, use_cache=True)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm_head(hidden)
 
+    def prompt_positions(self, token_ids: torch.Tensor, ranges: tuple[PlaceholderRange, ...]) -> tuple[torch.Tensor, int]:
+        """Position ids of a [1, L] prompt and the rope delta decode must add to cache lengths."""
+        return torch.arange(token_ids.shape[1], device=token_ids.device).unsqueeze(0), 0
 
-def _llava_spec(config, tokenizer, dtype_bytes: int) -> PlaceholderSpec:
-    vision = config.vision_config
-    num_patches = (vision.image_size // vision.patch_size) ** 2
-    extra = 1 if config.vision_feature_select_strategy == "full" else 0
-    token = tokenizer.convert_ids_to_tokens(config.image_token_id)
-    return PlaceholderSpec(
-        token_by_modality={Modality.IMAGE: token},
-        token_id_by_modality={Modality.IMAGE: config.image_token_id},
-        image_embeddings=num_patches + extra,
-        embedding_bytes_per_token=config.text_config.hidden_size * dtype_bytes,
-    )
+    def step_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Decode-step position ids from plain [B, 1] positions (delta already added)."""
+        return positions
 
 
-ADAPTERS: dict[str, tuple[type[ModelAdapter], callable]] = {
-    "llava": (LlavaAdapter, _llava_spec),
+# model_type -> module defining ADAPTER (a ModelAdapter) and build_spec(config, processor, dtype_bytes)
+FAMILIES: dict[str, str] = {
+    "llava": "actors.adapter_llava",
+    "qwen2_audio": "actors.adapter_qwen2_audio",
+    "qwen2_5_omni_thinker": "actors.adapter_omni",
 }
-
-
-def _family(config) -> str:
-    if config.model_type not in ADAPTERS:
-        raise ValueError(f"unsupported model family {config.model_type!r}; known: {sorted(ADAPTERS)}")
-    return config.model_type
-
-
-def load_adapter(checkpoint: Path, *, part: str, dtype: str, device: str) -> ModelAdapter:
-    adapter_cls, _ = ADAPTERS[_family(AutoConfig.from_pretrained(checkpoint))]
-    return adapter_cls(checkpoint, part=part, dtype=getattr(torch, dtype), device=device)
-
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def placeholder_spec(checkpoint: Path, tokenizer, dtype: str = "float32") -> PlaceholderSpec:
+def _family(config):
+    if config.model_type not in FAMILIES:
+        raise ValueError(f"unsupported model family {config.model_type!r}; known: {sorted(FAMILIES)}")
+    return importlib.import_module(FAMILIES[config.model_type])
+
+
+def load_adapter(checkpoint: Path, *, part: str, dtype: str, device: str) -> ModelAdapter:
+    family = _family(AutoConfig.from_pretrained(checkpoint))
+    return family.ADAPTER(checkpoint, part=part, dtype=getattr(torch, dtype), device=device)
+
+
+def placeholder_spec(checkpoint: Path, processor, dtype: str = "float32") -> PlaceholderSpec:
     config = AutoConfig.from_pretrained(checkpoint)
-    return ADAPTERS[_family(config)][1](config, tokenizer, DTYPE_BYTES[dtype])
+    return _family(config).build_spec(config, processor, DTYPE_BYTES[dtype])

@@ -128,15 +128,15 @@ def _corpus(n_sentences: int) -> list[str]:
     return ["\n".join(sentences[i:i + 8]) for i in range(0, len(sentences), 8)] + [fixed] * 50
 
 
-def train_bpe(recipe: Recipe) -> tokenizers.Tokenizer:
-    """Byte-level BPE trained on `_corpus()`; specials get ids 0..6 in SPECIAL_TOKENS order."""
+def train_bpe(recipe, specials: list[str] = SPECIAL_TOKENS) -> tokenizers.Tokenizer:
+    """Byte-level BPE trained on `_corpus()`; `specials` get ids 0..n-1 in order."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))  # byte-level: every string is encodable
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=recipe.vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+        vocab_size=recipe.vocab_size, min_frequency=2, special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_corpus(recipe.vocab_size * 10), trainer=trainer)
@@ -185,7 +185,7 @@ _GAINS: dict[str, float] = {
 }
 
 
-def _init_weights(model: LlavaForConditionalGeneration, recipe: Recipe) -> None:
+def _init_weights(model, recipe, gains: dict[str, float] = _GAINS) -> None:
     """Redraw every matrix (and CLIP's class embedding) with std gain/sqrt(fan_in), not HF's 0.02.
 
     Why: at std 0.02 the residual stream is little more than the token embedding and
@@ -201,11 +201,11 @@ def _init_weights(model: LlavaForConditionalGeneration, recipe: Recipe) -> None:
             if p.ndim < 2 and not name.endswith("class_embedding"):
                 continue
             fan_in = 1 if "embed" in name and "patch" not in name else p[0].numel()
-            gain = next((g for key, g in _GAINS.items() if re.search(key, name)), 1.0)
+            gain = next((g for key, g in gains.items() if re.search(key, name)), 1.0)
             p.normal_(0.0, gain / math.sqrt(fan_in), generator=gen)
 
 
-def _mute_unprintable(model: LlavaForConditionalGeneration, tokenizer: PreTrainedTokenizerFast) -> None:
+def _mute_unprintable(model, tokenizer: PreTrainedTokenizerFast, num_specials: int = len(SPECIAL_TOKENS)) -> None:
     """Zero lm_head rows of specials (except </s>) and of non-printable byte tokens.
 
     Why: a zero logit sits mid-distribution, so greedy never emits <image>/<s> (which would
@@ -214,18 +214,19 @@ def _mute_unprintable(model: LlavaForConditionalGeneration, tokenizer: PreTraine
     import torch
 
     with torch.no_grad():
-        for tid in range(len(SPECIAL_TOKENS), len(tokenizer)):
+        for tid in range(num_specials, len(tokenizer)):
             text = tokenizer.decode([tid])
             if not (text.isascii() and (text.isprintable() or text == "\n")):
                 model.lm_head.weight[tid].zero_()
-        muted = [i for i in range(len(SPECIAL_TOKENS)) if i != tokenizer.eos_token_id]
+        muted = [i for i in range(num_specials) if i != tokenizer.eos_token_id]
         model.lm_head.weight[muted] = 0.0
 
 
 def build_processor(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> LlavaProcessor:
     from transformers import CLIPImageProcessorPil, LlavaProcessor
 
-    # Pil backend: torchvision is not installed, so the "fast" processor is unavailable.
+    # Saved as the PIL backend; AutoProcessor loads the torchvision one where torchvision is
+    # installed. Both the server and the tests' reference load it that way, so they agree.
     images = CLIPImageProcessorPil(
         size={"shortest_edge": recipe.image_size},
         crop_size={"height": recipe.image_size, "width": recipe.image_size},
@@ -239,38 +240,60 @@ def build_processor(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> Llava
     )
 
 
+def greedy_generation_config(tokenizer: PreTrainedTokenizerFast):
+    """Only the special ids and greedy: nothing that would bend plain argmax decoding."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id, do_sample=False)
+
+
 def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> LlavaForConditionalGeneration:
     import torch
-    from transformers import GenerationConfig, LlavaForConditionalGeneration
+    from transformers import LlavaForConditionalGeneration
 
     model = LlavaForConditionalGeneration(llava_config(recipe, tokenizer)).to(torch.float32).eval()
     _init_weights(model, recipe)
     _mute_unprintable(model, tokenizer)
-    # Only the special ids and greedy: nothing that would bend plain argmax decoding.
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, do_sample=False,
-    )
+    model.generation_config = greedy_generation_config(tokenizer)
     return model
+
+
+def build_llava(recipe: Recipe):
+    """(model, processor) of a LLaVA recipe."""
+    tokenizer = build_tokenizer(recipe)
+    return build_model(recipe, tokenizer), build_processor(recipe, tokenizer)
+
+
+def _recipes() -> dict:
+    """Every recipe by name: LLaVA ones here, Qwen-family ones (audio, omni) beside them."""
+    from actors.checkpoint_qwen import QWEN_RECIPES
+
+    return {**RECIPES, **QWEN_RECIPES}
+
+
+def _builder(recipe):
+    if isinstance(recipe, Recipe):
+        return build_llava
+    from actors.checkpoint_qwen import build_qwen
+
+    return build_qwen
 
 
 def build_checkpoint(recipe: str, out_dir: str | Path, *, progress: bool = True) -> Path:
     """Build `recipe` into `out_dir` (absent or empty) via a hidden sibling dir renamed at the
     end, so a crash never leaves a half-written dir that `ensure_checkpoint` would accept."""
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; known recipes: {', '.join(sorted(RECIPES))}")
-    r, out = RECIPES[recipe], Path(out_dir).expanduser().resolve()
+    recipes = _recipes()
+    if recipe not in recipes:
+        raise ValueError(f"unknown recipe {recipe!r}; known recipes: {', '.join(sorted(recipes))}")
+    r, out = recipes[recipe], Path(out_dir).expanduser().resolve()
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty; refusing to overwrite it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        with tqdm(total=3, desc=f"build {recipe}: tokenizer", disable=not progress, unit="step") as bar:
-            tokenizer = build_tokenizer(r)
-            processor = build_processor(r, tokenizer)
-            bar.update()
-            bar.set_description(f"build {recipe}: model")
-            model = build_model(r, tokenizer)
+        with tqdm(total=2, desc=f"build {recipe}: model", disable=not progress, unit="step") as bar:
+            model, processor = _builder(r)(r)
             bar.update()
             bar.set_description(f"build {recipe}: save")
             model.save_pretrained(tmp)
@@ -294,14 +317,14 @@ def ensure_checkpoint(out_dir: str | Path, recipe: str | None, *, progress: bool
     if recipe is None:
         raise FileNotFoundError(
             f"no checkpoint at {out} (config.json missing) and no recipe given to build one; "
-            f"run `python -m actors.checkpoints RECIPE {out}` with RECIPE in {sorted(RECIPES)}"
+            f"run `python -m actors.checkpoints RECIPE {out}` with RECIPE in {sorted(_recipes())}"
         )
     return build_checkpoint(recipe, out, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m actors.checkpoints", description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", choices=sorted(RECIPES))
+    parser.add_argument("recipe", choices=sorted(_recipes()))
     parser.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
     start = time.perf_counter()

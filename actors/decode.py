@@ -100,6 +100,7 @@ class DecodeWorker(ModelWorker):
             [seq.token_ids[-1] for seq in running],
             [seq.request.sampling for seq in running],
             [seq.next_position for seq in running],
+            [seq.request.rope_delta for seq in running],
         )
 
     def _release(self, finished: list[Sequence], step_ms: float = 0.0) -> None:

@@ -40,25 +40,30 @@ class LMRunner:
         ranges: tuple[PlaceholderRange, ...],
         items: list[torch.Tensor],
         params: SamplingParams,
-    ) -> tuple[int, torch.Tensor]:
-        """First token and the packed KV cache of the whole prompt."""
+    ) -> tuple[int, torch.Tensor, int]:
+        """First token, the packed KV cache of the whole prompt, and the rope delta decode adds
+        to cache lengths (0 for 1-D positions)."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         embeds = splice(self.adapter.embed_tokens(ids), ranges, items)
-        positions = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
+        positions, rope_delta = self.adapter.prompt_positions(ids, ranges)
         cache = DynamicCache()
         for start in range(0, ids.shape[1], self.max_chunk_tokens):
             end = start + self.max_chunk_tokens
-            hidden = self.adapter.forward(embeds[:, start:end], positions[:, start:end], cache)
+            hidden = self.adapter.forward(embeds[:, start:end], positions[..., start:end], cache)
         logits = self.adapter.logits(hidden[:, -1])
-        return sample(logits, [params], [ids.shape[1]])[0], kv.pack(cache)
+        return sample(logits, [params], [ids.shape[1]])[0], kv.pack(cache), rope_delta
 
     @torch.inference_mode()
     def decode_step(
-        self, batch: kv.BatchedKV, last_tokens: list[int], params: list[SamplingParams], positions: list[int]
+        self, batch: kv.BatchedKV, last_tokens: list[int], params: list[SamplingParams], positions: list[int],
+        rope_deltas: list[int] | None = None,
     ) -> list[int]:
         """Feed each row its last token; the cache grows by one slot; returns the next tokens."""
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)
         position_ids = batch.lengths().unsqueeze(1)
+        if rope_deltas and any(rope_deltas):
+            position_ids = position_ids + torch.tensor(rope_deltas, device=self.device).unsqueeze(1)
+        position_ids = self.adapter.step_positions(position_ids)
         mask = batch.step_mask()
         cache = batch.as_cache()
         hidden = self.adapter.forward(self.adapter.embed_tokens(ids), position_ids, cache, mask)

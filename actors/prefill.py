@@ -35,7 +35,7 @@ class PrefillWorker(ModelWorker):
         self._queued += 1
         try:
             items = [embedding for embedding, _ in encoded]
-            token, packed, started = await self.run_device(self._timed_prefill, request, items)
+            token, packed, rope_delta, started = await self.run_device(self._timed_prefill, request, items)
         finally:
             self._queued -= 1
         finished = time.perf_counter()
@@ -47,12 +47,13 @@ class PrefillWorker(ModelWorker):
             queue_ms=(started - arrived) * 1e3,
             prefill_ms=(finished - started) * 1e3,
             encode_stats=tuple(stats for _, stats in encoded),
+            rope_delta=rope_delta,
         )
 
     def _timed_prefill(self, request: PrefillRequest, items: list[torch.Tensor]):
         started = time.perf_counter()
-        token, packed = self.runner.prefill(request.prompt_token_ids, request.placeholders, items, request.sampling)
-        return token, packed, started
+        token, packed, rope_delta = self.runner.prefill(request.prompt_token_ids, request.placeholders, items, request.sampling)
+        return token, packed, rope_delta, started
 
     async def pop_kv(self, request_id: str) -> torch.Tensor:
         """The request's packed KV, handed over once (the caller picks the transport)."""

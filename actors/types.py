@@ -33,6 +33,7 @@ class MediaItem:
     identifier: str
     data: np.ndarray = field(repr=False, compare=False)
     sample_rate_hz: int | None = None
+    frames_per_s: float | None = None
 
     @property
     def size(self) -> int:
@@ -42,10 +43,17 @@ class MediaItem:
 
 @dataclass(frozen=True)
 class PlaceholderRange:
-    """The run of placeholder tokens in the prompt that one item's embeddings replace."""
+    """The run of placeholder tokens in the prompt that one item's embeddings replace.
+
+    `grid_thw` and `seconds_per_grid` are set for vision items of models with 3-D rotary
+    positions (temporal, height, width in merged patches; a video's seconds per temporal step),
+    so the prefill worker can lay out positions without the pixels."""
 
     offset: int
     length: int
+    modality: Modality = Modality.IMAGE
+    grid_thw: tuple[int, int, int] | None = None
+    seconds_per_grid: float | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,7 @@ class PrefillResult:
     queue_ms: float
     prefill_ms: float
     encode_stats: tuple[EncodeStats, ...] = ()
+    rope_delta: int = 0  # 3-D rotary models: decode position = cache length + rope_delta (travels with the KV)
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,7 @@ class DecodeRequest:
     num_prompt_tokens: int
     first_token_id: int
     sampling: SamplingParams
+    rope_delta: int = 0  # from PrefillResult: the position offset this request's KV was built with
 
 
 @dataclass(frozen=True)

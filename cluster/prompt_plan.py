@@ -1,7 +1,8 @@
-"""Prompt planning at the ingress: chat template, placeholder expansion to the exact
-number of embeddings each item becomes, and the placeholder ranges prefill splices into.
+"""Prompt planning at the ingress: audio windowing, chat template, placeholder expansion
+to the exact number of embeddings each item becomes, and the placeholder ranges (with any
+3-D position grid) prefill splices into.
 
-Runs on the tokenizer and the model config only: no weights, no torch.
+Runs on the processor and the model config only: no weights.
 """
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoProcessor
 
+from actors.adapter_qwen2_audio import split_windows
 from actors.adapters import PlaceholderSpec, placeholder_spec
-from actors.types import MediaItem, PlaceholderRange
+from actors.identifiers import media_identifier
+from actors.types import MediaItem, Modality, PlaceholderRange
 
 
 class PromptError(ValueError):
@@ -24,13 +27,14 @@ class PromptPlan:
     token_ids: tuple[int, ...]
     placeholders: tuple[PlaceholderRange, ...]  # one per item, in request order
     num_embeddings: tuple[int, ...]
+    items: tuple[MediaItem, ...] = ()  # what is encoded: the request's items, long audio split into windows
 
 
 class PromptPlanner:
     def __init__(self, checkpoint: Path, dtype: str = "float32"):
         self.processor = AutoProcessor.from_pretrained(checkpoint)
         self.tokenizer = self.processor.tokenizer
-        self.spec: PlaceholderSpec = placeholder_spec(checkpoint, self.tokenizer, dtype)
+        self.spec: PlaceholderSpec = placeholder_spec(checkpoint, self.processor, dtype)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -40,10 +44,41 @@ class PromptPlanner:
         return self.processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
 
     def plan(self, hf_messages: list[dict], items: list[MediaItem]) -> PromptPlan:
-        counts = tuple(self.spec.num_embeddings(item) for item in items)
+        hf_messages, items = self.window_audio(hf_messages, items)
+        layouts = [self.spec.layout(item) for item in items]
+        counts = tuple(layout.num_embeddings for layout in layouts)
         text = self._expand(self.render(hf_messages), items, counts)
         ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
-        return PromptPlan(tuple(ids.tolist()), self._ranges(ids, items, counts), counts)
+        ranges = tuple(PlaceholderRange(r.offset, r.length, item.modality, layout.grid_thw, layout.seconds_per_grid)
+                       for r, item, layout in zip(self._ranges(ids, items, counts), items, layouts))
+        return PromptPlan(tuple(ids.tolist()), ranges, counts, tuple(items))
+
+    def window_audio(self, hf_messages: list[dict], items: list[MediaItem]) -> tuple[list[dict], list[MediaItem]]:
+        """Split clips longer than the model's audio window into windows, each its own audio
+        part of the message (the way the model's processor takes several clips)."""
+        window = self.spec.audio_window_samples
+        if window is None or not any(i.modality == Modality.AUDIO and len(i.data) > window for i in items):
+            return hf_messages, items
+        pending, out_items, out_messages = iter(items), [], []
+        for message in hf_messages:
+            content = []
+            for part in message["content"] if isinstance(message["content"], list) else ():
+                if part.get("type") not in {m.value for m in Modality}:
+                    content.append(part)
+                    continue
+                item = next(pending)
+                pieces = self._windows(item) if item.modality == Modality.AUDIO else [item]
+                out_items.extend(pieces)
+                content.extend(dict(part) for _ in pieces)
+            out_messages.append({**message, "content": content or message["content"]})
+        return out_messages, out_items
+
+    def _windows(self, item: MediaItem) -> list[MediaItem]:
+        if len(item.data) <= self.spec.audio_window_samples:
+            return [item]
+        namespace = item.identifier  # a window's identity derives from its clip's
+        return [MediaItem(Modality.AUDIO, media_identifier(namespace, Modality.AUDIO, part), part, item.sample_rate_hz)
+                for part in split_windows(item.data, self.spec.audio_window_samples)]
 
     def _expand(self, text: str, items: list[MediaItem], counts: tuple[int, ...]) -> str:
         """Replace the k-th placeholder of each modality by its item's run of placeholders."""

@@ -72,12 +72,11 @@ class RequestPath:
         if request.model != self.config.model.served_name:
             raise RequestError(404, f"model {request.model!r} does not exist; this server serves {self.config.model.served_name!r}", "model", code="model_not_found")
         hf_messages, media = to_template_messages(request.messages)
-        items = tuple(self._decode_media(media))
-        plan = self._plan(hf_messages, items)
+        plan = self._plan(hf_messages, tuple(self._decode_media(media)))
         sampling = request.to_sampling_params(
             default_max_tokens=self.config.limits.default_max_tokens, stop_token_ids=self.planner.eos_token_ids
         )
-        return Admitted(f"chatcmpl-{uuid.uuid4().hex}", request, items, plan, sampling, arrived)
+        return Admitted(f"chatcmpl-{uuid.uuid4().hex}", request, plan.items, plan, sampling, arrived)
 
     @staticmethod
     def _parse(body: bytes) -> ChatCompletionRequest:
@@ -194,7 +193,7 @@ class RequestPath:
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         decoder = self.fleet.pools[WorkerKind.DECODE][decision.decode]
         kv_ref = prefill.pop_kv.options(**self.fleet.transport_option(self.config.transport.kv)).remote(adm.request_id)
-        request = DecodeRequest(adm.request_id, result.num_prompt_tokens, result.first_token_id, adm.sampling)
+        request = DecodeRequest(adm.request_id, result.num_prompt_tokens, result.first_token_id, adm.sampling, result.rope_delta)
         finished = False
         try:
             await self.deliver(WorkerKind.DECODE, decision.decode, adm.request_id, [kv_ref], self.config.transport.kv)

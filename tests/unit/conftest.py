@@ -23,3 +23,17 @@ def ckpt(tmp_path_factory) -> Path:
     from actors.checkpoints import build_checkpoint
 
     return build_checkpoint("tiny-llava", tmp_path_factory.mktemp("ck") / "tiny", progress=False)
+
+
+@pytest.fixture(scope="session")
+def omni_ckpt(tmp_path_factory) -> Path:
+    from actors.checkpoints import build_checkpoint
+
+    return build_checkpoint("tiny-omni", tmp_path_factory.mktemp("ck") / "omni", progress=False)
+
+
+@pytest.fixture(scope="session")
+def audio_ckpt(tmp_path_factory) -> Path:
+    from actors.checkpoints import build_checkpoint
+
+    return build_checkpoint("tiny-qwen2-audio", tmp_path_factory.mktemp("ck") / "audio", progress=False)

@@ -61,7 +61,8 @@ def _greedy(processor, model, text: str, image: Image.Image) -> tuple[int, ...]:
 
 def test_loads_with_auto_classes(processor, model):
     assert type(processor).__name__ == "LlavaProcessor"
-    assert type(processor.image_processor).__name__ == "CLIPImageProcessorPil"  # works without torchvision
+    # AutoProcessor picks the torchvision backend when it is installed, the PIL one otherwise
+    assert type(processor.image_processor).__name__ in ("CLIPImageProcessor", "CLIPImageProcessorPil")
     assert model.dtype == torch.float32
     assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<image>")
     gen = model.generation_config

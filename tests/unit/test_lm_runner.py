@@ -18,7 +18,8 @@ from PIL import Image  # noqa: E402
 from transformers import AutoProcessor, LlavaForConditionalGeneration  # noqa: E402
 
 from actors import kv  # noqa: E402
-from actors.adapters import LlavaAdapter, Part  # noqa: E402
+from actors.adapter_llava import LlavaAdapter
+from actors.adapters import Part  # noqa: E402
 from actors.checkpoints import SPECIAL_TOKENS, build_checkpoint  # noqa: E402
 from actors.decode_state import DecodeScheduler, Sequence  # noqa: E402
 from actors.lm_runner import LMRunner, splice  # noqa: E402
@@ -73,7 +74,7 @@ def run_continuous_batching(
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
             token_ids, ranges, items, max_tokens = prompts[i]
-            first, packed = runner.prefill(token_ids, ranges, items, GREEDY)
+            first, packed, _ = runner.prefill(token_ids, ranges, items, GREEDY)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens)  # no stop ids: run to max_tokens
             sched.add(Sequence(DecodeRequest(f"r{i}", len(token_ids), first, params), packed))
         joining = sched.admit()
@@ -132,8 +133,8 @@ def test_text_only_continuous_batching_matches_hf_generate(lm, hf_model, max_chu
 
 def test_chunked_prefill_matches_one_pass(lm):
     token_ids = tuple(range(10, 47))  # 37 tokens: chunks of 5 leave a remainder
-    first_a, kv_a = LMRunner(lm, max_chunk_tokens=5).prefill(token_ids, (), [], GREEDY)
-    first_b, kv_b = LMRunner(lm, max_chunk_tokens=512).prefill(token_ids, (), [], GREEDY)
+    first_a, kv_a, _ = LMRunner(lm, max_chunk_tokens=5).prefill(token_ids, (), [], GREEDY)
+    first_b, kv_b, _ = LMRunner(lm, max_chunk_tokens=512).prefill(token_ids, (), [], GREEDY)
     assert first_a == first_b
     layers = lm.config.text_config.num_hidden_layers
     kv_heads = lm.config.text_config.num_key_value_heads
