@@ -38,10 +38,11 @@ class Ingress:
     def __init__(self, config: dict):
         self.config = ClusterConfig.model_validate(config)
         self.metrics = Metrics()
-        self.fleet = Fleet(self.config)
         self.planner = PromptPlanner(self.config.model.checkpoint_path, self.config.model.dtype)
+        self.config.encoder_modalities(self.planner.spec.modalities)  # every modality has an encoder: check before any actor starts
+        self.fleet = Fleet(self.config)
         rc = self.config.router
-        workers = self.fleet.worker_infos(frozenset(m.value for m in self.planner.spec.modalities))
+        workers = self.fleet.worker_infos(self.planner.spec.modalities)
         self.router = Router(workers, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s, dead_after_s=rc.dead_after_s)
         routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token)
         self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics)

@@ -12,6 +12,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from actors.types import Modality
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local_cpu.yaml"
 
@@ -64,6 +66,9 @@ class EncoderPoolConfig(PoolConfig):
     max_batch_size: int = Field(8, ge=1, description="Most items one tower forward pass takes.")
     max_wait_ms: float = Field(5.0, ge=0, description="How long a partial batch waits for more items.")
     cache_mb: float = Field(256.0, ge=0, description="Encoder cache budget: embeddings kept by media identifier.")
+    modalities: list[Modality] | None = Field(
+        None, description="Modalities this pool encodes (image, video, audio); unset: every modality the model takes. "
+        "Give `encoder` a list of pools to split encoding by modality, e.g. a vision pool and an audio pool.")
 
 
 class PrefillPoolConfig(PoolConfig):
@@ -120,7 +125,8 @@ class ServerConfig(Strict):
 
 class ClusterConfig(Strict):
     model: ModelConfig
-    encoder: EncoderPoolConfig = EncoderPoolConfig()
+    encoder: EncoderPoolConfig | list[EncoderPoolConfig] = Field(
+        EncoderPoolConfig(), description="One encoder pool, or a list of pools that split the modalities between them.")
     prefill: PrefillPoolConfig = PrefillPoolConfig()
     decode: DecodePoolConfig = DecodePoolConfig()
     transport: TransportConfig = TransportConfig()
@@ -133,11 +139,28 @@ class ClusterConfig(Strict):
         uses_nccl = Transport.NCCL in (self.transport.embeddings, self.transport.kv)
         if uses_nccl and self.model.device != "cuda":
             raise ValueError("transport nccl needs model.device: cuda")
-        if self.model.device == "cuda" and min(self.encoder.num_gpus, self.prefill.num_gpus, self.decode.num_gpus) <= 0:
+        if self.model.device == "cuda" and min(p.num_gpus for p in [*self.encoder_pools, self.prefill, self.decode]) <= 0:
             raise ValueError("model.device cuda needs num_gpus > 0 in every pool")
         if self.model.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
         return self
+
+    @property
+    def encoder_pools(self) -> list[EncoderPoolConfig]:
+        return self.encoder if isinstance(self.encoder, list) else [self.encoder]
+
+    def encoder_modalities(self, model_modalities: frozenset[Modality]) -> list[frozenset[Modality]]:
+        """What each encoder worker (in pool order) encodes; ConfigError if a modality the
+        model takes has no encoder, or a pool names one it does not take."""
+        per_pool = [frozenset(p.modalities) if p.modalities is not None else model_modalities for p in self.encoder_pools]
+        for pool in per_pool:
+            if extra := pool - model_modalities:
+                raise ConfigError(f"an encoder pool is given {sorted(m.value for m in extra)}, which model "
+                                  f"{self.model.served_name!r} does not take")
+        if missing := model_modalities - frozenset().union(*per_pool):
+            raise ConfigError(f"no encoder pool encodes {sorted(m.value for m in missing)}, which model "
+                              f"{self.model.served_name!r} takes")
+        return [m for pool, m in zip(self.encoder_pools, per_pool) for _ in range(pool.num_workers)]
 
     def replace(self, **sections) -> "ClusterConfig":
         """A copy with whole sections or fields swapped, re-validated (tests and benchmarks use it)."""

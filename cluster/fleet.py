@@ -17,6 +17,7 @@ from actors.decode import DecodeActor
 from actors.encoder import EncoderActor
 from actors.prefill import PrefillActor
 from actors.runtime import WorkerSpec
+from actors.types import Modality
 from cluster.config import ClusterConfig, PoolConfig, Transport
 from router.types import WorkerInfo, WorkerKind
 
@@ -39,19 +40,30 @@ class Fleet:
         self.spec = WorkerSpec(str(m.checkpoint_path), m.dtype, m.device, 1, m.max_model_len)
         self.pools: dict[WorkerKind, list] = {kind: [] for kind in WorkerKind}
         for kind in WorkerKind:
-            self.pools[kind] = [self._start(kind, i) for i in range(self._pool_config(kind).num_workers)]
+            self.pools[kind] = [self._start(kind, i) for i in range(self._num_workers(kind))]
         ray.get([a.ready.remote() for a in self.all_actors()])
         self._group_name: str | None = None
         self._form_group()
         self._receive_locks: dict[tuple[WorkerKind, int], asyncio.Lock] = {}
 
-    def _pool_config(self, kind: WorkerKind) -> PoolConfig:
-        return getattr(self.config, kind.value)
+    def _num_workers(self, kind: WorkerKind) -> int:
+        pools = self.config.encoder_pools if kind == WorkerKind.ENCODER else [getattr(self.config, kind.value)]
+        return sum(pool.num_workers for pool in pools)
+
+    def _pool_config(self, kind: WorkerKind, index: int) -> tuple[PoolConfig, int]:
+        """The pool worker `index` of `kind` belongs to, and its index within that pool."""
+        if kind != WorkerKind.ENCODER:
+            return getattr(self.config, kind.value), index
+        for pool in self.config.encoder_pools:
+            if index < pool.num_workers:
+                return pool, index
+            index -= pool.num_workers
+        raise IndexError(f"no encoder worker {index}")
 
     def _start(self, kind: WorkerKind, index: int):
-        pool = self._pool_config(kind)
+        pool, in_pool = self._pool_config(kind, index)
         spec = WorkerSpec(
-            self.spec.checkpoint, self.spec.dtype, self.spec.device, pool.torch_threads, self.spec.max_model_len, pool.slowdown_of(index)
+            self.spec.checkpoint, self.spec.dtype, self.spec.device, pool.torch_threads, self.spec.max_model_len, pool.slowdown_of(in_pool)
         )
         options = dict(
             num_cpus=pool.num_cpus,
@@ -65,13 +77,15 @@ class Fleet:
             return PrefillActor.options(**options).remote(spec, pool.max_chunk_tokens)
         return DecodeActor.options(**options).remote(spec, pool.max_batch_size)
 
-    def worker_infos(self, encoder_modalities: frozenset[str]) -> list[WorkerInfo]:
-        """The router's static picture of the fleet: kind, index, node (for placements)."""
+    def worker_infos(self, model_modalities: frozenset[Modality]) -> list[WorkerInfo]:
+        """The router's static picture of the fleet: kind, index, node (for placements) and,
+        for encoders, the modalities each encodes."""
+        per_encoder = [frozenset(m.value for m in ms) for ms in self.config.encoder_modalities(model_modalities)]
         infos = []
         for kind in WorkerKind:
             nodes = ray.get([actor.node_id.remote() for actor in self.pools[kind]])
-            modalities = encoder_modalities if kind == WorkerKind.ENCODER else frozenset()
-            infos += [WorkerInfo(kind, i, node=node, modalities=modalities) for i, node in enumerate(nodes)]
+            modalities = per_encoder if kind == WorkerKind.ENCODER else [frozenset()] * len(nodes)
+            infos += [WorkerInfo(kind, i, node=node, modalities=m) for i, (node, m) in enumerate(zip(nodes, modalities))]
         return infos
 
     def all_actors(self) -> list:

@@ -1,46 +1,96 @@
 """The correctness oracle: the checkpoint's own processor, chat template and `generate`,
-in one process, float32, greedy."""
+in one process, float32, greedy, for every model family.
+
+Media are decoded here independently of the server's decoders: images and GIF frames with
+Pillow, WAV with soundfile (tests send 16 kHz mono, the models' rate, so no resampling).
+Audio longer than the model's window is split by the product's documented rule
+(`split_windows`), each window an audio part of its own, as the server does.
+"""
 from __future__ import annotations
 
 import base64
 import io
 from functools import lru_cache
 
+import numpy as np
+import soundfile
 import torch
-from PIL import Image
-from transformers import AutoProcessor, LlavaForConditionalGeneration
+from PIL import Image, ImageSequence
+from transformers import AutoConfig, AutoProcessor
+
+from actors.adapter_qwen2_audio import split_windows
 
 
-@lru_cache(maxsize=2)
+def _model_class(model_type: str):
+    import transformers
+
+    return {"llava": transformers.LlavaForConditionalGeneration,
+            "qwen2_audio": transformers.Qwen2AudioForConditionalGeneration,
+            "qwen2_5_omni_thinker": transformers.Qwen2_5OmniThinkerForConditionalGeneration}[model_type]
+
+
+@lru_cache(maxsize=3)
 def _load(checkpoint: str, device: str = "cpu"):
     processor = AutoProcessor.from_pretrained(checkpoint)
-    model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).to(device).eval()
-    return processor, model
+    model_class = _model_class(AutoConfig.from_pretrained(checkpoint).model_type)
+    return processor, model_class.from_pretrained(checkpoint, dtype=torch.float32).to(device).eval()
 
 
-def _to_hf(messages: list[dict]) -> tuple[list[dict], list[Image.Image]]:
-    hf, images = [], []
+def _payload(url: str) -> bytes:
+    return base64.b64decode(url.split(",", 1)[1])
+
+
+def _video_frames(data: bytes) -> np.ndarray:
+    return np.stack([np.array(frame.convert("RGB")) for frame in ImageSequence.Iterator(Image.open(io.BytesIO(data)))])
+
+
+class _Media:
+    """Decoded media of one conversation, in order, per modality."""
+
+    def __init__(self, window_samples: int | None):
+        self.window_samples = window_samples
+        self.images, self.videos, self.audio = [], [], []
+
+    def part(self, part: dict) -> list[dict]:
+        if part["type"] == "image_url":
+            self.images.append(Image.open(io.BytesIO(_payload(part["image_url"]["url"]))))
+            return [{"type": "image"}]
+        if part["type"] == "video_url":
+            self.videos.append(_video_frames(_payload(part["video_url"]["url"])))
+            return [{"type": "video"}]
+        samples, _ = soundfile.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])), dtype="float32")
+        windows = split_windows(samples, self.window_samples) if self.window_samples else [samples]
+        self.audio.extend(windows)
+        return [{"type": "audio"}] * len(windows)
+
+    def kwargs(self, video_fps: float) -> dict:
+        out = {"images": self.images or None, "audio": self.audio or None}
+        if self.videos:
+            out.update(videos=self.videos, videos_kwargs={"fps": video_fps})
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def _to_hf(messages: list[dict], media: _Media) -> list[dict]:
+    hf = []
     for message in messages:
         content = message["content"]
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else []
         for part in [] if isinstance(content, str) else content:
-            if part["type"] == "text":
-                parts.append({"type": "text", "text": part["text"]})
-            else:
-                payload = part["image_url"]["url"].split(",", 1)[1]
-                images.append(Image.open(io.BytesIO(base64.b64decode(payload))))
-                parts.append({"type": "image"})
+            parts += [{"type": "text", "text": part["text"]}] if part["type"] == "text" else media.part(part)
         hf.append({"role": message["role"], "content": parts})
-    return hf, images
+    return hf
 
 
 @torch.inference_mode()
-def reference_generate(checkpoint: str, messages: list[dict], max_new_tokens: int, device: str = "cpu") -> tuple[list[int], str, str]:
+def reference_generate(checkpoint: str, messages: list[dict], max_new_tokens: int, device: str = "cpu",
+                       video_fps: float = 2.0) -> tuple[list[int], str, str]:
     """(new token ids, their text, OpenAI finish reason)."""
     processor, model = _load(checkpoint, device)
-    hf, images = _to_hf(messages)
+    extractor = getattr(processor, "feature_extractor", None)
+    media = _Media(extractor.n_samples if extractor is not None else None)
+    hf = _to_hf(messages, media)
     text = processor.apply_chat_template(hf, add_generation_prompt=True, tokenize=False)
-    inputs = processor(text=text, images=images or None, return_tensors="pt").to(device)
+    inputs = processor(text=text, return_tensors="pt", **media.kwargs(video_fps)).to(device)
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     new = out[0, inputs["input_ids"].shape[1]:].tolist()
     finish = "stop" if new[-1] == processor.tokenizer.eos_token_id else "length"

@@ -11,6 +11,7 @@ from cluster.config import (
     REPO_ROOT,
     ClusterConfig,
     ConfigError,
+    Modality,
     Transport,
     load_config,
 )
@@ -39,8 +40,10 @@ def test_repo_configs_load(path):
     raw = yaml.safe_load(path.read_text())
     dumped = config.model_dump(mode="json")
     for section, fields in raw.items():
-        for key, value in (fields or {}).items():
-            assert dumped[section][key] == value, (section, key)
+        pools = zip(fields, dumped[section]) if isinstance(fields, list) else [(fields or {}, dumped[section])]
+        for written, loaded in pools:
+            for key, value in written.items():
+                assert loaded[key] == value, (section, key)
 
 
 def test_default_config_is_cpu_and_object_store():
@@ -170,3 +173,35 @@ def test_slowdown_factors_are_validated_and_default_to_one():
     for bad in ([0.5], [1.0, 2.0, 2.0]):
         with pytest.raises(ValueError, match="slowdown"):
             base.replace(prefill={"num_workers": 2, "slowdown": bad})
+
+
+ALL = frozenset(Modality)
+
+
+def test_one_encoder_pool_encodes_every_modality_of_the_model():
+    config = ClusterConfig.model_validate({**MINIMAL, "encoder": {"num_workers": 2}})
+    assert config.encoder_modalities(ALL) == [ALL, ALL]
+
+
+def test_encoder_pools_split_by_modality():
+    pools = [{"num_workers": 2, "modalities": ["image", "video"]}, {"num_workers": 1, "modalities": ["audio"]}]
+    config = ClusterConfig.model_validate({**MINIMAL, "encoder": pools})
+    vision = frozenset({Modality.IMAGE, Modality.VIDEO})
+    assert config.encoder_modalities(ALL) == [vision, vision, frozenset({Modality.AUDIO})]
+
+
+def test_a_modality_without_an_encoder_is_named():
+    config = ClusterConfig.model_validate({**MINIMAL, "encoder": [{"modalities": ["image"]}]})
+    with pytest.raises(ConfigError, match=r"no encoder pool encodes \['audio', 'video'\]"):
+        config.encoder_modalities(ALL)
+
+
+def test_a_pool_for_a_modality_the_model_does_not_take_is_named():
+    config = ClusterConfig.model_validate({**MINIMAL, "encoder": {"modalities": ["image", "audio"]}})
+    with pytest.raises(ConfigError, match=r"\['audio'\], which model 'm' does not take"):
+        config.encoder_modalities(frozenset({Modality.IMAGE}))
+
+
+def test_unknown_modality_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="smell"):
+        load_config(write(tmp_path, {**MINIMAL, "encoder": {"modalities": ["smell"]}}))
