@@ -115,8 +115,8 @@ def _check_header(sound: sf.SoundFile, *, max_duration_s: float, param: str) -> 
 def _read_mono(sound: sf.SoundFile, name: str, *, max_duration_s: float, param: str) -> np.ndarray:
     """All samples as float32 mono (the channel mean), block by block.
 
-    Why a cap while reading when the header was checked: compressed formats (MP3 above
-    all) only estimate their length in the header, so the decoded count is checked too.
+    Why count again while reading when the header was checked: for compressed formats (MP3
+    above all) the header's length is an estimate, and memory must stay bounded whatever it says.
     """
     limit = int(max_duration_s * sound.samplerate)
     blocks: list[np.ndarray] = []
