@@ -145,10 +145,11 @@ class _AnimatedImage:
         durations_ms = []
         with self._pillow_errors("corrupt or truncated"):
             for index in range(num_frames):
-                self.image.seek(index)  # GIF: decodes the frame before, which this one builds on
+                self.image.seek(index)
                 self._check_size(self.image.size)  # a GIF frame may enlarge the canvas
-                if "duration" not in self.image.info:
-                    self.image.load()  # WebP reports a frame's duration only once it is decoded
+                # Decoded here anyway: a GIF frame builds on the one before, and WebP reports a
+                # frame's duration only once it is decoded. Also finds truncation at the end.
+                self.image.load()
                 durations_ms.append(_shown_ms(self.image.info.get("duration")))
         ends_s = np.cumsum(durations_ms) / 1e3
         return _Timeline(np.concatenate([[0.0], ends_s[:-1]]), float(ends_s[-1]))
@@ -206,7 +207,11 @@ class _AvVideo:
             if container.duration is not None and container.duration / 1e6 > max_duration_s:
                 raise MediaError(f"video is {container.duration / 1e6:.1f} s long, over this "
                                  f"server's limit of {max_duration_s:g} s", self.param)
-            width, height = stream.codec_context.width, stream.codec_context.height
+            codec = stream.codec_context
+            if codec is None:  # PyAV found no decoder for it, or the header is cut short
+                raise MediaError(f"{self.fmt} video stream cannot be decoded (unknown codec or "
+                                 "corrupt header)", self.param)
+            width, height = codec.width, codec.height
             if width and height:  # 0 when the header does not say; checked per frame then
                 check_pixels(width, height, max_pixels=self.max_pixels, param=self.param,
                              noun="video frame")
@@ -277,7 +282,8 @@ def _av_errors(av: Any, what: str, param: str) -> Iterator[None]:
     except MediaError:
         raise
     except (av.error.FFmpegError, EOFError, ValueError) as exc:
-        raise MediaError(f"{what}: {exc}", param) from None
+        # FFmpegError's str() adds an errno and a '<none>' file name; strerror is the message.
+        raise MediaError(f"{what}: {getattr(exc, 'strerror', None) or exc}", param) from None
 
 
 def _import_av(param: str) -> Any:
