@@ -223,7 +223,7 @@ class _AvVideo:
         latest, last_ticks = None, 0
         with self._av_errors():
             for packet in container.demux(stream):
-                if packet.pts is None or packet.size == 0 or packet.is_discard:
+                if packet.pts is None or packet.size == 0 or getattr(packet, "is_discard", False):
                     continue  # the end-of-stream flush packet, or one the edit list drops
                 if pts and (packet.pts - pts[0]) * time_base > max_duration_s:
                     raise MediaError(f"video is longer than this server's limit of "

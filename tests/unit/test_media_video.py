@@ -173,11 +173,15 @@ def test_other_codecs(fmt: str, mime: str, codec: str | None) -> None:
 def test_only_kept_frames_are_converted(monkeypatch: pytest.MonkeyPatch) -> None:
     av = pytest.importorskip("av")
     url = data_url(encoded_video(num_frames=30), "video/mp4")
-    calls = []
-    original = av.VideoFrame.to_ndarray
-    monkeypatch.setattr(av.VideoFrame, "to_ndarray", lambda self, *a, **k: calls.append(self.pts) or original(self, *a, **k))
-    assert decode(url, VideoSampling(fps=1)).num_frames == 3
-    assert len(calls) == 3
+    converted, original = [], av.VideoFrame.to_ndarray
+
+    def counting(self, *args, **kwargs):
+        converted.append(self.pts)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(av.VideoFrame, "to_ndarray", counting)
+    assert decode(url, VideoSampling(fps=1)).num_frames == 3  # 3 s at 10 fps: frames 0, 10, 20
+    assert len(converted) == 3
 
 
 def test_mp4_limits() -> None:
