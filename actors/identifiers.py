@@ -19,8 +19,14 @@ def _field(value: bytes) -> bytes:
     return len(value).to_bytes(8, "little") + value
 
 
-def media_identifier(namespace: str, modality: Modality, data: np.ndarray) -> str:
-    """blake3 hex digest over namespace, modality, dtype, shape and the raw decoded bytes."""
+def media_identifier(namespace: str, modality: Modality, data: np.ndarray, *,
+                     rate: float | None = None) -> str:
+    """blake3 hex digest over namespace, modality, dtype, shape, the raw decoded bytes and,
+    when given, the rate of the time axis (audio samples or video frames per second).
+
+    Why the rate: the same frames sampled on a coarser grid are a different input to a
+    model whose positions follow time. Images pass no rate and keep their identifiers.
+    """
     array = np.ascontiguousarray(data)
     if array.dtype.hasobject:
         raise ValueError("media_identifier needs a numeric array, not dtype=object")
@@ -32,4 +38,6 @@ def media_identifier(namespace: str, modality: Modality, data: np.ndarray) -> st
     hasher.update(_field(",".join(str(d) for d in array.shape).encode("ascii")))
     hasher.update(array.nbytes.to_bytes(8, "little"))
     hasher.update(memoryview(array.reshape(-1)).cast("B"))  # no copy of the pixels
+    if rate is not None:
+        hasher.update(_field(repr(float(rate)).encode("ascii")))  # repr: shortest exact round trip
     return hasher.hexdigest()

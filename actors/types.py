@@ -32,13 +32,22 @@ class MediaItem:
     modality: Modality
     identifier: str
     data: np.ndarray = field(repr=False, compare=False)
-    sample_rate_hz: int | None = None
-    frames_per_s: float | None = None
+    sample_rate_hz: int | None = None  # audio: samples per second of `data`
+    frames_per_s: float | None = None  # video: rate of the sampled frames (num_frames / duration)
 
     @property
     def size(self) -> int:
         """Size in the unit the cost model uses: pixels, frame pixels or samples."""
         return int(self.data.size // 3) if self.modality != Modality.AUDIO else int(self.data.size)
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds of audio or video the item covers; 0 for images (or an unknown rate)."""
+        if self.modality == Modality.AUDIO and self.sample_rate_hz:
+            return self.data.shape[0] / self.sample_rate_hz
+        if self.modality == Modality.VIDEO and self.frames_per_s:
+            return self.data.shape[0] / self.frames_per_s
+        return 0.0
 
 
 @dataclass(frozen=True)

@@ -86,11 +86,21 @@ class TransportConfig(Strict):
 
 class LimitsConfig(Strict):
     max_items_per_request: int = Field(4, ge=0, description="Most media items in one request.")
-    max_image_pixels: int = Field(16_000_000, gt=0, description="Most pixels in one decoded image (decompression bombs stop here).")
+    max_image_pixels: int = Field(16_000_000, gt=0, description="Most pixels in one decoded image or video frame (decompression bombs stop here).")
+    max_audio_s: float = Field(600.0, gt=0, description="Longest audio clip accepted, in seconds (checked from the file header before decoding).")
+    max_video_s: float = Field(600.0, gt=0, description="Longest video accepted, in seconds.")
+    max_video_frames: int = Field(256, ge=1, description="Hard cap on the frames kept from one video, whatever media.video_max_frames says.")
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
     allow_remote_media: bool = Field(False, description="Fetch http(s) media URLs; off by default.")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
     request_timeout_s: float = Field(120.0, gt=0, description="A request that has not finished by then fails with 504.")
+
+
+class MediaConfig(Strict):
+    """How inputs are shaped for the model (LimitsConfig says what is allowed at all)."""
+
+    video_fps: float = Field(2.0, gt=0, description="Frames sampled per second of video, evenly spaced over the clip.")
+    video_max_frames: int = Field(32, ge=1, description="Most frames sampled from one video; longer clips are sampled more sparsely. At most limits.max_video_frames.")
 
 
 class RouterConfig(Strict):
@@ -131,6 +141,7 @@ class ClusterConfig(Strict):
     decode: DecodePoolConfig = DecodePoolConfig()
     transport: TransportConfig = TransportConfig()
     limits: LimitsConfig = LimitsConfig()
+    media: MediaConfig = MediaConfig()
     router: RouterConfig = RouterConfig()
     server: ServerConfig = ServerConfig()
 
@@ -143,6 +154,9 @@ class ClusterConfig(Strict):
             raise ValueError("model.device cuda needs num_gpus > 0 in every pool")
         if self.model.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
+        if self.media.video_max_frames > self.limits.max_video_frames:
+            raise ValueError(f"media.video_max_frames ({self.media.video_max_frames}) must not exceed "
+                             f"limits.max_video_frames ({self.limits.max_video_frames})")
         return self
 
     @property

@@ -77,7 +77,7 @@ class PromptPlanner:
         if len(item.data) <= self.spec.audio_window_samples:
             return [item]
         namespace = item.identifier  # a window's identity derives from its clip's
-        return [MediaItem(Modality.AUDIO, media_identifier(namespace, Modality.AUDIO, part), part, item.sample_rate_hz)
+        return [MediaItem(Modality.AUDIO, media_identifier(namespace, Modality.AUDIO, part, rate=item.sample_rate_hz), part, item.sample_rate_hz)
                 for part in split_windows(item.data, self.spec.audio_window_samples)]
 
     def _expand(self, text: str, items: list[MediaItem], counts: tuple[int, ...]) -> str:

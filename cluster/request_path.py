@@ -16,7 +16,7 @@ from typing import AsyncIterator
 import ray
 from pydantic import ValidationError
 
-from actors.media import MediaError, load_media_item
+from actors.media import MediaError, MediaOptions, VideoSampling, load_media_item
 from actors.types import DecodeRequest, EncodeJob, MediaItem, PrefillRequest, PrefillResult, SamplingParams, TokenChunk
 from actors.decode_state import finish_reason, Sequence
 from cluster.config import ClusterConfig, Transport
@@ -90,8 +90,14 @@ class RequestPath:
             message, param = validation_error_message(exc)
             raise RequestError(400, message, param) from None
 
+    def _media_options(self) -> MediaOptions:
+        """The served model's input shape: its audio rate (16 kHz until the spec says) and video sampling."""
+        media = self.config.media
+        return MediaOptions(audio_sample_rate_hz=self.planner.spec.audio_sample_rate_hz,
+                            video_sampling=VideoSampling(fps=media.video_fps, max_frames=media.video_max_frames))
+
     def _decode_media(self, media) -> list[MediaItem]:
-        limits = self.config.limits
+        limits, options = self.config.limits, self._media_options()
         if len(media) > limits.max_items_per_request:
             raise RequestError(400, f"request has {len(media)} media items; the limit is {limits.max_items_per_request}", "messages")
         items = []
@@ -99,7 +105,8 @@ class RequestPath:
             if part.modality not in self.planner.spec.modalities:
                 raise RequestError(400, f"model {self.config.model.served_name!r} does not take {part.modality.value} input", part.param)
             try:
-                items.append(load_media_item(part.modality, part.payload, namespace=self.config.model.served_name, limits=limits, param=part.param))
+                items.append(load_media_item(part.modality, part.payload, namespace=self.config.model.served_name,
+                                             limits=limits, param=part.param, format=part.format, options=options))
             except MediaError as exc:
                 raise RequestError(400, exc.message, exc.param) from None
         return items

@@ -205,3 +205,28 @@ def test_a_pool_for_a_modality_the_model_does_not_take_is_named():
 def test_unknown_modality_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="smell"):
         load_config(write(tmp_path, {**MINIMAL, "encoder": {"modalities": ["smell"]}}))
+
+
+def test_media_limits_and_sampling_defaults(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL))
+    assert (config.limits.max_audio_s, config.limits.max_video_s, config.limits.max_video_frames) == (600, 600, 256)
+    assert (config.media.video_fps, config.media.video_max_frames) == (2.0, 32)
+    for section in (config.limits, config.media):
+        assert all(field.description for field in type(section).model_fields.values())
+
+
+@pytest.mark.parametrize(
+    "sections, needle",
+    [
+        ({"media": {"video_max_frames": 300}}, "must not exceed limits.max_video_frames"),
+        ({"media": {"video_max_frames": 20}, "limits": {"max_video_frames": 10}}, "video_max_frames"),
+        ({"media": {"video_fps": 0}}, "video_fps"),
+        ({"media": {"video_fsp": 2}}, "video_fsp"),  # typo: extra keys are forbidden
+        ({"limits": {"max_audio_s": 0}}, "max_audio_s"),
+        ({"limits": {"max_video_frames": 0}}, "max_video_frames"),
+    ],
+)
+def test_media_config_is_validated(tmp_path, sections, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(write(tmp_path, {**MINIMAL, **sections}))
+    assert load_config(write(tmp_path, {**MINIMAL, "media": {"video_max_frames": 256}})).media.video_max_frames == 256

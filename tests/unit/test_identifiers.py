@@ -72,3 +72,11 @@ def test_audio_float_arrays_and_byte_order() -> None:
 def test_object_arrays_are_refused() -> None:
     with pytest.raises(ValueError, match="dtype=object"):
         media_identifier("m", Modality.IMAGE, np.array([object()]))
+
+
+def test_rate_of_the_time_axis_is_part_of_the_identity() -> None:
+    frames = np.zeros((4, 8, 8, 3), np.uint8)
+    at_2 = media_identifier("m", Modality.VIDEO, frames, rate=2.0)
+    assert at_2 == media_identifier("m", Modality.VIDEO, frames, rate=2)
+    assert at_2 != media_identifier("m", Modality.VIDEO, frames, rate=2.5)
+    assert at_2 != media_identifier("m", Modality.VIDEO, frames)

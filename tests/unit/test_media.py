@@ -1,4 +1,4 @@
-"""actors/media.py: every rejection names the problem and the part; RGB matches transformers."""
+"""actors/media.py and media_image.py: every rejection names the problem and the part; RGB matches transformers."""
 from __future__ import annotations
 
 import base64
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from actors import media
+from actors import media, media_image
 from actors.media import MediaError, decode_image_url, decode_media, load_media_item
 from actors.types import MediaItem, Modality
 
@@ -144,14 +144,14 @@ def test_png_bomb_is_rejected_from_the_header_without_opening(monkeypatch: pytes
     def never(*args, **kwargs):
         raise AssertionError("Pillow must not see a bomb")
 
-    monkeypatch.setattr(media.Image, "open", never)
+    monkeypatch.setattr(media_image.Image, "open", never)
     start = time.perf_counter()
     rejects(data_url(png_declaring(100_000, 100_000)), "100000x100000", "10000000000 pixels", str(LIMIT))
     assert time.perf_counter() - start < 0.5
 
 
 def test_webp_bomb_is_rejected_from_the_header_without_opening(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(media.Image, "open", lambda *a, **k: pytest.fail("Pillow must not see a bomb"))
+    monkeypatch.setattr(media_image.Image, "open", lambda *a, **k: pytest.fail("Pillow must not see a bomb"))
     rejects(data_url(webp_vp8x_declaring(16_000, 16_000), "image/webp"), "16000x16000", "over this server's limit")
 
 
@@ -233,14 +233,23 @@ def test_rgb_conversion_matches_transformers_convert_to_rgb(name: str) -> None:
 class Limits:
     max_image_pixels: int = LIMIT
     allow_remote_media: bool = False
+    max_audio_s: float = 600.0
+    max_video_s: float = 600.0
+    max_video_frames: int = 256
 
 
-def test_dispatch_by_modality() -> None:
+def test_dispatch_by_modality(monkeypatch: pytest.MonkeyPatch) -> None:
     url = data_url(encode(Image.fromarray(pixels()), "PNG"))
-    np.testing.assert_array_equal(decode_media(Modality.IMAGE, url, limits=Limits(), param=PARAM), pixels())
-    with pytest.raises(MediaError, match="audio input is not supported") as info:
-        decode_media(Modality.AUDIO, "AAAA", limits=Limits(), param="messages[0].content[0].input_audio")
+    decoded = decode_media(Modality.IMAGE, url, limits=Limits(), param=PARAM)
+    np.testing.assert_array_equal(decoded.data, pixels())
+    assert decoded.sample_rate_hz is None and decoded.frames_per_s is None
+    with pytest.raises(MediaError, match="unsupported audio format 'aiff'") as info:
+        decode_media(Modality.AUDIO, "AAAA", limits=Limits(), param="messages[0].content[0].input_audio",
+                     format="aiff")
     assert info.value.param == "messages[0].content[0].input_audio"
+    monkeypatch.delitem(media.DECODERS, Modality.AUDIO)
+    with pytest.raises(MediaError, match="audio input is not supported"):
+        decode_media(Modality.AUDIO, "AAAA", limits=Limits(), param=PARAM)
     with pytest.raises(MediaError, match="over this server's limit"):
         decode_media(Modality.IMAGE, url, limits=Limits(max_image_pixels=10), param=PARAM)
 
@@ -249,6 +258,7 @@ def test_load_media_item_fingerprints_the_decoded_pixels() -> None:
     png = data_url(encode(Image.fromarray(pixels()), "PNG"))
     item = load_media_item(Modality.IMAGE, png, namespace="model-a", limits=Limits(), param=PARAM)
     assert isinstance(item, MediaItem) and item.modality == Modality.IMAGE and item.size == 600
+    assert item.duration_s == 0.0 and item.sample_rate_hz is None and item.frames_per_s is None
     webp = data_url(encode(Image.fromarray(pixels()), "WEBP", lossless=True), "image/webp")
     assert load_media_item(Modality.IMAGE, webp, namespace="model-a", limits=Limits(),
                            param=PARAM).identifier == item.identifier
@@ -258,7 +268,7 @@ def test_limits_config_satisfies_media_limits() -> None:
     from cluster.config import LimitsConfig
 
     url = data_url(encode(Image.fromarray(pixels()), "PNG"))
-    assert decode_media(Modality.IMAGE, url, limits=LimitsConfig(), param=PARAM).shape == (20, 30, 3)
+    assert decode_media(Modality.IMAGE, url, limits=LimitsConfig(), param=PARAM).data.shape == (20, 30, 3)
     with pytest.raises(MediaError, match="remote media is disabled"):
         decode_media(Modality.IMAGE, "https://x/y.png", limits=LimitsConfig(), param=PARAM)
 

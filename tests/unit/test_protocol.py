@@ -88,6 +88,25 @@ def test_content_parts_and_template_messages() -> None:
     assert media[0].detail == "low" and media[2].format == "wav"
 
 
+def test_input_audio_format_reaches_the_media_part() -> None:
+    req = request(messages=[{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "mp3", "extra": 1}},
+        {"type": "input_audio", "input_audio": {"data": "ZkxhQw==", "format": "FLAC"}},
+        {"type": "video_url", "video_url": {"url": "data:image/gif;base64,R0lG"}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    ]}])
+    _, media = to_template_messages(req.messages)
+    assert [(m.modality, m.payload, m.format) for m in media] == [
+        (Modality.AUDIO, "UklGRg==", "mp3"),
+        (Modality.AUDIO, "ZkxhQw==", "FLAC"),  # as sent: the decoder compares case-insensitively
+        (Modality.VIDEO, "data:image/gif;base64,R0lG", None),
+        (Modality.IMAGE, "data:image/png;base64,AAAA", None),
+    ]
+    message, param = invalid({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "UklGRg=="}}]}]})
+    assert param == "messages[0].content[0].input_audio.format" and "Missing" in message
+
+
 # ----------------------------------------------------------------------------- invalid requests
 
 @pytest.mark.parametrize("fields,param,fragment", [
