@@ -44,11 +44,13 @@ class LiveRouting:
         now = time.monotonic()
         by_id = {item.identifier: item for item in decision.items}
         encoded = [(by_id[s.identifier], s) for s in result.encode_stats if not s.cache_hit and s.identifier in by_id]
-        for item, stats in encoded:  # a batch's time is shared by the items in it
-            self.router.observe_encode(decision.encoder, item.modality, item.size, stats.encode_ms / max(stats.batch_size, 1))
-        self.router.encode_done(decision, now)
+        for item, stats in encoded:  # a batch's time is shared by the items in it; each item on its own encoder
+            self.router.observe_encode(decision.encoder_for(item.modality), item.modality, item.size, stats.encode_ms / max(stats.batch_size, 1))
+        self.router.encode_done(decision, now)  # releases every encoder a split request used
         self.router.prefill_done(decision, now, duration_ms=result.prefill_ms, uncached_tokens=result.num_prompt_tokens)
-        if transfer_ms is not None and decision.encoder is not None and decision.items:
+        # A request split across encoders measures parallel transfers from several places as one
+        # interval: no single placement's fit should learn from it.
+        if transfer_ms is not None and decision.encoder is not None and decision.items and not decision.shares:
             num_bytes = sum(item.embedding_bytes for item in decision.items)
             self.router.observe_transfer(self.router.placement(decision.encoder, decision.prefill), num_bytes, transfer_ms)
         self._publish_queues()

@@ -23,6 +23,8 @@ class TraceWriter:
         rec = profile_to_record(arrived_s - self._start_s, profile, ttft_ms)
         rec["estimated_ttft_ms"] = round(decision.estimated_ttft_ms, 3)
         rec["route"] = [decision.encoder, decision.prefill, decision.decode]
+        if decision.shares:  # split across encoders by modality
+            rec["encoder_by_modality"] = dict(decision.encoder_by_modality)
         self._file.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:

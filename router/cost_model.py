@@ -200,6 +200,27 @@ class CostModel:
         _, a, b = self._modality(modality)
         return a[encoder] + b[encoder] * size
 
+    def encode_sum_ms(self, encoder: int, items: tuple[MediaJob, ...] | list[MediaJob]) -> float:
+        """Encode ms of `items` on `encoder`, one at a time (what the pair estimate counts)."""
+        if self._pending:
+            self._sync()
+        return self._encode_sum(encoder, items)
+
+    def cheapest_encode_ms(self, items: tuple[MediaJob, ...], encoders: list[int]) -> float:
+        """Least encode ms of `items` over `encoders`, one at a time, queues and caches aside."""
+        if self._pending:
+            self._sync()
+        totals: dict[str, list[float]] = {}  # modality -> [count, total size]
+        for item in items:
+            entry = totals.setdefault(item.modality, [0, 0.0])
+            entry[0] += 1
+            entry[1] += item.size
+        costs = [0.0] * len(encoders)
+        for modality, (count, size) in totals.items():
+            _, a, b = self._modality(modality)
+            costs = [c + count * a[e] + size * b[e] for c, e in zip(costs, encoders)]
+        return min(costs)
+
     def _encode_sum(self, encoder: int, items: tuple[MediaJob, ...] | list[MediaJob]) -> float:
         """Encode ms of `items` on `encoder`, one at a time, summed in order (coefficients synced).
         The pair estimate and the joint policy's per-encoder costs both use this, so they agree."""

@@ -14,7 +14,8 @@ import time
 from typing import ClassVar
 
 from router.cost_model import CostModel, embedding_bytes
-from router.types import RequestProfile, RouteDecision, WorkerKind
+from router.split import least_cost_encoder, split_decision
+from router.types import MediaJob, RequestProfile, RouteDecision, WorkerKind
 from router.view import ClusterView, bits, unique_items
 
 _E, _P, _D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
@@ -36,8 +37,15 @@ class Policy(abc.ABC):
     def decision(self, profile: RequestProfile, view: ClusterView, cost: CostModel) -> RouteDecision:
         """pick() at the view's clock as it stands (the caller refreshed it): choose the workers,
         then price the pair. Joint overrides this to reuse what it priced while choosing."""
+        if profile.items and not view.encoders_for(profile.items)[0]:  # no encoder hosts all its modalities
+            return split_decision(self, profile, view, cost)
         encoder, prefill, decode = self._choose(profile, view, cost)
         return decide(profile, view, cost, encoder, prefill, decode)
+
+    def share_encoder(self, modality: str, items: tuple[MediaJob, ...], encoders: list[int], view: ClusterView, cost: CostModel) -> int:
+        """The encoder, of `encoders` (those hosting `modality`), for the `items` (unique, all of
+        `modality`) of a request split by modality that are not routed with the prefill worker."""
+        return least_cost_encoder(items, encoders, view, cost)
 
     def _default_cost(self, view: ClusterView) -> CostModel:
         if self._fallback is None or self._fallback[0] is not view:
@@ -101,13 +109,16 @@ class Joint(Policy):
     def decision(self, profile: RequestProfile, view: ClusterView, cost: CostModel) -> RouteDecision:
         # The per-request parts of the estimate (unique items, who holds them, transfer tiers) are
         # worked out once, used to rank every pair, and reused to price the chosen one.
+        if profile.items:
+            encoders, encoders_on = view.encoders_for(profile.items)
+            if not encoders:  # no encoder hosts all its modalities
+                return split_decision(self, profile, view, cost)
         prefills = view.candidates(_P)
         prefill_costs = cost.prefill_costs(profile, view)
         if not profile.items:
             encoder, prefill = None, argmin(prefills, prefill_costs)
             items, holders, tiers = (), [], (0.0, 0.0, 0.0)
         else:
-            encoders, encoders_on = view.encoders_for(profile.items)
             items = profile.items if len(profile.items) == 1 else unique_items(profile.items)
             holders = view.item_holders(items)
             enc_cost = cost.encoder_costs_of(items, holders, view)
@@ -182,6 +193,9 @@ class Random(StagewisePolicy):
     def _decode(self, view: ClusterView) -> int:
         return self.rng.choice(view.candidates(_D))
 
+    def share_encoder(self, modality: str, items: tuple[MediaJob, ...], encoders: list[int], view: ClusterView, cost: CostModel) -> int:
+        return self.rng.choice(encoders)
+
 
 class RoundRobin(StagewisePolicy):
     """Each stage cycles through its candidates."""
@@ -190,11 +204,14 @@ class RoundRobin(StagewisePolicy):
 
     def __init__(self, seed: int = 0):
         super().__init__(seed)
-        self.turn = {kind: 0 for kind in WorkerKind}
+        self.turn: dict[WorkerKind | str, int] = {kind: 0 for kind in WorkerKind}  # a modality: split requests' other groups
 
-    def _next(self, kind: WorkerKind, workers: list[int]) -> int:
-        self.turn[kind] += 1
-        return workers[(self.turn[kind] - 1) % len(workers)]
+    def _next(self, key: WorkerKind | str, workers: list[int]) -> int:
+        turn = self.turn[key] = self.turn.get(key, 0) + 1
+        return workers[(turn - 1) % len(workers)]
+
+    def share_encoder(self, modality: str, items: tuple[MediaJob, ...], encoders: list[int], view: ClusterView, cost: CostModel) -> int:
+        return self._next(modality, encoders)
 
     def _encoder(self, profile: RequestProfile, view: ClusterView) -> int:
         return self._next(_E, view.candidates(_E, profile.modalities))

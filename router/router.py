@@ -39,24 +39,30 @@ class Router:
 
     def encode_done(self, decision: RouteDecision, now_s: float, duration_ms: float | None = None, items: tuple[MediaJob, ...] | None = None) -> None:
         """The request's items are encoded; `duration_ms` is the compute time of `items`
-        (default: the items the router expected to miss the cache), split by their estimates."""
+        (default: the items the router expected to miss the cache), split by their estimates.
+        A request split by modality is released on each of its encoders."""
         if decision.encoder is None:
             return
-        self.view.end(_E, decision.encoder, len(decision.items), decision.estimate.encode_ms)
+        if decision.shares:
+            for share in decision.shares:
+                self.view.end(_E, share.encoder, share.num_items, share.encode_ms)
+        else:
+            self.view.end(_E, decision.encoder, len(decision.items), decision.estimate.encode_ms)
         encoded = decision.encode_items if items is None else items
         if duration_ms is not None and encoded:
-            self._calibrate_encode(decision.encoder, encoded, duration_ms)
+            self._calibrate_encode(decision, encoded, duration_ms)
 
-    def _calibrate_encode(self, encoder: int, items: tuple[MediaJob, ...], duration_ms: float) -> None:
+    def _calibrate_encode(self, decision: RouteDecision, items: tuple[MediaJob, ...], duration_ms: float) -> None:
         if len(items) == 1:  # the usual case: all of it is that item's (what the split below gives)
             item = items[0]
-            self.cost.observe_encode(encoder, item.modality, item.size, duration_ms)
+            self.cost.observe_encode(decision.encoder_for(item.modality), item.modality, item.size, duration_ms)
             return
-        expected = [self.cost.encode_ms(encoder, item.modality, item.size) for item in items]
+        encoders = [decision.encoder_for(item.modality) for item in items]
+        expected = [self.cost.encode_ms(e, item.modality, item.size) for e, item in zip(encoders, items)]
         total = sum(expected)
-        for item, part in zip(items, expected):
+        for e, item, part in zip(encoders, items, expected):
             share = part / total if total > 0 else 1 / len(items)
-            self.cost.observe_encode(encoder, item.modality, item.size, duration_ms * share)
+            self.cost.observe_encode(e, item.modality, item.size, duration_ms * share)
 
     def prefill_done(self, decision: RouteDecision, now_s: float, duration_ms: float | None = None, uncached_tokens: int | None = None) -> None:
         """The first token is out; `uncached_tokens` defaults to the router's expectation."""

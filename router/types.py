@@ -92,8 +92,38 @@ class TTFTEstimate:
 
 
 @dataclass(frozen=True)
+class EncoderShare:
+    """The part of a request one encoder serves when no single encoder hosts all of its
+    modalities (a pool split by modality: e.g. vision towers on some encoders, audio on others)."""
+
+    encoder: int
+    modalities: tuple[str, ...]  # the modalities of the items sent to it, sorted
+    num_items: int  # items dispatched to it, cache hits included (what the view books and releases)
+    encode_items: tuple[MediaJob, ...]  # the ones it was expected to encode (cache misses)
+    queue_ms: float  # its estimated queue ahead of them (0 when all are hits)
+    encode_ms: float  # its estimated encode time of encode_items (booked on it)
+    transfer_ms: float  # its embeddings to the chosen prefill worker
+
+    @classmethod
+    def of(cls, encoder: int, modalities: tuple[str, ...], num_items: int, encode_items: tuple[MediaJob, ...],
+           queue_ms: float, encode_ms: float, transfer_ms: float) -> EncoderShare:
+        """EncoderShare(...) with every field given, at about half the cost (see TTFTEstimate.of)."""
+        record = object.__new__(cls)
+        object.__setattr__(record, "__dict__", {"encoder": encoder, "modalities": modalities, "num_items": num_items,
+                                                "encode_items": encode_items, "queue_ms": queue_ms, "encode_ms": encode_ms,
+                                                "transfer_ms": transfer_ms})
+        return record
+
+
+@dataclass(frozen=True)
 class RouteDecision:
-    """Indices into each pool; `encoder` is None for a text-only request."""
+    """Indices into each pool; `encoder` is None for a text-only request.
+
+    Usually one encoder encodes every item (`shares` is empty). When no healthy encoder hosts
+    all of the request's modalities, `shares` says which encoder takes which modality, one
+    share per encoder, the main one (`encoder`, routed jointly with the prefill worker) first;
+    the estimate then follows the share that finishes last (they run in parallel). Use
+    `encoder_for(item.modality)` to send each item to its encoder."""
 
     encoder: int | None
     prefill: int
@@ -101,21 +131,49 @@ class RouteDecision:
     estimate: TTFTEstimate = field(default_factory=TTFTEstimate)
     # What the completions need to release the dispatched work and calibrate the cost model:
     items: tuple[MediaJob, ...] = ()  # all media items of the request
-    encode_items: tuple[MediaJob, ...] = ()  # the ones the chosen encoder was expected to encode (cache misses)
+    encode_items: tuple[MediaJob, ...] = ()  # the ones the chosen encoder(s) were expected to encode (cache misses)
     uncached_tokens: int = 0  # prompt tokens the chosen prefill worker was expected to compute
+    shares: tuple[EncoderShare, ...] = ()  # empty unless the request is split across encoders by modality
 
     @classmethod
     def of(cls, encoder: int | None, prefill: int, decode: int, estimate: TTFTEstimate, items: tuple[MediaJob, ...],
-           encode_items: tuple[MediaJob, ...], uncached_tokens: int) -> RouteDecision:
+           encode_items: tuple[MediaJob, ...], uncached_tokens: int, shares: tuple[EncoderShare, ...] = ()) -> RouteDecision:
         """RouteDecision(...) with every field given, at about half the cost (see TTFTEstimate.of)."""
         record = object.__new__(cls)
         object.__setattr__(record, "__dict__", {"encoder": encoder, "prefill": prefill, "decode": decode, "estimate": estimate,
-                                                "items": items, "encode_items": encode_items, "uncached_tokens": uncached_tokens})
+                                                "items": items, "encode_items": encode_items, "uncached_tokens": uncached_tokens,
+                                                "shares": shares})
         return record
 
     @property
     def estimated_ttft_ms(self) -> float:
         return self.estimate.total_ms
+
+    def encoder_for(self, modality: str) -> int | None:
+        """The encoder that encodes this request's items of `modality` (None: text-only, or a
+        split request without items of that modality)."""
+        if not self.shares:
+            return self.encoder
+        for share in self.shares:
+            if modality in share.modalities:
+                return share.encoder
+        return None
+
+    @property
+    def encoder_by_modality(self) -> tuple[tuple[str, int], ...]:
+        """(modality, encoder) for each modality of the request's items, sorted by modality."""
+        if not self.shares:
+            if self.encoder is None:
+                return ()
+            return tuple((m, self.encoder) for m in sorted({item.modality for item in self.items}))
+        return tuple(sorted((m, share.encoder) for share in self.shares for m in share.modalities))
+
+    @property
+    def encoders(self) -> tuple[int, ...]:
+        """Every encoder the request uses, the main one first."""
+        if self.shares:
+            return tuple(share.encoder for share in self.shares)
+        return () if self.encoder is None else (self.encoder,)
 
 
 # -- additions for the router proper (cost model, view, policies) ---------------------------

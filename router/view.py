@@ -180,6 +180,7 @@ class ClusterView:
         self._masks: dict[WorkerKind, int] = {}
         # modalities (or one modality's name) -> (candidate encoders hosting them, the same per node id)
         self._by_modalities: dict[frozenset[str] | str, tuple[list[int], dict[int, list[int]]]] = {}
+        self._splittable: set[frozenset[str]] = set()  # modality sets no encoder hosts together, each hosted by some
 
     # -- time, liveness, candidates -----------------------------------------------------------
     def refresh(self, now_s: float) -> None:
@@ -211,6 +212,7 @@ class ClusterView:
                 if report is not None:
                     self._valid_until = min(self._valid_until, report.at_s + self.dead_after_s)
         self._by_modalities = {}
+        self._splittable = set()
 
     def _ensure(self) -> None:
         if self._dirty or self.now_s > self._valid_until:
@@ -223,16 +225,35 @@ class ClusterView:
             if not self._candidates[kind]:
                 raise NoWorkerError(f"no healthy {kind.value} worker")
             return self._candidates[kind]
-        return self._hosting(modalities, modalities)[0]
+        found = self._hosting(modalities, modalities)[0]
+        if not found:
+            raise self._unhosted(modalities)
+        return found
 
     def encoders_for(self, items: tuple[MediaJob, ...]) -> tuple[list[int], dict[int, list[int]]]:
         """candidates(ENCODER, the modalities of `items`), and the same per node id (each list in
-        index order; do not mutate). Memoised; a one-item request skips building the modality set."""
+        index order; do not mutate). Memoised; a one-item request skips building the modality set.
+
+        Empty lists when no encoder hosts them all but each is hosted by some encoder: the request
+        is then split by modality (router/split.py). NoWorkerError when a modality has no host."""
         self._ensure()
         key = items[0].modality if len(items) == 1 else frozenset(item.modality for item in items)
         found = self._by_modalities.get(key)
-        if found is None or not found[0]:  # not memoised yet, or nobody hosts them (raises)
-            found = self._hosting(key, frozenset([key]) if len(items) == 1 else key)
+        if found is None or not found[0]:  # not memoised yet, or nobody hosts them all
+            modalities = frozenset([key]) if len(items) == 1 else key
+            found = self._hosting(key, modalities)
+            if not found[0] and key not in self._splittable:
+                if len(items) == 1 or self._missing(modalities):
+                    raise self._unhosted(modalities)
+                self._splittable.add(key)
+        return found
+
+    def encoders_hosting(self, modality: str) -> list[int]:
+        """Candidate encoders hosting `modality` (do not mutate); NoWorkerError if none."""
+        self._ensure()
+        found = self._hosting(modality, frozenset([modality]))[0]
+        if not found:
+            raise self._unhosted(frozenset([modality]))
         return found
 
     def _hosting(self, key: frozenset[str] | str, modalities: frozenset[str]) -> tuple[list[int], dict[int, list[int]]]:
@@ -243,12 +264,17 @@ class ClusterView:
             for e in encoders:
                 on_node.setdefault(self.node_ids[_E][e], []).append(e)
             found = self._by_modalities[key] = (encoders, on_node)
-        if not found[0]:
-            hosted = set().union(*(self.workers[_E][i].modalities for i in self._candidates[_E]))
-            missing = sorted(modalities - hosted)
-            what = " + ".join(missing) if missing else "all of " + " + ".join(sorted(modalities))
-            raise NoWorkerError(f"no healthy encoder worker hosts {what}")
         return found
+
+    def _missing(self, modalities: frozenset[str]) -> list[str]:
+        """Those of `modalities` no candidate encoder hosts."""
+        hosted = set().union(*(self.workers[_E][i].modalities for i in self._candidates[_E]))
+        return sorted(modalities - hosted)
+
+    def _unhosted(self, modalities: frozenset[str]) -> NoWorkerError:
+        missing = self._missing(modalities)
+        what = " + ".join(missing) if missing else "all of " + " + ".join(sorted(modalities))
+        return NoWorkerError(f"no healthy encoder worker hosts {what}")
 
     def candidate_mask(self, kind: WorkerKind) -> int:
         self._ensure()
@@ -383,7 +409,11 @@ class ClusterView:
         """begin() for each stage of the decision (encoder: its items and their estimated ms)."""
         estimate, encoder, prefill, decode = decision.estimate, decision.encoder, decision.prefill, decision.decode
         counts, booked = self.outstanding, self.outstanding_ms
-        if encoder is not None:
+        if decision.shares:  # split by modality: each encoder books its own part
+            for share in decision.shares:
+                counts[_E][share.encoder] += share.num_items
+                booked[_E][share.encoder] += share.encode_ms
+        elif encoder is not None:
             counts[_E][encoder] += num_items
             booked[_E][encoder] += estimate.encode_ms
         jobs = counts[_P]
@@ -401,7 +431,10 @@ class ClusterView:
     def dispatch(self, decision: RouteDecision, profile: RequestProfile) -> None:
         """Record a routed request: its work, and the caches it will warm (what they lack)."""
         self.begin_route(decision, len(profile.items))
-        if decision.encode_items:
+        if decision.shares:
+            for share in decision.shares:
+                self.encoder_cache.add(share.encoder, tuple([item.identifier for item in share.encode_items]))
+        elif decision.encode_items:
             self.encoder_cache.add(decision.encoder, tuple([item.identifier for item in decision.encode_items]))
         if profile.prefix_hashes:
             held = self.prefix_blocks(decision.prefill, profile.prefix_hashes)

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_router.py                  # 16x16x16 and 256x256x256, every policy
     .venv/bin/python scripts/bench_router.py --decisions 5000 --json out.json
+    .venv/bin/python scripts/bench_router.py --split          # encoders split by tower, some image + audio requests
 
 Columns: wall-clock p50 / p99 / mean / max, and CPU-time p50 / p99 (the thread's own CPU time,
 which a busy machine inflates less). Requests are a seeded mix (text, one image, four images, video, audio, with repeated media
@@ -37,15 +38,23 @@ PER_NODE = 2  # workers of each kind per node
 CLASSES = {"text": (None, 0, 0, 0), "image": ("image", 0.113, 576, 1), "images4": ("image", 0.113, 576, 4),
            "video": ("video", 30, 17_280, 1), "audio": ("audio", 30, 1_500, 1)}
 MIX = {"text": 0.3, "image": 0.4, "images4": 0.1, "video": 0.1, "audio": 0.1}
+SPLIT_MIX = {"text": 0.3, "image": 0.3, "images4": 0.1, "video": 0.1, "audio": 0.1, "image+audio": 0.1}
 BYTES_PER_EMBEDDING = 4096 * 2
 
 
-def fleet(n: int) -> list[WorkerInfo]:
-    """n of each kind, PER_NODE per node; every 4th encoder has no audio tower."""
+def fleet(n: int, split: bool = False) -> list[WorkerInfo]:
+    """n of each kind, PER_NODE per node; every 4th encoder has no audio tower (split: hosts only
+    the audio tower, the others only the vision tower, so image + audio requests are split)."""
+    vision, audio = frozenset({"image", "video"}), frozenset({"audio"})
     out = []
     for kind in WorkerKind:
         for i in range(n):
-            mods = frozenset({"image", "video"} if i % 4 == 3 else {"image", "video", "audio"}) if kind is E else frozenset()
+            if kind is not E:
+                mods = frozenset()
+            elif split:
+                mods = audio if i % 4 == 3 else vision
+            else:
+                mods = vision if i % 4 == 3 else vision | audio
             out.append(WorkerInfo(kind, i, node=f"node-{i // PER_NODE}", modalities=mods))
     return out
 
@@ -53,8 +62,9 @@ def fleet(n: int) -> list[WorkerInfo]:
 class Workload:
     """Seeded request profiles with repeated media and shared system prompts."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, mix: dict[str, float] = MIX):
         self.rng = random.Random(seed)
+        self.mix = mix
         self.recent: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=200))
         self.prompts = [tuple(f"sys{k}-{b}" for b in range(self.rng.randint(16, 64))) for k in range(8)]
         self.count = 0
@@ -74,8 +84,8 @@ class Workload:
 
     def next(self) -> RequestProfile:
         self.count += 1
-        cls = self.rng.choices(list(MIX), weights=list(MIX.values()))[0]
-        items = self._items(cls)
+        cls = self.rng.choices(list(self.mix), weights=list(self.mix.values()))[0]
+        items = sum((self._items(part) for part in cls.split("+")), ())
         tokens = 1000 + sum(item.num_embeddings for item in items)
         shared = self.rng.choice(self.prompts) if self.rng.random() < 0.5 else ()
         own = tuple(f"r{self.count}-{b}" for b in range(tokens // 16 - len(shared)))
@@ -96,10 +106,10 @@ def complete(router: Router, decision: RouteDecision, now_s: float, rng: random.
     router.decode_done(decision, now_s)
 
 
-def bench(n: int, policy: str, decisions: int, warmup: int, seed: int, bar: tqdm) -> tuple[list[float], list[float]]:
+def bench(n: int, policy: str, decisions: int, warmup: int, seed: int, bar: tqdm, split: bool = False) -> tuple[list[float], list[float]]:
     """Wall-clock and this thread's CPU time of each timed route() call, in microseconds."""
-    router = Router(fleet(n), CostPriors(), policy, seed=seed)
-    work, rng = Workload(seed), random.Random(seed)
+    router = Router(fleet(n, split), CostPriors(), policy, seed=seed)
+    work, rng = Workload(seed, SPLIT_MIX if split else MIX), random.Random(seed)
     in_flight: collections.deque = collections.deque()
     sent: dict[int, set[str]] = collections.defaultdict(set)
     prefixes: dict[int, set[str]] = collections.defaultdict(set)
@@ -116,8 +126,8 @@ def bench(n: int, policy: str, decisions: int, warmup: int, seed: int, bar: tqdm
         if k >= warmup:
             wall_us.append((t1 - t0) / 1e3)
             cpu_us.append((c1 - c0) / 1e3)
-        if decision.encoder is not None:
-            sent[decision.encoder].update(item.identifier for item in profile.items)
+        for item in profile.items:
+            sent[decision.encoder_for(item.modality)].add(item.identifier)
         prefixes[decision.prefill].update(h for h in profile.prefix_hashes if h.startswith("sys"))
         in_flight.append(decision)
         if len(in_flight) > 4 * n:
@@ -138,6 +148,8 @@ def main() -> None:
     parser.add_argument("--decisions", type=int, default=20_000, help="timed decisions per (shape, policy)")
     parser.add_argument("--warmup", type=int, default=2_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--split", action="store_true",
+                        help="encoders split by tower (every 4th audio only, the rest image + video) and 10%% image + audio requests")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     rows = []
@@ -145,15 +157,15 @@ def main() -> None:
     with tqdm(total=total, desc="route() calls", unit="call") as bar:
         for n in args.shapes:
             for policy in args.policies:
-                wall, cpu = bench(n, policy, args.decisions, args.warmup, args.seed, bar)
-                rows.append({"shape": f"{n}x{n}x{n}", "policy": policy, "decisions": len(wall),
+                wall, cpu = bench(n, policy, args.decisions, args.warmup, args.seed, bar, args.split)
+                rows.append({"shape": f"{n}x{n}x{n}" + ("-split" if args.split else ""), "policy": policy, "decisions": len(wall),
                              "p50_us": round(percentile(wall, 0.5), 1), "p99_us": round(percentile(wall, 0.99), 1),
                              "mean_us": round(statistics.fmean(wall), 1), "max_us": round(max(wall), 1),
                              "cpu_p50_us": round(percentile(cpu, 0.5), 1), "cpu_p99_us": round(percentile(cpu, 0.99), 1)})
     columns = {"p50_us": "p50 us", "p99_us": "p99 us", "mean_us": "mean us", "max_us": "max us", "cpu_p50_us": "cpu p50", "cpu_p99_us": "cpu p99"}
-    print(f"\n{'shape':<12}{'policy':<14}" + "".join(f"{title:>9}" for title in columns.values()))
+    print(f"\n{'shape':<18}{'policy':<14}" + "".join(f"{title:>9}" for title in columns.values()))
     for row in rows:
-        print(f"{row['shape']:<12}{row['policy']:<14}" + "".join(f"{row[key]:>9}" for key in columns))
+        print(f"{row['shape']:<18}{row['policy']:<14}" + "".join(f"{row[key]:>9}" for key in columns))
     print("wall: perf_counter around route(); cpu: this thread's CPU time (excludes time the OS ran other processes)")
     if args.json:
         args.json.write_text(json.dumps({"python": sys.version.split()[0], "results": rows}, indent=2))

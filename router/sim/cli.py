@@ -4,13 +4,14 @@
                  --requests 200000 --load 0.8 --seed 1 --slo-ms 2000 --plot ttft.png
 
 `--cluster`: "ExPxD" (e.g. 16x16x16), "ExPxD-hetero" (half the encoders and prefill
-workers at 0.5x speed) or a YAML file (configs/sim_*.yaml). `--workload`: poisson,
-bursty, or a JSONL trace recorded from the live cluster (router/sim/workload.py has the
-schema). `--load` is the offered load as a fraction of the cluster's capacity for the
-workload's request mix (a trace is time-scaled to it; without --load a trace replays
-at its recorded pace). `--policy all` runs every routing policy on the same requests.
-`--sweep 0.5,0.7,0.9` runs every load listed (and, with --plot, also draws TTFT
-percentiles vs load next to the CDF).
+workers at 0.5x speed), "ExPxD-split" (image + video encoders apart from audio ones),
+or a YAML file (configs/sim_*.yaml). `--workload`: poisson, bursty, or a JSONL trace
+recorded from the live cluster (router/sim/workload.py has the schema). `--load` is the
+offered load as a fraction of the cluster's capacity for the workload's request mix (a
+trace is time-scaled to it; without --load a trace replays at its recorded pace).
+`--policy all` runs every routing policy on the same requests. `--sweep 0.5,0.7,0.9`
+runs every load listed (and, with --plot, also draws TTFT percentiles vs load next to
+the CDF).
 
 Exit status 2 with a message naming the problem for bad input: unknown policy, a
 cluster shape that does not parse or cannot serve the workload (e.g. no encoder hosts
@@ -75,7 +76,7 @@ def _loads(text: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cluster", default="16x16x16", help="ExPxD, ExPxD-hetero, or a cluster YAML (default 16x16x16)")
+    p.add_argument("--cluster", default="16x16x16", help="ExPxD, ExPxD-hetero, ExPxD-split, or a cluster YAML (default 16x16x16)")
     p.add_argument("--policy", default="joint", help="a routing policy, a comma list, or 'all' (default joint)")
     p.add_argument("--workload", default="poisson", help="poisson | bursty | PATH.jsonl (default poisson)")
     p.add_argument("--requests", type=int, default=None,

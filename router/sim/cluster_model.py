@@ -20,7 +20,9 @@ Ground truth, at speed 1.0 (a worker's durations are divided by its speed):
   (num_prompt_tokens * kv_bytes_per_token).
 
 Shapes: "ExPxD" (e.g. "16x16x16"), "ExPxD-hetero" (the second half of the encoders and
-of the prefill workers at 0.5x speed), or a YAML file:
+of the prefill workers at 0.5x speed), "ExPxD-split" (the encoder pool split by tower:
+image + video on the first ceil(E/2) encoders, audio on the rest; a request with items of
+both is split across them, see router/split.py; combines with -hetero), or a YAML file:
 
     gpus_per_node: 8                 # optional (default 8)
     encoders:                        # a list of worker groups, or just a count
@@ -138,8 +140,9 @@ class SimCluster:
     def build(cls, num_encoders: int, num_prefill: int, num_decode: int, *, gpus_per_node: int = 8,
               encoder_speeds: Sequence[float] | None = None, prefill_speeds: Sequence[float] | None = None,
               decode_speeds: Sequence[float] | None = None, costs: SimCosts | None = None,
-              name: str | None = None) -> SimCluster:
-        """Pools spread round-robin over ceil(total / gpus_per_node) nodes."""
+              name: str | None = None, encoder_modalities: Sequence[frozenset[str]] | None = None) -> SimCluster:
+        """Pools spread round-robin over ceil(total / gpus_per_node) nodes; encoders host every
+        modality unless `encoder_modalities` (one set per encoder) says otherwise."""
         total = num_encoders + num_prefill + num_decode
         nodes = max(1, math.ceil(total / gpus_per_node))
 
@@ -149,29 +152,37 @@ class SimCluster:
                 raise ClusterShapeError(f"{len(speeds)} speeds given for a pool of {n}")
             return tuple(SimWorker(f"node-{i % nodes}", float(s)) for i, s in enumerate(speeds))
 
-        c = cls(pool(num_encoders, encoder_speeds), pool(num_prefill, prefill_speeds),
-                pool(num_decode, decode_speeds), costs or SimCosts(), name or f"{num_encoders}x{num_prefill}x{num_decode}")
+        encoders = pool(num_encoders, encoder_speeds)
+        if encoder_modalities is not None:
+            if len(encoder_modalities) != num_encoders:
+                raise ClusterShapeError(f"{len(encoder_modalities)} modality sets given for {num_encoders} encoders")
+            encoders = tuple(replace(w, modalities=frozenset(m)) for w, m in zip(encoders, encoder_modalities))
+        c = cls(encoders, pool(num_prefill, prefill_speeds), pool(num_decode, decode_speeds), costs or SimCosts(),
+                name or f"{num_encoders}x{num_prefill}x{num_decode}")
         c.validate()
         return c
 
     @classmethod
     def parse(cls, spec: str) -> SimCluster:
-        """'ExPxD', 'ExPxD-hetero' (half of E and P at 0.5x), or a YAML file path."""
+        """'ExPxD' with optional suffixes '-hetero' (half of E and P at 0.5x) and '-split' (the
+        encoder pool split by tower: the first ceil(E/2) encoders host image + video, the rest
+        audio), or a YAML file path."""
         spec = spec.strip()
         if spec.endswith((".yaml", ".yml")) or Path(spec).is_file():
             return cls.from_yaml(spec)
-        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(-hetero)?", spec)
-        if not m:
+        m = re.fullmatch(r"(\d+)x(\d+)x(\d+)((?:-hetero|-split)*)", spec)
+        suffixes = m.group(4).split("-")[1:] if m else []
+        if not m or len(set(suffixes)) != len(suffixes):
             raise ClusterShapeError(
                 f"cannot parse cluster shape {spec!r}: expected ENCxPREFILLxDECODE such as '16x16x16', "
-                "'16x16x16-hetero' (half the encoders and prefill workers at 0.5x), or a .yaml file"
+                "optionally with '-hetero' (half the encoders and prefill workers at 0.5x) and/or '-split' "
+                "(encoders split by tower: image + video on the first half, audio on the rest), or a .yaml file"
             )
         e, p, d = (int(g) for g in m.groups()[:3])
-        if m.group(4):
-            def half(n: int) -> list[float]:
-                return [1.0 if i < (n + 1) // 2 else 0.5 for i in range(n)]
-            return cls.build(e, p, d, encoder_speeds=half(e), prefill_speeds=half(p), name=spec)
-        return cls.build(e, p, d, name=spec)
+        half = lambda n: [1.0 if i < (n + 1) // 2 else 0.5 for i in range(n)]  # noqa: E731
+        hetero = "hetero" in suffixes
+        return cls.build(e, p, d, encoder_speeds=half(e) if hetero else None, prefill_speeds=half(p) if hetero else None,
+                         encoder_modalities=split_towers(e, spec) if "split" in suffixes else None, name=spec)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SimCluster:
@@ -295,6 +306,17 @@ class SimCluster:
         nodes = len({w.node for w in (*self.encoders, *self.prefill, *self.decode)})
         return (f"{self.name}: encoders {pool(self.encoders)}, prefill {pool(self.prefill)}, "
                 f"decode {pool(self.decode)} on {nodes} node(s)")
+
+
+VISION, AUDIO = frozenset({"image", "video"}), frozenset({"audio"})
+
+
+def split_towers(num_encoders: int, spec: str) -> list[frozenset[str]]:
+    """The '-split' shape: the vision tower (image + video) on the first ceil(E/2) encoders, audio on the rest."""
+    if num_encoders < 2:
+        raise ClusterShapeError(f"cluster shape {spec!r}: '-split' needs at least 2 encoders (one per tower)")
+    vision = (num_encoders + 1) // 2
+    return [VISION if i < vision else AUDIO for i in range(num_encoders)]
 
 
 def _costs_from_dict(raw: dict, path) -> SimCosts:

@@ -18,7 +18,10 @@ Workers:
   modality whose oldest queued item is oldest; batch time from `EncodeCost.batch_ms`.
   An LRU of identifiers holding up to `encoder_cache_bytes` of embeddings; an item whose identifier the chosen
   encoder holds at dispatch (or appears twice in the request) skips encoding, though
-  its embeddings still travel. Items are cached when their batch finishes.
+  its embeddings still travel. Items are cached when their batch finishes. A request the
+  router split by modality (RouteDecision.shares) queues each item on its modality's
+  encoder; its embeddings move to prefill once the last item is encoded, each encoder's
+  part in parallel (the slowest transfer counts), and its encoders are released then.
 - prefill: FIFO, one request at a time; the uncached part of the prompt is what the
   worker's prefix LRU (of `prefix_cache_blocks` block hashes) misses at service start.
 - decode: admitted while fewer than `decode_max_batch` run, else FIFO wait; duration
@@ -180,6 +183,7 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
     req_enc_ms = [0.0] * n  # compute time of its items (shares of batches)
     req_enc_wall = [0.0] * n  # full times of the batches its items rode in
     req_encoded: list = [None] * n  # the items actually encoded (cache misses)
+    req_walls: list = [None] * n  # split requests: encoder -> full times of the batches its items rode in there
     ttft = [0.0] * n
     est = [0.0] * n
     svc = [0.0] * n
@@ -264,19 +268,56 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
         """Encoding of r finished (or was not needed): report, move embeddings to prefill.
         `enc_ms`: compute time of r's items (their shares of the batches they rode in),
         `wall_ms`: the batches' full times, `encoded`: the items actually encoded."""
-        e = dec.encoder
         p = dec.prefill
+        encode_done(dec, now, duration_ms=enc_ms, items=encoded)
+        if dec.shares:  # each encoder sends its part, in parallel: the slowest arrives last
+            xfer = 0.0
+            for share in dec.shares:
+                x = send_embeddings(share.encoder, p, [it for it in req_prof[r].items if it.modality in share.modalities])
+                xfer = x if x > xfer else xfer
+        else:
+            xfer = send_embeddings(dec.encoder, p, req_prof[r].items)
+        svc[r] = wall_ms + xfer
+        heappush(heap, (now + xfer * 1e-3, EV_PF_ARRIVE, r, 0))
+
+    def send_embeddings(e: int, p: int, items) -> float:
+        """Transfer ms of `items`' embeddings from encoder e to prefill worker p (reported to the router)."""
         nbytes = 0
-        for it in req_prof[r].items:
+        for it in items:
             nbytes += it.embedding_bytes
         if enc_node[e] == pf_node[p]:
             pl, xfer = SAME, same_lat + nbytes / same_bw
         else:
             pl, xfer = CROSS, cross_lat + nbytes / cross_bw
-        encode_done(dec, now, duration_ms=enc_ms, items=encoded)
         observe_transfer(pl, nbytes, xfer)
-        svc[r] = wall_ms + xfer
-        heappush(heap, (now + xfer * 1e-3, EV_PF_ARRIVE, r, 0))
+        return xfer
+
+    def arrive_split(r: int, dec, items, now: float) -> None:
+        """Queue each item of a request split by modality on its own encoder (cache hits skip it)."""
+        nonlocal cache_hits
+        by_encoder: dict[int, int] = {}
+        encoded, seen = [], set()
+        for it in items:
+            e, ident = dec.encoder_for(it.modality), it.identifier
+            if ident in enc_cache[e] or ident in seen:
+                cache_hits += 1
+                continue
+            seen.add(ident)
+            q = enc_q[e].get(it.modality)
+            if q is None:
+                q = enc_q[e][it.modality] = deque()
+            q.append((now, r, it.size, ident, it.embedding_bytes))
+            encoded.append(it)
+            by_encoder[e] = by_encoder.get(e, 0) + 1
+        if not encoded:
+            to_prefill(r, dec, now, 0.0, 0.0, ())
+            return
+        req_pending[r], req_enc_ms[r], req_enc_wall[r] = len(encoded), 0.0, 0.0
+        req_encoded[r], req_walls[r] = tuple(encoded), {}
+        for e, k in by_encoder.items():
+            enc_queued[e] += k
+            if enc_batch[e] is None:
+                start_batch(e, now)
 
     def start_prefill(p: int, r: int, now: float) -> None:
         prof = req_prof[r]
@@ -338,12 +379,18 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
                             keys.discard(old)
                             used -= ob
                     req_enc_ms[r] += share0 + share1 * size
-                    if r != prev:
-                        req_enc_wall[r] += ms
+                    if r != prev:  # a request's items in one batch are consecutive
+                        walls = req_walls[r]
+                        if walls is None:
+                            req_enc_wall[r] += ms
+                        else:  # split: its encoders work in parallel
+                            walls[e] = walls.get(e, 0.0) + ms
                         prev = r
                     left = req_pending[r] - 1
                     req_pending[r] = left
                     if left == 0:
+                        if req_walls[r] is not None:
+                            req_enc_wall[r], req_walls[r] = max(req_walls[r].values()), None
                         to_prefill(r, req_dec[r], now, req_enc_ms[r], req_enc_wall[r], req_encoded[r])
                         req_encoded[r] = None
                 enc_cache_used[e] = used
@@ -428,7 +475,10 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
         if decisions is not None:
             decisions[r] = (dec.encoder, dec.prefill, dec.decode)
         items = prof.items
-        if items:
+        if items and dec.shares:  # no encoder hosts all its modalities
+            media_items += len(items)
+            arrive_split(r, dec, items, now)
+        elif items:
             e = dec.encoder
             media_items += len(items)
             cache = enc_cache[e]

@@ -12,7 +12,7 @@ import pytest
 from router.cost_model import CostPriors
 from router.policies import LeastLoaded, make_policy
 from router.router import Router
-from router.types import MediaJob, RequestProfile, RouteDecision, WorkerInfo, WorkerKind, WorkerState
+from router.types import EncoderShare, MediaJob, RequestProfile, RouteDecision, WorkerInfo, WorkerKind, WorkerState
 from router.view import ClusterView, NoWorkerError
 
 E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
@@ -223,7 +223,11 @@ def test_record_constructors_build_the_same_records():
     assert est == TTFTEstimate(1.0, 2.0, 3.0, 4.0, 5.0) and hash(est) == hash(TTFTEstimate(1.0, 2.0, 3.0, 4.0, 5.0))
     decision = RouteDecision.of(1, 2, 3, est, (_ITEM,), (), 7)
     assert decision == RouteDecision(1, 2, 3, est, (_ITEM,), (), 7) and decision.estimated_ttft_ms == 15.0
-    for record in (est, decision):  # every field set: a field added to the class must be added to `of`
+    share = EncoderShare.of(1, ("image",), 2, (_ITEM,), 1.0, 2.0, 3.0)
+    assert share == EncoderShare(1, ("image",), 2, (_ITEM,), 1.0, 2.0, 3.0)
+    split = RouteDecision.of(1, 2, 3, est, (_ITEM,), (), 7, (share,))
+    assert split == RouteDecision(1, 2, 3, est, (_ITEM,), (), 7, (share,)) and split.encoder_for("image") == 1
+    for record in (est, decision, share, split):  # every field set: a field added to the class must be added to `of`
         assert set(vars(record)) == {f.name for f in fields(record)}
     with pytest.raises(AttributeError):  # still frozen
         est.encode_ms = 0.0
