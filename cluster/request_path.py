@@ -157,12 +157,12 @@ class RequestPath:
             self.routing.release(decision, before_prefill=not prefilled)
 
     def encode(self, adm: Admitted, decision: RouteDecision) -> list:
-        """One encode call per item; the encoder batches them with other requests' items."""
-        if not adm.items:
-            return []
-        encoder = self.fleet.pools[WorkerKind.ENCODER][decision.encoder]
-        method = encoder.encode.options(**self.fleet.transport_option(self.config.transport.embeddings))
-        return [method.remote(EncodeJob(adm.request_id, item, n)) for item, n in zip(adm.items, adm.plan.num_embeddings)]
+        """One encode call per item, on the encoder of its modality (pools may be split by
+        modality); each encoder batches them with other requests' items."""
+        encoders = self.fleet.pools[WorkerKind.ENCODER]
+        option = self.fleet.transport_option(self.config.transport.embeddings)
+        return [encoders[decision.encoder_for(item.modality.value)].encode.options(**option).remote(EncodeJob(adm.request_id, item, n))
+                for item, n in zip(adm.items, adm.plan.num_embeddings)]
 
     async def deliver(self, kind: WorkerKind, index: int, request_id: str, refs: list, transport) -> list:
         """Hand tensors (as refs) to a worker's inbox, one receive call per item; they move
