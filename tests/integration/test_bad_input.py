@@ -53,6 +53,7 @@ CASES = [
     ("too many images", {"messages": _user(*[OK_IMAGE] * 5)}, 400, "limit is 4", "messages"),
     ("remote url", {"messages": _user(_image_part("https://example.com/cat.png"))}, 400, "remote", "messages[0].content[0]"),
     ("audio to vision model", {"messages": _user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})}, 400, "audio", "messages[0].content[0]"),
+    ("video to vision model", {"messages": _user({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}})}, 400, "video", "messages[0].content[0]"),
     ("temperature", {"temperature": 7}, 400, "temperature", "temperature"),
     ("top_p", {"top_p": 0}, 400, "top_p", "top_p"),
     ("max_tokens", {"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
