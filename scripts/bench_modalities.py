@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""Mixed-modality benchmark on the all-modality model (bench-omni, configs/bench_omni_cpu.yaml).
+
+In one run, on one deployment:
+1. Text-only TTFT with and without video: Poisson text requests alone, then the same text
+   arrivals with 30-frame video requests mixed in (20% of all requests); phases alternate
+   `--rounds` times and the ratio of medians is reported (this host is noisy).
+2. The seed mix (text, one image, four images, 30-frame video, 30 s audio; weights from
+   router.sim.workload.DEFAULT_MIX): TTFT per request class.
+3. Encoder throughput, items/s, per modality: one encoder actor at batch size 1 against
+   one at the configured batch size, the same items submitted at once to each.
+Writes JSON (docs/BENCHMARKS.md has the procedure and figures).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import soundfile
+from PIL import Image
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_load import CpuWatch, pct, procs, stream_one  # noqa: E402
+from cluster.config import REPO_ROOT, load_config  # noqa: E402
+from router.sim.workload import DEFAULT_MIX  # noqa: E402
+
+VIDEO_FRAMES, VIDEO_FPS, AUDIO_S, IMAGE_SIDE = 30, 3, 30.0, 336
+
+
+# ----------------------------------------------------------------------------- media
+
+def image_part(rng: np.random.Generator) -> dict:
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)).save(buf, format="PNG")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+
+
+def video_part(rng: np.random.Generator) -> dict:
+    """A 10 s clip at 3 fps (30 frames, 224 px) as an animated GIF."""
+    frames = [Image.fromarray(rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)) for _ in range(VIDEO_FRAMES)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=1000 // VIDEO_FPS, loop=0)
+    return {"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()}}
+
+
+def audio_part(rng: np.random.Generator) -> dict:
+    buf = io.BytesIO()
+    soundfile.write(buf, (0.1 * rng.standard_normal(int(AUDIO_S * 16000))).astype(np.float32), 16000, format="WAV")
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
+
+
+def request_body(kind: str, rng: np.random.Generator, model: str, max_tokens: int) -> bytes:
+    media = {"text": [], "image": [image_part(rng)], "images4": [image_part(rng) for _ in range(4)],
+             "video": [video_part(rng)], "audio": [audio_part(rng)]}[kind]
+    content = media + [{"type": "text", "text": f"Describe what you see and hear, case {rng.integers(1e6)}."}]
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0,
+                       "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}).encode()
+
+
+def workload(kinds: list[str], rate_rps: float, seed: int, model: str, max_tokens: int) -> list[tuple[str, float, bytes]]:
+    """(kind, arrival_s, body) with Poisson arrivals at `rate_rps`."""
+    rnd, rng, t, out = random.Random(seed), np.random.default_rng(seed), 0.0, []
+    for kind in kinds:
+        out.append((kind, t, request_body(kind, rng, model, max_tokens)))
+        t += rnd.expovariate(rate_rps)
+    return out
+
+
+async def replay(url: str, reqs: list[tuple[str, float, bytes]], desc: str) -> dict[str, list[float]]:
+    """TTFT in ms per request kind."""
+    bar = tqdm(total=len(reqs), desc=desc, unit="req")
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+        t0 = time.perf_counter()
+
+        async def one(kind: str, arrival: float, body: bytes):
+            await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
+            result = await stream_one(client, url, body, arrival, t0)
+            bar.update()
+            return kind, result.ttft_s * 1e3
+
+        done = await asyncio.gather(*(one(*r) for r in reqs))
+    bar.close()
+    out: dict[str, list[float]] = {}
+    for kind, ttft in done:
+        out.setdefault(kind, []).append(ttft)
+    return out
+
+
+# ----------------------------------------------------------------------------- phases
+
+def text_vs_video(url: str, model: str, args) -> dict:
+    """Text TTFT alone vs with 20% video requests, alternating rounds on the same server."""
+    rounds = []
+    for r in range(args.rounds):
+        texts = ["text"] * args.text_requests
+        mixed = texts + ["video"] * (args.text_requests // 4)  # video = 20% of all requests
+        random.Random(r).shuffle(mixed)
+        alone = asyncio.run(replay(url, workload(texts, args.text_rate, 100 + r, model, args.max_tokens), f"round {r}: text only"))
+        with_video = asyncio.run(replay(url, workload(mixed, args.text_rate * 1.25, 100 + r, model, args.max_tokens),
+                                        f"round {r}: text + 20% video"))
+        rounds.append({"text_alone_ms": alone["text"], "text_with_video_ms": with_video["text"], "video_ms": with_video.get("video", [])})
+    stat = lambda key, q: float(np.median([pct(rd[key], q) for rd in rounds]))
+    out = {f"{key}_p{q}": stat(key, q) for key in ("text_alone_ms", "text_with_video_ms", "video_ms") for q in (50, 99)}
+    out["ratio_p50"] = out["text_with_video_ms_p50"] / out["text_alone_ms_p50"]
+    out["ratio_p99"] = out["text_with_video_ms_p99"] / out["text_alone_ms_p99"]
+    out["rounds"] = [{k: [round(x, 1) for x in v] for k, v in rd.items()} for rd in rounds]
+    return out
+
+
+def seed_mix(url: str, model: str, args) -> dict:
+    rnd = random.Random(7)
+    kinds = rnd.choices(list(DEFAULT_MIX), weights=list(DEFAULT_MIX.values()), k=args.mix_requests)
+    ttft = asyncio.run(replay(url, workload(kinds, args.mix_rate, 7, model, args.max_tokens), "seed mix"))
+    return {kind: {"n": len(v), "ttft_p50_ms": pct(v, 50), "ttft_p99_ms": pct(v, 99)} for kind, v in sorted(ttft.items())}
+
+
+def encoder_throughput(cfg, args) -> dict:
+    """Items/s of one encoder actor at batch 1 vs at the configured batch size."""
+    import ray
+
+    from actors.encoder import EncoderActor
+    from actors.runtime import WorkerSpec
+    from actors.types import EncodeJob
+    from cluster.prompt_plan import PromptPlanner
+
+    planner, pool = PromptPlanner(cfg.model.checkpoint_path), cfg.encoder_pools[0]
+    spec = WorkerSpec(str(cfg.model.checkpoint_path), cfg.model.dtype, cfg.model.device, pool.torch_threads, cfg.model.max_model_len)
+    items = sample_items(planner, args)
+    out = {}
+    for batch in (1, pool.max_batch_size):
+        actor = EncoderActor.options(num_cpus=0).remote(spec, batch, pool.max_wait_ms, 0.0)
+        ray.get(actor.ready.remote())
+        for modality, group in items.items():
+            jobs = [EncodeJob(f"bench-{i}", item, planner.spec.num_embeddings(item)) for i, item in enumerate(group)]
+            ray.get([actor.encode.remote(job) for job in jobs[:1]])  # warm-up
+            started = time.perf_counter()
+            ray.get([actor.encode.remote(job) for job in jobs])
+            out.setdefault(modality, {})[f"batch_{batch}_items_per_s"] = len(jobs) / (time.perf_counter() - started)
+        ray.kill(actor)
+    for row in out.values():
+        row["ratio"] = row[f"batch_{pool.max_batch_size}_items_per_s"] / row["batch_1_items_per_s"]
+    return out
+
+
+def sample_items(planner, args) -> dict:
+    """Decoded items as the ingress would hand them over (distinct, so no cache hits)."""
+    from actors.media import MediaOptions, load_media_item
+    from actors.media_video import VideoSampling
+    from actors.types import Modality
+    from cluster.config import LimitsConfig
+
+    rng, limits = np.random.default_rng(3), LimitsConfig()
+    options = MediaOptions(audio_sample_rate_hz=planner.spec.audio_sample_rate_hz, video_sampling=VideoSampling(fps=VIDEO_FPS, max_frames=32))
+    make = {Modality.IMAGE: (image_part, "image_url", 16), Modality.VIDEO: (video_part, "video_url", 4),
+            Modality.AUDIO: (audio_part, "input_audio", 8)}
+    items = {}
+    for modality, (part, key, n) in make.items():
+        payloads = [part(rng)[key] for _ in range(n)]
+        items[modality.value] = [load_media_item(modality, p.get("url") or p["data"], namespace="bench", limits=limits, param="x",
+                                                 format=p.get("format"), options=options) for p in payloads]
+    return items
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "bench_omni_cpu.yaml"))
+    p.add_argument("--text-requests", type=int, default=40, help="text requests per phase")
+    p.add_argument("--text-rate", type=float, default=2.0, help="text requests per second")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--mix-requests", type=int, default=40)
+    p.add_argument("--mix-rate", type=float, default=0.5)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--skip", nargs="*", default=[], choices=["text_vs_video", "seed_mix", "encoder"])
+    p.add_argument("--out", default="/tmp/bench_modalities.json")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.cli import ensure_model, start
+
+    args = parse_args(argv)
+    cfg = load_config(args.config)
+    ensure_model(cfg)
+    if any(name in ("raylet", "gcs_server") for name, _, _ in procs().values()):
+        sys.exit("a Ray cluster is already running on this host; wait for it to stop before benchmarking")
+    url, report = f"{start(cfg)}/chat/completions", {"config": args.config, "args": vars(args)}
+    try:
+        asyncio.run(replay(url, workload(["text", "image", "video", "audio"], 100.0, 1, cfg.model.served_name, 4), "warm-up"))
+        with CpuWatch() as watch:
+            if "text_vs_video" not in args.skip:
+                report["text_vs_video"] = text_vs_video(url, cfg.model.served_name, args)
+            if "seed_mix" not in args.skip:
+                report["seed_mix"] = seed_mix(url, cfg.model.served_name, args)
+            if "encoder" not in args.skip:
+                report["encoder_throughput"] = encoder_throughput(cfg, args)
+        report["other_cpu_s"] = watch.other_cpu_s
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: v for k, v in report.items() if k != "args"}, indent=2, default=str)[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
