@@ -1,7 +1,7 @@
 """LLaVA family: CLIP/SigLIP vision tower + projector + a Llama/Qwen2-style LM. Images only."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,9 +45,6 @@ class LlavaAdapter(ModelAdapter):
 class LlavaSpec(PlaceholderSpec):
     """Every image becomes the same number of embeddings (the tower's fixed input size)."""
 
-    token_by_modality: dict[Modality, str] = field(default_factory=dict)
-    token_id_by_modality: dict[Modality, int] = field(default_factory=dict)
-    embedding_bytes_per_token: int = 0
     image_embeddings: int = 0
 
     def layout(self, item: MediaItem) -> ItemLayout:

@@ -10,7 +10,7 @@ PlaceholderRange), with explicit position ids, never the model's per-instance ca
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,12 +33,6 @@ def merged_kwargs(processor) -> dict:
 
 @dataclass(frozen=True)
 class OmniSpec(PlaceholderSpec):
-    token_by_modality: dict[Modality, str] = field(default_factory=dict)
-    token_id_by_modality: dict[Modality, int] = field(default_factory=dict)
-    embedding_bytes_per_token: int = 0
-    audio_sample_rate_hz: int = 16000
-    audio_window_samples: int | None = None
-    hop_length: int = 160
     patch_size: int = 14
     merge_size: int = 2
     temporal_patch_size: int = 2

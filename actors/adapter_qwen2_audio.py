@@ -8,7 +8,7 @@ the feature extractor's window is split at the ingress (see `split_windows`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,12 +45,7 @@ def audio_kwargs(processor) -> dict:
 
 @dataclass(frozen=True)
 class AudioSpec(PlaceholderSpec):
-    token_by_modality: dict[Modality, str] = field(default_factory=dict)
-    token_id_by_modality: dict[Modality, int] = field(default_factory=dict)
-    embedding_bytes_per_token: int = 0
-    audio_sample_rate_hz: int = 16000
-    audio_window_samples: int | None = None
-    hop_length: int = 160
+    """Audio only; embeddings follow from the clip's length (see audio_embeddings)."""
 
     def layout(self, item: MediaItem) -> ItemLayout:
         if item.modality != Modality.AUDIO:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,15 +35,17 @@ class ItemLayout:
     seconds_per_grid: float | None = None
 
 
+@dataclass(frozen=True)
 class PlaceholderSpec(abc.ABC):
     """What the ingress needs to plan a prompt: the placeholder token per modality, how an
     item becomes embeddings, and how audio is windowed. Built without weights."""
 
-    token_by_modality: dict[Modality, str]
-    token_id_by_modality: dict[Modality, int]
-    embedding_bytes_per_token: int  # one embedding row as it travels (LM width x dtype size)
+    token_by_modality: dict[Modality, str] = field(default_factory=dict)
+    token_id_by_modality: dict[Modality, int] = field(default_factory=dict)
+    embedding_bytes_per_token: int = 0  # one embedding row as it travels (LM width x dtype size)
     audio_sample_rate_hz: int = 16000
     audio_window_samples: int | None = None  # longer clips are split into windows of at most this
+    hop_length: int = 160  # audio samples per mel frame
 
     @abc.abstractmethod
     def layout(self, item: MediaItem) -> ItemLayout:

@@ -183,7 +183,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mix-requests", type=int, default=40)
     p.add_argument("--mix-rate", type=float, default=0.5)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--skip", nargs="*", default=[], choices=["text_vs_video", "seed_mix", "encoder"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["text_vs_video", "seed_mix", "encoder_throughput"])
     p.add_argument("--out", default="/tmp/bench_modalities.json")
     return p.parse_args(argv)
 
@@ -202,18 +202,19 @@ def main(argv=None) -> int:
     url, report = f"{start(cfg)}/chat/completions", {"config": args.config, "args": vars(args)}
     try:
         asyncio.run(replay(url, workload(["text", "image", "video", "audio"], 100.0, 1, cfg.model.served_name, 4), "warm-up"))
-        with CpuWatch() as watch:
-            if "text_vs_video" not in args.skip:
-                report["text_vs_video"] = text_vs_video(url, cfg.model.served_name, args)
-            if "seed_mix" not in args.skip:
-                report["seed_mix"] = seed_mix(url, cfg.model.served_name, args)
-            if "encoder" not in args.skip:
-                report["encoder_throughput"] = encoder_throughput(cfg, args)
-        report["other_cpu_s"] = watch.other_cpu_s
+        phases = {"text_vs_video": lambda: text_vs_video(url, cfg.model.served_name, args),
+                   "seed_mix": lambda: seed_mix(url, cfg.model.served_name, args),
+                   "encoder_throughput": lambda: encoder_throughput(cfg, args)}
+        for name, phase in phases.items():
+            if name in args.skip:
+                continue
+            with CpuWatch() as watch:
+                report[name] = phase()
+            report[f"{name}_other_cpu_s"] = watch.other_cpu_s
+            Path(args.out).write_text(json.dumps(report, indent=2))  # each phase kept even if a later one fails
     finally:
         serve.shutdown()
         ray.shutdown()
-    Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps({k: v for k, v in report.items() if k != "args"}, indent=2, default=str)[:4000])
     return 0
 

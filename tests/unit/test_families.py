@@ -93,16 +93,19 @@ OMNI_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(OMNI_CASES))
-def test_omni_matches_generate(omni, case):
-    model, processor, planner, encoder, runner = omni
-    parts = OMNI_CASES[case]()
-    items = media(parts)
-    plan = planner.plan(message(*parts), items)
-    windowed = planner.window_audio(message(*parts), items)[0]  # the reference gets the same windows
+def check_matches_generate(family, parts) -> None:
+    """The plan equals the processor's tokens and the served tokens equal `generate`'s."""
+    model, processor, planner, encoder, runner = family
+    plan = planner.plan(message(*parts), media(parts))
+    windowed = planner.window_audio(message(*parts), media(parts))[0]  # the reference gets the same windows
     want_ids, want = reference(model, processor, windowed, list(plan.items), 8)
     assert list(plan.token_ids) == want_ids
     assert served(encoder, runner, plan, 8) == want
+
+
+@pytest.mark.parametrize("case", sorted(OMNI_CASES))
+def test_omni_matches_generate(omni, case):
+    check_matches_generate(omni, OMNI_CASES[case]())
 
 
 def encode_batched(encoder, plans) -> list[list[torch.Tensor]]:
@@ -172,13 +175,7 @@ AUDIO_CASES = {
 
 @pytest.mark.parametrize("case", sorted(AUDIO_CASES))
 def test_qwen2_audio_matches_generate(qwen2_audio, case):
-    model, processor, planner, encoder, runner = qwen2_audio
-    parts = AUDIO_CASES[case]()
-    items = media(parts)
-    plan = planner.plan(message(*parts), items)
-    want_ids, want = reference(model, processor, planner.window_audio(message(*parts), items)[0], list(plan.items), 8)
-    assert list(plan.token_ids) == want_ids
-    assert served(encoder, runner, plan, 8) == want
+    check_matches_generate(qwen2_audio, AUDIO_CASES[case]())
 
 
 def test_qwen2_audio_refuses_images(qwen2_audio):

@@ -6,7 +6,6 @@ import io
 import struct
 import time
 import zlib
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from PIL import Image, ImageFile
 from actors import media, media_image
 from actors.media import MediaError, decode_image_url, decode_media, load_media_item
 from actors.types import MediaItem, Modality
+from cluster.config import LimitsConfig
 
 PARAM = "messages[1].content[2].image_url"
 LIMIT = 1_000_000
@@ -229,13 +229,9 @@ def test_rgb_conversion_matches_transformers_convert_to_rgb(name: str) -> None:
 
 # ----------------------------------------------------------------------------- dispatch
 
-@dataclass
-class Limits:
-    max_image_pixels: int = LIMIT
-    allow_remote_media: bool = False
-    max_audio_s: float = 600.0
-    max_video_s: float = 600.0
-    max_video_frames: int = 256
+def Limits(**overrides) -> LimitsConfig:
+    """The real limits config, with this module's pixel limit."""
+    return LimitsConfig(**{"max_image_pixels": LIMIT, **overrides})
 
 
 def test_dispatch_by_modality(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -265,8 +261,7 @@ def test_load_media_item_fingerprints_the_decoded_pixels() -> None:
 
 
 def test_limits_config_satisfies_media_limits() -> None:
-    from cluster.config import LimitsConfig
-
+    
     url = data_url(encode(Image.fromarray(pixels()), "PNG"))
     assert decode_media(Modality.IMAGE, url, limits=LimitsConfig(), param=PARAM).data.shape == (20, 30, 3)
     with pytest.raises(MediaError, match="remote media is disabled"):

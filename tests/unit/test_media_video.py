@@ -4,7 +4,6 @@ from __future__ import annotations
 import base64
 import io
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from actors import media_video
 from actors.media import MediaError, MediaOptions, load_media_item
 from actors.media_video import VideoSampling, _Timeline, decode_video_url, sample_times, select_frames
 from actors.types import Modality
+from cluster.config import LimitsConfig
 
 PARAM = "messages[0].content[1].video_url"
 LIMIT = 1_000_000
@@ -298,13 +298,9 @@ def test_url_rejections() -> None:
 
 # ----------------------------------------------------------------------------- through the front door
 
-@dataclass
-class Limits:
-    max_image_pixels: int = LIMIT
-    allow_remote_media: bool = False
-    max_audio_s: float = 600.0
-    max_video_s: float = 600.0
-    max_video_frames: int = 256
+def Limits(**overrides) -> LimitsConfig:
+    """The real limits config, with this module's pixel limit."""
+    return LimitsConfig(**{"max_image_pixels": LIMIT, **overrides})
 
 
 def test_load_media_item_video() -> None:
