@@ -201,14 +201,15 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
     overhead (inside the simulator); else the last report's deterministic model (no contention,
     no noise, the mean overhead). Returns the cluster and what was fitted."""
     from router.sim import EncodeCost, SimCluster, SimCosts
-    from router.sim.variability import Variability, fit_trace, in_flight
+    from router.sim.variability import Variability, busy, fit_trace
 
     cfg = cluster_config(args, "joint", Path(run["trace"]))
     fit = fit_trace(trace, grid=None if variable else np.array([0.0]))
     # the encode stage's load-phase mean, less the contention its requests met on average
-    arrival, ttft = np.array([t["arrival_s"] for t in trace]), np.array([t["ttft_ms"] for t in trace])
+    col = {k: np.array([t[k] for t in trace]) for k in ("arrival_s", "ttft_ms", "prefill_ms", "prefill_queue_ms")}
     images = np.array([t["arrival_s"] for t, _ in pairs if t["items"]])
-    crowd = float(np.mean(1 + fit.prefill.contention * (in_flight(arrival, ttft, images) - 1))) if len(images) else 1.0
+    others = np.minimum(busy(*col.values(), images) - 1, fit.max_others)
+    crowd = float(np.mean(1 + fit.prefill.contention * others)) if len(images) else 1.0
     encode_ms = (run["stage_ms"]["encode"] or 0.0) / crowd
     speed1 = fit.speeds.get(1, 1.0 / args.slowdown)  # under 3 requests on worker 1: the configured factor
     costs = SimCosts(encode={**SimCosts().encode, "image": EncodeCost(encode_ms, 0.0, 1.0)},
@@ -221,7 +222,7 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
     cluster = SimCluster.build(2, 2, 1, prefill_speeds=[1.0, speed1], costs=costs, name="live-calibrated")
     doc = {"prefill_fixed_ms": round(fit.prefill.fixed_ms, 3), "prefill_ms_per_token": round(fit.prefill.per_unit_ms, 5),
            "prefill_speed_worker1": round(speed1, 3), "contention_per_request": round(fit.prefill.contention, 3),
-           "service_sigma": round(fit.prefill.sigma, 3), "ingress_ms": round(fit.ingress_ms, 2),
+           "service_sigma": round(fit.prefill.sigma, 3), "max_others": fit.max_others, "ingress_ms": round(fit.ingress_ms, 2),
            "ingress_media_ms": round(costs.ingress_media_ms, 2), "ingress_sigma": round(fit.ingress_sigma, 3),
            "encode_ms_per_batch": round(encode_ms, 3), "decode_step_ms": round(costs.decode_step_ms, 3),
            "fitted_requests": fit.prefill.samples}

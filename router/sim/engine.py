@@ -29,8 +29,9 @@ Workers:
   decided when the prefill finishes and takes effect when the KV cache lands.
 
 Variability (SimCosts.variability, off by default): each encode batch and prefill takes its
-cost-model time x (1 + contention x the other requests in flight at its start) x mean-1
-lognormal noise; requests in flight are those arrived whose first token is not out. An
+cost-model time x (1 + contention x the other busy requests at its start) x mean-1 lognormal
+noise; busy requests are those arrived whose first token is not out, less those waiting in
+a prefill worker's queue (they use no CPU). An
 ingress overhead (SimCosts.ingress_ms, ingress_media_ms; 0 by default) delays a request's
 routing, scaled the same way with its own noise (router/sim/variability.py).
 
@@ -272,7 +273,7 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
         solo = k * fixed + per * total
         ms = (fixed + per * total * scale) / enc_speed[e]
         if mult is not None:
-            ms *= mult.service(inflight - 1)
+            ms *= mult.service(busy_others())
         # each item's share of the batch time, in proportion to its solo cost
         unit = ms / solo if solo > 0 else 0.0
         enc_batch[e] = (items, ms, unit * fixed, unit * per)
@@ -353,10 +354,18 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
             uncached = tokens
         ms = (pf_fixed + uncached / pf_tpm) / pf_speed[p]
         if mult is not None:
-            ms *= mult.service(inflight - 1)
+            ms *= mult.service(busy_others())
         pf_cur[p] = (r, ms, uncached)
         pf_busy_ms[p] += ms
         heappush(heap, (now + ms * 1e-3, EV_PF_DONE, p, r))
+
+    def busy_others() -> int:
+        """Other requests in flight that are doing work, not waiting in a prefill worker's queue:
+        what contends for the host (a loop over the prefill workers: only with variability on)."""
+        waiting = 0
+        for q in pf_q:
+            waiting += len(q)
+        return inflight - waiting - 1
 
     def ingress_ms(prof, others: int) -> float:
         """The request's ingress overhead (admission, RPCs, hand-overs: no modelled worker)."""
@@ -501,7 +510,7 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
             inflight += 1
             if delayed:
                 req_prof[r] = prof
-                heappush(heap, (now + ingress_ms(prof, inflight - 1) * 1e-3, EV_ADMIT, r, 0))
+                heappush(heap, (now + ingress_ms(prof, busy_others() if mult is not None else 0) * 1e-3, EV_ADMIT, r, 0))
                 continue
         # ---- route request r and send it on
         dec = route(prof, now)

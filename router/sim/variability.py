@@ -6,17 +6,19 @@ host prefill ran 0.5-3.4x its calibrated time, slower the more requests were in 
 `Variability` gives each service (an encode batch, a prefill, a request's ingress overhead)
 a multiplier
 
-    (1 + contention * n) * exp(sigma * Z - sigma**2 / 2),   Z ~ N(0, 1)
+    (1 + contention * min(n, max_others)) * exp(sigma * Z - sigma**2 / 2),   Z ~ N(0, 1)
 
-where n is the number of other requests in flight on the host when the service starts
-(arrived, first token not yet out). The first factor is host contention (processor sharing,
-frozen at the service's start); the second is per-service noise with mean 1, so noise alone
-leaves mean service times unchanged. Both are off by default.
+where n is the number of other busy requests on the host when the service starts: arrived,
+first token not yet out, and not waiting in a prefill worker's queue (a queued request uses
+no CPU; counting it let a burst feed on itself until the simulated host collapsed, which the
+live one never did). The first factor is host contention (processor sharing, frozen at the
+service's start), held beyond the largest n the fit saw; the second is per-service noise with
+mean 1, so noise alone leaves mean service times unchanged. Both are off by default.
 
 `fit_service` finds contention and sigma from measured service times (the live cluster's
-trace records each request's prefill_ms, and `in_flight` counts n from arrivals and TTFTs):
-the maximum-likelihood contention of the lognormal model, by a grid search, and the fixed +
-per-token cost of the service free of contention, by least squares.
+trace records each request's prefill_ms and prefill_queue_ms, and `busy` counts n from them
+and the arrivals and TTFTs): the maximum-likelihood contention of the lognormal model, by a
+grid search, and the fixed + per-token cost of the service free of contention, by least squares.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ class Variability:
     sigma: float = 0.0  # lognormal sigma of encode-batch and prefill times
     ingress_sigma: float = 0.0  # lognormal sigma of the ingress overhead (SimCosts.ingress_ms)
     seed: int = 0
+    max_others: int = 1 << 30  # contention stops growing here (fits: the most busy requests they saw)
 
     @property
     def enabled(self) -> bool:
@@ -44,6 +47,8 @@ class Variability:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"variability {name} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(self.max_others, int) and self.max_others >= 0):
+            raise ValueError(f"variability max_others must be an integer >= 0, got {self.max_others!r}")
 
 
 class Multipliers:
@@ -51,7 +56,7 @@ class Multipliers:
     per _BLOCK services, not one per service)."""
 
     def __init__(self, variability: Variability):
-        self.contention = variability.contention
+        self.contention, self.cap = variability.contention, variability.max_others
         self._rng = np.random.default_rng([variability.seed, 0x5EED])
         self._service = self._stream(variability.sigma)
         self._ingress = self._stream(variability.ingress_sigma)
@@ -65,10 +70,10 @@ class Multipliers:
             yield from np.exp(sigma * self._rng.standard_normal(_BLOCK) - sigma * sigma / 2).tolist()
 
     def service(self, others: int) -> float:
-        return (1.0 + self.contention * others) * next(self._service)
+        return (1.0 + self.contention * (others if others < self.cap else self.cap)) * next(self._service)
 
     def ingress(self, others: int) -> float:
-        return (1.0 + self.contention * others) * next(self._ingress)
+        return (1.0 + self.contention * (others if others < self.cap else self.cap)) * next(self._ingress)
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -77,9 +82,23 @@ class Multipliers:
 def in_flight(arrival_s: np.ndarray, ttft_ms: np.ndarray, at_s: np.ndarray) -> np.ndarray:
     """For each time in `at_s`: requests in flight then (arrival <= t < arrival + TTFT)."""
     arrival_s = np.asarray(arrival_s, dtype=float)
-    starts, ends = np.sort(arrival_s), np.sort(arrival_s + np.asarray(ttft_ms, dtype=float) / 1e3)
+    return covering(arrival_s, arrival_s + np.asarray(ttft_ms, dtype=float) / 1e3, at_s)
+
+
+def covering(starts: np.ndarray, ends: np.ndarray, at_s: np.ndarray) -> np.ndarray:
+    """For each time in `at_s`: how many of the intervals [start, end) hold it."""
     at = np.asarray(at_s, dtype=float)
-    return np.searchsorted(starts, at, side="right") - np.searchsorted(ends, at, side="right")
+    return np.searchsorted(np.sort(starts), at, side="right") - np.searchsorted(np.sort(ends), at, side="right")
+
+
+def busy(arrival_s: np.ndarray, ttft_ms: np.ndarray, prefill_ms: np.ndarray, prefill_queue_ms: np.ndarray,
+         at_s: np.ndarray) -> np.ndarray:
+    """For each time in `at_s`: requests in flight then, less those waiting in a prefill queue
+    (which ends when the prefill starts, prefill_ms before the first token)."""
+    arrival_s = np.asarray(arrival_s, dtype=float)
+    queue_end = arrival_s + (np.asarray(ttft_ms, dtype=float) - np.asarray(prefill_ms, dtype=float)) / 1e3
+    waiting = covering(queue_end - np.asarray(prefill_queue_ms, dtype=float) / 1e3, queue_end, at_s)
+    return in_flight(arrival_s, ttft_ms, at_s) - waiting
 
 
 @dataclass(frozen=True)
@@ -151,37 +170,43 @@ class TraceFit:
     ingress_ms: float  # a text request's overhead, free of contention
     ingress_media_ms: float  # what media adds to it
     ingress_sigma: float
+    max_others: int  # the most other busy requests a fitted service saw
 
     def variability(self, seed: int = 0) -> Variability:
-        return Variability(self.prefill.contention, self.prefill.sigma, self.ingress_sigma, seed)
+        return Variability(self.prefill.contention, self.prefill.sigma, self.ingress_sigma, seed, self.max_others)
+
+
+TIMINGS = ("arrival_s", "ttft_ms", "prefill_ms", "prefill_queue_ms", "encode_ms")
 
 
 def fit_trace(records: list[dict], reference: int = 0, grid: np.ndarray | None = None) -> TraceFit:
-    """Fit a trace recorded on the live cluster (router/sim/workload.py has the format);
-    `grid`: the contentions to try (fit_service's default; [0.0] fits no contention)."""
-    timed = [r for r in records if all(k in r for k in ("ttft_ms", "prefill_ms", "prefill_queue_ms", "encode_ms"))]
+    """Fit a trace recorded on the live cluster (router/sim/workload.py has the format; records
+    without the measured timings are left out). `grid`: the contentions to try (fit_service's
+    default; [0.0] fits no contention)."""
+    timed = [r for r in records if all(k in r for k in TIMINGS)]
     if len(timed) < 3:
         raise ValueError(f"the trace has {len(timed)} records with measured timings; fitting needs 3 or more")
-    arrival = np.array([r["arrival_s"] for r in records if "ttft_ms" in r])
-    ttft = np.array([r["ttft_ms"] for r in records if "ttft_ms" in r])
-    col = {k: np.array([r[k] for r in timed], dtype=float) for k in ("arrival_s", "ttft_ms", "prefill_ms", "prefill_queue_ms", "encode_ms")}
+    col = {k: np.array([r[k] for r in timed], dtype=float) for k in TIMINGS}
     tokens = np.array([r["num_prompt_tokens"] for r in timed], dtype=float)
     worker = np.array([r["route"][1] for r in timed])
     media = np.array([bool(r["items"]) for r in timed])
-    # others in flight when each prefill started (it ended about when the first token went out)
-    others = in_flight(arrival, ttft, col["arrival_s"] + (col["ttft_ms"] - col["prefill_ms"]) / 1e3) - 1
+
+    def others(at_s: np.ndarray) -> np.ndarray:  # other busy requests at each time (of one request's own)
+        return busy(col["arrival_s"], col["ttft_ms"], col["prefill_ms"], col["prefill_queue_ms"], at_s) - 1
+
+    at_prefill = others(col["arrival_s"] + (col["ttft_ms"] - col["prefill_ms"]) / 1e3)  # it ends with the first token
     ref = worker == reference
-    fit = fit_service(tokens[ref], col["prefill_ms"][ref], others[ref], grid)
+    fit = fit_service(tokens[ref], col["prefill_ms"][ref], at_prefill[ref], grid)
     speeds = {}
     for w in sorted(set(worker.tolist()) - {reference}):
         mine = worker == w
         if mine.sum() >= 3:
-            expected = fit.base_ms(tokens[mine]) * (1 + fit.contention * others[mine])
+            expected = fit.base_ms(tokens[mine]) * (1 + fit.contention * at_prefill[mine])
             speeds[int(w)] = float(expected.sum() / col["prefill_ms"][mine].sum())
     resid = col["ttft_ms"] - col["encode_ms"] - col["prefill_queue_ms"] - col["prefill_ms"]
-    factor = 1 + fit.contention * (in_flight(arrival, ttft, col["arrival_s"]) - 1)
-    free = resid / factor
+    free = resid / (1 + fit.contention * others(col["arrival_s"]))
     text = float(free[~media].mean()) if (~media).any() else 0.0
     extra = float(free[media].mean()) - text if media.any() else 0.0
     base = np.where(media, text + extra, text)
-    return TraceFit(fit, reference, speeds, max(text, 0.0), max(extra, 0.0), lognormal_sigma(free / np.maximum(base, 1e-9)))
+    return TraceFit(fit, reference, speeds, max(text, 0.0), max(extra, 0.0), lognormal_sigma(free / np.maximum(base, 1e-9)),
+                    int(at_prefill.max()))

@@ -180,7 +180,7 @@ class SyntheticProfiles(Sequence):
         bs = self.block_size
         empty: tuple[MediaJob, ...] = ()
         no_prefix: tuple[str, ...] = ()
-        RP, MJ = RequestProfile, MediaJob
+        RP, MJ = RequestProfile.of, MediaJob.of
         for c, mid, mt, px in zip(self.cls_idx[start:stop].tolist(), self.media_id[start:stop].tolist(),
                                    self.max_tokens[start:stop].tolist(), self.prefix_idx[start:stop].tolist()):
             k = nitems[c]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from router.sim import ClusterShapeError, SimCluster, SimCosts, Workload, make_workload, simulate
-from router.sim.variability import Multipliers, Variability, fit_service, fit_trace, in_flight
+from router.sim.variability import Multipliers, Variability, busy, fit_service, fit_trace, in_flight
 from router.types import MediaJob, Placement, RequestProfile
 
 FREE = {pl: 0.0 for pl in Placement}
@@ -56,11 +56,15 @@ def test_multipliers_have_mean_one():
     draws = np.array([m.service(0) for _ in range(40_000)])
     assert draws.mean() == pytest.approx(1.0, rel=0.02) and np.log(draws).std() == pytest.approx(0.6, rel=0.02)
     assert Multipliers(Variability(contention=0.25)).service(4) == 2.0
+    assert Multipliers(Variability(contention=0.25, max_others=2)).service(4) == 1.5  # held beyond what a fit saw
 
 
 def test_in_flight_counts_requests_between_arrival_and_first_token():
     arrival, ttft = np.array([0.0, 0.1, 0.2]), np.array([150.0, 50.0, 500.0])  # in flight [0, .15), [.1, .15), [.2, .7)
-    assert in_flight(arrival, ttft, np.array([0.05, 0.12, 0.16, 0.3, 0.7])).tolist() == [1, 2, 0, 1, 0]
+    at = np.array([0.05, 0.12, 0.16, 0.3, 0.7])
+    assert in_flight(arrival, ttft, at).tolist() == [1, 2, 0, 1, 0]
+    # the third waits in a prefill queue over [0.25, 0.6) (prefill 100 ms, queued 350 ms): not busy then
+    assert busy(arrival, ttft, np.array([10.0, 10.0, 100.0]), np.array([0.0, 0.0, 350.0]), at).tolist() == [1, 2, 0, 0, 0]
 
 
 def test_fit_service_recovers_contention_noise_and_costs():
@@ -78,9 +82,9 @@ def test_fit_service_recovers_contention_noise_and_costs():
 
 def test_fit_trace_on_a_simulated_trace():
     """Record a trace from a simulation with known variability, fit it back."""
-    truth = Variability(contention=0.2, sigma=0.25, ingress_sigma=0.3, seed=5)
-    cluster = text_cluster(prefill=2, ingress_ms=6.0, variability=truth)
-    wl = make_workload("poisson", 3000, seed=4, mix={"text": 1.0}, rate_rps=60.0)
+    truth = Variability(contention=0.2, sigma=0.25, seed=5)
+    cluster = text_cluster(prefill=4, variability=truth)
+    wl = make_workload("poisson", 3000, seed=4, mix={"text": 1.0}, rate_rps=20.0)  # ~50% load: busy workers vary
     from router.sim.engine import _run, make_router
 
     router = make_router(cluster, "round_robin", seed=1)
@@ -88,14 +92,16 @@ def test_fit_trace_on_a_simulated_trace():
     route = router.route
     router.route = lambda profile, now_s: decisions.append(route(profile, now_s)) or decisions[-1]
     sim = _run(cluster, wl, router, "round_robin", slo_ms=1e3, progress=False, record_decisions=False, load=None)
-    # what the live cluster writes: arrival, TTFT, stage times (a text request's service is its prefill), route
+    # what the live cluster writes: arrival, TTFT, stage times (a text request's service is its prefill,
+    # the rest of its TTFT the prefill queue), route
     records = [{"arrival_s": a, "ttft_ms": t, "num_prompt_tokens": p.num_prompt_tokens, "items": [], "route": [None, d.prefill, 0],
-                "encode_ms": 0.0, "prefill_ms": s, "prefill_queue_ms": 0.0}
+                "encode_ms": 0.0, "prefill_ms": s, "prefill_queue_ms": t - s}
                for a, t, p, d, s in zip(wl.arrival_s, sim.ttft_ms, wl.profiles, decisions, sim.service_ms)]
     fit = fit_trace(records)
     assert fit.prefill.contention == pytest.approx(0.2, abs=0.05) and fit.prefill.sigma == pytest.approx(0.25, abs=0.05)
     assert fit.prefill.base_ms(1000) == pytest.approx(5 + 1000 / 10, rel=0.1)
     assert fit.speeds[1] == pytest.approx(1.0, rel=0.1)
+    assert fit.ingress_ms == pytest.approx(0.0, abs=1e-6) and fit.variability(3).max_others == fit.max_others > 0
 
 
 def test_variability_from_yaml_and_bad_values(tmp_path):
