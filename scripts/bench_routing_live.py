@@ -49,6 +49,7 @@ from cluster.config import load_config  # noqa: E402
 FILLER = ("context note detail river mountain window garden music paper story light street "
           "morning winter colour market table simple quiet bright").split()
 POLICIES = ("least_loaded", "joint")
+MODELS = ("variable", "measured host", "deterministic")  # simulator calibrations compared (see calibrate)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -196,37 +197,51 @@ def timed_trace(run: dict) -> list[dict]:
     return trace
 
 
-def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args, variable: bool):
-    """The joint run's fleet as a SimCluster. variable: fit_trace's contention, noise and ingress
-    overhead (inside the simulator); else the last report's deterministic model (no contention,
+def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args, model: str):
+    """The joint run's fleet as a SimCluster. model "variable": fit_trace's contention, host
+    slowness (random), noise and ingress overhead; "measured host": the same with the host's
+    slowness as measured over the run; "deterministic": the last report's model (no contention,
     no noise, the mean overhead). Returns the cluster and what was fitted."""
     from router.sim import EncodeCost, SimCluster, SimCosts
-    from router.sim.variability import Variability, busy, fit_trace
+    from router.sim.variability import Variability, fit_trace
 
     cfg = cluster_config(args, "joint", Path(run["trace"]))
-    fit = fit_trace(trace, grid=None if variable else np.array([0.0]))
-    # the encode stage's load-phase mean, less the contention its requests met on average
-    col = {k: np.array([t[k] for t in trace]) for k in ("arrival_s", "ttft_ms", "prefill_ms", "prefill_queue_ms")}
-    images = np.array([t["arrival_s"] for t, _ in pairs if t["items"]])
-    others = np.minimum(busy(*col.values(), images) - 1, fit.max_others)
-    crowd = float(np.mean(1 + fit.prefill.contention * others)) if len(images) else 1.0
-    encode_ms = (run["stage_ms"]["encode"] or 0.0) / crowd
+    fit = fit_trace(trace, grid=None if model != "deterministic" else np.array([0.0]))
+    pf, ingress, crowd = model_parts(fit, model, trace, [t["arrival_s"] for t, _ in pairs if t["items"]])
+    encode_ms = (run["stage_ms"]["encode"] or 0.0) / crowd  # the load phase's mean, less the slowdown its batches met
     speed1 = fit.speeds.get(1, 1.0 / args.slowdown)  # under 3 requests on worker 1: the configured factor
     costs = SimCosts(encode={**SimCosts().encode, "image": EncodeCost(encode_ms, 0.0, 1.0)},
-                     encode_max_batch=cfg.encoder.max_batch_size, prefill_fixed_ms=fit.prefill.fixed_ms,
-                     prefill_tokens_per_ms=1.0 / max(fit.prefill.per_unit_ms, 1e-6),
+                     encode_max_batch=cfg.encoder.max_batch_size, prefill_fixed_ms=pf.fixed_ms,
+                     prefill_tokens_per_ms=1.0 / max(pf.per_unit_ms, 1e-6),
                      decode_step_ms=run["stage_ms"]["decode_step"] or 1.0, decode_step_per_seq_ms=0.0,
-                     decode_max_batch=cfg.decode.max_batch_size, ingress_ms=fit.ingress_ms,
-                     ingress_media_ms=fit.ingress_media_ms + cfg.encoder.max_wait_ms,  # the batcher's wait: not simulated
-                     variability=fit.variability(args.seed) if variable else Variability())
+                     decode_max_batch=cfg.decode.max_batch_size, ingress_ms=ingress[0],
+                     ingress_media_ms=ingress[1] + cfg.encoder.max_wait_ms,  # the batcher's wait: not simulated
+                     variability=Variability() if model == "deterministic" else fit.variability(args.seed, model == "measured host"))
     cluster = SimCluster.build(2, 2, 1, prefill_speeds=[1.0, speed1], costs=costs, name="live-calibrated")
-    doc = {"prefill_fixed_ms": round(fit.prefill.fixed_ms, 3), "prefill_ms_per_token": round(fit.prefill.per_unit_ms, 5),
-           "prefill_speed_worker1": round(speed1, 3), "contention_per_request": round(fit.prefill.contention, 3),
-           "service_sigma": round(fit.prefill.sigma, 3), "max_others": fit.max_others, "ingress_ms": round(fit.ingress_ms, 2),
-           "ingress_media_ms": round(costs.ingress_media_ms, 2), "ingress_sigma": round(fit.ingress_sigma, 3),
-           "encode_ms_per_batch": round(encode_ms, 3), "decode_step_ms": round(costs.decode_step_ms, 3),
-           "fitted_requests": fit.prefill.samples}
+    v = costs.variability
+    doc = {"prefill_fixed_ms": round(pf.fixed_ms, 3), "prefill_ms_per_token": round(pf.per_unit_ms, 5),
+           "prefill_speed_worker1": round(speed1, 3), "contention_per_request": round(v.contention, 3), "max_others": fit.max_others,
+           "service_sigma": round(v.sigma, 3), "host_sigma": round(v.host_sigma, 3), "host_tau_s": round(v.host_tau_s, 3),
+           "ingress_ms": round(ingress[0], 2), "ingress_media_ms": round(costs.ingress_media_ms, 2), "ingress_sigma": round(v.ingress_sigma, 3),
+           "encode_ms_per_batch": round(encode_ms, 3), "decode_step_ms": round(costs.decode_step_ms, 3), "fitted_requests": pf.samples}
     return cluster, doc
+
+
+def model_parts(fit, model: str, trace: list[dict], image_arrivals: list[float]):
+    """The prefill fit, the ingress (text ms, media ms, sigma) and the mean slowdown image requests met
+    at arrival (to take out of the measured encode time) of one model."""
+    from router.sim.variability import busy, interpolate
+
+    col = {k: np.array([t[k] for t in trace]) for k in ("arrival_s", "ttft_ms", "prefill_ms", "prefill_queue_ms")}
+    at = np.array(image_arrivals)
+    others = np.minimum(busy(*col.values(), at) - 1, fit.max_others) if len(at) else np.zeros(0)
+    if model == "measured host":
+        m = fit.measured
+        knots = [t for t, _ in m.profile], [x for _, x in m.profile]
+        host = np.exp([interpolate(*knots, t) for t in at])
+        return m.prefill, (m.ingress_ms, m.ingress_media_ms, m.ingress_sigma), float(np.mean((1 + m.prefill.contention * others) * host)) if len(at) else 1.0
+    crowd = float(np.mean(1 + fit.prefill.contention * others)) if len(at) else 1.0
+    return fit.prefill, (fit.ingress_ms, fit.ingress_media_ms, fit.ingress_sigma), crowd
 
 
 def replay(cluster, trace: list[dict], path: Path, args, seeds: int) -> list[dict[int, float]]:
@@ -269,8 +284,8 @@ def validate_sim(run: dict, args) -> dict:
     out_dir, tag = Path(args.out_dir), run["tag"]
     http_ms = float(np.mean([m["client_ttft_ms"] - m["ttft_ms"] for _, m in pairs]))
     out = {"requests_compared": len(pairs), "http_hop_ms": round(http_ms, 2)}
-    for name, variable in (("variable", True), ("deterministic", False)):
-        cluster, doc = calibrate(run, trace, pairs, args, variable)
+    for name in MODELS:
+        cluster, doc = calibrate(run, trace, pairs, args, name)
         sims = replay(cluster, trace, out_dir / f"sim_trace_{tag}.jsonl", args, args.sim_seeds)
         out[name] = {"calibration": doc, **compare(pairs, sims, http_ms)}
     # Diagnostic, not a prediction: the deterministic model with each load-phase request's prompt scaled
@@ -310,8 +325,8 @@ def print_round(k: int, s: dict) -> None:
     for side in ("server", "client"):
         m = v["variable"][side]["measured"]
         print(f"{'measured ' + side:<22}{m['mean']:>8.1f}{m['p90']:>8.1f}")
-        for name, x in (("  variable model", v["variable"][side]), ("  deterministic", v["deterministic"][side]),
-                        ("  measured service", v["measured_service_variant"][side])):
+        for name, x in (("  variable model", v["variable"][side]), ("  + measured host", v["measured host"][side]),
+                        ("  deterministic", v["deterministic"][side]), ("  measured service", v["measured_service_variant"][side])):
             sim, e = x["simulated"], x["rel_error"]
             print(f"{name:<22}{sim['mean']:>8.1f}{sim['p90']:>8.1f}   {e['mean']:+.1%} / {e['p90']:+.1%}"
                   f"   ({'within' if x['within_20pct'] else 'NOT within'} 20%)")
@@ -322,10 +337,10 @@ def print_overall(rounds: list[dict]) -> None:
     p99 = [r["ratios"]["p99"] for r in rounds]
     print(f"\njoint / least_loaded client p99 per round: {', '.join(f'{x:.2f}' for x in p99)}; "
           f"median {statistics.median(p99):.2f} (target <= 0.70: met in {sum(x <= 0.70 for x in p99)} of {len(p99)})")
-    for side in ("server", "client"):
-        errs = [r["simulator"]["variable"][side]["rel_error"] for r in rounds]
-        print(f"simulator ({side}, variable model) mean / p90 error per round: "
-              + ", ".join(f"{e['mean']:+.0%} / {e['p90']:+.0%}" for e in errs))
+    for model in MODELS[:2]:
+        for side in ("server", "client"):
+            errs = [r["simulator"][model][side]["rel_error"] for r in rounds]
+            print(f"simulator ({side}, {model}) mean / p90 error per round: " + ", ".join(f"{e['mean']:+.0%} / {e['p90']:+.0%}" for e in errs))
 
 
 def live_rounds(args) -> list[dict[str, dict]]:

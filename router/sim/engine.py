@@ -29,9 +29,9 @@ Workers:
   decided when the prefill finishes and takes effect when the KV cache lands.
 
 Variability (SimCosts.variability, off by default): each encode batch and prefill takes its
-cost-model time x (1 + contention x the other busy requests at its start) x mean-1 lognormal
-noise; busy requests are those arrived whose first token is not out, less those waiting in
-a prefill worker's queue (they use no CPU). An
+cost-model time x (1 + contention x the other busy requests at its start) x the host's
+slowness then x its own noise (mean-1 lognormals); busy requests are those arrived whose
+first token is not out, less those waiting in a prefill worker's queue (they use no CPU). An
 ingress overhead (SimCosts.ingress_ms, ingress_media_ms; 0 by default) delays a request's
 routing, scaled the same way with its own noise (router/sim/variability.py).
 
@@ -273,7 +273,7 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
         solo = k * fixed + per * total
         ms = (fixed + per * total * scale) / enc_speed[e]
         if mult is not None:
-            ms *= mult.service(busy_others())
+            ms *= mult.service(busy_others(), now)
         # each item's share of the batch time, in proportion to its solo cost
         unit = ms / solo if solo > 0 else 0.0
         enc_batch[e] = (items, ms, unit * fixed, unit * per)
@@ -285,7 +285,7 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
         `enc_ms`: compute time of r's items (their shares of the batches they rode in),
         `wall_ms`: the batches' full times, `encoded`: the items actually encoded."""
         p = dec.prefill
-        encode_done(dec, now, duration_ms=enc_ms, items=encoded)
+        encode_done(dec, now, enc_ms, encoded)  # (duration_ms, items): positional, a little faster
         if dec.shares:  # each encoder sends its part, in parallel: the slowest arrives last
             xfer = 0.0
             for share in dec.shares:
@@ -354,7 +354,7 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
             uncached = tokens
         ms = (pf_fixed + uncached / pf_tpm) / pf_speed[p]
         if mult is not None:
-            ms *= mult.service(busy_others())
+            ms *= mult.service(busy_others(), now)
         pf_cur[p] = (r, ms, uncached)
         pf_busy_ms[p] += ms
         heappush(heap, (now + ms * 1e-3, EV_PF_DONE, p, r))
@@ -367,10 +367,10 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
             waiting += len(q)
         return inflight - waiting - 1
 
-    def ingress_ms(prof, others: int) -> float:
+    def ingress_ms(prof, now: float) -> float:
         """The request's ingress overhead (admission, RPCs, hand-overs: no modelled worker)."""
         ms = ingress0 + ingress_media if prof.items else ingress0
-        return ms * mult.ingress(others) if mult is not None else ms
+        return ms * mult.ingress(busy_others(), now) if mult is not None else ms  # it counts as in flight already
 
     def admit_decode(d: int, r: int, now: float) -> None:
         nonlocal dec_slot_ms
@@ -444,7 +444,7 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
                 dec = req_dec[r]
                 ttft[r] = (now - arrivals[r]) * 1e3
                 svc[r] += ms
-                prefill_done(dec, now, duration_ms=ms, uncached_tokens=uncached)
+                prefill_done(dec, now, ms, uncached)  # (duration_ms, uncached_tokens)
                 prof = req_prof[r]
                 hashes = prof.prefix_hashes
                 if hashes:
@@ -510,7 +510,7 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
             inflight += 1
             if delayed:
                 req_prof[r] = prof
-                heappush(heap, (now + ingress_ms(prof, busy_others() if mult is not None else 0) * 1e-3, EV_ADMIT, r, 0))
+                heappush(heap, (now + ingress_ms(prof, now) * 1e-3, EV_ADMIT, r, 0))
                 continue
         # ---- route request r and send it on
         dec = route(prof, now)

@@ -115,3 +115,40 @@ def test_variability_from_yaml_and_bad_values(tmp_path):
     yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  variability: {spread: 1}\n")
     with pytest.raises(ClusterShapeError, match="variability"):
         SimCluster.from_yaml(yml)
+
+
+def test_host_slowness_is_shared_correlated_and_mean_one():
+    m = Multipliers(Variability(host_sigma=0.5, host_tau_s=1.0, seed=2))
+    times = np.arange(0, 20_000, 0.5)
+    h = np.array([m.host(t) for t in times])
+    assert h.mean() == pytest.approx(1.0, rel=0.05) and np.log(h).std() == pytest.approx(0.5, rel=0.05)
+    lag1 = np.corrcoef(np.log(h[:-1]), np.log(h[1:]))[0, 1]
+    assert lag1 == pytest.approx(np.exp(-0.5), abs=0.03)  # exp(-dt / tau)
+    assert m.host(times[-1]) == h[-1]  # the same time, the same slowness (services starting together)
+
+
+def test_a_measured_host_profile_is_interpolated():
+    m = Multipliers(Variability(host_profile=((0.0, 0.0), (1.0, np.log(4.0)))))
+    assert [m.host(t) for t in (-1.0, 0.5, 2.0)] == pytest.approx([1.0, 2.0, 4.0])
+    assert Variability(host_profile=((0.0, 0.1),)).enabled
+
+
+def test_fit_host_and_the_measured_host_recover_a_slow_spell():
+    """Services slowed 4x between 20 and 30 s (a background burst), no contention: the stationary
+    fit sees correlated residuals; the measured host finds the spell and no contention."""
+    rng = np.random.default_rng(1)
+    t = np.sort(rng.uniform(0, 60, 600))
+    tokens = rng.integers(100, 1500, 600).astype(float)
+    others = rng.integers(0, 4, 600)
+    spell = np.where((t > 20) & (t < 30), 4.0, 1.0)
+    measured = (0.05 * tokens) * spell * np.exp(0.2 * rng.standard_normal(600))
+    from router.sim.variability import fit_host, fit_measured_host
+
+    flat = fit_service(tokens, measured, np.zeros(600))
+    share, tau = fit_host(t, np.log(measured / flat.base_ms(tokens)))
+    assert share > 0.5 and tau > 1.0
+    host = fit_measured_host(tokens, measured, others, t)
+    knots = dict(host.profile)
+    inside, outside = np.mean([v for k, v in knots.items() if 22 < k < 28]), np.mean([v for k, v in knots.items() if k < 15 or k > 35])
+    assert np.exp(inside - outside) == pytest.approx(4.0, rel=0.15)
+    assert host.prefill.contention <= 0.04 and host.prefill.sigma == pytest.approx(0.2, abs=0.05)
