@@ -144,7 +144,7 @@ class RequestPath:
             trace.ttft_ms = (time.perf_counter() - adm.arrived_s) * 1e3
             self.routing.record_ttft(decision, trace.ttft_ms)
             if self.trace is not None:
-                self.trace.record(adm.arrived_s, trace.profile, decision, trace.ttft_ms)
+                self.trace.record(adm.arrived_s, trace.profile, decision, trace.ttft_ms, timings=trace)
             yield first
             if first.finished:
                 self.fleet.pools[WorkerKind.PREFILL][decision.prefill].drop.remote(adm.request_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from router.sim.workload import profile_to_record
+from router.sim.workload import MEASURED_STAGES, profile_to_record
 from router.types import RequestProfile, RouteDecision
 
 
@@ -16,11 +16,14 @@ class TraceWriter:
         self._file = open(path, "a", buffering=1)  # line-buffered: a crash loses at most one line
         self._start_s: float | None = None
 
-    def record(self, arrived_s: float, profile: RequestProfile, decision: RouteDecision, ttft_ms: float) -> None:
-        """`arrived_s` is a perf_counter reading; the trace counts from its first request."""
+    def record(self, arrived_s: float, profile: RequestProfile, decision: RouteDecision, ttft_ms: float, timings=None) -> None:
+        """`arrived_s` is a perf_counter reading; the trace counts from its first request.
+        `timings`: anything with the measured encode_ms, prefill_queue_ms and prefill_ms (the
+        request path's Trace), recorded so the simulator can fit its variability from the trace."""
         if self._start_s is None:
             self._start_s = arrived_s
-        rec = profile_to_record(arrived_s - self._start_s, profile, ttft_ms)
+        measured = None if timings is None else {key: getattr(timings, key) for key in MEASURED_STAGES}
+        rec = profile_to_record(arrived_s - self._start_s, profile, ttft_ms, measured)
         rec["estimated_ttft_ms"] = round(decision.estimated_ttft_ms, 3)
         rec["route"] = [decision.encoder, decision.prefill, decision.decode]
         if decision.shares:  # split across encoders by modality

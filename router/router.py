@@ -53,11 +53,13 @@ class Router:
             self._calibrate_encode(decision, encoded, duration_ms)
 
     def _calibrate_encode(self, decision: RouteDecision, items: tuple[MediaJob, ...], duration_ms: float) -> None:
+        split = decision.shares
         if len(items) == 1:  # the usual case: all of it is that item's (what the split below gives)
             item = items[0]
-            self.cost.observe_encode(decision.encoder_for(item.modality), item.modality, item.size, duration_ms)
+            encoder = decision.encoder_for(item.modality) if split else decision.encoder
+            self.cost.observe_encode(encoder, item.modality, item.size, duration_ms)
             return
-        encoders = [decision.encoder_for(item.modality) for item in items]
+        encoders = [decision.encoder_for(item.modality) for item in items] if split else [decision.encoder] * len(items)
         expected = [self.cost.encode_ms(e, item.modality, item.size) for e, item in zip(encoders, items)]
         total = sum(expected)
         for e, item, part in zip(encoders, items, expected):

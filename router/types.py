@@ -44,6 +44,15 @@ class MediaJob:
     num_embeddings: int
     embedding_bytes: int
 
+    @classmethod
+    def of(cls, identifier: str, modality: str, size: float, num_embeddings: int, embedding_bytes: int) -> MediaJob:
+        """MediaJob(...) with every field given, at about half the cost (see TTFTEstimate.of): the
+        simulator builds one per media item, a million requests' worth."""
+        record = object.__new__(cls)
+        object.__setattr__(record, "__dict__", {"identifier": identifier, "modality": modality, "size": size,
+                                                "num_embeddings": num_embeddings, "embedding_bytes": embedding_bytes})
+        return record
+
 
 @dataclass(frozen=True)
 class RequestProfile:
@@ -54,6 +63,15 @@ class RequestProfile:
     prefix_hashes: tuple[str, ...] = ()  # block hashes of the prompt, in order
     block_size: int = 16  # tokens per prefix block
     max_tokens: int = 16
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, items: tuple[MediaJob, ...], prefix_hashes: tuple[str, ...], block_size: int,
+           max_tokens: int) -> RequestProfile:
+        """RequestProfile(...) with every field given, at about half the cost (see MediaJob.of)."""
+        record = object.__new__(cls)
+        object.__setattr__(record, "__dict__", {"num_prompt_tokens": num_prompt_tokens, "items": items, "prefix_hashes": prefix_hashes,
+                                                "block_size": block_size, "max_tokens": max_tokens})
+        return record
 
     @property
     def num_items(self) -> int:

@@ -1,27 +1,28 @@
 #!/usr/bin/env python
 """Routing on the live cluster (issue #4): least_loaded vs joint with one slowed prefill
-worker, then the simulator replaying the joint run's trace, calibrated from that run.
+worker, in alternating rounds, then the simulator replaying each joint run's trace,
+calibrated from that run's trace.
 
-    .venv/bin/python scripts/bench_routing_live.py --out-dir /tmp/epd_routing_live
+    .venv/bin/python scripts/bench_routing_live.py --out-dir /tmp/epd_routing_live --rounds 3
+    .venv/bin/python scripts/bench_routing_live.py --out-dir /tmp/epd_routing_live --analyze   # saved runs only
 
-1. Per policy (least_loaded, then joint), a fresh fleet of the tiny default model: 2 encoders,
-   2 prefill workers (slowdown [1, S]), 1 decode worker. Warm-up (3 sequential requests, then
-   8 at once so both prefill workers run and the router calibrates both), a closed-loop
-   capacity probe (reported; sets the rate with --rate 0), then the same seeded Poisson
-   workload at --rate (default 7 req/s, fixed: the probe measured 8-20 req/s on this shared
-   2-core host depending on other jobs, ~10 when busy; 7 is ~70% of that). Records client TTFT
-   (scheduled send -> first SSE content chunk) and each response's server `timings`.
-2. A SimCluster calibrated from the joint run only (`calibrate`): prefill = least-squares fit
-   of prefill_ms (responses) on num_prompt_tokens (trace) for worker 0; worker 1's speed =
-   sum of the fit's predictions / sum of its measured times (the slowdown is measured); encode
-   and decode step = mean of the /metrics stage histograms over the load phase. Not in the
-   simulator, so added as a fixed overhead per request class: admission (JSON, PNG decoding,
-   tokenising), Ray calls and the embeddings hand-over = mean of server TTFT - encode (queue +
-   compute) - prefill queue - prefill, plus the encoder batcher's max_wait_ms for images; the
-   HTTP + Serve-proxy hop = mean of client - server TTFT. The trace is replayed with policy
-   joint at its recorded pace; the load-phase requests are compared. A diagnostic replay then
-   gives each request the prefill time it really took (queueing and routing still simulated).
-3. Writes summary.json (and per-request records) to --out-dir and prints a table.
+1. Per round, both policies (round 0: least_loaded then joint, round 1: joint then
+   least_loaded, ...), each on a fresh fleet of the tiny default model: 2 encoders, 2 prefill
+   workers (slowdown [1, S]), 1 decode worker. Warm-up (3 sequential requests, then 8 at once
+   so both prefill workers run and the router calibrates both), a closed-loop capacity probe
+   (reported; sets the rate with --rate 0), then the same seeded Poisson workload at --rate
+   (default 7 req/s). Records client TTFT (scheduled send -> first SSE content chunk), each
+   response's server `timings`, and the fleet's trace (which carries the measured stage times).
+   Background load on this shared host changes between phases, so each round's joint /
+   least_loaded ratio is reported, and their median: alternating the order cancels drift.
+2. Per joint run, a SimCluster calibrated from its trace (router.sim.variability.fit_trace:
+   prefill cost free of host contention, the slowed worker's measured speed, contention per
+   request in flight, lognormal service noise, ingress overhead; encode and decode step from
+   the /metrics histograms). The trace is replayed with policy joint at its recorded pace
+   (--sim-seeds noise seeds, averaged) and its load-phase requests compared with what was
+   measured. For reference, the deterministic simulator of the last report (no variability,
+   the mean overhead added) and a diagnostic replay with each request's measured prefill time.
+3. Writes summary.json (and per-run records) to --out-dir and prints tables.
 """
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ import asyncio
 import json
 import random
 import socket
+import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -46,6 +49,7 @@ from cluster.config import load_config  # noqa: E402
 FILLER = ("context note detail river mountain window garden music paper story light street "
           "morning winter colour market table simple quiet bright").split()
 POLICIES = ("least_loaded", "joint")
+MODELS = ("variable", "measured host", "deterministic")  # simulator calibrations compared (see calibrate)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--probe-concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--rounds", type=int, default=3, help="rounds of both policies, alternating which goes first")
+    p.add_argument("--sim-seeds", type=int, default=5, help="noise seeds per simulator replay (results averaged)")
+    p.add_argument("--analyze", action="store_true", help="no live runs: redo the tables from the runs saved in --out-dir")
     return p.parse_args(argv)
 
 
@@ -117,28 +124,35 @@ async def warm_up(url: str, reqs: list[bl.Req], model: str, args) -> list[bl.Res
                                                  for r in reqs[3:])))
 
 
-def run_policy(args, policy: str, reqs: list[bl.Req], warm: list[bl.Req], probe: list[bl.Req]) -> dict:
+def run_policy(args, policy: str, tag: str, reqs: list[bl.Req], warm: list[bl.Req], probe: list[bl.Req]) -> dict:
+    """One phase: a fresh fleet for `policy`, warm-up, probe, load; saved as run_{tag}.json."""
+    from ray import serve
+
     from cluster.cli import start
 
-    out_dir, trace = Path(args.out_dir), Path(args.out_dir) / f"trace_{policy}.jsonl"
+    out_dir, trace = Path(args.out_dir), Path(args.out_dir) / f"trace_{tag}.jsonl"
     trace.unlink(missing_ok=True)  # the writer appends
     base = start(cluster_config(args, policy, trace))
     url, root, model = f"{base}/chat/completions", base.removesuffix("/v1"), "tiny-llava"
-    warm_res = asyncio.run(warm_up(url, warm, model, args))
-    capacity = asyncio.run(closed_loop(url, probe, model, args))  # both fleets get it: the same history
-    if not args.rate:  # the first fleet (least_loaded) sets the rate both are offered
-        args.rate = args.load * capacity
-        print(f"measured capacity {capacity:.2f} req/s -> offering {args.rate:.2f} req/s", flush=True)
-    timed = [bl.Req(r.idx, r.arrival_s / args.rate, r.prompt, r.png) for r in reqs]  # reqs are at rate 1
-    before = metrics_snapshot(root)
-    with bl.CpuWatch() as watch:
-        results, wall = asyncio.run(bl.replay_cluster(url, timed, model, args))
-    after = metrics_snapshot(root)
+    try:
+        warm_res = asyncio.run(warm_up(url, warm, model, args))
+        capacity = asyncio.run(closed_loop(url, probe, model, args))  # every fleet gets it: the same history
+        if not args.rate:  # the first fleet sets the rate all are offered
+            args.rate = args.load * capacity
+            print(f"measured capacity {capacity:.2f} req/s -> offering {args.rate:.2f} req/s", flush=True)
+        timed = [bl.Req(r.idx, r.arrival_s / args.rate, r.prompt, r.png) for r in reqs]  # reqs are at rate 1
+        before = metrics_snapshot(root)
+        with bl.CpuWatch() as watch:
+            results, wall = asyncio.run(bl.replay_cluster(url, timed, model, args))
+        after = metrics_snapshot(root)
+    finally:
+        serve.delete("epd")  # its actors go with it: the next fleet starts on a quiet host
     records = [{"image": r.png is not None, "client_ttft_ms": res.ttft_s * 1e3, **res.timings} for r, res in zip(reqs, results)]
-    (out_dir / f"requests_{policy}.json").write_text(json.dumps(records))
-    return {"policy": policy, "trace": str(trace), "records": records, "wall_s": wall, "capacity_rps": capacity, "other_cpu_s": watch.other_cpu_s,
-            "warm_timings": [w.timings for w in warm_res[3:]],
-            "stage_ms": {s: stage_mean_ms(before, after, s) for s in ("encode", "encode_queue", "prefill", "prefill_queue", "decode_step")}}
+    run = {"policy": policy, "tag": tag, "trace": str(trace), "records": records, "wall_s": wall, "capacity_rps": capacity,
+           "other_cpu_s": watch.other_cpu_s, "warm_timings": [w.timings for w in warm_res[3:]],
+           "stage_ms": {s: stage_mean_ms(before, after, s) for s in ("encode", "encode_queue", "prefill", "prefill_queue", "decode_step")}}
+    (out_dir / f"run_{tag}.json").write_text(json.dumps(run))
+    return run
 
 
 def pcts(x) -> dict:
@@ -160,7 +174,9 @@ def join(trace: list[dict], timings: list[dict]) -> list[tuple[dict, dict]]:
 def live_summary(run: dict) -> dict:
     recs = run["records"]
     pairs = join(read_trace(run["trace"]), recs)
-    return {"client_ttft_ms": pcts([r["client_ttft_ms"] for r in recs]), "server_ttft_ms": pcts([r["ttft_ms"] for r in recs]),
+    fast = [m["prefill_ms"] / t["num_prompt_tokens"] * 1e3 for t, m in pairs if t["route"][1] == 0]  # how slow the host was
+    return {"fast_prefill_ms_per_1k_tokens": round(float(np.median(fast)), 1) if fast else None,
+            "client_ttft_ms": pcts([r["client_ttft_ms"] for r in recs]), "server_ttft_ms": pcts([r["ttft_ms"] for r in recs]),
             "estimate_abs_error_ms": round(float(np.mean([abs(r["estimated_ttft_ms"] - r["ttft_ms"]) for r in recs])), 2),
             "estimate_signed_error_ms": round(float(np.mean([r["estimated_ttft_ms"] - r["ttft_ms"] for r in recs])), 2),
             "share_on_slow_prefill": round(float(np.mean([t["route"][1] == 1 for t, _ in pairs])), 3),
@@ -169,116 +185,165 @@ def live_summary(run: dict) -> dict:
 
 # ----------------------------------------------------------------------------- simulator
 
-def fit_prefill(pairs: list[tuple[dict, dict]], slowdown: float) -> tuple[float, float, float, dict]:
-    """Worker 0: prefill_ms = a + b * tokens (least squares); worker 1: speed = fit / measured."""
-    pts = {p: [(t["num_prompt_tokens"], m["prefill_ms"]) for t, m in pairs if t["route"][1] == p] for p in (0, 1)}
-    x, y = np.array(pts[0], dtype=float).T
-    b, a = np.polyfit(x, y, 1)
-    if a < 0:  # a negative intercept: through the origin instead
-        a, b = 0.0, float((x * y).sum() / (x * x).sum())
-    x1, y1 = np.array(pts[1] or [(0, 0)], dtype=float).T  # under 3 samples: the configured factor
-    speed1 = float((a + b * x1).sum() / y1.sum()) if len(pts[1]) >= 3 else 1.0 / slowdown
-    return a, max(b, 1e-6), speed1, {"samples": {str(p): len(v) for p, v in pts.items()}}
+def timed_trace(run: dict) -> list[dict]:
+    """The run's trace, every record with its measured stage times (a trace written before the
+    cluster recorded them gets them from the responses its TTFTs join)."""
+    from router.sim.workload import MEASURED_STAGES
+
+    trace = read_trace(run["trace"])
+    for t, m in join(trace, run["records"] + run["warm_timings"]):
+        for key in MEASURED_STAGES:
+            t.setdefault(key, m[key])
+    return trace
 
 
-def calibrate(run: dict, pairs: list[tuple[dict, dict]], args):
+def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args, model: str):
+    """The joint run's fleet as a SimCluster. model "variable": fit_trace's contention, host
+    slowness (random), noise and ingress overhead; "measured host": the same with the host's
+    slowness as measured over the run; "deterministic": the last report's model (no contention,
+    no noise, the mean overhead). Returns the cluster and what was fitted."""
     from router.sim import EncodeCost, SimCluster, SimCosts
+    from router.sim.variability import Variability, fit_trace
 
     cfg = cluster_config(args, "joint", Path(run["trace"]))
-    cal_pairs = join(read_trace(run["trace"]), run["warm_timings"]) + pairs  # warm-up burst + load phase
-    a, b, speed1, info = fit_prefill(cal_pairs, args.slowdown)
-    encode_ms = run["stage_ms"]["encode"] or 0.0
+    fit = fit_trace(trace, grid=None if model != "deterministic" else np.array([0.0]))
+    pf, ingress, crowd = model_parts(fit, model, trace, [t["arrival_s"] for t, _ in pairs if t["items"]])
+    encode_ms = (run["stage_ms"]["encode"] or 0.0) / crowd  # the load phase's mean, less the slowdown its batches met
+    speed1 = fit.speeds.get(1, 1.0 / args.slowdown)  # under 3 requests on worker 1: the configured factor
     costs = SimCosts(encode={**SimCosts().encode, "image": EncodeCost(encode_ms, 0.0, 1.0)},
-                     encode_max_batch=cfg.encoder.max_batch_size, prefill_fixed_ms=a, prefill_tokens_per_ms=1.0 / b,
+                     encode_max_batch=cfg.encoder.max_batch_size, prefill_fixed_ms=pf.fixed_ms,
+                     prefill_tokens_per_ms=1.0 / max(pf.per_unit_ms, 1e-6),
                      decode_step_ms=run["stage_ms"]["decode_step"] or 1.0, decode_step_per_seq_ms=0.0,
-                     decode_max_batch=cfg.decode.max_batch_size)
+                     decode_max_batch=cfg.decode.max_batch_size, ingress_ms=ingress[0],
+                     ingress_media_ms=ingress[1] + cfg.encoder.max_wait_ms,  # the batcher's wait: not simulated
+                     variability=Variability() if model == "deterministic" else fit.variability(args.seed, model == "measured host"))
     cluster = SimCluster.build(2, 2, 1, prefill_speeds=[1.0, speed1], costs=costs, name="live-calibrated")
-    resid = {k: [m["ttft_ms"] - m["encode_ms"] - m["prefill_queue_ms"] - m["prefill_ms"] for t, m in pairs
-                 if bool(t["items"]) == (k == "image")] for k in ("text", "image")}
-    overhead = {"text": float(np.mean(resid["text"])), "image": float(np.mean(resid["image"])) + cfg.encoder.max_wait_ms}
-    http_ms = float(np.mean([m["client_ttft_ms"] - m["ttft_ms"] for _, m in pairs]))
-    doc = {"prefill_fixed_ms": round(a, 3), "prefill_ms_per_token": round(b, 5), "prefill_speed_worker1": round(speed1, 3),
-           "encode_ms_per_batch": round(encode_ms, 3), "decode_step_ms": round(costs.decode_step_ms, 3),
-           "overhead_ms": {k: round(v, 2) for k, v in overhead.items()}, "http_hop_ms": round(http_ms, 2),
-           "residual_ms": {k: pcts(v) for k, v in resid.items()}, **info}  # how far from "fixed" it is
-    return cluster, overhead, http_ms, doc
+    v = costs.variability
+    doc = {"prefill_fixed_ms": round(pf.fixed_ms, 3), "prefill_ms_per_token": round(pf.per_unit_ms, 5),
+           "prefill_speed_worker1": round(speed1, 3), "contention_per_request": round(v.contention, 3), "max_others": fit.max_others,
+           "service_sigma": round(v.sigma, 3), "host_sigma": round(v.host_sigma, 3), "host_tau_s": round(v.host_tau_s, 3),
+           "ingress_ms": round(ingress[0], 2), "ingress_media_ms": round(costs.ingress_media_ms, 2), "ingress_sigma": round(v.ingress_sigma, 3),
+           "encode_ms_per_batch": round(encode_ms, 3), "decode_step_ms": round(costs.decode_step_ms, 3), "fitted_requests": pf.samples}
+    return cluster, doc
+
+
+def model_parts(fit, model: str, trace: list[dict], image_arrivals: list[float]):
+    """The prefill fit, the ingress (text ms, media ms, sigma) and the mean slowdown image requests met
+    at arrival (to take out of the measured encode time) of one model."""
+    from router.sim.variability import busy, interpolate
+
+    col = {k: np.array([t[k] for t in trace]) for k in ("arrival_s", "ttft_ms", "prefill_ms", "prefill_queue_ms")}
+    at = np.array(image_arrivals)
+    others = np.minimum(busy(*col.values(), at) - 1, fit.max_others) if len(at) else np.zeros(0)
+    if model == "measured host":
+        m = fit.measured
+        knots = [t for t, _ in m.profile], [x for _, x in m.profile]
+        host = np.exp([interpolate(*knots, t) for t in at])
+        return m.prefill, (m.ingress_ms, m.ingress_media_ms, m.ingress_sigma), float(np.mean((1 + m.prefill.contention * others) * host)) if len(at) else 1.0
+    crowd = float(np.mean(1 + fit.prefill.contention * others)) if len(at) else 1.0
+    return fit.prefill, (fit.ingress_ms, fit.ingress_media_ms, fit.ingress_sigma), crowd
+
+
+def replay(cluster, trace: list[dict], path: Path, args, seeds: int) -> list[dict[int, float]]:
+    """Per noise seed: simulated TTFT per trace record (by id), replayed at the recorded pace."""
+    from router.sim import load_trace, simulate
+
+    path.write_text("".join(json.dumps(rec) + "\n" for rec in trace))
+    workload, out = load_trace(path), []
+    for seed in range(seeds if cluster.costs.variability.enabled else 1):
+        seeded = cluster.with_costs(variability=replace(cluster.costs.variability, seed=args.seed + seed))
+        out.append(dict(zip(map(id, trace), simulate(seeded, workload, "joint", seed=args.seed).ttft_ms.tolist())))
+    return out
+
+
+def compare(pairs, sims: list[dict[int, float]], http_ms: float) -> dict:
+    """Measured vs simulated load-phase TTFT, server and client side; over several noise seeds
+    the simulated mean and p90 are the seeds' averages (their p90 errors' range is given too)."""
+    out = {}
+    for side, measured, hop in (("server", [m["ttft_ms"] for _, m in pairs], 0.0),
+                                ("client", [m["client_ttft_ms"] for _, m in pairs], http_ms)):
+        meas = pcts(measured)
+        per_seed = [pcts([sim[id(t)] + hop for t, _ in pairs]) for sim in sims]
+        simd = {k: round(float(np.mean([s[k] for s in per_seed])), 2) for k in meas}
+        err = {k: round((simd[k] - meas[k]) / meas[k], 3) for k in ("mean", "p90")}
+        p90s = [(s["p90"] - meas["p90"]) / meas["p90"] for s in per_seed]
+        out[side] = {"measured": meas, "simulated": simd, "rel_error": err, "p90_error_range": [round(min(p90s), 3), round(max(p90s), 3)],
+                     "within_20pct": all(abs(e) <= 0.2 for e in err.values())}
+    return out
 
 
 def service_ratios(pairs, cluster) -> dict[int, float]:
-    """Per load-phase trace record (by id): its measured prefill time / the calibrated model's.
-    On a shared 2-core host these vary a lot (processor sharing with the other stages and
-    other people's jobs); the diagnostic replay feeds them to the simulator."""
+    """Per load-phase trace record (by id): its measured prefill time / the calibrated model's."""
     a, tpm = cluster.costs.prefill_fixed_ms, cluster.costs.prefill_tokens_per_ms
     return {id(t): m["prefill_ms"] * cluster.prefill[t["route"][1]].speed / (a + t["num_prompt_tokens"] / tpm) for t, m in pairs}
 
 
-def replay(cluster, trace: list[dict], path: Path, args) -> list[float]:
-    """Simulated TTFT of each trace record (in arrival order), replayed at the recorded pace."""
-    from router.sim import load_trace, simulate
-
-    path.write_text("".join(json.dumps(rec) + "\n" for rec in trace))
-    sim = simulate(cluster, load_trace(path), "joint", seed=args.seed)
-    return sim.ttft_ms.tolist()
-
-
-def compare(pairs, sim_of: dict, overhead: dict, http_ms: float) -> dict:
-    raw = np.array([sim_of[id(t)] for t, _ in pairs])
-    sim_server = raw + np.array([overhead["image" if t["items"] else "text"] for t, _ in pairs])
-    out = {"sim_raw_ttft_ms": pcts(raw)}  # without the overheads
-    for side, measured, simulated in (("server", [m["ttft_ms"] for _, m in pairs], sim_server),
-                                      ("client", [m["client_ttft_ms"] for _, m in pairs], sim_server + http_ms)):
-        meas, simd = pcts(measured), pcts(simulated)
-        err = {k: round((simd[k] - meas[k]) / meas[k], 3) for k in ("mean", "p90")}
-        out[side] = {"measured": meas, "simulated": simd, "rel_error": err, "within_20pct": all(abs(e) <= 0.2 for e in err.values())}
-    return out
-
-
 def validate_sim(run: dict, args) -> dict:
-    trace = read_trace(run["trace"])
+    trace = timed_trace(run)
     pairs = sorted(join(trace, run["records"]), key=lambda p: p[0]["arrival_s"])
-    cluster, overhead, http_ms, doc = calibrate(run, pairs, args)
-    out_dir = Path(args.out_dir)
-    out = {"calibration": doc, "requests_compared": len(pairs),
-           "measured_modelled_part_ms": pcts([m["encode_ms"] + m["prefill_queue_ms"] + m["prefill_ms"] for _, m in pairs])}
-    ids = [id(rec) for rec in trace]
-    out |= compare(pairs, dict(zip(ids, replay(cluster, trace, out_dir / "sim_trace_joint.jsonl", args))), overhead, http_ms)
-    # Diagnostic, not a prediction: each load-phase request's prompt scaled so that its simulated
-    # prefill takes what the live one measured (queueing and routing are still the simulator's)
+    out_dir, tag = Path(args.out_dir), run["tag"]
+    http_ms = float(np.mean([m["client_ttft_ms"] - m["ttft_ms"] for _, m in pairs]))
+    out = {"requests_compared": len(pairs), "http_hop_ms": round(http_ms, 2)}
+    for name in MODELS:
+        cluster, doc = calibrate(run, trace, pairs, args, name)
+        sims = replay(cluster, trace, out_dir / f"sim_trace_{tag}.jsonl", args, args.sim_seeds)
+        out[name] = {"calibration": doc, **compare(pairs, sims, http_ms)}
+    # Diagnostic, not a prediction: the deterministic model with each load-phase request's prompt scaled
+    # so that its simulated prefill takes what the live one measured
     ratio = service_ratios(pairs, cluster)
     varied = [rec | {"num_prompt_tokens": max(1, round(rec["num_prompt_tokens"] * ratio.get(id(rec), 1.0)))} for rec in trace]
-    sim_of = dict(zip(ids, replay(cluster, varied, out_dir / "sim_trace_joint_measured_service.jsonl", args)))
+    sims = [{id(rec): v for rec, v in zip(trace, sim.values())}
+            for sim in replay(cluster, varied, out_dir / f"sim_trace_{tag}_measured_service.jsonl", args, 1)]
     r = np.array(list(ratio.values()))
     return out | {"measured_service_variant": {"service_ratio": pcts(r) | {"cv": round(float(r.std() / r.mean()), 3)},
-                                               **compare(pairs, sim_of, overhead, http_ms)}}
+                                               **compare(pairs, sims, http_ms)}}
 
 
 # ----------------------------------------------------------------------------- report
 
-def print_table(s: dict) -> None:
-    print(f"\n{'TTFT ms (client)':<22}{'p50':>8}{'p90':>8}{'p99':>8}{'mean':>8}   server p99  |est-meas|  on slow  other CPU-s  capacity")
+def round_summary(runs: dict[str, dict], args) -> dict:
+    live = {pol: live_summary(run) for pol, run in runs.items()}
+    ll, jt = live["least_loaded"]["client_ttft_ms"], live["joint"]["client_ttft_ms"]
+    ratios = {k: round(jt[k] / ll[k], 3) for k in ("p50", "p90", "p99")}
+    return {"order": list(runs), "live": live, "ratios": ratios | {"target_met": ratios["p99"] <= 0.70},
+            "simulator": validate_sim(runs["joint"], args)}
+
+
+def print_round(k: int, s: dict) -> None:
+    print(f"\n== round {k} ({' then '.join(s['order'])})")
+    print(f"{'TTFT ms (client)':<22}{'p50':>8}{'p90':>8}{'p99':>8}{'mean':>8}   server p99  |est-meas|  on slow  other CPU-s  fast ms/1k tok")
     for pol in POLICIES:
         c, l = s["live"][pol]["client_ttft_ms"], s["live"][pol]
         print(f"{pol:<22}{c['p50']:>8.1f}{c['p90']:>8.1f}{c['p99']:>8.1f}{c['mean']:>8.1f}   {l['server_ttft_ms']['p99']:>10.1f}"
-              f"{l['estimate_abs_error_ms']:>11.1f}{l['share_on_slow_prefill']:>9.0%}{l['other_cpu_s']:>11.1f}{l['capacity_rps']:>8.1f}/s")
+              f"{l['estimate_abs_error_ms']:>11.1f}{l['share_on_slow_prefill']:>9.0%}{l['other_cpu_s']:>11.1f}"
+              f"{l['fast_prefill_ms_per_1k_tokens'] or float('nan'):>15.1f}")
     r = s["ratios"]
     print(f"joint / least_loaded: p50 {r['p50']:.2f}  p90 {r['p90']:.2f}  p99 {r['p99']:.2f}   "
           f"(target p99 <= 0.70: {'met' if r['target_met'] else 'NOT met'})")
     v = s["simulator"]
-    print(f"\n{'simulator vs measured':<22}{'mean':>8}{'p90':>8}   rel. error mean / p90   ({v['requests_compared']} requests)")
-    h = v["measured_service_variant"]
+    print(f"{'simulator vs measured':<22}{'mean':>8}{'p90':>8}   rel. error mean / p90   ({v['requests_compared']} requests)")
     for side in ("server", "client"):
-        m = v[side]["measured"]
+        m = v["variable"][side]["measured"]
         print(f"{'measured ' + side:<22}{m['mean']:>8.1f}{m['p90']:>8.1f}")
-        for name, x in ((f"simulated {side}", v[side]), ("  (measured service)", h[side])):
+        for name, x in (("  variable model", v["variable"][side]), ("  + measured host", v["measured host"][side]),
+                        ("  deterministic", v["deterministic"][side]), ("  measured service", v["measured_service_variant"][side])):
             sim, e = x["simulated"], x["rel_error"]
             print(f"{name:<22}{sim['mean']:>8.1f}{sim['p90']:>8.1f}   {e['mean']:+.1%} / {e['p90']:+.1%}"
                   f"   ({'within' if x['within_20pct'] else 'NOT within'} 20%)")
-    print("measured / calibrated prefill time per request:", json.dumps(h["service_ratio"]))
-    print("calibration:", json.dumps(v["calibration"]))
+    print("variable model calibration:", json.dumps(v["variable"]["calibration"]))
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def print_overall(rounds: list[dict]) -> None:
+    p99 = [r["ratios"]["p99"] for r in rounds]
+    print(f"\njoint / least_loaded client p99 per round: {', '.join(f'{x:.2f}' for x in p99)}; "
+          f"median {statistics.median(p99):.2f} (target <= 0.70: met in {sum(x <= 0.70 for x in p99)} of {len(p99)})")
+    for model in MODELS[:2]:
+        for side in ("server", "client"):
+            errs = [r["simulator"][model][side]["rel_error"] for r in rounds]
+            print(f"simulator ({side}, {model}) mean / p90 error per round: " + ", ".join(f"{e['mean']:+.0%} / {e['p90']:+.0%}" for e in errs))
+
+
+def live_rounds(args) -> list[dict[str, dict]]:
     import ray
     from ray import serve
 
@@ -288,24 +353,45 @@ def main(argv=None) -> int:
         port_taken = sock.connect_ex(("127.0.0.1", args.port)) == 0
     if port_taken:
         sys.exit(f"port {args.port} is in use (another engineer's Serve?); pass --port")
-    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     ensure_model(load_config())
     reqs = make_requests(args.num_requests, 1.0, args.image_fraction, args.seed, args.words)
     warm = make_requests(11, 1.0, args.image_fraction, args.seed + 1, args.words)
     probe = make_requests(args.probe_requests, 1.0, args.image_fraction, args.seed + 2, args.words)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)  # our own Ray, never a shared one
+    rounds = []
     try:
-        runs = {pol: run_policy(args, pol, reqs, warm, probe) for pol in POLICIES}
+        for k in range(args.rounds):  # alternate which policy goes first: background drift hits both alike
+            order = POLICIES if k % 2 == 0 else POLICIES[::-1]
+            rounds.append({pol: run_policy(args, pol, f"{pol}_r{k}", reqs, warm, probe) for pol in order})
     finally:
         serve.shutdown()
         ray.shutdown()
-    live = {pol: live_summary(run) for pol, run in runs.items()}
-    ll, jt = live["least_loaded"]["client_ttft_ms"], live["joint"]["client_ttft_ms"]
-    ratios = {k: round(jt[k] / ll[k], 3) for k in ("p50", "p90", "p99")}
-    summary = {"args": vars(args), "offered_rps": round(args.rate, 3), "live": live,
-               "ratios": ratios | {"target_met": ratios["p99"] <= 0.70}, "simulator": validate_sim(runs["joint"], args)}
+    return rounds
+
+
+def saved_rounds(args) -> list[dict[str, dict]]:
+    out_dir, rounds = Path(args.out_dir), []
+    while all((out_dir / f"run_{pol}_r{len(rounds)}.json").exists() for pol in POLICIES):
+        k = len(rounds)
+        runs = {pol: json.loads((out_dir / f"run_{pol}_r{k}.json").read_text()) for pol in POLICIES}
+        rounds.append(dict(sorted(runs.items(), key=lambda kv: POLICIES.index(kv[0]) if k % 2 == 0 else -POLICIES.index(kv[0]))))
+    if not rounds:
+        sys.exit(f"no saved runs (run_<policy>_r0.json) in {out_dir}")
+    return rounds
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    rounds = saved_rounds(args) if args.analyze else live_rounds(args)
+    summaries = [round_summary(runs, args) for runs in rounds]
+    p99 = [r["ratios"]["p99"] for r in summaries]
+    summary = {"args": vars(args), "offered_rps": round(args.rate, 3), "rounds": summaries,
+               "p99_ratio_median": round(statistics.median(p99), 3)}
     (Path(args.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
-    print_table(summary)
+    for k, s in enumerate(summaries):
+        print_round(k, s)
+    print_overall(summaries)
     return 0
 
 

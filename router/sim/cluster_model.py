@@ -48,6 +48,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from router.sim.variability import Variability
 from router.types import Placement, RequestProfile, WorkerInfo, WorkerKind
 
 ALL_MODALITIES = frozenset({"image", "video", "audio"})
@@ -108,6 +109,11 @@ class SimCosts:
     bandwidth_bytes_per_ms: dict[Placement, float] = field(default_factory=_default_bandwidth)
     transfer_latency_ms: dict[Placement, float] = field(default_factory=_default_latency)
     publish_interval_s: float = 2.0  # how often workers publish queues and cache contents
+    # Ingress overhead per request (+ per request with media): admission, RPCs and hand-overs the
+    # workers above do not model. It delays the request's routing and so its TTFT; no worker is busy.
+    ingress_ms: float = 0.0
+    ingress_media_ms: float = 0.0
+    variability: Variability = field(default_factory=Variability)  # off by default (router/sim/variability.py)
 
     def transfer_ms(self, placement: Placement, num_bytes: float) -> float:
         return self.transfer_latency_ms[placement] + num_bytes / self.bandwidth_bytes_per_ms[placement]
@@ -261,6 +267,10 @@ class SimCluster:
             for w in pool:
                 if not (w.speed > 0 and math.isfinite(w.speed)):
                     raise ClusterShapeError(f"cluster {self.name!r}: worker speed must be > 0, got {w.speed}")
+        try:
+            self.costs.variability.validate()
+        except ValueError as exc:
+            raise ClusterShapeError(f"cluster {self.name!r}: {exc}") from None
 
     def hosted_modalities(self) -> frozenset[str]:
         out: set[str] = set()
@@ -340,6 +350,12 @@ def _costs_from_dict(raw: dict, path) -> SimCosts:
                 except TypeError as exc:
                     raise ClusterShapeError(f"{path}: costs.encode.{mod}: {exc}") from None
             changes[key] = enc
+        elif key == "variability":
+            try:
+                changes[key] = Variability(**value)
+                changes[key].validate()
+            except (TypeError, ValueError) as exc:
+                raise ClusterShapeError(f"{path}: costs.variability: {exc}") from None
         elif key in ("bandwidth_bytes_per_ms", "transfer_latency_ms"):
             if not isinstance(value, dict):
                 raise ClusterShapeError(f"{path}: costs.{key} must map placement -> number")

@@ -28,6 +28,13 @@ Workers:
   fixed at admission (see cluster_model). To save an event per request, admission is
   decided when the prefill finishes and takes effect when the KV cache lands.
 
+Variability (SimCosts.variability, off by default): each encode batch and prefill takes its
+cost-model time x (1 + contention x the other busy requests at its start) x the host's
+slowness then x its own noise (mean-1 lognormals); busy requests are those arrived whose
+first token is not out, less those waiting in a prefill worker's queue (they use no CPU). An
+ingress overhead (SimCosts.ingress_ms, ingress_media_ms; 0 by default) delays a request's
+routing, scaled the same way with its own noise (router/sim/variability.py).
+
 Hot path: events are plain tuples (time_s, type, a, b) on a heapq (ties broken by
 type then ints, so runs are deterministic); arrivals stream from the workload and
 never touch the heap.
@@ -43,6 +50,7 @@ from heapq import heappop, heappush
 import numpy as np
 
 from router.sim.cluster_model import SimCluster, capacity_rps
+from router.sim.variability import Multipliers
 from router.sim.workload import Workload
 from router.types import Placement, WorkerKind
 
@@ -54,6 +62,7 @@ EV_PF_DONE = 1
 EV_DEC_DONE = 2
 EV_PF_ARRIVE = 3
 EV_PUBLISH = 4
+EV_ADMIT = 5  # a request's ingress overhead is over (only with SimCosts.ingress_ms / ingress_media_ms)
 
 
 @dataclass
@@ -150,6 +159,11 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
     dec_max = costs.decode_max_batch
     kv_bpt = costs.kv_bytes_per_token
     publish_dt = costs.publish_interval_s
+    # Service-time variability (off by default: then `mult` is None and nothing below draws)
+    mult = Multipliers(costs.variability) if costs.variability.enabled else None
+    ingress0, ingress_media = costs.ingress_ms, costs.ingress_media_ms
+    delayed = ingress0 > 0 or ingress_media > 0  # requests are routed once their ingress overhead is over
+    inflight = 0  # requests arrived whose first token is not out yet (the host's contention)
 
     n_enc, n_pf, n_dec = len(enc_speed), len(pf_speed), len(dec_speed)
 
@@ -258,6 +272,8 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
         fixed, per, _ = enc_cost[best]
         solo = k * fixed + per * total
         ms = (fixed + per * total * scale) / enc_speed[e]
+        if mult is not None:
+            ms *= mult.service(busy_others(), now)
         # each item's share of the batch time, in proportion to its solo cost
         unit = ms / solo if solo > 0 else 0.0
         enc_batch[e] = (items, ms, unit * fixed, unit * per)
@@ -269,7 +285,7 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
         `enc_ms`: compute time of r's items (their shares of the batches they rode in),
         `wall_ms`: the batches' full times, `encoded`: the items actually encoded."""
         p = dec.prefill
-        encode_done(dec, now, duration_ms=enc_ms, items=encoded)
+        encode_done(dec, now, enc_ms, encoded)  # (duration_ms, items): positional, a little faster
         if dec.shares:  # each encoder sends its part, in parallel: the slowest arrives last
             xfer = 0.0
             for share in dec.shares:
@@ -337,9 +353,24 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
         else:
             uncached = tokens
         ms = (pf_fixed + uncached / pf_tpm) / pf_speed[p]
+        if mult is not None:
+            ms *= mult.service(busy_others(), now)
         pf_cur[p] = (r, ms, uncached)
         pf_busy_ms[p] += ms
         heappush(heap, (now + ms * 1e-3, EV_PF_DONE, p, r))
+
+    def busy_others() -> int:
+        """Other requests in flight that are doing work, not waiting in a prefill worker's queue:
+        what contends for the host (a loop over the prefill workers: only with variability on)."""
+        waiting = 0
+        for q in pf_q:
+            waiting += len(q)
+        return inflight - waiting - 1
+
+    def ingress_ms(prof, now: float) -> float:
+        """The request's ingress overhead (admission, RPCs, hand-overs: no modelled worker)."""
+        ms = ingress0 + ingress_media if prof.items else ingress0
+        return ms * mult.ingress(busy_others(), now) if mult is not None else ms  # it counts as in flight already
 
     def admit_decode(d: int, r: int, now: float) -> None:
         nonlocal dec_slot_ms
@@ -396,6 +427,7 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
                 enc_cache_used[e] = used
                 if enc_queued[e]:
                     start_batch(e, now)
+                continue
             elif ev == EV_PF_ARRIVE:
                 r = a
                 p = req_dec[r].prefill
@@ -403,14 +435,16 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
                     start_prefill(p, r, now)
                 else:
                     pf_q[p].append(r)
+                continue
             elif ev == EV_PF_DONE:
                 p, r = a, b
+                inflight -= 1
                 _, ms, uncached = pf_cur[p]
                 pf_cur[p] = None
                 dec = req_dec[r]
                 ttft[r] = (now - arrivals[r]) * 1e3
                 svc[r] += ms
-                prefill_done(dec, now, duration_ms=ms, uncached_tokens=uncached)
+                prefill_done(dec, now, ms, uncached)  # (duration_ms, uncached_tokens)
                 prof = req_prof[r]
                 hashes = prof.prefix_hashes
                 if hashes:
@@ -443,6 +477,7 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
                     dec_wait[d].append((r, t_kv))
                 if pf_q[p]:
                     start_prefill(p, pf_q[p].popleft(), now)
+                continue
             elif ev == EV_DEC_DONE:
                 d, r = a, b
                 dec_active[d] -= 1
@@ -454,20 +489,30 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
                 if dec_wait[d]:
                     r, t_kv = dec_wait[d].popleft()
                     admit_decode(d, r, t_kv if t_kv > now else now)
+                continue
+            elif ev == EV_ADMIT:  # its ingress overhead is over: route it (below)
+                r = a
+                prof = req_prof[r]
             else:  # EV_PUBLISH
                 do_publish(now)
                 if completed < n:
                     heappush(heap, (now + publish_dt, EV_PUBLISH, 0, 0))
-            continue
-
-        if i >= n:
-            break
-        # ---- arrival of request i
-        now = next_arrival
-        r = i
-        i += 1
-        next_arrival = arrivals[i] if i < n else inf
-        prof = next(profiles_iter)
+                continue
+        else:
+            if i >= n:
+                break
+            # ---- arrival of request i
+            now = next_arrival
+            r = i
+            i += 1
+            next_arrival = arrivals[i] if i < n else inf
+            prof = next(profiles_iter)
+            inflight += 1
+            if delayed:
+                req_prof[r] = prof
+                heappush(heap, (now + ingress_ms(prof, now) * 1e-3, EV_ADMIT, r, 0))
+                continue
+        # ---- route request r and send it on
         dec = route(prof, now)
         req_prof[r] = prof
         req_dec[r] = dec

@@ -39,6 +39,9 @@ per request, in any order (sorted by arrival on load); blank lines are skipped.
          "num_embeddings": 576,          # placeholder tokens it expands to (int >= 0)
          "embedding_bytes": 4718592}],   # bytes of its embeddings (int >= 0)
      "ttft_ms": 143.2,                   # optional: TTFT measured on the live cluster
+     "encode_ms": 12.5,                  # optional, measured: slowest item's encoder queue + encode,
+     "prefill_queue_ms": 3.1,            #   the prefill worker's queue and prefill time
+     "prefill_ms": 80.4,                 #   (router/sim/variability.py fits from these)
      "prefix_hashes": ["ab12", ...],     # optional: prompt block hashes, in order
      "block_size": 16}                   # optional: tokens per block (default 16)
 
@@ -177,7 +180,7 @@ class SyntheticProfiles(Sequence):
         bs = self.block_size
         empty: tuple[MediaJob, ...] = ()
         no_prefix: tuple[str, ...] = ()
-        RP, MJ = RequestProfile, MediaJob
+        RP, MJ = RequestProfile.of, MediaJob.of
         for c, mid, mt, px in zip(self.cls_idx[start:stop].tolist(), self.media_id[start:stop].tolist(),
                                    self.max_tokens[start:stop].tolist(), self.prefix_idx[start:stop].tolist()):
             k = nitems[c]
@@ -470,8 +473,13 @@ def load_trace(path: str | Path) -> Workload:
     return Workload(path.name, profiles, arrival, measured_ttft_ms=measured)
 
 
-def profile_to_record(arrival_s: float, profile: RequestProfile, ttft_ms: float | None = None) -> dict:
-    """The trace record of one request (what the live cluster should write per line)."""
+MEASURED_STAGES = ("encode_ms", "prefill_queue_ms", "prefill_ms")  # optional measured timings of a trace record
+
+
+def profile_to_record(arrival_s: float, profile: RequestProfile, ttft_ms: float | None = None,
+                      measured: dict[str, float] | None = None) -> dict:
+    """The trace record of one request (what the live cluster should write per line);
+    `measured`: its stage timings (MEASURED_STAGES), which variability fits need."""
     rec = {
         "arrival_s": round(float(arrival_s), 6),
         "num_prompt_tokens": profile.num_prompt_tokens,
@@ -485,6 +493,9 @@ def profile_to_record(arrival_s: float, profile: RequestProfile, ttft_ms: float 
         rec["block_size"] = profile.block_size
     if ttft_ms is not None and math.isfinite(ttft_ms):
         rec["ttft_ms"] = round(float(ttft_ms), 3)
+    for key, value in (measured or {}).items():
+        if value is not None and math.isfinite(value):
+            rec[key] = round(float(value), 3)
     return rec
 
 

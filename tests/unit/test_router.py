@@ -227,7 +227,11 @@ def test_record_constructors_build_the_same_records():
     assert share == EncoderShare(1, ("image",), 2, (_ITEM,), 1.0, 2.0, 3.0)
     split = RouteDecision.of(1, 2, 3, est, (_ITEM,), (), 7, (share,))
     assert split == RouteDecision(1, 2, 3, est, (_ITEM,), (), 7, (share,)) and split.encoder_for("image") == 1
-    for record in (est, decision, share, split):  # every field set: a field added to the class must be added to `of`
+    job = MediaJob.of("a", "image", 0.05, 16, 4096)
+    assert job == _ITEM and hash(job) == hash(_ITEM)
+    profile = RequestProfile.of(100, (job,), ("h",), 16, 8)
+    assert profile == RequestProfile(100, (_ITEM,), ("h",), 16, 8) and profile.modalities == {"image"}
+    for record in (est, decision, share, split, job, profile):  # every field set: a field added to the class must be added to `of`
         assert set(vars(record)) == {f.name for f in fields(record)}
     with pytest.raises(AttributeError):  # still frozen
         est.encode_ms = 0.0
