@@ -95,10 +95,11 @@ class OnlineLinear:
 
     DECAY, RATIO_ALPHA, MIN_WEIGHT, MIN_CV = 0.9, 0.2, 3.0, 0.1
 
-    __slots__ = ("prior", "ratio", "sw", "sx", "sy", "sxx", "sxy", "_coefficients", "stale")
+    __slots__ = ("prior", "_p0", "_p1", "ratio", "sw", "sx", "sy", "sxx", "sxy", "_coefficients", "stale")
 
     def __init__(self, prior: LinearCost):
         self.prior, self.ratio = prior, 1.0
+        self._p0, self._p1 = prior.fixed_ms, prior.per_unit_ms  # the prior's coefficients, for observe()
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self._coefficients = (prior.fixed_ms, prior.per_unit_ms)  # (a, b) as of the last fit
         self.stale = False  # observed since the last fit
@@ -125,7 +126,7 @@ class OnlineLinear:
     def observe(self, x: float, y: float) -> None:
         if not (0.0 <= x < _INF and 0.0 <= y < _INF):
             return  # a broken timing (NaN, infinite, negative) must not poison the fit
-        expected = self.prior.fixed_ms + self.prior.per_unit_ms * x
+        expected = self._p0 + self._p1 * x
         if expected > 0:
             ratio = y / expected
             ratio = 1e-3 if ratio < 1e-3 else 1e3 if ratio > 1e3 else ratio

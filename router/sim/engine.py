@@ -291,8 +291,14 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
             for share in dec.shares:
                 x = send_embeddings(share.encoder, p, [it for it in req_prof[r].items if it.modality in share.modalities])
                 xfer = x if x > xfer else xfer
-        else:
-            xfer = send_embeddings(dec.encoder, p, req_prof[r].items)
+        else:  # send_embeddings(dec.encoder, p, items), inlined: once per media request
+            items = req_prof[r].items
+            nbytes = items[0].embedding_bytes if len(items) == 1 else sum([it.embedding_bytes for it in items])
+            if enc_node[dec.encoder] == pf_node[p]:
+                pl, xfer = SAME, same_lat + nbytes / same_bw
+            else:
+                pl, xfer = CROSS, cross_lat + nbytes / cross_bw
+            observe_transfer(pl, nbytes, xfer)
         svc[r] = wall_ms + xfer
         heappush(heap, (now + xfer * 1e-3, EV_PF_ARRIVE, r, 0))
 
