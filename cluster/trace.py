@@ -4,6 +4,7 @@ the router's estimate and the chosen workers, so simulated and measured can be c
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from router.sim.workload import MEASURED_STAGES, profile_to_record
@@ -14,14 +15,14 @@ class TraceWriter:
     def __init__(self, path: str | Path):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", buffering=1)  # line-buffered: a crash loses at most one line
-        self._start_s: float | None = None
+        # The clock starts with the writer, not the first record: records are written at first
+        # token, so a later-written request may have arrived earlier (the loader sorts them).
+        self._start_s = time.perf_counter()
 
     def record(self, arrived_s: float, profile: RequestProfile, decision: RouteDecision, ttft_ms: float, timings=None) -> None:
-        """`arrived_s` is a perf_counter reading; the trace counts from its first request.
+        """`arrived_s` is a perf_counter reading; the trace counts from the writer's creation.
         `timings`: anything with the measured encode_ms, prefill_queue_ms and prefill_ms (the
         request path's Trace), recorded so the simulator can fit its variability from the trace."""
-        if self._start_s is None:
-            self._start_s = arrived_s
         measured = None if timings is None else {key: getattr(timings, key) for key in MEASURED_STAGES}
         rec = profile_to_record(arrived_s - self._start_s, profile, ttft_ms, measured)
         rec["estimated_ttft_ms"] = round(decision.estimated_ttft_ms, 3)

@@ -102,8 +102,9 @@ def check_token_exact(app, requests: list[list[dict]], copies: int = 3) -> None:
         assert body["choices"][0]["finish_reason"] == finish
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def omni(ray_session):
+    """The omni app (redeployed only if another app was deployed since: tests keep omni first)."""
     return deploy(app_config("omni"))
 
 
@@ -112,10 +113,6 @@ def test_omni_equals_generate_with_mixed_requests_in_flight(omni):
     workers = omni.http.get("/health", params={"verbose": 1}).json()["workers"]["encoder"]
     assert len(workers) == 2 and all(w["num_batches"] > 0 for w in workers), workers  # vision and audio pools both worked
     assert max(w["max_batch"] for w in workers) > 1, workers
-
-
-def test_qwen2_audio_equals_generate(ray_session):
-    check_token_exact(deploy(app_config("audio")), AUDIO_REQUESTS)
 
 
 def _audio_bytes(data: bytes, fmt: str = "wav") -> dict:
@@ -165,13 +162,6 @@ def test_bad_audio_and_video_are_named_and_harm_nothing_else(omni):
     assert texts[:4] == texts[4:]
 
 
-def test_image_sent_to_an_audio_model_is_refused(ray_session):
-    app = deploy(app_config("audio"))
-    response = app.chat(user(image(1, 20, 20), text("hi")))
-    assert response.status_code == 400
-    assert "does not take image input" in response.json()["error"]["message"]
-
-
 def test_long_video_encoding_does_not_hold_up_text(ray_session):
     """The vision encoder is slowed 30x: while a video encodes, text-only requests (and the
     audio pool) go on; every text answer is complete before the video's first token."""
@@ -195,3 +185,14 @@ def test_long_video_encoding_does_not_hold_up_text(ray_session):
     assert done_before_video, "text and audio requests waited for the video"
     slowest_fast = max(r.json()["timings"]["ttft_ms"] for r in fast)
     assert slowest_fast < slow.json()["timings"]["encode_ms"], (slowest_fast, slow.json()["timings"])
+
+
+def test_qwen2_audio_equals_generate(ray_session):
+    check_token_exact(deploy(app_config("audio")), AUDIO_REQUESTS)
+
+
+def test_image_sent_to_an_audio_model_is_refused(ray_session):
+    app = deploy(app_config("audio"))
+    response = app.chat(user(image(1, 20, 20), text("hi")))
+    assert response.status_code == 400
+    assert "does not take image input" in response.json()["error"]["message"]
