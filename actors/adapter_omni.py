@@ -20,15 +20,10 @@ from transformers import AutoProcessor, Qwen2_5OmniThinkerForConditionalGenerati
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
 from actors.adapter_qwen2_audio import audio_embeddings
-from actors.adapters import ItemLayout, ModelAdapter, Part, PlaceholderSpec
+from actors.adapters import ItemLayout, ModelAdapter, Part, PlaceholderSpec, merged_kwargs
 from actors.types import MediaItem, Modality, PlaceholderRange
 
 DEFAULT_VIDEO_FPS = 2.0  # what the processor assumes when no fps is given
-
-
-def merged_kwargs(processor) -> dict:
-    """Per-modality kwargs exactly as the processor's own __call__ merges them."""
-    return processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs, return_tensors="pt")
 
 
 @dataclass(frozen=True)

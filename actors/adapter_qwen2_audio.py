@@ -16,7 +16,7 @@ import torch
 from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 from transformers.masking_utils import create_bidirectional_mask
 
-from actors.adapters import ItemLayout, ModelAdapter, Part, PlaceholderSpec
+from actors.adapters import ItemLayout, ModelAdapter, Part, PlaceholderSpec, merged_kwargs
 from actors.types import MediaItem, Modality
 
 
@@ -35,12 +35,6 @@ def split_windows(samples: np.ndarray, window_samples: int) -> list[np.ndarray]:
     so no window is a sliver (a tower needs a few frames to make any embedding)."""
     count = max(1, math.ceil(len(samples) / window_samples))
     return [np.ascontiguousarray(part) for part in np.array_split(samples, count)]
-
-
-def audio_kwargs(processor) -> dict:
-    """The feature-extractor kwargs the model's own processor call would use."""
-    merged = processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs, return_tensors="pt")
-    return merged["audio_kwargs"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +64,7 @@ class Qwen2AudioAdapter(ModelAdapter):
         inner = model.model
         if part == Part.ENCODER:
             self._processor = AutoProcessor.from_pretrained(checkpoint)
-            self._audio_kwargs = audio_kwargs(self._processor)
+            self._audio_kwargs = merged_kwargs(self._processor)["audio_kwargs"]
             self._tower = inner.audio_tower.to(device).eval()
             self._projector = inner.multi_modal_projector.to(device).eval()
         else:

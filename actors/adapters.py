@@ -95,6 +95,12 @@ class ModelAdapter(abc.ABC):
         return positions
 
 
+def merged_kwargs(processor) -> dict:
+    """Per-modality kwargs exactly as the processor's own __call__ merges them, so encoders
+    that call its sub-processors get the features `processor(...)` would give."""
+    return processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs, return_tensors="pt")
+
+
 # model_type -> module defining ADAPTER (a ModelAdapter) and build_spec(config, processor, dtype_bytes)
 FAMILIES: dict[str, str] = {
     "llava": "actors.adapter_llava",

@@ -91,7 +91,7 @@ class RequestPath:
             raise RequestError(400, message, param) from None
 
     def _media_options(self) -> MediaOptions:
-        """The served model's input shape: its audio rate (16 kHz until the spec says) and video sampling."""
+        """The served model's input shape: its audio rate and the configured video sampling."""
         media = self.config.media
         return MediaOptions(audio_sample_rate_hz=self.planner.spec.audio_sample_rate_hz,
                             video_sampling=VideoSampling(fps=media.video_fps, max_frames=media.video_max_frames))
