@@ -26,6 +26,8 @@ class TraceWriter:
         measured = None if timings is None else {key: getattr(timings, key) for key in MEASURED_STAGES}
         rec = profile_to_record(arrived_s - self._start_s, profile, ttft_ms, measured)
         rec["estimated_ttft_ms"] = round(decision.estimated_ttft_ms, 3)
+        # its parts, so each stage's estimate can be set against what was measured
+        rec["estimate_ms"] = {k: round(v, 3) for k, v in vars(decision.estimate).items()}
         rec["route"] = [decision.encoder, decision.prefill, decision.decode]
         if decision.shares:  # split across encoders by modality
             rec["encoder_by_modality"] = dict(decision.encoder_by_modality)

@@ -2,6 +2,7 @@
 health, a real Prometheus scrape, and recovery from a worker that dies."""
 from __future__ import annotations
 
+import json
 import time
 
 import openai
@@ -120,3 +121,7 @@ def test_estimated_ttft_is_reported_and_requests_are_traced(app):
     last = workload.profiles[len(workload) - 1]
     assert last.items and last.items[0].modality == "image" and last.items[0].num_embeddings == 16
     assert last.num_prompt_tokens == body["usage"]["prompt_tokens"]
+    record = json.loads(TRACE_PATH.read_text().splitlines()[-1])  # the estimate's parts, per stage
+    assert set(record["estimate_ms"]) == {"encoder_queue_ms", "encode_ms", "transfer_ms", "prefill_queue_ms", "prefill_ms"}
+    assert sum(record["estimate_ms"].values()) == pytest.approx(record["estimated_ttft_ms"], abs=0.01)
+    assert record["estimate_ms"]["encode_ms"] > 0 and record["estimate_ms"]["prefill_ms"] > 0
