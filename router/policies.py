@@ -225,16 +225,18 @@ class RoundRobin(StagewisePolicy):
 
 class LeastLoaded(StagewisePolicy):
     """Power of two choices per stage: sample two candidates, take the one with less
-    outstanding work (ms; decode: running sequences); ties to the lower index."""
+    outstanding work (ms; decode: running sequences); ties to either of the two at random,
+    so the baseline does not depend on how workers are numbered (ties to the lower index
+    favoured whichever worker a config lists first, e.g. every idle-time pick)."""
 
     name = "least_loaded"
 
     def _two(self, workers: list[int]) -> tuple[int, int]:
+        """Two distinct candidates in random order (the first wins ties)."""
         if len(workers) == 1:
             return workers[0], workers[0]
         i, j = self.rng.randrange(len(workers)), self.rng.randrange(len(workers) - 1)
-        a, b = workers[i], workers[j + (j >= i)]
-        return (a, b) if a < b else (b, a)
+        return workers[i], workers[j + (j >= i)]
 
     def _encoder(self, profile: RequestProfile, view: ClusterView) -> int:
         return least_ms(view, _E, list(self._two(view.candidates(_E, profile.modalities))))

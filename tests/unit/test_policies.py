@@ -228,6 +228,15 @@ def test_least_loaded_takes_the_less_loaded_of_two_samples():
     assert 7 not in {policy.pick(IMAGE, view, cost, 0.0).prefill for _ in range(200)}
 
 
+def test_least_loaded_breaks_ties_at_random_whatever_the_numbering():
+    view, cost = setup(fleet(2, 2, 2))  # all idle: every pick is a tie
+    policy = LeastLoaded(seed=5)
+    picks = [policy.pick(IMAGE, view, cost, 0.0) for _ in range(400)]
+    for stage in ("encoder", "prefill", "decode"):
+        share = sum(getattr(d, stage) == 1 for d in picks) / len(picks)
+        assert 0.4 < share < 0.6, (stage, share)
+
+
 def test_affinity_prefers_the_cache_holder_even_when_busier():
     view, cost = setup(fleet(3, 3, 1))
     view.publish(E, 2, now_s=0.0, cached_identifiers=frozenset({"a", "b"}))
