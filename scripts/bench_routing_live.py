@@ -8,7 +8,7 @@ calibrated from that run's trace.
 
 1. Per round, both policies (round 0: least_loaded then joint, round 1: joint then
    least_loaded, ...), each on a fresh fleet of the tiny default model: 2 encoders, 2 prefill
-   workers (slowdown [1, S]), 1 decode worker. Warm-up (3 sequential requests, then 8 at once
+   workers (the last one slowed S times: --prefill-workers, --slowdown), 1 decode worker. Warm-up (3 sequential requests, then 8 at once
    so both prefill workers run and the router calibrates both), a closed-loop capacity probe
    (reported; sets the rate with --rate 0), then the same seeded Poisson workload at --rate
    (default 7 req/s). Records client TTFT (scheduled send -> first SSE content chunk), each
@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_load as bl  # noqa: E402  (scripts/bench_load.py: workload, SSE client, CpuWatch)
-from cluster.config import load_config  # noqa: E402
+from cluster.config import DEFAULT_CONFIG, load_config  # noqa: E402
 
 FILLER = ("context note detail river mountain window garden music paper story light street "
           "morning winter colour market table simple quiet bright").split()
@@ -55,7 +55,9 @@ MODELS = ("variable", "measured host", "deterministic")  # simulator calibration
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "epd_routing_live"))
-    p.add_argument("--slowdown", type=float, default=4.0, help="prefill worker 1's slowdown factor S")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="base config (default: the tiny model's local_cpu.yaml)")
+    p.add_argument("--prefill-workers", type=int, default=2, help="prefill workers; the last one is the slowed one")
+    p.add_argument("--slowdown", type=float, default=4.0, help="the last prefill worker's slowdown factor S")
     p.add_argument("--num-requests", type=int, default=300)
     p.add_argument("--rate", type=float, default=7.0, help="req/s to offer; 0: --load x the first fleet's measured capacity")
     p.add_argument("--load", type=float, default=0.75, help="with --rate 0: fraction of the measured capacity to offer")
@@ -84,9 +86,14 @@ def make_requests(n: int, rate: float, image_fraction: float, seed: int, words: 
     return reqs
 
 
+def slowdowns(args) -> list[float]:
+    """Per prefill worker: one deliberately slowed worker, the last."""
+    return [1.0] * (args.prefill_workers - 1) + [args.slowdown]
+
+
 def cluster_config(args, policy: str, trace: Path):
-    return load_config().replace(
-        encoder={"num_workers": 2}, prefill={"num_workers": 2, "slowdown": [1.0, args.slowdown]},
+    return load_config(args.config).replace(
+        encoder={"num_workers": 2}, prefill={"num_workers": args.prefill_workers, "slowdown": slowdowns(args)},
         decode={"num_workers": 1}, router={"policy": policy}, server={"port": args.port, "trace_path": str(trace)})
 
 
@@ -132,8 +139,9 @@ def run_policy(args, policy: str, tag: str, reqs: list[bl.Req], warm: list[bl.Re
 
     out_dir, trace = Path(args.out_dir), Path(args.out_dir) / f"trace_{tag}.jsonl"
     trace.unlink(missing_ok=True)  # the writer appends
-    base = start(cluster_config(args, policy, trace))
-    url, root, model = f"{base}/chat/completions", base.removesuffix("/v1"), "tiny-llava"
+    config = cluster_config(args, policy, trace)
+    base = start(config)
+    url, root, model = f"{base}/chat/completions", base.removesuffix("/v1"), config.model.served_name
     try:
         warm_res = asyncio.run(warm_up(url, warm, model, args))
         capacity = asyncio.run(closed_loop(url, probe, model, args))  # every fleet gets it: the same history
@@ -148,7 +156,7 @@ def run_policy(args, policy: str, tag: str, reqs: list[bl.Req], warm: list[bl.Re
     finally:
         serve.delete("epd")  # its actors go with it: the next fleet starts on a quiet host
     records = [{"image": r.png is not None, "client_ttft_ms": res.ttft_s * 1e3, **res.timings} for r, res in zip(reqs, results)]
-    run = {"policy": policy, "tag": tag, "trace": str(trace), "records": records, "wall_s": wall, "capacity_rps": capacity,
+    run = {"policy": policy, "tag": tag, "trace": str(trace), "slow_prefill": args.prefill_workers - 1, "records": records, "wall_s": wall, "capacity_rps": capacity,
            "other_cpu_s": watch.other_cpu_s, "warm_timings": [w.timings for w in warm_res[3:]],
            "stage_ms": {s: stage_mean_ms(before, after, s) for s in ("encode", "encode_queue", "prefill", "prefill_queue", "decode_step")}}
     (out_dir / f"run_{tag}.json").write_text(json.dumps(run))
@@ -173,14 +181,27 @@ def join(trace: list[dict], timings: list[dict]) -> list[tuple[dict, dict]]:
 
 def live_summary(run: dict) -> dict:
     recs = run["records"]
-    pairs = join(read_trace(run["trace"]), recs)
+    pairs, slow = join(read_trace(run["trace"]), recs), run.get("slow_prefill", 1)
     fast = [m["prefill_ms"] / t["num_prompt_tokens"] * 1e3 for t, m in pairs if t["route"][1] == 0]  # how slow the host was
     return {"fast_prefill_ms_per_1k_tokens": round(float(np.median(fast)), 1) if fast else None,
             "client_ttft_ms": pcts([r["client_ttft_ms"] for r in recs]), "server_ttft_ms": pcts([r["ttft_ms"] for r in recs]),
             "estimate_abs_error_ms": round(float(np.mean([abs(r["estimated_ttft_ms"] - r["ttft_ms"]) for r in recs])), 2),
             "estimate_signed_error_ms": round(float(np.mean([r["estimated_ttft_ms"] - r["ttft_ms"] for r in recs])), 2),
-            "share_on_slow_prefill": round(float(np.mean([t["route"][1] == 1 for t, _ in pairs])), 3),
-            "wall_s": round(run["wall_s"], 1), "capacity_rps": round(run["capacity_rps"], 2), "other_cpu_s": round(run["other_cpu_s"], 1), "stage_ms": run["stage_ms"]}
+            "share_on_slow_prefill": round(float(np.mean([t["route"][1] == slow for t, _ in pairs])), 3),
+            "wall_s": round(run["wall_s"], 1), "capacity_rps": round(run["capacity_rps"], 2), "other_cpu_s": round(run["other_cpu_s"], 1), "stage_ms": run["stage_ms"],
+            "prefill_estimates": prefill_estimates(pairs)}
+
+
+def prefill_estimates(pairs) -> dict | None:
+    """Estimated vs measured prefill queue and prefill ms (means), over all load-phase requests and
+    over the slowest 5% by client TTFT: is the tail a queue the router did not see coming?"""
+    pairs = sorted([(t, m) for t, m in pairs if "estimate_ms" in t], key=lambda p: p[1]["client_ttft_ms"])
+    if not pairs:
+        return None  # a trace written before the estimate's parts were recorded
+    def means(sel):
+        return {f"{k}_{side}": round(float(np.mean([t["estimate_ms"][k] if side == "est" else t[k] for t, _ in sel])), 1)
+                for k in ("prefill_queue_ms", "prefill_ms") for side in ("est", "measured")}
+    return {"all": means(pairs), "slowest_5pct": means(pairs[-max(1, len(pairs) // 20):])}
 
 
 # ----------------------------------------------------------------------------- simulator
@@ -209,7 +230,8 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
     fit = fit_trace(trace, grid=None if model != "deterministic" else np.array([0.0]))
     pf, ingress, crowd = model_parts(fit, model, trace, [t["arrival_s"] for t, _ in pairs if t["items"]])
     encode_ms = (run["stage_ms"]["encode"] or 0.0) / crowd  # the load phase's mean, less the slowdown its batches met
-    speed1 = fit.speeds.get(1, 1.0 / args.slowdown)  # under 3 requests on worker 1: the configured factor
+    # relative to worker 0; a worker with under 3 requests in the trace: its configured factor
+    speeds = [1.0] + [fit.speeds.get(i, 1.0 / f) for i, f in enumerate(slowdowns(args)) if i]
     costs = SimCosts(encode={**SimCosts().encode, "image": EncodeCost(encode_ms, 0.0, 1.0)},
                      encode_max_batch=cfg.encoder.max_batch_size, prefill_fixed_ms=pf.fixed_ms,
                      prefill_tokens_per_ms=1.0 / max(pf.per_unit_ms, 1e-6),
@@ -217,10 +239,10 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
                      decode_max_batch=cfg.decode.max_batch_size, ingress_ms=ingress[0],
                      ingress_media_ms=ingress[1] + cfg.encoder.max_wait_ms,  # the batcher's wait: not simulated
                      variability=Variability() if model == "deterministic" else fit.variability(args.seed, model == "measured host"))
-    cluster = SimCluster.build(2, 2, 1, prefill_speeds=[1.0, speed1], costs=costs, name="live-calibrated")
+    cluster = SimCluster.build(2, len(speeds), 1, prefill_speeds=speeds, costs=costs, name="live-calibrated")
     v = costs.variability
     doc = {"prefill_fixed_ms": round(pf.fixed_ms, 3), "prefill_ms_per_token": round(pf.per_unit_ms, 5),
-           "prefill_speed_worker1": round(speed1, 3), "contention_per_request": round(v.contention, 3), "max_others": fit.max_others,
+           "prefill_speeds": [round(x, 3) for x in speeds], "contention_per_request": round(v.contention, 3), "max_others": fit.max_others,
            "service_sigma": round(v.sigma, 3), "host_sigma": round(v.host_sigma, 3), "host_tau_s": round(v.host_tau_s, 3),
            "ingress_ms": round(ingress[0], 2), "ingress_media_ms": round(costs.ingress_media_ms, 2), "ingress_sigma": round(v.ingress_sigma, 3),
            "encode_ms_per_batch": round(encode_ms, 3), "decode_step_ms": round(costs.decode_step_ms, 3), "fitted_requests": pf.samples}
@@ -353,7 +375,7 @@ def live_rounds(args) -> list[dict[str, dict]]:
         port_taken = sock.connect_ex(("127.0.0.1", args.port)) == 0
     if port_taken:
         sys.exit(f"port {args.port} is in use (another engineer's Serve?); pass --port")
-    ensure_model(load_config())
+    ensure_model(load_config(args.config))
     reqs = make_requests(args.num_requests, 1.0, args.image_fraction, args.seed, args.words)
     warm = make_requests(11, 1.0, args.image_fraction, args.seed + 1, args.words)
     probe = make_requests(args.probe_requests, 1.0, args.image_fraction, args.seed + 2, args.words)
