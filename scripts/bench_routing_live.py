@@ -7,9 +7,11 @@ calibrated from that run's trace.
     .venv/bin/python scripts/bench_routing_live.py --out-dir /tmp/epd_routing_live --analyze   # saved runs only
 
 1. Per round, both policies (round 0: least_loaded then joint, round 1: joint then
-   least_loaded, ...), each on a fresh fleet of the tiny default model: 2 encoders, 2 prefill
-   workers (the last one slowed S times: --prefill-workers, --slowdown), 1 decode worker. Warm-up (3 sequential requests, then 8 at once
-   so both prefill workers run and the router calibrates both), a closed-loop capacity probe
+   least_loaded, ...), each on a fresh fleet (--config; default the tiny model): 2 encoders,
+   --prefill-workers prefill workers (default 2; the last one slowed --slowdown times, and all
+   of them stretched --stretch times to emulate accelerators), 1 decode worker. Warm-up (3
+   sequential requests, then 8 at once so the prefill workers run and the router calibrates
+   them), a closed-loop capacity probe
    (reported; sets the rate with --rate 0), then the same seeded Poisson workload at --rate
    (default 7 req/s). Records client TTFT (scheduled send -> first SSE content chunk), each
    response's server `timings`, and the fleet's trace (which carries the measured stage times).
@@ -58,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default=str(DEFAULT_CONFIG), help="base config (default: the tiny model's local_cpu.yaml)")
     p.add_argument("--prefill-workers", type=int, default=2, help="prefill workers; the last one is the slowed one")
     p.add_argument("--slowdown", type=float, default=4.0, help="the last prefill worker's slowdown factor S")
+    p.add_argument("--stretch", type=float, default=1.0,
+                   help="every prefill worker's device time x this (sleep: emulates accelerators, whose work "
+                        "dominates the serving overhead and is not shared between workers)")
     p.add_argument("--num-requests", type=int, default=300)
     p.add_argument("--rate", type=float, default=7.0, help="req/s to offer; 0: --load x the first fleet's measured capacity")
     p.add_argument("--load", type=float, default=0.75, help="with --rate 0: fraction of the measured capacity to offer")
@@ -87,8 +92,8 @@ def make_requests(n: int, rate: float, image_fraction: float, seed: int, words: 
 
 
 def slowdowns(args) -> list[float]:
-    """Per prefill worker: one deliberately slowed worker, the last."""
-    return [1.0] * (args.prefill_workers - 1) + [args.slowdown]
+    """Per prefill worker: every one stretched alike, and one deliberately slowed worker, the last."""
+    return [args.stretch] * (args.prefill_workers - 1) + [args.stretch * args.slowdown]
 
 
 def cluster_config(args, policy: str, trace: Path):
@@ -231,7 +236,7 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
     pf, ingress, crowd = model_parts(fit, model, trace, [t["arrival_s"] for t, _ in pairs if t["items"]])
     encode_ms = (run["stage_ms"]["encode"] or 0.0) / crowd  # the load phase's mean, less the slowdown its batches met
     # relative to worker 0; a worker with under 3 requests in the trace: its configured factor
-    speeds = [1.0] + [fit.speeds.get(i, 1.0 / f) for i, f in enumerate(slowdowns(args)) if i]
+    speeds = [1.0] + [fit.speeds.get(i, args.stretch / f) for i, f in enumerate(slowdowns(args)) if i]
     costs = SimCosts(encode={**SimCosts().encode, "image": EncodeCost(encode_ms, 0.0, 1.0)},
                      encode_max_batch=cfg.encoder.max_batch_size, prefill_fixed_ms=pf.fixed_ms,
                      prefill_tokens_per_ms=1.0 / max(pf.per_unit_ms, 1e-6),
@@ -379,7 +384,8 @@ def live_rounds(args) -> list[dict[str, dict]]:
     reqs = make_requests(args.num_requests, 1.0, args.image_fraction, args.seed, args.words)
     warm = make_requests(11, 1.0, args.image_fraction, args.seed + 1, args.words)
     probe = make_requests(args.probe_requests, 1.0, args.image_fraction, args.seed + 2, args.words)
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)  # our own Ray, never a shared one
+    num_cpus = max(8, 4 + args.prefill_workers)  # logical: one per actor (2 encoders, decode, ingress) and spare
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)  # our own Ray, never a shared one
     rounds = []
     try:
         for k in range(args.rounds):  # alternate which policy goes first: background drift hits both alike
