@@ -45,7 +45,8 @@ per request, in any order (sorted by arrival on load); blank lines are skipped.
      "prefix_hashes": ["ab12", ...],     # optional: prompt block hashes, in order
      "block_size": 16}                   # optional: tokens per block (default 16)
 
-Unknown keys are ignored (so the live cluster may log more); a line that is not valid
+Unknown keys are ignored (so the live cluster may log more: `estimated_ttft_ms`, its parts per
+stage in `estimate_ms`, and the chosen workers in `route`); a line that is not valid
 JSON or lacks / mistypes a field raises `WorkloadError` naming the file and line.
 """
 from __future__ import annotations
