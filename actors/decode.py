@@ -33,7 +33,7 @@ class DecodeWorker(ModelWorker):
         self.max_batch_seen = 0
 
     async def receive(self, request_id: str, slot: int, packed_kv: torch.Tensor) -> None:
-        self.inbox.put(request_id, packed_kv)  # a request has one KV: slot is always 0
+        self.inbox.put(request_id, packed_kv)  # dropped at once if the request was aborted meanwhile
 
     async def generate(self, request: DecodeRequest):
         """Stream of TokenChunk for the tokens after the first (which prefill produced)."""
@@ -60,7 +60,7 @@ class DecodeWorker(ModelWorker):
         return TokenChunk(tuple(tokens), last.finish_reason, last.step_ms)
 
     def abort(self, request_id: str) -> None:
-        self.inbox.discard(request_id)
+        self.inbox.close(request_id)
         self.scheduler.abort(request_id)
 
     def _ensure_loop(self) -> None:
@@ -85,7 +85,8 @@ class DecodeWorker(ModelWorker):
             step_ms = (time.perf_counter() - started) * 1e3
             self.max_batch_seen = max(self.max_batch_seen, len(tokens))
             for seq, token in zip(self.scheduler.running, tokens):
-                self._publish(seq, TokenChunk((token,), None, step_ms))
+                if token is not None:  # a failed row ends alone, with ERROR, in _release
+                    self._publish(seq, TokenChunk((token,), None, step_ms))
             self._release(self.scheduler.record(tokens), step_ms)
 
     def _join(self, joining: list[Sequence]) -> None:
@@ -93,7 +94,7 @@ class DecodeWorker(ModelWorker):
             self.batch.join(seq.kv.to(self.runner.device))
             seq.kv = None
 
-    def _step(self) -> list[int]:
+    def _step(self) -> list[int | None]:
         running = self.scheduler.running
         return self.runner.decode_step(
             self.batch,

@@ -24,6 +24,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     aborted: bool = False
+    failed: bool = False  # its row could not be sampled (non-finite logits): it ends alone
 
     @property
     def request_id(self) -> str:
@@ -39,6 +40,8 @@ def finish_reason(seq: Sequence, max_model_len: int) -> FinishReason | None:
     sampling = seq.request.sampling
     if seq.aborted:
         return FinishReason.ABORT
+    if seq.failed:
+        return FinishReason.ERROR
     if seq.token_ids and seq.token_ids[-1] in sampling.stop_token_ids:
         return FinishReason.STOP
     if len(seq.token_ids) >= sampling.max_tokens or seq.next_position >= max_model_len:
@@ -69,10 +72,14 @@ class DecodeScheduler:
         self.running.extend(joining)
         return joining
 
-    def record(self, tokens: list[int]) -> list[Sequence]:
-        """Append one token to every running sequence; returns the ones that just finished."""
+    def record(self, tokens: list[int | None]) -> list[Sequence]:
+        """Append one token to every running sequence (None: that row failed); returns the
+        ones that just finished."""
         for seq, token in zip(self.running, tokens, strict=True):
-            seq.token_ids.append(token)
+            if token is None:
+                seq.failed = True
+            else:
+                seq.token_ids.append(token)
         return self.sweep()
 
     def sweep(self) -> list[Sequence]:

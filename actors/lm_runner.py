@@ -40,9 +40,9 @@ class LMRunner:
         ranges: tuple[PlaceholderRange, ...],
         items: list[torch.Tensor],
         params: SamplingParams,
-    ) -> tuple[int, torch.Tensor, int]:
-        """First token, the packed KV cache of the whole prompt, and the rope delta decode adds
-        to cache lengths (0 for 1-D positions)."""
+    ) -> tuple[int | None, torch.Tensor, int]:
+        """First token (None if it could not be sampled), the packed KV cache of the whole
+        prompt, and the rope delta decode adds to cache lengths (0 for 1-D positions)."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         embeds = splice(self.adapter.embed_tokens(ids), ranges, items)
         positions, rope_delta = self.adapter.prompt_positions(ids, ranges)
@@ -57,7 +57,7 @@ class LMRunner:
     def decode_step(
         self, batch: kv.BatchedKV, last_tokens: list[int], params: list[SamplingParams], positions: list[int],
         rope_deltas: list[int] | None = None,
-    ) -> list[int]:
+    ) -> list[int | None]:
         """Feed each row its last token; the cache grows by one slot; returns the next tokens."""
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)
         position_ids = batch.lengths().unsqueeze(1)

@@ -12,7 +12,7 @@ from actors.adapters import Part
 from actors.inbox import TensorInbox
 from actors.lm_runner import LMRunner
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
-from actors.types import EncodeStats, PrefillRequest, PrefillResult
+from actors.types import EncodeStats, PrefillRequest, PrefillResult, WorkerRequestError
 
 
 class PrefillWorker(ModelWorker):
@@ -26,11 +26,11 @@ class PrefillWorker(ModelWorker):
     async def receive(self, request_id: str, slot: int, encoded: tuple[torch.Tensor, EncodeStats]) -> float:
         """Keep one item's embeddings for the prefill call; returns the wall clock of arrival,
         so the ingress can time the hand-over against the encoder's finish time."""
-        self.embeddings.put(f"{request_id}/{slot}", encoded)
+        self.embeddings.put(request_id, encoded, slot)
         return time.time()
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        encoded = [self.embeddings.take(f"{request.request_id}/{i}") for i in range(len(request.placeholders))]
+        encoded = [self.embeddings.take(request.request_id, i) for i in range(len(request.placeholders))]
         arrived = time.perf_counter()
         self._queued += 1
         try:
@@ -39,7 +39,10 @@ class PrefillWorker(ModelWorker):
         finally:
             self._queued -= 1
         finished = time.perf_counter()
-        self.kv.put(request.request_id, packed)
+        if token is None:  # nothing to hand to decode; this request alone fails
+            raise WorkerRequestError(f"the first token of request {request.request_id} could not be sampled "
+                                     "(the model gave non-finite logits)")
+        self.kv.put(request.request_id, packed)  # dropped at once if the request was closed meanwhile
         return PrefillResult(
             request_id=request.request_id,
             first_token_id=token,
@@ -60,9 +63,9 @@ class PrefillWorker(ModelWorker):
         return self.kv.take(request_id)
 
     def drop(self, request_id: str) -> None:
-        """Forget everything held for a request that ended early."""
-        self.kv.discard(request_id)
-        self.embeddings.discard_prefix(f"{request_id}/")
+        """The request is over here: free what it holds, refuse what still arrives for it."""
+        self.kv.close(request_id)
+        self.embeddings.close(request_id)
 
     def stats(self) -> dict[str, int]:
         return {"pid": os.getpid(), "queued": self._queued, "held_kv": len(self.kv), "held_embeddings": len(self.embeddings)}

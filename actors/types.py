@@ -24,6 +24,11 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+class WorkerRequestError(Exception):
+    """A failure inside a worker that belongs to one request (not to the worker): that
+    request alone fails, with HTTP 500, and is not retried elsewhere."""
+
+
 @dataclass(frozen=True)
 class MediaItem:
     """One decoded, validated item. `data` layout depends on the modality:

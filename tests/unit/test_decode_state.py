@@ -173,3 +173,15 @@ def test_remove_finished_returns_kept_rows_in_order():
     assert sched.remove_finished() == [1, 2]
     assert ids(sched.running) == ["r3", "r4"]
     assert [s.token_ids for s in sched.running] == [[10, 21, 30], [10, 22, 31]]
+
+
+def test_a_row_that_could_not_be_sampled_ends_alone_with_error():
+    sched = DecodeScheduler(max_batch_size=4, max_model_len=64)
+    a, b, c = seq("a"), seq("b"), seq("c")
+    for s in (a, b, c):
+        sched.add(s)
+    sched.admit()
+    assert sched.record([11, None, 12]) == [b]
+    assert b.finish_reason == FinishReason.ERROR and b.token_ids == [10]
+    assert sched.remove_finished() == [0, 2]
+    assert sched.record([13, 14]) == [] and a.token_ids == [10, 11, 13]

@@ -109,3 +109,21 @@ def test_sampled_frequencies_follow_the_distribution():
     picks = [sample(probs.log(), [p], [pos])[0] for pos in range(2000)]
     freq = [picks.count(i) / len(picks) for i in range(3)]
     assert freq == pytest.approx([0.7, 0.2, 0.1], abs=0.05)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45])
+def test_a_row_that_cannot_be_sampled_fails_alone(temperature):
+    """Dividing by a denormal temperature overflows to inf: that row gets None, its
+    neighbours (greedy and sampled) are untouched."""
+    x = logits(3, seed=12, scale=3.0)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=temperature, seed=1),
+              SamplingParams(temperature=1.0, seed=2)]
+    alone = sample(x[2:], params[2:], [5])[0]
+    tokens = sample(x, params, [5, 5, 5])
+    assert tokens == [int(x[0].argmax()), None, alone]
+
+
+def test_non_finite_logits_fail_only_their_row():
+    x = logits(2, seed=13)
+    x[1, 3] = float("nan")
+    assert sample(x, [SamplingParams(temperature=0.0)] * 2, [0, 0]) == [int(x[0].argmax()), None]

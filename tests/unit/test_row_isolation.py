@@ -1,0 +1,74 @@
+"""One bad row never fails its batch: the real prefill and decode worker classes (without
+Ray) on the tiny checkpoint, with a row whose sampling overflows beside greedy rows."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+pytest.importorskip("torch")
+
+from actors.decode import DecodeWorker  # noqa: E402
+from actors.prefill import PrefillWorker  # noqa: E402
+from actors.runtime import WorkerSpec  # noqa: E402
+from actors.types import DecodeRequest, FinishReason, PrefillRequest, SamplingParams, WorkerRequestError  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = [tuple(range(3, 3 + n)) for n in (9, 17, 5, 12)]
+
+
+@pytest.fixture(scope="module")
+def workers(ckpt):
+    spec = WorkerSpec(str(ckpt), "float32", "cpu", 1, 256)
+    return PrefillWorker(spec, max_chunk_tokens=64), DecodeWorker(spec, max_batch_size=8)
+
+
+async def _run(prefill: PrefillWorker, decode: DecodeWorker, rid: str, prompt, sampling: SamplingParams):
+    result = await prefill.prefill(PrefillRequest(rid, prompt, (), GREEDY))
+    await decode.receive(rid, 0, await prefill.pop_kv(rid))
+    tokens, reason = [result.first_token_id], None
+    async for chunk in decode.generate(DecodeRequest(rid, result.num_prompt_tokens, result.first_token_id, sampling)):
+        tokens += chunk.token_ids
+        reason = chunk.finish_reason
+    return tokens, reason
+
+
+def test_a_row_that_cannot_be_sampled_ends_alone_and_the_batch_is_token_exact(workers):
+    prefill, decode = workers
+    alone = [asyncio.run(_run(prefill, decode, f"solo{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)]
+    bad = dataclasses.replace(GREEDY, temperature=1e-38, seed=5)  # past the HTTP check, as a bug would be
+
+    async def together():
+        runs = [_run(prefill, decode, f"mix{i}", p, bad if i == 1 else GREEDY) for i, p in enumerate(PROMPTS)]
+        return await asyncio.gather(*runs)
+
+    mixed = asyncio.run(together())
+    assert mixed[1][1] == FinishReason.ERROR and len(mixed[1][0]) < GREEDY.max_tokens
+    for i in (0, 2, 3):
+        assert mixed[i] == alone[i], f"row {i} was harmed by its neighbour"
+    assert decode.stats()["rows"] == 0 and decode.stats()["held_kv"] == 0
+
+
+def test_a_first_token_that_cannot_be_sampled_fails_that_prefill_alone(workers):
+    prefill, _ = workers
+    bad = dataclasses.replace(GREEDY, temperature=1e-45, seed=5)  # a denormal: every logit overflows
+    with pytest.raises(WorkerRequestError, match="could not be sampled"):
+        asyncio.run(prefill.prefill(PrefillRequest("bad", PROMPTS[0], (), bad)))
+    assert prefill.stats()["held_kv"] == 0
+    ok = asyncio.run(prefill.prefill(PrefillRequest("next", PROMPTS[0], (), GREEDY)))
+    assert ok.first_token_id is not None
+    prefill.drop("next")
+
+
+def test_a_closed_request_refuses_late_tensors(workers):
+    """The client left while the KV was on its way: it is dropped on arrival, not held."""
+    prefill, decode = workers
+    asyncio.run(prefill.prefill(PrefillRequest("late", PROMPTS[2], (), GREEDY)))
+    packed = asyncio.run(prefill.pop_kv("late"))
+    decode.abort("late")
+    asyncio.run(decode.receive("late", 0, packed))
+    assert decode.stats()["held_kv"] == 0
+    prefill.drop("gone")  # the prefill finished after its request was dropped
+    asyncio.run(prefill.prefill(PrefillRequest("gone", PROMPTS[2], (), GREEDY)))
+    assert prefill.stats()["held_kv"] == 0
