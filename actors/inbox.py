@@ -1,8 +1,13 @@
-"""Tensors that reached a worker ahead of the call that uses them, keyed by request.
+"""Tensors that reached a worker ahead of the call that uses them, keyed by (request, slot).
 
 Stages hand tensors over with a separate `receive` call, so the ingress can order the
 transfers into each worker (concurrent gloo receives on one actor corrupt each other in
-Ray 2.60) without holding up the work itself. Entries nobody claims expire.
+Ray 2.60) without holding up the work itself.
+
+A request that ended early is `close`d: what it holds is freed at once, and whatever
+still arrives for it afterwards (a transfer already on its way, a prefill that finishes
+after the client left) is dropped on arrival instead of waiting for a claim that never
+comes. Entries nobody claims still expire, as a last resort.
 """
 from __future__ import annotations
 
@@ -15,29 +20,41 @@ INBOX_TTL_S = 120.0  # longer than any request may take; then its sender is gone
 class TensorInbox:
     def __init__(self, ttl_s: float = INBOX_TTL_S):
         self.ttl_s = ttl_s
-        self._items: dict[str, tuple[float, Any]] = {}
+        self._items: dict[tuple[str, int], tuple[float, Any]] = {}
+        self._closed: dict[str, float] = {}  # request id -> when it was closed
 
-    def put(self, key: str, value: Any) -> None:
+    def put(self, request_id: str, value: Any, slot: int = 0) -> bool:
+        """Keep `value` until taken; False (and nothing kept) if the request was closed."""
         self.expire()
-        self._items[key] = (time.monotonic(), value)
+        if request_id in self._closed:
+            return False
+        self._items[(request_id, slot)] = (time.monotonic(), value)
+        return True
 
-    def take(self, key: str) -> Any:
+    def take(self, request_id: str, slot: int = 0) -> Any:
         try:
-            return self._items.pop(key)[1]
+            return self._items.pop((request_id, slot))[1]
         except KeyError:
-            raise KeyError(f"no tensors arrived for request {key}") from None
+            raise KeyError(f"no tensors arrived for request {request_id} slot {slot}") from None
 
-    def discard(self, key: str) -> bool:
-        return self._items.pop(key, None) is not None
-
-    def discard_prefix(self, prefix: str) -> None:
-        for key in [k for k in self._items if k.startswith(prefix)]:
+    def close(self, request_id: str) -> int:
+        """Free everything held for `request_id` and refuse what arrives later; returns how
+        many entries were freed."""
+        keys = [key for key in self._items if key[0] == request_id]
+        for key in keys:
             del self._items[key]
+        self._closed[request_id] = time.monotonic()
+        return len(keys)
+
+    def is_closed(self, request_id: str) -> bool:
+        return request_id in self._closed
 
     def expire(self) -> None:
         cutoff = time.monotonic() - self.ttl_s
         for key in [k for k, (t, _) in self._items.items() if t < cutoff]:
             del self._items[key]
+        for request_id in [r for r, t in self._closed.items() if t < cutoff]:
+            del self._closed[request_id]
 
     def __len__(self) -> int:
         return len(self._items)
