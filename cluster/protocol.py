@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 from actors.types import Modality, SamplingParams
 
 SSE_DONE = b"data: [DONE]\n\n"
+MIN_TEMPERATURE = 0.01  # as vLLM: below it, sampling is numerically unsafe and barely differs from greedy
 
 # Content-part type -> modality; a modality's value is also its HF chat-template placeholder type.
 MEDIA_PART_TYPES: dict[str, Modality] = {
@@ -146,6 +147,15 @@ class ChatCompletionRequest(_Lenient):
     def _stop_as_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
+    @field_validator("temperature")
+    @classmethod
+    def _numerically_safe_temperature(cls, value: float) -> float:
+        # logits / t overflows float32 for tiny t, and one row's NaN must not reach a batch.
+        if 0.0 < value < MIN_TEMPERATURE:
+            raise PydanticCustomError("temperature_too_small", "must be 0 (greedy) or at least {m}, got {t}",
+                                      {"m": MIN_TEMPERATURE, "t": value})
+        return value
+
     @field_validator("n")
     @classmethod
     def _only_one_choice(cls, value: int) -> int:
@@ -170,7 +180,7 @@ class ChatCompletionRequest(_Lenient):
             max_tokens=self.effective_max_tokens(default_max_tokens), stop_token_ids=stop_token_ids)
 
 
-def _format_loc(loc: tuple[int | str, ...]) -> str | None:
+def format_param(loc: tuple[int | str, ...]) -> str | None:
     path = ""
     for part in loc:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
@@ -180,7 +190,7 @@ def _format_loc(loc: tuple[int | str, ...]) -> str | None:
 def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:
     """(human-readable message, param path such as 'messages[0].content') from the first error."""
     error = exc.errors(include_url=False)[0]
-    param = _format_loc(tuple(error["loc"]))
+    param = format_param(tuple(error["loc"]))
     msg = error["msg"].removeprefix("Value error, ")
     if error["type"] == "missing" and param:
         return f"Missing required parameter: '{param}'.", param

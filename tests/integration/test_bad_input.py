@@ -59,6 +59,16 @@ CASES = [
     ("max_tokens", {"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     ("n", {"n": 3}, 400, "n", "n"),
     ("reserved token in text", {"messages": _user({"type": "text", "text": "look <image> here"})}, 400, "<image>", "messages"),
+    # Each of these was a plain-text 500 before: now a 400 in OpenAI's shape, naming the problem.
+    ("json nested 100,000 deep", b'{"model": "tiny-llava", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply", None),
+    ("max_tokens of 5,000 digits", b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}", 400, "5000 digits", "max_tokens"),
+    ("lone surrogate", b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "surrogate", "messages[0].content"),
+    ("temperature 1e-45", {"temperature": 1e-45, "seed": 1}, 400, "at least 0.01", "temperature"),
+    ("temperature 1e-38", {"temperature": 1e-38, "seed": 1}, 400, "at least 0.01", "temperature"),
+    ("NaN", b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "not a JSON number", "temperature"),
+    ("stream as a string", {"stream": "yes"}, 400, "boolean", "stream"),
+    ("max_tokens as a string", {"max_tokens": "16"}, 400, "integer", "max_tokens"),
+    ("utf-16 body", '{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}]}'.encode("utf-16"), 400, "not UTF-8", None),
 ]
 
 

@@ -1,0 +1,96 @@
+"""Raw HTTP body -> validated ChatCompletionRequest, refusing what would otherwise reach
+the engine half-understood: bodies that are not UTF-8, JSON nested deeper than any
+request needs, numbers too long to be meant, NaN and infinities, lone UTF-16 surrogates
+(no tokenizer can encode them), and values of the wrong JSON type (no coercion:
+`"stream": "yes"` is an error, not True). Every refusal names the offending parameter
+where it has one. No torch here.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from pydantic import ValidationError
+
+from cluster.protocol import ChatCompletionRequest, format_param, validation_error_message
+
+MAX_JSON_DEPTH = 32  # a chat request nests about 6 deep
+MAX_INT_DIGITS = 19  # an int64; longer numbers are mistakes or attacks (int() of 5,000 digits raises)
+
+
+class BodyError(ValueError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+class _BadNumber:
+    """A number JSON allows but a request must not carry, kept until its path is known."""
+
+    def __init__(self, text: str, why: str):
+        self.text, self.why = text, why
+
+
+def _parse_int(text: str) -> int | _BadNumber:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        return _BadNumber(text, f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _parse_float(text: str) -> float | _BadNumber:
+    value = float(text)
+    return value if math.isfinite(value) else _BadNumber(text, f"{text[:20]} overflows to infinity")
+
+
+def _parse_constant(text: str) -> _BadNumber:
+    return _BadNumber(text, f"{text} is not a JSON number")
+
+
+def _load(body: bytes) -> Any:
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BodyError(f"request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:
+        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+    except json.JSONDecodeError as exc:
+        raise BodyError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BodyError(f"request JSON is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)") from None
+
+
+def _check(value: Any, path: tuple[int | str, ...] = ()) -> None:
+    """Depth, numbers and strings of the parsed body, each error naming its JSON path."""
+    if len(path) > MAX_JSON_DEPTH:
+        raise BodyError(f"request JSON is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)", format_param(path[:4]))
+    if isinstance(value, _BadNumber):
+        raise BodyError(f"Invalid '{format_param(path)}': {value.why}", format_param(path))
+    if isinstance(value, str):
+        _check_text(value, path)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path)
+            _check(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check(item, (*path, index))
+
+
+def _check_text(text: str, path: tuple[int | str, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = format_param(path) or "request"
+        raise BodyError(f"Invalid '{where}': lone UTF-16 surrogate {text[exc.start]!r} at character {exc.start} "
+                        "is not valid Unicode", format_param(path)) from None
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    raw = _load(body)
+    _check(raw)
+    try:
+        return ChatCompletionRequest.model_validate(raw, strict=True)
+    except ValidationError as exc:
+        message, param = validation_error_message(exc)
+        raise BodyError(message, param) from None
