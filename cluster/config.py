@@ -94,6 +94,16 @@ class LimitsConfig(Strict):
     allow_remote_media: bool = Field(False, description="Fetch http(s) media URLs; off by default.")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
     request_timeout_s: float = Field(120.0, gt=0, description="A request that has not finished by then fails with 504.")
+    max_waiting_tokens_per_prefill_worker: int = Field(
+        16384, ge=1, description="Back-pressure: prompt tokens of requests still waiting for their first token, per prefill "
+        "worker; a request beyond it gets 429 with Retry-After.")
+    max_generating_per_decode_worker: int = Field(
+        256, ge=1, description="Back-pressure: requests past their first token and still generating, per decode worker; "
+        "beyond it, 429 with Retry-After.")
+    retry_after_s: int = Field(1, ge=1, description="Seconds a 429 tells the client to wait (Retry-After).")
+    max_attempts: int = Field(
+        3, ge=1, description="Times a request is run when workers die under it: each retry resumes on healthy workers "
+        "from the tokens already produced.")
 
 
 class MediaConfig(Strict):

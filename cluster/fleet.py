@@ -88,6 +88,10 @@ class Fleet:
             infos += [WorkerInfo(kind, i, node=node, modalities=m) for i, (node, m) in enumerate(zip(nodes, modalities))]
         return infos
 
+    def actor_id(self, kind: WorkerKind, index: int) -> str:
+        """Ray's hex id of a worker's current actor (failures name the actor that died)."""
+        return self.pools[kind][index]._actor_id.hex()
+
     def all_actors(self) -> list:
         return [a for kind in WorkerKind for a in self.pools[kind]]
 

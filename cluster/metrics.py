@@ -29,6 +29,8 @@ class Metrics:
         )
         self.encoder_cache = Counter("epd_encoder_cache", "Encoder cache lookups by result.", ["result"], registry=r)
         self.queue_depth = Gauge("epd_queue_depth", "Outstanding jobs per worker kind.", ["kind"], registry=r)
+        self.retries = Counter("epd_retries", "Requests resumed on other workers after a worker failed, by the failed kind.",
+                               ["kind"], registry=r)
         self.prompt_tokens = Counter("epd_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.completion_tokens = Counter("epd_completion_tokens", "Tokens generated.", registry=r)
 

@@ -7,34 +7,40 @@ here: embeddings and KV move worker-to-worker as refs this module only passes al
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import time
-import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import ray
-from pydantic import ValidationError
 
 from actors.media import MediaError, MediaOptions, VideoSampling, load_media_item
-from actors.types import DecodeRequest, EncodeJob, MediaItem, PrefillRequest, PrefillResult, SamplingParams, TokenChunk
+from actors.types import (DecodeRequest, EncodeJob, FinishReason, MediaItem, PrefillRequest, PrefillResult,
+                          SamplingParams, TokenChunk)
 from actors.decode_state import finish_reason, Sequence
 from cluster.config import ClusterConfig, Transport
 from cluster.fleet import Fleet
 from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
-from cluster.protocol import ChatCompletionRequest, to_template_messages, validation_error_message
+from cluster.protocol import to_template_messages
+from cluster.recovery import RETRYABLE, WorkerLost, lost_worker
+from cluster.request_body import BodyError, parse_chat_request
 from cluster.routing import LiveRouting, RoutingUnavailable
 from cluster.trace import TraceWriter
 from router.types import RequestProfile, RouteDecision, WorkerKind
+
+ROUTE_RETRY_S = 0.1  # how often a request waiting for a healthy worker tries again
+RETRY_AFTER_S = 2  # what a 503 tells clients to wait: about one supervisor check
 
 
 class RequestError(Exception):
     """Ends a request with an HTTP error in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error", code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None, retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.retry_after_s = retry_after_s  # sent as Retry-After (429, 503)
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,26 @@ class Admitted:
     plan: PromptPlan
     sampling: SamplingParams
     arrived_s: float
+
+
+@dataclass(frozen=True)
+class Job:
+    """One attempt at a request: the prompt it prefills (the request's, plus the tokens an
+    earlier attempt already produced) and what is left of its token budget. Workers know
+    it by `job_id`, so nothing an abandoned attempt left behind is mistaken for this one's."""
+
+    adm: Admitted
+    job_id: str
+    token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    deadline_s: float  # perf_counter time by which the request must be done
+
+    @classmethod
+    def of(cls, adm: Admitted, produced: tuple[int, ...], attempt: int, deadline_s: float) -> "Job":
+        sampling = adm.sampling
+        if produced:
+            sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - len(produced))
+        return cls(adm, f"{adm.request_id}/{attempt}", adm.plan.token_ids + produced, sampling, deadline_s)
 
 
 @dataclass
@@ -60,15 +86,19 @@ class Trace:
 
 
 class RequestPath:
-    def __init__(self, config: ClusterConfig, fleet: Fleet, planner: PromptPlanner, routing: LiveRouting, metrics: Metrics):
+    def __init__(self, config: ClusterConfig, fleet: Fleet, planner: PromptPlanner, routing: LiveRouting, metrics: Metrics,
+                 on_worker_lost: Callable[[WorkerLost], Awaitable[None]]):
         self.config, self.fleet, self.planner = config, fleet, planner
         self.routing, self.metrics = routing, metrics
+        self.on_worker_lost = on_worker_lost  # the supervisor confirms the death and restarts the worker
         self.trace = TraceWriter(config.server.trace_path) if config.server.trace_path else None
 
     # -- 1. admit -------------------------------------------------------------------------
-    def admit(self, body: bytes) -> Admitted:
-        arrived = time.perf_counter()
-        request = self._parse(body)
+    def admit(self, body: bytes, request_id: str, arrived_s: float) -> Admitted:
+        try:
+            request = parse_chat_request(body)
+        except BodyError as exc:
+            raise RequestError(400, exc.message, exc.param) from None
         if request.model != self.config.model.served_name:
             raise RequestError(404, f"model {request.model!r} does not exist; this server serves {self.config.model.served_name!r}", "model", code="model_not_found")
         hf_messages, media = to_template_messages(request.messages)
@@ -76,19 +106,7 @@ class RequestPath:
         sampling = request.to_sampling_params(
             default_max_tokens=self.config.limits.default_max_tokens, stop_token_ids=self.planner.eos_token_ids
         )
-        return Admitted(f"chatcmpl-{uuid.uuid4().hex}", request, plan.items, plan, sampling, arrived)
-
-    @staticmethod
-    def _parse(body: bytes) -> ChatCompletionRequest:
-        try:
-            raw = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise RequestError(400, f"request body is not valid JSON: {exc}") from None
-        try:
-            return ChatCompletionRequest.model_validate(raw)
-        except ValidationError as exc:
-            message, param = validation_error_message(exc)
-            raise RequestError(400, message, param) from None
+        return Admitted(request_id, request, plan.items, plan, sampling, arrived_s)
 
     def _media_options(self) -> MediaOptions:
         """The served model's input shape: its audio rate and the configured video sampling."""
@@ -122,47 +140,80 @@ class RequestPath:
         return plan
 
     # -- 2. route ---------------------------------------------------------------------------
-    def route(self, adm: Admitted, trace: Trace) -> RouteDecision:
-        trace.profile = self.routing.profile(adm.items, adm.plan, adm.sampling.max_tokens)
-        try:
-            trace.route = self.routing.route(trace.profile)
-        except RoutingUnavailable as exc:
-            raise RequestError(503, str(exc), type="server_error") from None
-        return trace.route
+    async def route(self, job: Job, trace: Trace) -> RouteDecision:
+        """Pick the workers; while a stage has no healthy worker (one is restarting), wait for
+        one until the request's deadline rather than failing at once."""
+        trace.profile = self.routing.profile(job.adm.plan, len(job.token_ids), job.sampling.max_tokens)
+        while True:
+            try:
+                trace.route = self.routing.route(trace.profile)
+                return trace.route
+            except RoutingUnavailable as exc:
+                if time.perf_counter() + ROUTE_RETRY_S > job.deadline_s:
+                    raise RequestError(503, str(exc), type="server_error", retry_after_s=RETRY_AFTER_S) from None
+            await asyncio.sleep(ROUTE_RETRY_S)
 
     # -- 3..5. encode, prefill, decode --------------------------------------------------------
     async def run(self, adm: Admitted, trace: Trace) -> AsyncIterator[TokenChunk]:
-        decision = self.route(adm, trace)
+        """The request's tokens. When a worker dies under it, the request goes on on healthy
+        workers from the tokens it already has: the prompt plus those tokens are prefilled
+        again, and sampling (keyed by seed and position) continues as if nothing happened."""
+        produced: list[int] = []
+        deadline_s = adm.arrived_s + self.config.limits.request_timeout_s
+        for attempt in range(self.config.limits.max_attempts):
+            job = Job.of(adm, tuple(produced), attempt, deadline_s)
+            try:
+                async for chunk in self._attempt(job, trace):
+                    produced.extend(chunk.token_ids)
+                    yield chunk
+                return
+            except WorkerLost as lost:
+                await self.on_worker_lost(lost)
+                self.metrics.retries.labels(lost.kind).inc()
+                failure = lost
+        raise RequestError(503, f"workers failed {self.config.limits.max_attempts} times under this request; "
+                           f"last: {failure}", type="server_error", retry_after_s=RETRY_AFTER_S)
+
+    async def _attempt(self, job: Job, trace: Trace) -> AsyncIterator[TokenChunk]:
+        decision = await self.route(job, trace)
         prefilled = False
         try:
-            encoded = self.encode(adm, decision)
-            result, transfer_ms = await self.prefill(adm, decision, encoded)
+            encoded = self.encode(job, decision)
+            result, transfer_ms = await self.prefill(job, decision, encoded)
             prefilled = True
             self.routing.prefill_finished(decision, result, transfer_ms)
             self._record_prefill(result, trace)
-            first = self._first_chunk(adm, result)
-            trace.ttft_ms = (time.perf_counter() - adm.arrived_s) * 1e3
-            self.routing.record_ttft(decision, trace.ttft_ms)
-            if self.trace is not None:
-                self.trace.record(adm.arrived_s, trace.profile, decision, trace.ttft_ms, timings=trace)
+            first = self._first_chunk(job, result)
+            if trace.ttft_ms is None:  # a resumed request keeps its first TTFT
+                self._record_ttft(job, decision, trace)
             yield first
-            if first.finished:
-                self.fleet.pools[WorkerKind.PREFILL][decision.prefill].drop.remote(adm.request_id)
-            else:
-                async for chunk in self.decode(adm, decision, result):
+            if not first.finished:
+                async for chunk in self.decode(job, decision, result):
                     yield chunk
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            raise RequestError(503, f"a worker failed while serving this request: {type(exc).__name__}", type="server_error") from None
+        except RETRYABLE as exc:
+            raise lost_worker(exc, self.fleet, decision) from exc
+        except ray.exceptions.RayTaskError as exc:
+            raise RequestError(500, f"a worker failed on this request: {exc.cause!r}", type="server_error") from None
         finally:
+            # Whatever the prefill worker still holds for this attempt (embeddings, KV that
+            # decode never pulled) is freed, and late arrivals are refused.
+            self.fleet.pools[WorkerKind.PREFILL][decision.prefill].drop.remote(job.job_id)
             self.routing.release(decision, before_prefill=not prefilled)
 
-    def encode(self, adm: Admitted, decision: RouteDecision) -> list:
+    def _record_ttft(self, job: Job, decision: RouteDecision, trace: Trace) -> None:
+        trace.ttft_ms = (time.perf_counter() - job.adm.arrived_s) * 1e3
+        self.routing.record_ttft(decision, trace.ttft_ms)
+        if self.trace is not None:
+            self.trace.record(job.adm.arrived_s, trace.profile, decision, trace.ttft_ms, timings=trace)
+
+    def encode(self, job: Job, decision: RouteDecision) -> list:
         """One encode call per item, on the encoder of its modality (pools may be split by
         modality); each encoder batches them with other requests' items."""
         encoders = self.fleet.pools[WorkerKind.ENCODER]
         option = self.fleet.transport_option(self.config.transport.embeddings)
-        return [encoders[decision.encoder_for(item.modality.value)].encode.options(**option).remote(EncodeJob(adm.request_id, item, n))
-                for item, n in zip(adm.items, adm.plan.num_embeddings)]
+        plan = job.adm.plan
+        return [encoders[decision.encoder_for(item.modality.value)].encode.options(**option).remote(EncodeJob(job.job_id, item, n))
+                for item, n in zip(plan.items, plan.num_embeddings)]
 
     async def deliver(self, kind: WorkerKind, index: int, request_id: str, refs: list, transport) -> list:
         """Hand tensors (as refs) to a worker's inbox, one receive call per item; they move
@@ -176,44 +227,42 @@ class RequestPath:
             # alone, and Ray issues concurrent ones in no fixed order (equal sizes swap silently).
             return [await worker.receive.remote(request_id, slot, ref) for slot, ref in enumerate(refs)]
 
-    async def prefill(self, adm: Admitted, decision: RouteDecision, encoded: list) -> tuple[PrefillResult, float | None]:
+    async def prefill(self, job: Job, decision: RouteDecision, encoded: list) -> tuple[PrefillResult, float | None]:
         """The prefill result, and how long the embeddings took from encoder to prefill worker."""
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         received_at = None
         if encoded:
-            received_at = max(await self.deliver(WorkerKind.PREFILL, decision.prefill, adm.request_id, encoded, self.config.transport.embeddings))
-        request = PrefillRequest(adm.request_id, adm.plan.token_ids, adm.plan.placeholders, adm.sampling)
-        try:
-            result = await prefill.prefill.remote(request)
-        except BaseException:
-            prefill.drop.remote(adm.request_id)
-            raise
+            received_at = max(await self.deliver(WorkerKind.PREFILL, decision.prefill, job.job_id, encoded, self.config.transport.embeddings))
+        request = PrefillRequest(job.job_id, job.token_ids, job.adm.plan.placeholders, job.sampling)
+        result = await prefill.prefill.remote(request)
         ready_at = max((s.finished_at_s for s in result.encode_stats if not s.cache_hit), default=None)
         transfer_ms = (received_at - ready_at) * 1e3 if received_at and ready_at else None
         return result, (max(transfer_ms, 0.0) if transfer_ms is not None else None)
 
-    def _first_chunk(self, adm: Admitted, result: PrefillResult) -> TokenChunk:
-        seq = Sequence(DecodeRequest(adm.request_id, result.num_prompt_tokens, result.first_token_id, adm.sampling), None, [result.first_token_id])
+    def _first_chunk(self, job: Job, result: PrefillResult) -> TokenChunk:
+        seq = Sequence(DecodeRequest(job.job_id, result.num_prompt_tokens, result.first_token_id, job.sampling), None, [result.first_token_id])
         return TokenChunk((result.first_token_id,), finish_reason(seq, self.config.model.max_model_len))
 
-    async def decode(self, adm: Admitted, decision: RouteDecision, result: PrefillResult) -> AsyncIterator[TokenChunk]:
+    async def decode(self, job: Job, decision: RouteDecision, result: PrefillResult) -> AsyncIterator[TokenChunk]:
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         decoder = self.fleet.pools[WorkerKind.DECODE][decision.decode]
-        kv_ref = prefill.pop_kv.options(**self.fleet.transport_option(self.config.transport.kv)).remote(adm.request_id)
-        request = DecodeRequest(adm.request_id, result.num_prompt_tokens, result.first_token_id, adm.sampling, result.rope_delta)
+        kv_ref = prefill.pop_kv.options(**self.fleet.transport_option(self.config.transport.kv)).remote(job.job_id)
+        request = DecodeRequest(job.job_id, result.num_prompt_tokens, result.first_token_id, job.sampling, result.rope_delta)
         finished = False
         try:
-            await self.deliver(WorkerKind.DECODE, decision.decode, adm.request_id, [kv_ref], self.config.transport.kv)
+            await self.deliver(WorkerKind.DECODE, decision.decode, job.job_id, [kv_ref], self.config.transport.kv)
             stream = decoder.generate.options(num_returns="streaming").remote(request)
             async for ref in stream:
                 chunk: TokenChunk = await ref
                 if chunk.step_ms:
                     self.metrics.stage.labels("decode_step").observe(chunk.step_ms / 1e3)
+                if chunk.finish_reason == FinishReason.ERROR:
+                    raise RequestError(500, "decoding failed for this request (its next token could not be sampled)", type="server_error")
                 finished = chunk.finished
                 yield chunk
         finally:
-            if not finished:  # the client left or a stop string matched: free the batch row
-                decoder.abort.remote(adm.request_id)
+            if not finished:  # the client left, a stop string matched or a worker failed: free the row and the KV
+                decoder.abort.remote(job.job_id)
 
     def _record_prefill(self, result: PrefillResult, trace: Trace) -> None:
         stage = self.metrics.stage

@@ -71,9 +71,12 @@ class Collector:
 
 async def complete(collector: Collector, chunks: AsyncIterator[TokenChunk]) -> ChatCompletion:
     parts, reason = [], None
-    async for delta in collector.deltas(chunks):
-        parts.append(delta.text)
-        reason = delta.finish_reason or reason
+    try:
+        async for delta in collector.deltas(chunks):
+            parts.append(delta.text)
+            reason = delta.finish_reason or reason
+    finally:
+        await chunks.aclose()  # a stop string ends the request here: free its workers now
     adm = collector.adm
     return ChatCompletion(
         id=adm.request_id,

@@ -24,12 +24,14 @@ class LiveRouting:
         self.router, self.metrics = router, metrics
         self.embedding_bytes_per_token = embedding_bytes_per_token
 
-    def profile(self, items, plan: PromptPlan, max_tokens: int) -> RequestProfile:
+    def profile(self, plan: PromptPlan, num_prompt_tokens: int, max_tokens: int) -> RequestProfile:
+        """What the router weighs; `num_prompt_tokens` counts the plan's prompt plus any
+        tokens a resumed request prefills again."""
         jobs = tuple(
             MediaJob(item.identifier, item.modality.value, item.size / 1e6, n, n * self.embedding_bytes_per_token)
-            for item, n in zip(items, plan.num_embeddings)
+            for item, n in zip(plan.items, plan.num_embeddings)
         )
-        return RequestProfile(len(plan.token_ids), jobs, max_tokens=max_tokens)
+        return RequestProfile(num_prompt_tokens, jobs, max_tokens=max_tokens)
 
     def route(self, profile: RequestProfile) -> RouteDecision:
         try:

@@ -1,27 +1,51 @@
 """Keeps the fleet whole and the router's view fresh: polls every worker's stats (its
 load and, for encoders, the media it holds), publishes them to the router, takes a dead
 worker out of routing and restarts it (re-forming the collective group when tensors
-travel over one)."""
+travel over one).
+
+/health runs the same check, so it reports a death as soon as Ray knows of it.
+
+Death and slowness are told apart: only Ray's word that an actor died (a failed call)
+counts as death. A poll that times out means a busy worker; it stays in routing, and
+only one that stays unresponsive for HUNG_AFTER_S is restarted as hung. Requests that
+see a worker fail report it here at once, so routing and /health stop using it without
+waiting for the next poll.
+"""
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 
+import ray.exceptions as rx
+
 from cluster.fleet import Fleet
+from cluster.recovery import RETRYABLE, WorkerLost
 from router.router import Router
 from router.types import WorkerKind
 
 log = logging.getLogger(__name__)
 
 CHECK_PERIOD_S = 2.0
-PING_TIMEOUT_S = 10.0
+PING_TIMEOUT_S = 5.0
+CONFIRM_TIMEOUT_S = 2.0  # a suspect named by a failed request answers within this, or is presumed busy
+HUNG_AFTER_S = 60.0
+
+
+class Poll(str, enum.Enum):
+    ALIVE = "alive"
+    BUSY = "busy"  # did not answer in time
+    DEAD = "dead"
 
 
 class Supervisor:
     def __init__(self, fleet: Fleet, router: Router):
         self.fleet, self.router = fleet, router
         self._task: asyncio.Task | None = None
+        self._restarting: dict[tuple[WorkerKind, int], asyncio.Task] = {}
+        self._restart_lock: asyncio.Lock | None = None  # one re-formation of the group at a time
+        self._busy_since: dict[tuple[WorkerKind, int], float] = {}
         self.num_restarts = 0
 
     def ensure_running(self) -> None:
@@ -36,34 +60,84 @@ class Supervisor:
             except Exception:  # supervision must outlive any one failure
                 log.exception("supervisor check failed")
 
-    async def check(self) -> None:
-        for kind in WorkerKind:
-            for index, actor in enumerate(list(self.fleet.pools[kind])):
-                report = await self._poll(kind, actor)
-                if report is None:
-                    await self._restart(kind, index)
-                else:
-                    self._publish(kind, index, *report)
+    async def check(self, timeout_s: float = PING_TIMEOUT_S) -> dict[WorkerKind, list[dict]]:
+        """Poll every worker at once (a slow one must not delay the others' heartbeats), act
+        on what is learnt, and return each worker's stats (or why there are none)."""
+        workers = [(kind, index) for kind in WorkerKind for index in range(len(self.fleet.pools[kind]))]
+        results = await asyncio.gather(*[self._poll(kind, index, timeout_s) for kind, index in workers])
+        stats: dict[WorkerKind, list[dict]] = {kind: [] for kind in WorkerKind}
+        for (kind, index), (outcome, report) in zip(workers, results):
+            if (kind, index) in self._restarting:
+                stats[kind].append({"error": "restarting"})
+                continue
+            self._judge(kind, index, outcome, report)
+            stats[kind].append(report[0] if report else {"error": f"{outcome.value} (no answer within {timeout_s} s)"
+                                                          if outcome is Poll.BUSY else outcome.value})
+        return stats
 
-    @staticmethod
-    async def _poll(kind: WorkerKind, actor):
+    def _judge(self, kind: WorkerKind, index: int, outcome: Poll, report) -> None:
+        now = time.monotonic()
+        if outcome is Poll.ALIVE:
+            self._busy_since.pop((kind, index), None)
+            self._publish(kind, index, *report)
+        elif outcome is Poll.BUSY:
+            since = self._busy_since.setdefault((kind, index), now)
+            if now - since < HUNG_AFTER_S:
+                self.router.publish(kind, index, now_s=now)  # a heartbeat: busy, not gone
+            else:
+                log.warning("%s worker %d has not answered for %.0f s; restarting it as hung", kind.value, index, now - since)
+                self.restart(kind, index)
+        else:
+            self.restart(kind, index)
+
+    async def _poll(self, kind: WorkerKind, index: int, timeout_s: float):
+        actor = self.fleet.pools[kind][index]
         try:
-            stats = await asyncio.wait_for(actor.stats.remote(), timeout=PING_TIMEOUT_S)
+            stats = await asyncio.wait_for(actor.stats.remote(), timeout=timeout_s)
             cached = None
             if kind == WorkerKind.ENCODER:
-                cached = await asyncio.wait_for(actor.cached_identifiers.remote(), timeout=PING_TIMEOUT_S)
-            return stats, cached
-        except Exception:
-            return None
+                cached = await asyncio.wait_for(actor.cached_identifiers.remote(), timeout=timeout_s)
+            return Poll.ALIVE, (stats, cached)
+        except asyncio.TimeoutError:
+            return Poll.BUSY, None
+        except (*RETRYABLE, rx.RayTaskError) as exc:
+            log.info("%s worker %d failed its poll: %s", kind.value, index, type(exc).__name__)
+            return Poll.DEAD, None
 
     def _publish(self, kind: WorkerKind, index: int, stats: dict, cached: frozenset[str] | None) -> None:
         self.router.publish(
             kind, index, now_s=time.monotonic(), queued=stats.get("queued"), running=stats.get("running"), cached_identifiers=cached
         )
 
-    async def _restart(self, kind: WorkerKind, index: int) -> None:
+    async def handle_lost(self, lost: WorkerLost) -> None:
+        """A request saw a worker fail: confirm which (a poll) and take it out at once."""
+        suspects = [s for s in lost.suspects if s not in self._restarting]
+        results = await asyncio.gather(*[self._poll(kind, index, CONFIRM_TIMEOUT_S) for kind, index in suspects])
+        for (kind, index), (outcome, _) in zip(suspects, results):
+            if outcome is Poll.DEAD:
+                self.restart(kind, index)
+
+    def restart(self, kind: WorkerKind, index: int) -> None:
+        """Out of routing now; a replacement comes up in the background (once per worker)."""
+        if (kind, index) in self._restarting:
+            return
         log.warning("%s worker %d is down; restarting it", kind.value, index)
         self.router.set_healthy(kind, index, False)
-        await asyncio.to_thread(self.fleet.replace, kind, index)
-        self.router.set_healthy(kind, index, True)
-        self.num_restarts += 1
+        self._restarting[(kind, index)] = asyncio.get_running_loop().create_task(self._replace(kind, index))
+
+    async def _replace(self, kind: WorkerKind, index: int) -> None:
+        self._restart_lock = self._restart_lock or asyncio.Lock()
+        try:
+            async with self._restart_lock:
+                await asyncio.to_thread(self.fleet.replace, kind, index)
+            self.router.set_healthy(kind, index, True)
+            self.num_restarts += 1
+        except Exception:
+            log.exception("restarting %s worker %d failed; the next check tries again", kind.value, index)
+        finally:
+            self._restarting.pop((kind, index), None)
+            self._busy_since.pop((kind, index), None)
+
+    @property
+    def restarting(self) -> list[tuple[WorkerKind, int]]:
+        return list(self._restarting)

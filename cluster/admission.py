@@ -1,0 +1,68 @@
+"""Bounded admission: the back-pressure an overloaded cluster gives instead of a queue
+that only grows.
+
+Two budgets, each per worker of the stage it protects:
+- prompt tokens of requests that have not had their first token (they wait for encode
+  and prefill), per prefill worker;
+- requests that are past their first token and still generating, per decode worker.
+A request that would overrun either is refused at once with 429 and a Retry-After,
+right after its prompt is planned and before any worker is asked. Plain Python, no Ray.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Stage(str, enum.Enum):
+    WAITING = "waiting"  # admitted, no first token yet
+    GENERATING = "generating"  # first token sent, decoding
+    DONE = "done"
+
+
+class Overloaded(Exception):
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+@dataclass
+class Ticket:
+    """One admitted request's claim on the budgets; moves forward, released once."""
+
+    admission: "Admission"
+    prompt_tokens: int
+    stage: Stage = Stage.WAITING
+
+    def first_token(self) -> None:
+        if self.stage is Stage.WAITING:
+            self.admission.waiting_tokens -= self.prompt_tokens
+            self.admission.generating += 1
+            self.stage = Stage.GENERATING
+
+    def release(self) -> None:
+        if self.stage is Stage.WAITING:
+            self.admission.waiting_tokens -= self.prompt_tokens
+        elif self.stage is Stage.GENERATING:
+            self.admission.generating -= 1
+        self.stage = Stage.DONE
+
+
+class Admission:
+    def __init__(self, max_waiting_tokens: int, max_generating: int):
+        self.max_waiting_tokens, self.max_generating = max_waiting_tokens, max_generating
+        self.waiting_tokens = 0
+        self.generating = 0
+
+    def admit(self, prompt_tokens: int) -> Ticket:
+        """A ticket for a request of `prompt_tokens`; Overloaded if a budget is full. A lone
+        request larger than the whole token budget is still let in when nothing waits, so
+        the budget never refuses a prompt the model could take."""
+        if self.waiting_tokens and self.waiting_tokens + prompt_tokens > self.max_waiting_tokens:
+            raise Overloaded(f"the cluster is at capacity: {self.waiting_tokens} prompt tokens are waiting for "
+                             f"prefill (the limit is {self.max_waiting_tokens}); retry later")
+        if self.generating >= self.max_generating:
+            raise Overloaded(f"the cluster is at capacity: {self.generating} requests are generating "
+                             f"(the limit is {self.max_generating}); retry later")
+        self.waiting_tokens += prompt_tokens
+        return Ticket(self, prompt_tokens)

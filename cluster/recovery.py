@@ -1,0 +1,42 @@
+"""What a worker failure under a request means: which worker is gone, and that the request
+may go on elsewhere.
+
+A system failure (the actor died or cannot be reached, an object it held is lost) is the
+worker's, not the request's: the request path reports the worker and resumes the request
+on healthy workers. An exception raised by the worker's own code (`RayTaskError`) belongs
+to the request and is not retried.
+"""
+from __future__ import annotations
+
+import ray.exceptions as rx
+
+from router.types import RouteDecision, WorkerKind
+
+# Failures that say a worker (or what it held) is gone, whatever the request was.
+RETRYABLE = (rx.RayActorError, rx.ActorUnavailableError, rx.ObjectLostError, rx.OwnerDiedError)
+
+
+class WorkerLost(Exception):
+    """A worker died under a request. `suspects` are the workers it may be: the one Ray
+    named, or else every worker the request used (the supervisor pings them)."""
+
+    def __init__(self, suspects: list[tuple[WorkerKind, int]], cause: BaseException):
+        self.suspects, self.cause = suspects, cause
+        kind = suspects[0][0].value if len(suspects) == 1 else "unknown"
+        self.kind = kind
+        where = f"{suspects[0][0].value} worker {suspects[0][1]}" if len(suspects) == 1 else "a worker"
+        super().__init__(f"{where} failed ({type(cause).__name__})")
+
+
+def _decision_workers(decision: RouteDecision) -> list[tuple[WorkerKind, int]]:
+    encoders = {decision.encoder_for(item.modality) for item in decision.items}
+    return ([(WorkerKind.ENCODER, e) for e in sorted(encoders)]
+            + [(WorkerKind.PREFILL, decision.prefill), (WorkerKind.DECODE, decision.decode)])
+
+
+def lost_worker(exc: BaseException, fleet, decision: RouteDecision) -> WorkerLost:
+    """Name the worker behind `exc`, by the dead actor's id where Ray gives it."""
+    used = _decision_workers(decision)
+    actor_id = getattr(exc, "actor_id", None)
+    named = [(kind, index) for kind, index in used if actor_id is not None and fleet.actor_id(kind, index) == actor_id]
+    return WorkerLost(named or used, exc)

@@ -1,0 +1,118 @@
+"""Nothing is lost and nothing leaks when requests end early or workers die: a stop on the
+first token, a client that leaves mid-stream, and a worker of each kind killed with
+requests in flight (they resume on healthy workers and answer as if nothing happened)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import png_data_url, random_image
+
+HELD = {"prefill": ("held_kv", "held_embeddings", "queued"), "decode": ("rows", "held_kv", "running", "queued"),
+        "encoder": ("queued", "running")}
+
+
+def _messages(seed: int, text: str = "Describe") -> list[dict]:
+    image = {"type": "image_url", "image_url": {"url": png_data_url(random_image(seed, 40, 40))}}
+    return [{"role": "user", "content": [{"type": "text", "text": text}, image]}]
+
+
+def held(app) -> dict[str, int]:
+    """Everything any worker still holds for requests (zero when idle)."""
+    workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]
+    return {f"{kind}.{field}": sum(w.get(field, 0) for w in workers[kind]) for kind, fields in HELD.items() for field in fields}
+
+
+def wait_until_idle(app, within_s: float) -> dict[str, int]:
+    deadline = time.monotonic() + within_s
+    while True:
+        now = held(app)
+        if not any(now.values()) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
+def test_stop_on_the_first_token_frees_the_kv_at_once(app):
+    greedy = app.chat(_messages(301), temperature=0, max_tokens=8).json()["choices"][0]["message"]["content"]
+    for i in range(3):
+        r = app.chat(_messages(301), temperature=0, max_tokens=8, stop=[greedy[:1]]).json()
+        assert r["choices"][0]["message"]["content"] == "" and r["choices"][0]["finish_reason"] == "stop"
+    assert not any(wait_until_idle(app, within_s=3).values()), held(app)  # not after the inbox's 120 s expiry
+
+
+def test_clients_that_leave_mid_stream_leave_nothing_behind(app):
+    async def leave_after_first_chunk(client: httpx.AsyncClient, seed: int):
+        body = {"model": app.config.model.served_name, "messages": _messages(seed, "long " * 300),
+                "temperature": 0, "max_tokens": 64, "stream": True}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and '"content"' in line:
+                    return  # closes the connection with the request mid-stream
+
+    async def storm():
+        async with httpx.AsyncClient(base_url=app.root, timeout=60) as client:
+            await asyncio.gather(*[leave_after_first_chunk(client, 400 + i) for i in range(12)])
+
+    asyncio.run(storm())
+    assert not any(wait_until_idle(app, within_s=10).values()), held(app)
+
+
+async def _ask(client: httpx.AsyncClient, model: str, seed: int, stream: bool) -> tuple[int, str]:
+    body = {"model": model, "messages": _messages(seed), "temperature": 0, "max_tokens": 24, "stream": stream}
+    if not stream:
+        r = await client.post("/v1/chat/completions", json=body)
+        return r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+    text = ""
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return 500, event["error"]["message"]
+                text += "".join(c["delta"].get("content") or "" for c in event["choices"])
+    return r.status_code, text
+
+
+def _pid(app, kind: str) -> int:
+    return app.http.get("/health", params={"verbose": 1}).json()["workers"][kind][0]["pid"]
+
+
+def _wait_replaced(app, kind: str, dead_pid: int, within_s: float = 90) -> None:
+    """/health tells the death at once (it polls the workers) and is ok again once a new
+    worker has taken the dead one's place."""
+    deadline = time.monotonic() + within_s
+    while True:
+        body = app.http.get("/health", params={"verbose": 1}).json()
+        if body["status"] == "ok" and body["workers"][kind][0].get("pid") not in (None, dead_pid):
+            return
+        assert time.monotonic() < deadline, f"the {kind} worker was not replaced: {body}"
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "encoder"])
+def test_a_worker_killed_under_load_loses_no_request(app, kind):
+    """Half the requests stream; whether a request had sent tokens or not, it finishes with
+    exactly the answer it gives undisturbed."""
+    first_seed = {"decode": 700, "prefill": 720, "encoder": 740}[kind]  # new images: the encoders must work
+    model, seeds = app.config.model.served_name, range(first_seed, first_seed + 10)
+    pid = _pid(app, kind)
+
+    async def under_fire():
+        async with httpx.AsyncClient(base_url=app.root, timeout=120) as client:
+            asks = [asyncio.create_task(_ask(client, model, s, stream=s % 2 == 0)) for s in seeds]
+            await asyncio.sleep(0.4)
+            os.kill(pid, signal.SIGKILL)
+            return await asyncio.gather(*asks)
+
+    results = asyncio.run(under_fire())
+    assert [status for status, _ in results] == [200] * len(results), results
+    _wait_replaced(app, kind, pid)
+    expected = [app.chat(_messages(s), temperature=0, max_tokens=24).json()["choices"][0]["message"]["content"] for s in seeds]
+    assert [text for _, text in results] == expected
+    assert not any(wait_until_idle(app, within_s=5).values()), held(app)
