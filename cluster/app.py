@@ -13,6 +13,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.exceptions import TaskCancelledError
 
 from actors.types import TokenChunk
 from cluster import responses
@@ -31,6 +32,9 @@ from router.types import WorkerKind
 log = logging.getLogger(__name__)
 api = FastAPI(title="epd")
 HEALTH_POLL_TIMEOUT_S = 2.0
+# A client that leaves cancels its request's task; an await on a worker call then raises
+# Ray's own TaskCancelledError instead of asyncio's (epd never cancels Ray tasks itself).
+CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError)
 
 
 def _error(exc: RequestError, request_id: str) -> JSONResponse:
@@ -71,7 +75,7 @@ class Ingress:
             return await self._chat(request, request_id, arrived_s)
         except RequestError as exc:
             return self._fail(exc, request_id)
-        except asyncio.CancelledError:
+        except CLIENT_GONE:
             self.metrics.requests.labels("aborted").inc()
             raise
         except Exception:
@@ -137,7 +141,7 @@ class Ingress:
                 yield event
         except RequestError as exc:  # headers are gone: report in-band, as OpenAI does
             yield self._stream_error(exc)
-        except (asyncio.CancelledError, GeneratorExit):
+        except (*CLIENT_GONE, GeneratorExit):
             self.metrics.requests.labels("aborted").inc()
             raise
         except Exception:

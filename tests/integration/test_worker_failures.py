@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import png_data_url, random_image
 
@@ -38,6 +39,11 @@ def wait_until_idle(app, within_s: float) -> dict[str, int]:
         time.sleep(0.2)
 
 
+def _requests_total(app) -> dict[str, float]:
+    families = text_string_to_metric_families(app.http.get("/metrics").text)
+    return {s.labels["status"]: s.value for f in families for s in f.samples if s.name == "epd_requests_total"}
+
+
 def test_stop_on_the_first_token_frees_the_kv_at_once(app):
     greedy = app.chat(_messages(301), temperature=0, max_tokens=8).json()["choices"][0]["message"]["content"]
     for i in range(3):
@@ -59,8 +65,10 @@ def test_clients_that_leave_mid_stream_leave_nothing_behind(app):
         async with httpx.AsyncClient(base_url=app.root, timeout=60) as client:
             await asyncio.gather(*[leave_after_first_chunk(client, 400 + i) for i in range(12)])
 
+    before = _requests_total(app).get("aborted", 0)
     asyncio.run(storm())
     assert not any(wait_until_idle(app, within_s=10).values()), held(app)
+    assert _requests_total(app).get("aborted", 0) - before == 12  # every outcome is counted
 
 
 async def _ask(client: httpx.AsyncClient, model: str, seed: int, stream: bool) -> tuple[int, str]:

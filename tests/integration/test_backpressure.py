@@ -1,0 +1,49 @@
+"""Back-pressure and time-outs on a deliberately tight cluster: a burst beyond the admission
+budget gets 429 with Retry-After at once (nothing queues without bound), and a request that
+times out before its first token leaves nothing held in any worker."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.integration.conftest import cluster_config, deploy
+from tests.integration.test_worker_failures import _requests_total, held, wait_until_idle
+
+
+@pytest.fixture(scope="module")
+def tight(ray_session):
+    # One request may wait for prefill at a time; prefill is 30x slower; 2 s to the first token.
+    return deploy(cluster_config(prefill={"slowdown": [30.0]},
+                                 limits={"max_waiting_tokens_per_prefill_worker": 1, "request_timeout_s": 2.0}))
+
+
+def test_a_burst_beyond_the_budget_gets_429_with_retry_after(tight):
+    before = _requests_total(tight)
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=tight.root, timeout=60) as client:
+            body = {"model": tight.config.model.served_name, "messages": [{"role": "user", "content": "hello there"}],
+                    "temperature": 0, "max_tokens": 4}
+            return await asyncio.gather(*[client.post("/v1/chat/completions", json=body) for _ in range(8)])
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) == {200, 429}, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "rate_limit_error" and "capacity" in r.json()["error"]["message"]
+    after = _requests_total(tight)
+    assert after.get("429", 0) - before.get("429", 0) == codes.count(429)
+    assert after.get("ok", 0) - before.get("ok", 0) == codes.count(200)
+
+
+def test_a_request_that_times_out_leaves_nothing_held(tight):
+    long_prompt = "tell me a long story " * 180  # its prefill, 30x slowed, outlasts the 2 s limit
+    r = tight.chat([{"role": "user", "content": long_prompt}], temperature=0, max_tokens=8)
+    assert r.status_code == 504 and "timed out" in r.json()["error"]["message"], r.text
+    assert not any(wait_until_idle(tight, within_s=20).values()), held(tight)
+    ok = tight.chat([{"role": "user", "content": "still there?"}], temperature=0, max_tokens=4)
+    assert ok.status_code == 200

@@ -1,0 +1,43 @@
+"""Bounded admission (cluster/admission.py): budgets fill, refuse with Overloaded, and every
+ticket gives back exactly what it took, however the request ends."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.admission import Admission, Overloaded
+
+
+def test_waiting_tokens_bound_admission_and_free_at_the_first_token():
+    adm = Admission(max_waiting_tokens=1000, max_generating=10)
+    a, b = adm.admit(600), adm.admit(400)
+    with pytest.raises(Overloaded, match="1000 prompt tokens are waiting"):
+        adm.admit(1)
+    a.first_token()
+    assert adm.waiting_tokens == 400 and adm.generating == 1
+    c = adm.admit(600)
+    for ticket in (a, b, c):
+        ticket.release()
+        ticket.release()  # idempotent: a second release takes nothing twice
+    assert adm.waiting_tokens == 0 and adm.generating == 0
+
+
+def test_a_lone_prompt_larger_than_the_budget_is_let_in_when_nothing_waits():
+    adm = Admission(max_waiting_tokens=100, max_generating=10)
+    big = adm.admit(5000)
+    with pytest.raises(Overloaded):
+        adm.admit(10)
+    big.release()
+    adm.admit(10)
+
+
+def test_generating_requests_bound_admission():
+    adm = Admission(max_waiting_tokens=10_000, max_generating=2)
+    tickets = [adm.admit(10) for _ in range(2)]
+    for t in tickets:
+        t.first_token()
+        t.first_token()  # a resumed request's second "first token" counts once
+    assert adm.generating == 2
+    with pytest.raises(Overloaded, match="2 requests are generating"):
+        adm.admit(10)
+    tickets[0].release()
+    adm.admit(10)
