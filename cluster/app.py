@@ -50,6 +50,7 @@ def _error(exc: RequestError, request_id: str) -> JSONResponse:
 class Ingress:
     def __init__(self, config: dict):
         self.config = ClusterConfig.model_validate(config)
+        self.config_sha1 = self.config.fingerprint()  # which config this replica serves (rolling updates)
         self.metrics = Metrics()
         self.planner = PromptPlanner(self.config.model.checkpoint_path, self.config.model.dtype)
         self.config.encoder_modalities(self.planner.spec.modalities)  # every modality has an encoder: check before any actor starts
@@ -182,7 +183,7 @@ class Ingress:
         body = {"status": "ok" if whole else ("degraded" if serving else "unavailable"), "healthy_workers": healthy}
         if verbose:
             body["workers"] = {kind.value: stats[kind] for kind in WorkerKind}
-            body["ingress"] = {"pid": os.getpid(), "waiting_tokens": self.admission.waiting_tokens, "generating": self.admission.generating}
+            body["ingress"] = {"pid": os.getpid(), "config_sha1": self.config_sha1, "waiting_tokens": self.admission.waiting_tokens, "generating": self.admission.generating}
         headers = {} if serving else {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(body, status_code=200 if serving else 503, headers=headers)
 

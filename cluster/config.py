@@ -6,6 +6,7 @@ falls back to a default. Cross-stage checks run here, before any actor starts.
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 from pathlib import Path
 
@@ -185,6 +186,10 @@ class ClusterConfig(Strict):
             raise ConfigError(f"no encoder pool encodes {sorted(m.value for m in missing)}, which model "
                               f"{self.model.served_name!r} takes")
         return [m for pool, m in zip(self.encoder_pools, per_pool) for _ in range(pool.num_workers)]
+
+    def fingerprint(self) -> str:
+        """A short hash of the whole config: tells which config a running replica serves."""
+        return hashlib.sha1(self.model_dump_json().encode()).hexdigest()[:12]
 
     def replace(self, **sections) -> "ClusterConfig":
         """A copy with whole sections or fields swapped, re-validated (tests and benchmarks use it)."""

@@ -47,6 +47,18 @@ class Deployed:
         self.base_url = start(config)
         self.root = self.base_url.removesuffix("/v1")
         self.http = httpx.Client(base_url=self.root, timeout=120)
+        self._wait_for_own_replica()
+
+    def _wait_for_own_replica(self, within_s: float = 60) -> None:
+        """serve.run returns once the new app runs, but the proxy may route to the old app's
+        replica a little longer: wait until a replica of this config answers."""
+        import time
+
+        deadline = time.monotonic() + within_s
+        own = self.config.fingerprint()
+        while self.http.get("/health", params={"verbose": 1}).json().get("ingress", {}).get("config_sha1") != own:
+            assert time.monotonic() < deadline, "the new app never took over from the old one"
+            time.sleep(0.2)
 
     def chat(self, messages=None, **params) -> httpx.Response:
         body = {"model": self.config.model.served_name, "messages": messages, **params} if messages else {"model": self.config.model.served_name, **params}
