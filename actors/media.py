@@ -1,10 +1,11 @@
 """Decoding of media from request content: one front door for every modality.
 
 Dispatches a content part to the image, audio or video decoder with the cluster's
-limits, the request's pixel budget and the model's input options, and fingerprints the
-result. Everything a client sends is untrusted: each failure becomes a MediaError that
-names the offending content part, so the HTTP layer can answer 400 instead of 500. No
-torch here: this runs in the ingress, before any model is involved.
+limits, the request's pixel budget and the model's input options, in one of a few
+decode slots (actors/media_pool.py), and fingerprints the result. Everything a client
+sends is untrusted: each failure becomes a MediaError that names the offending content
+part, so the HTTP layer can answer 400 instead of 500. No torch here: this runs in the
+ingress, before any model is involved.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from actors.media_audio import decode_audio
 from actors.media_budget import PixelBudget
 from actors.media_image import convert_to_rgb, decode_image_url
 from actors.media_input import MediaError
+from actors.media_pool import decode_slot
 from actors.media_video import VideoSampling, decode_video_url
 from actors.types import MediaItem, Modality
 
@@ -35,6 +37,7 @@ class MediaLimits(Protocol):
     max_video_frames: int  # hard cap on the frames kept from one video
     max_video_pixels: int  # decoded pixels of one video
     max_request_pixels: int  # decoded pixels of one request: the size of its PixelBudget
+    max_concurrent_decodes: int
 
 
 @dataclass(frozen=True)
@@ -114,9 +117,10 @@ def decode_media(modality: Modality, payload: str, *, limits: MediaLimits, param
 def load_media_item(modality: Modality, payload: str, *, namespace: str, limits: MediaLimits,
                     param: str, format: str | None = None, options: MediaOptions = _DEFAULT_OPTIONS,
                     budget: PixelBudget | None = None) -> MediaItem:
-    """Decode and fingerprint one item: what the ingress hands to the encoder stage."""
-    decoded = decode_media(modality, payload, limits=limits, param=param, format=format, options=options,
-                           budget=budget)
+    """Decode (in a decode slot) and fingerprint one item: what the ingress hands to the encoder stage."""
+    with decode_slot(limits.max_concurrent_decodes):
+        decoded = decode_media(modality, payload, limits=limits, param=param, format=format, options=options,
+                               budget=budget)
     rate = decoded.sample_rate_hz if decoded.sample_rate_hz is not None else decoded.frames_per_s
     return MediaItem(modality=modality,
                      identifier=media_identifier(namespace, modality, decoded.data, rate=rate),

@@ -98,6 +98,8 @@ class LimitsConfig(Strict):
         128_000_000, gt=0, description="Most decoded pixels of all images and videos in one request together (counted as for "
         "max_video_pixels), checked before each item is decoded: a 1080p video at the default sampling and a few photos fit; "
         "about 384 MB of RGB arrays per request in the ingress.")
+    max_concurrent_decodes: int = Field(2, ge=1, description="Media items the ingress decodes at once (others wait): bounds the "
+                                        "CPU and transient memory decoding takes from the ingress process.")
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
     allow_remote_media: bool = Field(False, description="Fetch http(s) media URLs; off by default.")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
