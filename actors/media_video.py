@@ -135,9 +135,10 @@ class _AnimatedImage:
     def __init__(self, data: bytes, fmt: str, *, max_pixels: int, param: str) -> None:
         require_strict_pillow()
         self.data, self.fmt, self.max_pixels, self.param = data, fmt, max_pixels, param
+        # The canvas the first bytes declare, before any walk: a zero or vast one ends here.
         check_header_pixels(data, max_pixels=max_pixels, param=param, noun="video frame")
         if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
-            self._check_size(struct.unpack("<HH", data[6:10]))  # the canvas the GIF declares
+            self._check_size(struct.unpack("<HH", data[6:10]))
         self.canvas = (0, 0)
 
     def timeline(self, max_duration_s: float) -> _Timeline:
