@@ -98,7 +98,10 @@ class OmniAdapter(ModelAdapter):
         return self._model.get_image_features(pixels, grid).pooler_output
 
     def _videos(self, arrays: list[np.ndarray]):
-        inputs = self._processor.video_processor(list(arrays), **self._kwargs["videos_kwargs"])
+        # Say the layout: left to guess, the processor reads frames 1 or 3 pixels high as
+        # channels-first (a 1x1 GIF became 140 embeddings where the plan's grid says 144).
+        kwargs = {**self._kwargs["videos_kwargs"], "input_data_format": "channels_last"}
+        inputs = self._processor.video_processor(list(arrays), **kwargs)
         pixels, grid = inputs["pixel_values_videos"].to(self.device, self.dtype), inputs["video_grid_thw"].to(self.device)
         return self._model.get_video_features(pixels, grid).pooler_output
 

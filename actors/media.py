@@ -1,7 +1,8 @@
 """Decoding of media from request content: one front door for every modality.
 
 Dispatches a content part to the image, audio or video decoder with the cluster's
-limits and the model's input options, and fingerprints the result. Everything a client
+limits, the request's pixel budget and the model's input options, in one of a few
+decode slots (actors/media_pool.py), and fingerprints the result. Everything a client
 sends is untrusted: each failure becomes a MediaError that names the offending content
 part, so the HTTP layer can answer 400 instead of 500. No torch here: this runs in the
 ingress, before any model is involved.
@@ -15,12 +16,14 @@ import numpy as np
 
 from actors.identifiers import media_identifier
 from actors.media_audio import decode_audio
+from actors.media_budget import PixelBudget
 from actors.media_image import convert_to_rgb, decode_image_url
 from actors.media_input import MediaError
+from actors.media_pool import decode_slot
 from actors.media_video import VideoSampling, decode_video_url
 from actors.types import MediaItem, Modality
 
-__all__ = ["DECODERS", "Decoded", "MediaError", "MediaLimits", "MediaOptions", "VideoSampling",
+__all__ = ["DECODERS", "Decoded", "MediaError", "MediaLimits", "MediaOptions", "PixelBudget", "VideoSampling",
            "convert_to_rgb", "decode_image_url", "decode_media", "load_media_item"]
 
 
@@ -32,6 +35,9 @@ class MediaLimits(Protocol):
     max_audio_s: float
     max_video_s: float
     max_video_frames: int  # hard cap on the frames kept from one video
+    max_video_pixels: int  # decoded pixels of one video
+    max_request_pixels: int  # decoded pixels of one request: the size of its PixelBudget
+    max_concurrent_decodes: int
 
 
 @dataclass(frozen=True)
@@ -62,26 +68,29 @@ class _Part:
 
 # ----------------------------------------------------------------------------- dispatch
 
-Decoder = Callable[[_Part, MediaLimits, MediaOptions], Decoded]
+Decoder = Callable[[_Part, MediaLimits, MediaOptions, PixelBudget | None], Decoded]
 
 
-def _image_decoder(part: _Part, limits: MediaLimits, options: MediaOptions) -> Decoded:
+def _image_decoder(part: _Part, limits: MediaLimits, options: MediaOptions,
+                   budget: PixelBudget | None) -> Decoded:
     return Decoded(decode_image_url(part.payload, max_pixels=limits.max_image_pixels,
-                                    allow_remote=limits.allow_remote_media, param=part.param))
+                                    allow_remote=limits.allow_remote_media, param=part.param, budget=budget))
 
 
-def _audio_decoder(part: _Part, limits: MediaLimits, options: MediaOptions) -> Decoded:
+def _audio_decoder(part: _Part, limits: MediaLimits, options: MediaOptions,
+                   budget: PixelBudget | None) -> Decoded:
     rate_hz = options.audio_sample_rate_hz
     samples = decode_audio(part.payload, part.format, sample_rate_hz=rate_hz,
                            max_duration_s=limits.max_audio_s, param=part.param)
     return Decoded(samples, sample_rate_hz=rate_hz)
 
 
-def _video_decoder(part: _Part, limits: MediaLimits, options: MediaOptions) -> Decoded:
+def _video_decoder(part: _Part, limits: MediaLimits, options: MediaOptions,
+                   budget: PixelBudget | None) -> Decoded:
     video = decode_video_url(part.payload, sampling=options.video_sampling,
                              max_pixels=limits.max_image_pixels, max_duration_s=limits.max_video_s,
-                             max_frames=limits.max_video_frames,
-                             allow_remote=limits.allow_remote_media, param=part.param)
+                             max_frames=limits.max_video_frames, max_video_pixels=limits.max_video_pixels,
+                             allow_remote=limits.allow_remote_media, param=part.param, budget=budget)
     return Decoded(video.frames, frames_per_s=video.frames_per_s)
 
 
@@ -92,22 +101,26 @@ _DEFAULT_OPTIONS = MediaOptions()
 
 
 def decode_media(modality: Modality, payload: str, *, limits: MediaLimits, param: str,
-                 format: str | None = None, options: MediaOptions = _DEFAULT_OPTIONS) -> Decoded:
+                 format: str | None = None, options: MediaOptions = _DEFAULT_OPTIONS,
+                 budget: PixelBudget | None = None) -> Decoded:
     """Decode one item of `modality`; MediaError if the modality has no decoder or the data is bad.
 
-    `format` is input_audio.format (audio only); `options` the served model's input format.
+    `format` is input_audio.format (audio only); `options` the served model's input format;
+    `budget` the decoded pixels the item's request has left (None: only the per-item limits).
     """
     decoder = DECODERS.get(modality)
     if decoder is None:
         raise MediaError(f"{modality.value} input is not supported by this server", param)
-    return decoder(_Part(payload, format, param), limits, options)
+    return decoder(_Part(payload, format, param), limits, options, budget)
 
 
 def load_media_item(modality: Modality, payload: str, *, namespace: str, limits: MediaLimits,
-                    param: str, format: str | None = None,
-                    options: MediaOptions = _DEFAULT_OPTIONS) -> MediaItem:
-    """Decode and fingerprint one item: what the ingress hands to the encoder stage."""
-    decoded = decode_media(modality, payload, limits=limits, param=param, format=format, options=options)
+                    param: str, format: str | None = None, options: MediaOptions = _DEFAULT_OPTIONS,
+                    budget: PixelBudget | None = None) -> MediaItem:
+    """Decode (in a decode slot) and fingerprint one item: what the ingress hands to the encoder stage."""
+    with decode_slot(limits.max_concurrent_decodes):
+        decoded = decode_media(modality, payload, limits=limits, param=param, format=format, options=options,
+                               budget=budget)
     rate = decoded.sample_rate_hz if decoded.sample_rate_hz is not None else decoded.frames_per_s
     return MediaItem(modality=modality,
                      identifier=media_identifier(namespace, modality, decoded.data, rate=rate),

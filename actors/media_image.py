@@ -14,6 +14,7 @@ import zlib
 import numpy as np
 from PIL import Image, ImageFile
 
+from actors.media_budget import DecodeCost, PixelBudget
 from actors.media_input import MediaError, UrlKind, data_url_bytes
 
 # Formats we decode. MPO is what Pillow calls a JPEG with extra (multi-picture)
@@ -33,19 +34,21 @@ _OTHER_MAGIC = (
 )
 
 
-def decode_image_url(url: str, *, max_pixels: int, allow_remote: bool, param: str) -> np.ndarray:
+def decode_image_url(url: str, *, max_pixels: int, allow_remote: bool, param: str,
+                     budget: PixelBudget | None = None) -> np.ndarray:
     """An image URL from a request -> HxWx3 uint8 RGB, exactly as the CLIP processor converts it.
 
     Raises MediaError for remote or unknown URLs, bad base64, non-images, formats other
-    than PNG/JPEG/WebP, truncated data, zero-size images and images over `max_pixels`.
+    than PNG/JPEG/WebP, truncated data, zero-size images, images over `max_pixels`, and
+    images the request's `budget` cannot pay for (charged before any pixel is decoded).
     """
     _, data = data_url_bytes(url, kind=IMAGE_URL, allow_remote=allow_remote, param=param)
     check_header_pixels(data, max_pixels=max_pixels, param=param)
-    image = _open_and_load(data, max_pixels=max_pixels, param=param)
+    image = _open_and_load(data, max_pixels=max_pixels, param=param, budget=budget)
     return convert_to_rgb(image)
 
 
-def _header_size(data: bytes) -> tuple[int, int] | None:
+def header_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) read from a PNG or WebP header without decoding, None if unknown.
 
     Why: Pillow's WebP opener allocates the whole canvas when it opens the file, and
@@ -79,7 +82,7 @@ def check_pixels(width: int, height: int, *, max_pixels: int, param: str, noun: 
 
 def check_header_pixels(data: bytes, *, max_pixels: int, param: str, noun: str = "image") -> None:
     """check_pixels on the size a PNG or WebP header declares, before Pillow allocates anything."""
-    size = _header_size(data)
+    size = header_size(data)
     if size is not None:
         check_pixels(*size, max_pixels=max_pixels, param=param, noun=noun)
 
@@ -90,7 +93,7 @@ def require_strict_pillow() -> None:
         raise RuntimeError("PIL.ImageFile.LOAD_TRUNCATED_IMAGES is True; refusing to decode media")
 
 
-def _open_and_load(data: bytes, *, max_pixels: int, param: str) -> Image.Image:
+def _open_and_load(data: bytes, *, max_pixels: int, param: str, budget: PixelBudget | None) -> Image.Image:
     """Open (header only), check format and size, then decode every pixel."""
     require_strict_pillow()
     # Why catch_warnings: Pillow only warns between MAX_IMAGE_PIXELS and twice that; make it an error.
@@ -107,6 +110,8 @@ def _open_and_load(data: bytes, *, max_pixels: int, param: str) -> Image.Image:
         if image.format not in _ACCEPTED_FORMATS:  # defensive: formats= already restricts this
             raise MediaError(f"unsupported image format {image.format}; send PNG, JPEG or WebP", param)
         check_pixels(*image.size, max_pixels=max_pixels, param=param)
+        if budget is not None:
+            budget.charge(DecodeCost(1, *image.size), param=param, noun="image")
         try:
             image.load()  # decode now, so truncation raises here instead of being padded
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:

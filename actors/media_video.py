@@ -2,8 +2,9 @@
 
 Animated GIF and WebP go through Pillow (always installed); MP4 and WebM through PyAV,
 imported on first use because it is the optional `video` extra. Which frames are kept
-is decided from timestamps alone (VideoSampling), before any pixel is converted, and
-only kept frames are converted to RGB. No torch here.
+is decided from headers and timestamps alone (VideoSampling), and what keeping them will
+decode is charged to the per-video and per-request pixel budgets, all before any frame
+is rendered; only kept frames are converted to RGB. No torch here.
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from typing import Any, Iterator
 import numpy as np
 from PIL import Image
 
+from actors.media_budget import DecodeCost, PixelBudget, check_video_pixels
 from actors.media_image import (PIL_ERRORS, check_header_pixels, check_pixels, convert_to_rgb,
                                 require_strict_pillow)
 from actors.media_input import MediaError, UrlKind, data_url_bytes
+from actors.media_probe import probe_animation
 
 VIDEO_URL = UrlKind("video", frozenset({"video/mp4", "video/webm", "image/gif", "image/webp"}),
                     "video/mp4, video/webm, image/gif or image/webp", "data:video/mp4;base64,...")
@@ -29,8 +32,8 @@ VIDEO_URL = UrlKind("video", frozenset({"video/mp4", "video/webm", "image/gif", 
 _READERS = {"image/gif": ("pillow", "GIF"), "image/webp": ("pillow", "WEBP"),
             "video/mp4": ("av", "mp4"), "video/webm": ("av", "webm")}
 
-# Animated images: browsers show a frame of <= 10 ms for 100 ms, and so do we. Hence no
-# frame is shorter than 11 ms, which bounds the frame count of a clip within the limit.
+# Animated images: browsers show a frame of <= 10 ms for 100 ms, and so do we. Hence every
+# frame lasts over 10 ms, which bounds the frame count of a clip within the limit.
 _SHORTEST_SHOWN_MS = 10
 _DEFAULT_FRAME_MS = 100
 # Slack when matching grid times to frame start times, so float rounding cannot pick
@@ -75,12 +78,15 @@ class _Timeline:
 
 
 def decode_video_url(url: str, *, sampling: VideoSampling, max_pixels: int, max_duration_s: float,
-                     max_frames: int, allow_remote: bool, param: str) -> DecodedVideo:
+                     max_frames: int, allow_remote: bool, param: str, max_video_pixels: int | None = None,
+                     budget: PixelBudget | None = None) -> DecodedVideo:
     """A video URL from a request -> the frames `sampling` keeps, at most `max_frames` of them.
 
     Raises MediaError for remote or unknown URLs, bad base64, unsupported MIME types, data
     that does not decode as the declared type, clips with no frames, clips longer than
-    `max_duration_s` and frames over `max_pixels`; for MP4/WebM when PyAV is missing too.
+    `max_duration_s`, frames over `max_pixels`, clips that would decode more than
+    `max_video_pixels` (None: no such limit) or than the request's `budget` has left;
+    for MP4/WebM when PyAV is missing too. Every limit is checked before any frame is rendered.
     """
     mime, data = data_url_bytes(url, kind=VIDEO_URL, allow_remote=allow_remote, param=param)
     library, fmt = _READERS[mime]
@@ -91,6 +97,10 @@ def decode_video_url(url: str, *, sampling: VideoSampling, max_pixels: int, max_
         raise MediaError(f"video is {timeline.duration_s:.1f} s long, over this server's limit of "
                          f"{max_duration_s:g} s", param)
     indices, frames_per_s = select_frames(timeline, sampling, max_frames=max_frames)
+    cost = clip.cost(indices)
+    check_video_pixels(cost, max_pixels=max_video_pixels, param=param)
+    if budget is not None:
+        budget.charge(cost, param=param, noun="video")
     frames = clip.frames(sorted(set(indices.tolist())))
     return DecodedVideo(np.stack([frames[i] for i in indices.tolist()]), frames_per_s,
                         timeline.duration_s, tuple(float(timeline.starts_s[i]) for i in indices))
@@ -119,52 +129,58 @@ def select_frames(timeline: _Timeline, sampling: VideoSampling, *,
 # ----------------------------------------------------------------------------- GIF, WebP (Pillow)
 
 class _AnimatedImage:
-    """Two passes over an animated image: frame durations first, then only the kept frames."""
+    """Headers first (canvas, frame durations: nothing rendered); then Pillow renders frames
+    in order up to the last kept one, and only kept ones are converted."""
 
     def __init__(self, data: bytes, fmt: str, *, max_pixels: int, param: str) -> None:
         require_strict_pillow()
-        self.fmt, self.max_pixels, self.param = fmt, max_pixels, param
-        # Before Pillow sees it: its WebP opener allocates the canvas, and GIF declares one.
+        self.data, self.fmt, self.max_pixels, self.param = data, fmt, max_pixels, param
+        # The canvas the first bytes declare, before any walk: a zero or vast one ends here.
         check_header_pixels(data, max_pixels=max_pixels, param=param, noun="video frame")
         if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
             self._check_size(struct.unpack("<HH", data[6:10]))
-        with self._pillow_errors("invalid or truncated"):
-            try:
-                self.image = Image.open(io.BytesIO(data), formats=(fmt,))
-            except Image.UnidentifiedImageError:
-                raise MediaError(f"data is not a {fmt} image (or it is corrupt)", param) from None
-        self.size = self.image.size  # frames are cropped to this, as browsers do
-        self._check_size(self.size)
+        self.canvas = (0, 0)
 
     def timeline(self, max_duration_s: float) -> _Timeline:
-        with self._pillow_errors("corrupt or truncated"):
-            num_frames = getattr(self.image, "n_frames", 1)  # GIF: reads frame headers only
-        if num_frames * (_SHORTEST_SHOWN_MS + 1) / 1e3 > max_duration_s:  # refused before decoding
-            raise MediaError(f"video has {num_frames} frames, so it lasts longer than this server's "
-                             f"limit of {max_duration_s:g} s", self.param)
-        durations_ms = []
-        with self._pillow_errors("corrupt or truncated"):
-            for index in range(num_frames):
-                self.image.seek(index)
-                self._check_size(self.image.size)  # a GIF frame may enlarge the canvas
-                # Decoded here anyway: a GIF frame builds on the one before, and WebP reports a
-                # frame's duration only once it is decoded. Also finds truncation at the end.
-                self.image.load()
-                durations_ms.append(_shown_ms(self.image.info.get("duration")))
-        ends_s = np.cumsum(durations_ms) / 1e3
+        # Every frame shows over 10 ms, so this many frames already last too long.
+        too_many = max(1, math.ceil(max_duration_s * 1e3 / _SHORTEST_SHOWN_MS))
+        header = probe_animation(self.data, self.fmt, max_frames=too_many, param=self.param)
+        if header.num_frames >= too_many:
+            raise MediaError(f"video has {header.num_frames} frames or more, each shown over "
+                             f"{_SHORTEST_SHOWN_MS} ms, so it lasts longer than this server's limit of "
+                             f"{max_duration_s:g} s", self.param)
+        self.canvas = (header.width, header.height)
+        self._check_size(self.canvas)  # a GIF frame may enlarge the canvas
+        ends_s = np.cumsum([_shown_ms(ms) for ms in header.durations_ms]) / 1e3
         return _Timeline(np.concatenate([[0.0], ends_s[:-1]]), float(ends_s[-1]))
 
+    def cost(self, indices: np.ndarray) -> DecodeCost:
+        """Each frame up to the last kept one is rendered on the full canvas; kept ones
+        (repeats included) are stacked at canvas size."""
+        return DecodeCost(max(len(indices), int(indices.max()) + 1), *self.canvas)
+
     def frames(self, indices: list[int]) -> dict[int, np.ndarray]:
-        width, height = self.size
         out = {}
         with self._pillow_errors("corrupt or truncated"):
+            try:
+                image = Image.open(io.BytesIO(self.data), formats=(self.fmt,))
+            except Image.UnidentifiedImageError:
+                raise MediaError(f"data is not a {self.fmt} image (or it is corrupt)", self.param) from None
+            width, height = image.size  # frames are cropped to this, as browsers do
             for index in indices:  # ascending: Pillow composites GIF frames in order anyway
-                self.image.seek(index)
-                out[index] = convert_to_rgb(self.image)[:height, :width]
+                image.seek(index)
+                self._check_canvas(image.size)
+                out[index] = convert_to_rgb(image)[:height, :width]
         return out
 
     def _check_size(self, size: tuple[int, int]) -> None:
         check_pixels(*size, max_pixels=self.max_pixels, param=self.param, noun="video frame")
+
+    def _check_canvas(self, size: tuple[int, int]) -> None:
+        """Pillow must not render more than the headers said (and the budgets paid for)."""
+        if size[0] > self.canvas[0] or size[1] > self.canvas[1]:
+            raise MediaError(f"corrupt {self.fmt} data: a frame is {size[0]}x{size[1]}, larger than the "
+                             f"{self.canvas[0]}x{self.canvas[1]} canvas its headers declare", self.param)
 
     def _pillow_errors(self, what: str) -> contextlib.AbstractContextManager[None]:
         return _pillow_errors(f"{what} {self.fmt} data", self.param)
@@ -194,12 +210,14 @@ def _shown_ms(duration: Any) -> float:
 
 class _AvVideo:
     """Two passes: packet timestamps (demux only, nothing decoded), then a decode that
-    converts only the kept frames and stops after the last of them."""
+    converts only the kept frames, at the size the stream header declares, and stops
+    after the last of them."""
 
     def __init__(self, data: bytes, fmt: str, *, max_pixels: int, param: str) -> None:
         self.av = _import_av(param)
         self.data, self.fmt, self.max_pixels, self.param = data, fmt, max_pixels, param
         self._pts: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.frame_size = (0, 0)
 
     def timeline(self, max_duration_s: float) -> _Timeline:
         with self._open() as container:
@@ -211,10 +229,12 @@ class _AvVideo:
             if codec is None:  # PyAV found no decoder for it, or the header is cut short
                 raise MediaError(f"{self.fmt} video stream cannot be decoded (unknown codec or "
                                  "corrupt header)", self.param)
-            width, height = codec.width, codec.height
-            if width and height:  # 0 when the header does not say; checked per frame then
-                check_pixels(width, height, max_pixels=self.max_pixels, param=self.param,
-                             noun="video frame")
+            if not (codec.width and codec.height):  # the budgets need it before decoding
+                raise MediaError(f"{self.fmt} video stream does not declare its frame size "
+                                 "(corrupt header)", self.param)
+            check_pixels(codec.width, codec.height, max_pixels=self.max_pixels, param=self.param,
+                         noun="video frame")
+            self.frame_size = (codec.width, codec.height)
             return self._scan(container, stream, max_duration_s)
 
     def _scan(self, container: Any, stream: Any, max_duration_s: float) -> _Timeline:
@@ -241,10 +261,15 @@ class _AvVideo:
             last_s = 1.0 / float(stream.average_rate)
         return _Timeline(starts_s, float(starts_s[-1] + (last_s or _DEFAULT_FRAME_MS / 1e3)))
 
+    def cost(self, indices: np.ndarray) -> DecodeCost:
+        """Kept frames (repeats included) at the header's size. Frames decoded only to reach
+        them are not counted: the decoder reuses one frame's memory for them."""
+        return DecodeCost(len(indices), *self.frame_size)
+
     def frames(self, indices: list[int]) -> dict[int, np.ndarray]:
         wanted = {int(self._pts[i]): i for i in indices}
         out: dict[int, np.ndarray] = {}
-        size: dict[str, int] = {}  # the first kept frame's; later ones are scaled to it
+        width, height = self.frame_size  # every kept frame is scaled to it, as the budgets counted
         with self._open() as container, self._av_errors():
             for frame in container.decode(self._stream(container)):
                 index = wanted.get(frame.pts)
@@ -252,8 +277,7 @@ class _AvVideo:
                     continue
                 check_pixels(frame.width, frame.height, max_pixels=self.max_pixels,
                              param=self.param, noun="video frame")
-                size = size or {"width": frame.width, "height": frame.height}
-                out[index] = frame.to_ndarray(format="rgb24", **size)
+                out[index] = frame.to_ndarray(format="rgb24", width=width, height=height)
                 if len(out) == len(wanted):
                     break  # nothing after the last kept frame is needed
         if len(out) < len(wanted):

@@ -91,6 +91,16 @@ class LimitsConfig(Strict):
     max_audio_s: float = Field(600.0, gt=0, description="Longest audio clip accepted, in seconds (checked from the file header before decoding).")
     max_video_s: float = Field(600.0, gt=0, description="Longest video accepted, in seconds.")
     max_video_frames: int = Field(256, ge=1, description="Hard cap on the frames kept from one video, whatever media.video_max_frames says.")
+    max_video_pixels: int = Field(
+        96_000_000, gt=0, description="Most pixels decoded for one video, checked from its headers before any frame is rendered: "
+        "sampled frames x frame size, and for GIF/WebP every frame up to the last sampled one (each is rendered on the full canvas). "
+        "96 MP holds the default 32 sampled frames of 1080p (66 MP) and caps one video near 290 MB of RGB.")
+    max_request_pixels: int = Field(
+        128_000_000, gt=0, description="Most decoded pixels of all images and videos in one request together (counted as for "
+        "max_video_pixels), checked before each item is decoded: a 1080p video at the default sampling and a few photos fit; "
+        "about 384 MB of RGB arrays per request in the ingress.")
+    max_concurrent_decodes: int = Field(2, ge=1, description="Media items the ingress decodes at once (others wait): bounds the "
+                                        "CPU and transient memory decoding takes from the ingress process.")
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
     allow_remote_media: bool = Field(False, description="Fetch http(s) media URLs; off by default.")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")

@@ -14,7 +14,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import ray
 
-from actors.media import MediaError, MediaOptions, VideoSampling, load_media_item
+from actors.media import MediaError, MediaOptions, PixelBudget, VideoSampling, load_media_item
 from actors.types import (DecodeRequest, EncodeJob, FinishReason, MediaItem, PrefillRequest, PrefillResult,
                           SamplingParams, TokenChunk)
 from actors.decode_state import finish_reason, Sequence
@@ -118,13 +118,13 @@ class RequestPath:
         limits, options = self.config.limits, self._media_options()
         if len(media) > limits.max_items_per_request:
             raise RequestError(400, f"request has {len(media)} media items; the limit is {limits.max_items_per_request}", "messages")
-        items = []
+        items, budget = [], PixelBudget(limits.max_request_pixels)  # shared by the request's items
         for part in media:
             if part.modality not in self.planner.spec.modalities:
                 raise RequestError(400, f"model {self.config.model.served_name!r} does not take {part.modality.value} input", part.param)
             try:
                 items.append(load_media_item(part.modality, part.payload, namespace=self.config.model.served_name,
-                                             limits=limits, param=part.param, format=part.format, options=options))
+                                             limits=limits, param=part.param, format=part.format, options=options, budget=budget))
             except MediaError as exc:
                 raise RequestError(400, exc.message, exc.param) from None
         return items

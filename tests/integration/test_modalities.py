@@ -125,6 +125,10 @@ def _pcm_wav(seconds: float, rate: int = 8000) -> bytes:
     return buf.getvalue()
 
 
+# A 4000x4000 canvas with two 1x1 frames of 10 s each: 66 bytes that would decode to 1.5 GB.
+_GIF_BOMB = (b"GIF89a\xa0\x0f\xa0\x0f\x80\x00\x00" + b"\x00\x00\x00\xff\xff\xff"
+             + b"\x21\xf9\x04\x00\xe8\x03\x00\x00\x2c\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02\x44\x01\x00" * 2 + b"\x3b")
+
 # (name, content parts, words the message must contain, param prefix)
 BAD_MEDIA = [
     ("audio that does not decode", [_audio_bytes(b"RIFF....WAVEfmt nonsense" * 10)], "decode", "messages[0].content[0]"),
@@ -136,6 +140,8 @@ BAD_MEDIA = [
     ("video over the duration limit", [{"type": "video_url", "video_url": {"url": gif_url(11, 8, 8, 0, frame_ms=60_000)}}], "600", "messages[0].content[0]"),
     ("gif of zero size", [{"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(b"GIF89a" + b"\x00" * 20).decode()}}],
      "zero size", "messages[0].content[0]"),
+    ("gif declaring a vast canvas", [{"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(_GIF_BOMB).decode()}}],
+     "max_video_pixels", "messages[0].content[0]"),
 ]
 
 
@@ -160,6 +166,12 @@ def test_bad_audio_and_video_are_named_and_harm_nothing_else(omni):
     assert all(r.status_code == 200 for r in good), [r.text for r in good]
     texts = [r.json()["choices"][0]["message"]["content"] for r in good]
     assert texts[:4] == texts[4:]
+
+
+def test_one_pixel_video_is_encoded_as_planned(omni):
+    """A 1x1 GIF once ended in a 500: the encoder misread its frames' layout (140 embeddings, 144 planned)."""
+    response = omni.chat(user(video(2, 1, 1, 7), text("What is it?")), temperature=0, max_tokens=4)
+    assert response.status_code == 200, response.text
 
 
 def test_long_video_encoding_does_not_hold_up_text(ray_session):

@@ -143,6 +143,23 @@ def test_omni_batched_encode_and_decode(omni):
     assert tokens == wants
 
 
+@pytest.mark.parametrize("height,width", [(1, 1), (1, 200), (3, 100)])
+def test_omni_frames_one_or_three_pixels_high_encode_as_planned(omni, height, width):
+    """Frames 1 or 3 pixels high look channels-first to the processor's layout guess. The
+    reference gets frames channels-first, which it cannot misread: the encoder must give
+    its rows, as many as the plan has placeholders (a 1x1 GIF once gave 140 for 144)."""
+    model, processor, planner, encoder, _ = omni
+    clip = video(2, height, width)
+    plan = planner.plan(message("Watch", clip), [clip])
+    frames = torch.from_numpy(clip.data).permute(0, 3, 1, 2)  # T x C x H x W
+    inputs = processor.video_processor([frames], return_tensors="pt")
+    want = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]).pooler_output[0]
+    assert inputs["video_grid_thw"].tolist() == [list(plan.placeholders[0].grid_thw)]
+    rows = encoder.encode([clip])[0]
+    assert rows.shape[0] == plan.num_embeddings[0] == want.shape[0]
+    torch.testing.assert_close(rows, want)
+
+
 def test_long_audio_is_split_into_windows(omni):
     _, _, planner, _, _ = omni
     clip = item(Modality.AUDIO, tone(9.0, 330))

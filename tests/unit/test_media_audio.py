@@ -4,7 +4,6 @@ from __future__ import annotations
 import base64
 import io
 import struct
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from actors.media import MediaError, MediaOptions, load_media_item
 from actors import media_audio
 from actors.media_audio import AUDIO_FORMATS, decode_audio, resample
 from actors.types import Modality
+from cluster.config import LimitsConfig
 
 PARAM = "messages[0].content[1].input_audio"
 TARGET_HZ = 16_000
@@ -191,13 +191,9 @@ def test_bad_target_rate_is_a_server_bug_not_a_media_error() -> None:
 
 # ----------------------------------------------------------------------------- through the front door
 
-@dataclass
-class Limits:
-    max_image_pixels: int = 1_000_000
-    allow_remote_media: bool = False
-    max_audio_s: float = 600.0
-    max_video_s: float = 600.0
-    max_video_frames: int = 256
+def Limits(**overrides) -> LimitsConfig:
+    """The real limits config (every field decoding reads), with overrides."""
+    return LimitsConfig(**{"max_image_pixels": 1_000_000, **overrides})
 
 
 def load(data: bytes, fmt: str, namespace: str = "model-a", rate_hz: int = TARGET_HZ, max_s: float = 600.0):
@@ -224,8 +220,6 @@ def test_load_media_item_uses_the_audio_limit() -> None:
 
 
 def test_limits_config_satisfies_media_limits() -> None:
-    from cluster.config import LimitsConfig
-
     item = load_media_item(Modality.AUDIO, b64(encode(sine(8_000), 8_000)), namespace="m",
                            limits=LimitsConfig(), param=PARAM, format="wav")
     assert item.sample_rate_hz == 16_000 and len(item.data) == 32_000
