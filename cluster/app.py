@@ -8,6 +8,7 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -32,6 +33,7 @@ from router.types import WorkerKind
 log = logging.getLogger(__name__)
 api = FastAPI(title="epd")
 HEALTH_POLL_TIMEOUT_S = 2.0
+ADMIT_THREADS = 32  # parse + plan + media decode; the decode slots (limits.max_concurrent_decodes) bound the heavy part
 # A client that leaves cancels its request's task; an await on a worker call then raises
 # Ray's own TaskCancelledError instead of asyncio's (epd never cancels Ray tasks itself).
 CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError)
@@ -62,6 +64,7 @@ class Ingress:
         self.supervisor = Supervisor(self.fleet, self.router)
         self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics, self.supervisor.handle_lost)
         limits = self.config.limits
+        self._admit_pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="admit")
         self.admission = Admission(limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers,
                                    limits.max_generating_per_decode_worker * self.config.decode.num_workers)
 
@@ -87,7 +90,9 @@ class Ingress:
         body = await request.body()
         if len(body) > self.config.limits.max_request_bytes:
             raise RequestError(413, f"request body is {len(body)} bytes; the limit is {self.config.limits.max_request_bytes}")
-        adm = await asyncio.to_thread(self.path.admit, body, request_id, arrived_s)  # media decoding must not stall the loop
+        # Media decoding must not stall the loop; admission has threads of its own, since
+        # requests waiting for a decode slot must not hold up text-only ones.
+        adm = await asyncio.get_running_loop().run_in_executor(self._admit_pool, self.path.admit, body, request_id, arrived_s)
         try:
             ticket = self.admission.admit(len(adm.plan.token_ids))
         except Overloaded as exc:
@@ -98,7 +103,7 @@ class Ingress:
         try:
             first = await self._first(chunks)
         except BaseException:
-            await chunks.aclose()
+            responses.close_soon(chunks)
             raise
         stream = self._guarded(first, chunks)
         headers = {"x-request-id": request_id}
@@ -123,7 +128,7 @@ class Ingress:
                 yield chunk
         finally:
             ticket.release()
-            await chunks.aclose()
+            responses.close_soon(chunks)
 
     @staticmethod
     async def _guarded(first: TokenChunk, rest: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
@@ -134,7 +139,7 @@ class Ingress:
                 async for chunk in rest:
                     yield chunk
         finally:
-            await rest.aclose()
+            responses.close_soon(rest)
 
     async def _sse(self, collector: responses.Collector, stream: AsyncIterator[TokenChunk]) -> AsyncIterator[bytes]:
         try:
@@ -149,7 +154,7 @@ class Ingress:
             log.exception("request %s failed while streaming", collector.adm.request_id)
             yield self._stream_error(RequestError(500, f"internal error while serving request {collector.adm.request_id}", type="server_error"))
         finally:
-            await stream.aclose()
+            responses.close_soon(stream)
 
     def _stream_error(self, exc: RequestError) -> bytes:
         self.metrics.requests.labels(str(exc.status)).inc()
