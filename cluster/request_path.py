@@ -171,8 +171,19 @@ class RequestPath:
                 await self.on_worker_lost(lost)
                 self.metrics.retries.labels(lost.kind).inc()
                 failure = lost
+            if done := self._finished_already(adm, produced):  # the worker died after the last token
+                yield done
+                return
         raise RequestError(503, f"workers failed {self.config.limits.max_attempts} times under this request; "
                            f"last: {failure}", type="server_error", retry_after_s=RETRY_AFTER_S)
+
+    def _finished_already(self, adm: Admitted, produced: list[int]) -> TokenChunk | None:
+        """The closing chunk if the tokens produced so far already end the request."""
+        if not produced:
+            return None
+        seq = Sequence(DecodeRequest(adm.request_id, len(adm.plan.token_ids), produced[0], adm.sampling), None, list(produced))
+        reason = finish_reason(seq, self.config.model.max_model_len)
+        return TokenChunk((), reason) if reason is not None else None
 
     async def _attempt(self, job: Job, trace: Trace) -> AsyncIterator[TokenChunk]:
         decision = await self.route(job, trace)

@@ -15,8 +15,13 @@ from tests.integration.test_worker_failures import _requests_total, held, wait_u
 @pytest.fixture(scope="module")
 def tight(ray_session):
     # One request may wait for prefill at a time; prefill is 30x slower; 1 s to the first token.
-    return deploy(cluster_config(prefill={"slowdown": [30.0]},
-                                 limits={"max_waiting_tokens_per_prefill_worker": 1, "request_timeout_s": 1.0}))
+    app = deploy(cluster_config(prefill={"slowdown": [30.0]},
+                                limits={"max_waiting_tokens_per_prefill_worker": 1, "request_timeout_s": 1.0}))
+    # A cold first forward, 30x slowed, can outlast the 1 s limit: warm every stage up first.
+    for _ in range(2):
+        app.chat([{"role": "user", "content": "warm up"}], temperature=0, max_tokens=4)
+        wait_until_idle(app, within_s=20)
+    return app
 
 
 def test_a_burst_beyond_the_budget_gets_429_with_retry_after(tight):
