@@ -33,6 +33,25 @@ ROUTE_RETRY_S = 0.1  # how often a request waiting for a healthy worker tries ag
 RETRY_AFTER_S = 2  # what a 503 tells clients to wait: about one supervisor check
 
 
+_closing: set[asyncio.Task] = set()  # strong references until each closing finishes
+
+
+def close_soon(stream: AsyncIterator) -> None:
+    """Close an async generator in a task of its own. A client that leaves cancels the
+    request's task, and under Serve (anyio) every later await in that task is cancelled
+    too: an inline `await stream.aclose()` would stop half-way and skip the clean-up
+    (freeing the request's KV) further down the chain."""
+    async def close() -> None:
+        try:
+            await stream.aclose()
+        except RuntimeError:  # already being closed by an inner stage: that closing frees it
+            pass
+
+    task = asyncio.get_running_loop().create_task(close())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+
+
 class RequestError(Exception):
     """Ends a request with an HTTP error in OpenAI's shape."""
 
@@ -162,8 +181,9 @@ class RequestPath:
         deadline_s = adm.arrived_s + self.config.limits.request_timeout_s
         for attempt in range(self.config.limits.max_attempts):
             job = Job.of(adm, tuple(produced), attempt, deadline_s)
+            attempt_stream = self._attempt(job, trace)
             try:
-                async for chunk in self._attempt(job, trace):
+                async for chunk in attempt_stream:
                     produced.extend(chunk.token_ids)
                     yield chunk
                 return
@@ -171,6 +191,8 @@ class RequestPath:
                 await self.on_worker_lost(lost)
                 self.metrics.retries.labels(lost.kind).inc()
                 failure = lost
+            finally:  # closed now, not whenever the garbage collector gets to it: its clean-up frees KV
+                close_soon(attempt_stream)
             if done := self._finished_already(adm, produced):  # the worker died after the last token
                 yield done
                 return
@@ -199,8 +221,12 @@ class RequestPath:
                 self._record_ttft(job, decision, trace)
             yield first
             if not first.finished:
-                async for chunk in self.decode(job, decision, result):
-                    yield chunk
+                decoding = self.decode(job, decision, result)
+                try:
+                    async for chunk in decoding:
+                        yield chunk
+                finally:
+                    close_soon(decoding)
         except RETRYABLE as exc:
             raise lost_worker(exc, self.fleet, decision) from exc
         except ray.exceptions.RayTaskError as exc:

@@ -2,7 +2,6 @@
 with usage, finish reason and timings, and records the request-level metrics."""
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -13,26 +12,7 @@ from cluster.metrics import Metrics
 from cluster.protocol import (
     SSE_DONE, AssistantMessage, ChatCompletion, ChatCompletionChunk, ChunkChoice, Choice, DeltaMessage, Usage, sse_event,
 )
-from cluster.request_path import Admitted, Trace
-
-
-_closing: set[asyncio.Task] = set()  # strong references until each closing finishes
-
-
-def close_soon(stream: AsyncIterator) -> None:
-    """Close an async generator in a task of its own. A client that leaves cancels the
-    request's task, and under Serve (anyio) every later await in that task is cancelled
-    too: an inline `await stream.aclose()` would stop half-way and skip the clean-up
-    (freeing the request's KV) further down the chain."""
-    async def close() -> None:
-        try:
-            await stream.aclose()
-        except RuntimeError:  # already being closed by an inner stage: that closing frees it
-            pass
-
-    task = asyncio.get_running_loop().create_task(close())
-    _closing.add(task)
-    task.add_done_callback(_closing.discard)
+from cluster.request_path import Admitted, Trace, close_soon
 
 
 @dataclass
