@@ -49,6 +49,13 @@ def finish_reason(seq: Sequence, max_model_len: int) -> FinishReason | None:
     return None
 
 
+def finish_reason_of(num_prompt_tokens: int, sampling, token_ids: list[int], max_model_len: int) -> FinishReason | None:
+    """Whether `token_ids` (produced after a prompt of `num_prompt_tokens`) already end the
+    request: for the first token, and for a request resumed after a worker died."""
+    seq = Sequence(DecodeRequest("", num_prompt_tokens, token_ids[0], sampling), None, list(token_ids))
+    return finish_reason(seq, max_model_len)
+
+
 class DecodeScheduler:
     def __init__(self, max_batch_size: int, max_model_len: int):
         self.max_batch_size = max_batch_size

@@ -46,9 +46,6 @@ class TensorInbox:
         self._closed[request_id] = time.monotonic()
         return len(keys)
 
-    def is_closed(self, request_id: str) -> bool:
-        return request_id in self._closed
-
     def expire(self) -> None:
         cutoff = time.monotonic() - self.ttl_s
         for key in [k for k, (t, _) in self._items.items() if t < cutoff]:

@@ -103,6 +103,7 @@ class Ingress:
         try:
             first = await self._first(chunks)
         except BaseException:
+            ticket.release()  # also when `chunks` never started, so its own clean-up never runs
             responses.close_soon(chunks)
             raise
         stream = self._guarded(first, chunks)

@@ -22,9 +22,9 @@ class WorkerLost(Exception):
 
     def __init__(self, suspects: list[tuple[WorkerKind, int]], cause: BaseException):
         self.suspects, self.cause = suspects, cause
-        kind = suspects[0][0].value if len(suspects) == 1 else "unknown"
-        self.kind = kind
-        where = f"{suspects[0][0].value} worker {suspects[0][1]}" if len(suspects) == 1 else "a worker"
+        named = len(suspects) == 1
+        self.kind = suspects[0][0].value if named else "unknown"  # the retries metric's label
+        where = f"{self.kind} worker {suspects[0][1]}" if named else "a worker"
         super().__init__(f"{where} failed ({type(cause).__name__})")
 
 

@@ -17,7 +17,7 @@ import ray
 from actors.media import MediaError, MediaOptions, PixelBudget, VideoSampling, load_media_item
 from actors.types import (DecodeRequest, EncodeJob, FinishReason, MediaItem, PrefillRequest, PrefillResult,
                           SamplingParams, TokenChunk)
-from actors.decode_state import finish_reason, Sequence
+from actors.decode_state import finish_reason_of
 from cluster.config import ClusterConfig, Transport
 from cluster.fleet import Fleet
 from cluster.metrics import Metrics
@@ -203,8 +203,7 @@ class RequestPath:
         """The closing chunk if the tokens produced so far already end the request."""
         if not produced:
             return None
-        seq = Sequence(DecodeRequest(adm.request_id, len(adm.plan.token_ids), produced[0], adm.sampling), None, list(produced))
-        reason = finish_reason(seq, self.config.model.max_model_len)
+        reason = finish_reason_of(len(adm.plan.token_ids), adm.sampling, produced, self.config.model.max_model_len)
         return TokenChunk((), reason) if reason is not None else None
 
     async def _attempt(self, job: Job, trace: Trace) -> AsyncIterator[TokenChunk]:
@@ -277,8 +276,8 @@ class RequestPath:
         return result, (max(transfer_ms, 0.0) if transfer_ms is not None else None)
 
     def _first_chunk(self, job: Job, result: PrefillResult) -> TokenChunk:
-        seq = Sequence(DecodeRequest(job.job_id, result.num_prompt_tokens, result.first_token_id, job.sampling), None, [result.first_token_id])
-        return TokenChunk((result.first_token_id,), finish_reason(seq, self.config.model.max_model_len))
+        reason = finish_reason_of(result.num_prompt_tokens, job.sampling, [result.first_token_id], self.config.model.max_model_len)
+        return TokenChunk((result.first_token_id,), reason)
 
     async def decode(self, job: Job, decision: RouteDecision, result: PrefillResult) -> AsyncIterator[TokenChunk]:
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]

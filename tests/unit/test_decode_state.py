@@ -1,7 +1,7 @@
 """Unit tests for actors.decode_state: the decode worker's scheduler bookkeeping (no torch)."""
 from __future__ import annotations
 
-from actors.decode_state import DecodeScheduler, Sequence, SeqStatus, finish_reason
+from actors.decode_state import DecodeScheduler, Sequence, SeqStatus, finish_reason, finish_reason_of
 from actors.types import DecodeRequest, FinishReason, SamplingParams
 
 EOS = 1
@@ -185,3 +185,13 @@ def test_a_row_that_could_not_be_sampled_ends_alone_with_error():
     assert b.finish_reason == FinishReason.ERROR and b.token_ids == [10]
     assert sched.remove_finished() == [0, 2]
     assert sched.record([13, 14]) == [] and a.token_ids == [10, 11, 13]
+
+
+def test_finish_reason_of_tokens_already_produced():
+    """What a resumed request checks before prefilling again: a worker that died after the
+    last token must not cost one more token."""
+    params = SamplingParams(temperature=0.0, max_tokens=3, stop_token_ids=(EOS,))
+    assert finish_reason_of(5, params, [10, 11], max_model_len=64) is None
+    assert finish_reason_of(5, params, [10, 11, 12], max_model_len=64) == FinishReason.LENGTH
+    assert finish_reason_of(5, params, [10, EOS], max_model_len=64) == FinishReason.STOP
+    assert finish_reason_of(61, params, [10, 11], max_model_len=63) == FinishReason.LENGTH
