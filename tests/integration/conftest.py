@@ -21,7 +21,7 @@ from ray import serve
 from cluster.cli import ensure_model, start
 from cluster.config import ClusterConfig, load_config
 
-TEST_PORT = 8765
+TEST_PORT = int(os.environ.get("EPD_TEST_PORT", 8765))  # distinct per concurrent run on one machine
 TRACE_PATH = Path(tempfile.gettempdir()) / f"epd-test-trace-{os.getpid()}.jsonl"  # every app records its requests
 
 
