@@ -1,6 +1,6 @@
 """The Ray Serve application: an OpenAI-compatible HTTP ingress over the worker fleet.
 
-Routes: POST /v1/chat/completions, GET /v1/models, GET /metrics, GET /health.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /metrics, GET /health.
 """
 
 import asyncio
@@ -24,7 +24,7 @@ from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptPlanner
 from cluster.admission import Admission, Overloaded, Ticket
 from cluster.protocol import SSE_DONE, ModelCard, ModelList, error_body, sse_event
-from cluster.request_path import RETRY_AFTER_S, RequestError, RequestPath
+from cluster.request_path import RETRY_AFTER_S, Admitted, Endpoint, RequestError, RequestPath
 from cluster.supervisor import Supervisor
 from cluster.routing import LiveRouting
 from router.router import Router
@@ -70,13 +70,20 @@ class Ingress:
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
+        return await self._serve(request, Endpoint.CHAT, f"chatcmpl-{uuid.uuid4().hex}")
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, Endpoint.COMPLETIONS, f"cmpl-{uuid.uuid4().hex}")
+
+    async def _serve(self, request: Request, endpoint: Endpoint, request_id: str) -> Response:
         """Every outcome is an answer in OpenAI's shape and a count in /metrics: a request
         error (4xx), back-pressure (429), a failure of ours (500, logged with its traceback),
         or a client that left (counted as aborted)."""
         self.supervisor.ensure_running()
-        request_id, arrived_s = f"chatcmpl-{uuid.uuid4().hex}", time.perf_counter()
+        arrived_s = time.perf_counter()
         try:
-            return await self._chat(request, request_id, arrived_s)
+            return await self._respond(request, endpoint, request_id, arrived_s)
         except RequestError as exc:
             return self._fail(exc, request_id)
         except CLIENT_GONE:
@@ -86,32 +93,54 @@ class Ingress:
             log.exception("request %s failed", request_id)
             return self._fail(RequestError(500, f"internal error while serving request {request_id}", type="server_error"), request_id)
 
-    async def _chat(self, request: Request, request_id: str, arrived_s: float) -> Response:
+    async def _respond(self, request: Request, endpoint: Endpoint, request_id: str, arrived_s: float) -> Response:
         body = await request.body()
         if len(body) > self.config.limits.max_request_bytes:
             raise RequestError(413, f"request body is {len(body)} bytes; the limit is {self.config.limits.max_request_bytes}")
         # Media decoding must not stall the loop; admission has threads of its own, since
         # requests waiting for a decode slot must not hold up text-only ones.
-        adm = await asyncio.get_running_loop().run_in_executor(self._admit_pool, self.path.admit, body, request_id, arrived_s)
+        adm = await asyncio.get_running_loop().run_in_executor(self._admit_pool, self.path.admit, body, request_id, arrived_s, endpoint)
+        choices = adm.choices()
+        tickets = self._tickets(adm, len(choices))
+        collectors = [responses.Collector(choice, self.planner.tokenizer) for choice in choices]
+        chunks = [self._ticketed(t, self.path.run(choice, c.trace)) for t, choice, c in zip(tickets, choices, collectors)]
         try:
-            ticket = self.admission.admit(len(adm.plan.token_ids))
+            firsts = await self._firsts(chunks)
+        except BaseException:
+            for ticket, stream in zip(tickets, chunks):
+                ticket.release()  # also when `chunks` never started, so its own clean-up never runs
+                responses.close_soon(stream)
+            raise
+        streams = [self._guarded(first, rest) for first, rest in zip(firsts, chunks)]
+        shape, headers = responses.Shape(adm, self.planner.tokenizer), {"x-request-id": request_id}
+        if adm.request.stream:
+            return StreamingResponse(self._sse(request_id, responses.stream(shape, collectors, streams, self.metrics)),
+                                     media_type="text/event-stream", headers=headers)
+        answer = await responses.complete(shape, collectors, streams, self.metrics)
+        return JSONResponse(answer.model_dump(), headers=headers)
+
+    def _tickets(self, adm: Admitted, num_choices: int) -> list[Ticket]:
+        """One admission ticket per choice (each is a sequence on the workers), all or none."""
+        tickets: list[Ticket] = []
+        try:
+            for _ in range(num_choices):
+                tickets.append(self.admission.admit(len(adm.plan.token_ids)))
         except Overloaded as exc:
+            for ticket in tickets:
+                ticket.release()
             raise RequestError(429, exc.message, type="rate_limit_error", code="server_overloaded",
                                retry_after_s=self.config.limits.retry_after_s) from None
-        collector = responses.Collector(adm, self.planner.tokenizer, self.metrics)
-        chunks = self._ticketed(ticket, self.path.run(adm, collector.trace))
-        try:
-            first = await self._first(chunks)
-        except BaseException:
-            ticket.release()  # also when `chunks` never started, so its own clean-up never runs
-            responses.close_soon(chunks)
-            raise
-        stream = self._guarded(first, chunks)
-        headers = {"x-request-id": request_id}
-        if adm.request.stream:
-            return StreamingResponse(self._sse(collector, stream), media_type="text/event-stream", headers=headers)
-        completion = await responses.complete(collector, stream)
-        return JSONResponse(completion.model_dump(), headers=headers)
+        return tickets
+
+    async def _firsts(self, chunks: list[AsyncIterator[TokenChunk]]) -> list[TokenChunk]:
+        """Each choice's first token, all prefilled at once; a failure is raised once every
+        choice has settled, so none is still running when the caller closes them."""
+        if len(chunks) == 1:
+            return [await self._first(chunks[0])]
+        firsts = await asyncio.gather(*(self._first(c) for c in chunks), return_exceptions=True)
+        if failed := next((f for f in firsts if isinstance(f, BaseException)), None):
+            raise failed
+        return firsts
 
     async def _first(self, chunks: AsyncIterator[TokenChunk]) -> TokenChunk:
         try:
@@ -142,9 +171,9 @@ class Ingress:
         finally:
             responses.close_soon(rest)
 
-    async def _sse(self, collector: responses.Collector, stream: AsyncIterator[TokenChunk]) -> AsyncIterator[bytes]:
+    async def _sse(self, request_id: str, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         try:
-            async for event in responses.stream(collector, stream):
+            async for event in events:
                 yield event
         except RequestError as exc:  # headers are gone: report in-band, as OpenAI does
             yield self._stream_error(exc)
@@ -152,10 +181,10 @@ class Ingress:
             self.metrics.requests.labels("aborted").inc()
             raise
         except Exception:
-            log.exception("request %s failed while streaming", collector.adm.request_id)
-            yield self._stream_error(RequestError(500, f"internal error while serving request {collector.adm.request_id}", type="server_error"))
+            log.exception("request %s failed while streaming", request_id)
+            yield self._stream_error(RequestError(500, f"internal error while serving request {request_id}", type="server_error"))
         finally:
-            responses.close_soon(stream)
+            responses.close_soon(events)
 
     def _stream_error(self, exc: RequestError) -> bytes:
         self.metrics.requests.labels(str(exc.status)).inc()
@@ -169,7 +198,8 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        card = ModelCard(id=self.config.model.served_name, root=str(self.config.model.checkpoint_path))
+        card = ModelCard(id=self.config.model.served_name, root=str(self.config.model.checkpoint_path),
+                         max_model_len=self.config.model.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     @api.get("/metrics")

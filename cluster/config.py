@@ -103,7 +103,9 @@ class LimitsConfig(Strict):
                                         "CPU and transient memory decoding takes from the ingress process.")
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
     allow_remote_media: bool = Field(False, description="Fetch http(s) media URLs; off by default.")
-    default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="max_tokens when a request gives none; None: the rest of the context (max_model_len minus "
+        "the prompt), as OpenAI and vLLM do for chat (text completions default to 16, as theirs).")
     request_timeout_s: float = Field(120.0, gt=0, description="A request that has not finished by then fails with 504.")
     max_waiting_tokens_per_prefill_worker: int = Field(
         16384, ge=1, description="Back-pressure: prompt tokens of requests still waiting for their first token, per prefill "

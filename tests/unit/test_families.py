@@ -69,10 +69,10 @@ def reference(model, processor, messages: list[dict], items: list[MediaItem], ma
 def served(encoder, runner: LMRunner, plan, max_new_tokens: int) -> list[int]:
     embeddings = [encoder.encode([i])[0] for i in plan.items]
     first, packed, delta = runner.prefill(plan.token_ids, plan.placeholders, embeddings, GREEDY)
-    batch, tokens = kv.BatchedKV(), [first]
+    batch, tokens = kv.BatchedKV(), [first.token_id]
     batch.join(packed)
     for step in range(max_new_tokens - 1):
-        tokens += runner.decode_step(batch, [tokens[-1]], [GREEDY], [len(plan.token_ids) + step], [delta])
+        tokens += [s.token_id for s in runner.decode_step(batch, [tokens[-1]], [GREEDY], [len(plan.token_ids) + step], [delta])]
     return tokens
 
 
@@ -132,14 +132,14 @@ def test_omni_batched_encode_and_decode(omni):
     for plan, embeddings in zip(plans, encode_batched(encoder, plans)):
         first, packed, delta = runner.prefill(plan.token_ids, plan.placeholders, embeddings, GREEDY)
         batch.join(packed)
-        tokens.append([first])
+        tokens.append([first.token_id])
         deltas.append(delta)
     assert len(set(deltas)) > 2, "the cases should exercise different rope deltas"
     for step in range(5):
         nxt = runner.decode_step(batch, [t[-1] for t in tokens], [GREEDY] * len(plans),
                                  [len(p.token_ids) + step for p in plans], deltas)
         for t, token in zip(tokens, nxt):
-            t.append(token)
+            t.append(token.token_id)
     assert tokens == wants
 
 
