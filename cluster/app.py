@@ -24,7 +24,8 @@ from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptPlanner
 from cluster.admission import Admission, Overloaded, Ticket
 from cluster.protocol import SSE_DONE, ModelCard, ModelList, error_body, sse_event
-from cluster.request_path import RETRY_AFTER_S, Admitted, Endpoint, RequestError, RequestPath
+from cluster.admitted import Admitted, Endpoint
+from cluster.request_path import RETRY_AFTER_S, RequestError, RequestPath
 from cluster.supervisor import Supervisor
 from cluster.routing import LiveRouting
 from router.router import Router

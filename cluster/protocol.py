@@ -19,7 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from actors.types import Modality
 from cluster.logprobs import ChatLogprobs
-from cluster.sampling_fields import MAX_LOGPROBS, SamplingFields, Strict, StreamOptions, refuse_unless  # noqa: F401 (StreamOptions re-exported)
+from cluster.sampling_fields import MAX_LOGPROBS, SamplingFields, Strict, refuse_unless
 
 SSE_DONE = b"data: [DONE]\n\n"
 

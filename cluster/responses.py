@@ -18,7 +18,8 @@ from cluster.protocol import (
     SSE_DONE, AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, Choice,
     DeltaMessage, Usage, sse_event,
 )
-from cluster.request_path import Admitted, Trace, close_soon
+from cluster.admitted import Admitted
+from cluster.request_path import Trace, close_soon
 
 
 @dataclass
@@ -40,11 +41,20 @@ class Collector:
         self.trace = Trace()
         self._logprobs: list[tuple[int, TokenLogprob]] = []  # not yet sent with a delta
 
+    def _push(self, chunk: TokenChunk) -> str:
+        """The chunk's text; a stop string cannot end in the first min_tokens - 1 tokens' text."""
+        num_protected = max(0, self.adm.sampling.min_tokens - 1 - self.num_tokens)
+        head, tail = chunk.token_ids[:num_protected], chunk.token_ids[num_protected:]
+        text = self.text.push(head, protect=True) if head else ""
+        if tail or not head or chunk.finished:
+            text += self.text.push(tail, final=chunk.finished)
+        self.num_tokens += len(chunk.token_ids)
+        return text
+
     async def deltas(self, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[Delta]:
         async for chunk in chunks:
-            self.num_tokens += len(chunk.token_ids)
             self._logprobs.extend(zip(chunk.token_ids, chunk.logprobs))
-            text = self.text.push(chunk.token_ids, final=chunk.finished)
+            text = self._push(chunk)
             if self.text.stopped:
                 yield self._delta(text, FinishReason.STOP.value)
                 break  # leaving the stream aborts the decode upstream

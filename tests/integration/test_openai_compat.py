@@ -111,6 +111,14 @@ def test_min_tokens_and_logit_bias_are_token_exact_against_generate(client, mode
     got = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=20,
                                          extra_body={"min_tokens": 5}, logit_bias={str(eos): 100})
     assert (got.choices[0].message.content, got.usage.completion_tokens, got.choices[0].finish_reason) == (text, 6, "stop")
+    base = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12, logprobs=True)
+    greedy, stop = base.choices[0].message.content, base.choices[0].logprobs.content[1].token
+    early = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12, stop=[stop])
+    assert early.choices[0].message.content == greedy[: greedy.find(stop)]
+    late = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12, stop=[stop],
+                                          extra_body={"min_tokens": 6})  # vLLM: no stop string before min_tokens
+    assert greedy.startswith(late.choices[0].message.content)
+    assert len(late.choices[0].message.content) > len(early.choices[0].message.content)
     ignored = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=5,
                                              extra_body={"ignore_eos": True}, logit_bias={str(eos): 100})
     assert (ignored.usage.completion_tokens, ignored.choices[0].finish_reason) == (5, "length")
