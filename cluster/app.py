@@ -24,6 +24,7 @@ from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptPlanner
 from cluster.admission import Admission, Overloaded, Ticket
 from cluster.protocol import SSE_DONE, ModelCard, ModelList, error_body, sse_event
+from cluster.request_log import RequestLog, RequestRecord, bearer_ok
 from cluster.request_path import RETRY_AFTER_S, RequestError, RequestPath
 from cluster.supervisor import Supervisor
 from cluster.routing import LiveRouting
@@ -39,8 +40,20 @@ ADMIT_THREADS = 32  # parse + plan + media decode; the decode slots (limits.max_
 CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError)
 
 
+@api.middleware("http")
+async def _require_api_key(request: Request, call_next):
+    """With `server.api_key` set, every /v1 route wants `Authorization: Bearer <key>`;
+    /health and /metrics stay open for probes and scrapers."""
+    key = getattr(request.app.state, "api_key", None)
+    if key and request.url.path.startswith("/v1") and not bearer_ok(request.headers.get("authorization"), key):
+        body = error_body("a valid API key is required: send `Authorization: Bearer <key>`", type="authentication_error",
+                          code="invalid_api_key")
+        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    return await call_next(request)
+
+
 def _error(exc: RequestError, request_id: str) -> JSONResponse:
-    headers = {"x-request-id": request_id}
+    headers = {}  # Serve's proxy adds the x-request-id; the request log line pairs it with `request_id`
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(exc.retry_after_s)
     body = error_body(exc.message, type=exc.type, param=exc.param, code=exc.code)
@@ -53,7 +66,9 @@ class Ingress:
     def __init__(self, config: dict):
         self.config = ClusterConfig.model_validate(config)
         self.config_sha1 = self.config.fingerprint()  # which config this replica serves (rolling updates)
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.config.model.served_name, self.config.limits.request_timeout_s)
+        api.state.api_key = self.config.server.api_key
+        self.request_log = RequestLog(self.config.server.log_requests, self.config.server.log_prompts)
         self.planner = PromptPlanner(self.config.model.checkpoint_path, self.config.model.dtype)
         self.config.encoder_modalities(self.planner.spec.modalities)  # every modality has an encoder: check before any actor starts
         self.fleet = Fleet(self.config)
@@ -67,6 +82,7 @@ class Ingress:
         self._admit_pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="admit")
         self.admission = Admission(limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers,
                                    limits.max_generating_per_decode_worker * self.config.decode.num_workers)
+        self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
@@ -81,6 +97,7 @@ class Ingress:
             return self._fail(exc, request_id)
         except CLIENT_GONE:
             self.metrics.requests.labels("aborted").inc()
+            self.request_log.write(RequestRecord(request_id, "aborted"))
             raise
         except Exception:
             log.exception("request %s failed", request_id)
@@ -107,11 +124,11 @@ class Ingress:
             responses.close_soon(chunks)
             raise
         stream = self._guarded(first, chunks)
-        headers = {"x-request-id": request_id}
         if adm.request.stream:
-            return StreamingResponse(self._sse(collector, stream), media_type="text/event-stream", headers=headers)
+            return StreamingResponse(self._sse(collector, stream), media_type="text/event-stream")
         completion = await responses.complete(collector, stream)
-        return JSONResponse(completion.model_dump(), headers=headers)
+        self._log_done(collector, "ok")
+        return JSONResponse(completion.model_dump())
 
     async def _first(self, chunks: AsyncIterator[TokenChunk]) -> TokenChunk:
         try:
@@ -143,19 +160,31 @@ class Ingress:
             responses.close_soon(rest)
 
     async def _sse(self, collector: responses.Collector, stream: AsyncIterator[TokenChunk]) -> AsyncIterator[bytes]:
+        status = "ok"
         try:
             async for event in responses.stream(collector, stream):
                 yield event
         except RequestError as exc:  # headers are gone: report in-band, as OpenAI does
+            status = str(exc.status)
             yield self._stream_error(exc)
         except (*CLIENT_GONE, GeneratorExit):
+            status = "aborted"
             self.metrics.requests.labels("aborted").inc()
             raise
         except Exception:
+            status = "500"
             log.exception("request %s failed while streaming", collector.adm.request_id)
             yield self._stream_error(RequestError(500, f"internal error while serving request {collector.adm.request_id}", type="server_error"))
         finally:
+            self._log_done(collector, status)
             responses.close_soon(stream)
+
+    def _log_done(self, collector: responses.Collector, status: str) -> None:
+        adm, trace = collector.adm, collector.trace
+        prompt = self.planner.tokenizer.decode(adm.plan.token_ids) if self.request_log.with_prompts else None
+        self.request_log.write(RequestRecord(
+            adm.request_id, status, len(adm.plan.token_ids), collector.num_tokens, trace.ttft_ms,
+            (time.perf_counter() - adm.arrived_s) * 1e3, collector.finish_reason, prompt))
 
     def _stream_error(self, exc: RequestError) -> bytes:
         self.metrics.requests.labels(str(exc.status)).inc()
@@ -163,6 +192,7 @@ class Ingress:
 
     def _fail(self, exc: RequestError, request_id: str) -> JSONResponse:
         self.metrics.requests.labels(str(exc.status)).inc()
+        self.request_log.write(RequestRecord(request_id, str(exc.status)))
         if exc.status >= 500:
             log.warning("request %s: %d %s", request_id, exc.status, exc.message)
         return _error(exc, request_id)

@@ -29,27 +29,42 @@ class Collector:
         self.text = IncrementalText(tokenizer, tuple(adm.request.stop or ()), adm.sampling.stop_token_ids)
         self.num_tokens = 0
         self.trace = Trace()
+        self.finish_reason: str | None = None
+        self._last_chunk_s: float | None = None
 
     async def deltas(self, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[Delta]:
         async for chunk in chunks:
+            self._tick()
             self.num_tokens += len(chunk.token_ids)
             text = self.text.push(chunk.token_ids, final=chunk.finished)
             if self.text.stopped:
+                self.finish_reason = FinishReason.STOP.value
                 yield Delta(text, FinishReason.STOP.value)
                 break  # leaving the stream aborts the decode upstream
             reason = chunk.finish_reason.value if chunk.finished else None
+            self.finish_reason = reason or self.finish_reason
             if text or reason:
                 yield Delta(text, reason)
         self._record()
+
+    def _tick(self) -> None:
+        now_s = time.perf_counter()
+        if self._last_chunk_s is not None:
+            self.metrics.itl.observe(now_s - self._last_chunk_s)
+        self._last_chunk_s = now_s
 
     def _record(self) -> None:
         m, t = self.metrics, self.trace
         e2e_s = time.perf_counter() - self.adm.arrived_s
         m.requests.labels("ok").inc()
+        m.success.labels(self.finish_reason or FinishReason.STOP.value).inc()
         m.e2e.observe(e2e_s)
         m.completion_tokens.inc(self.num_tokens)
+        m.request_prompt_tokens.observe(len(self.adm.plan.token_ids))
+        m.request_generation_tokens.observe(self.num_tokens)
         if t.ttft_ms is not None:
             m.ttft.observe(t.ttft_ms / 1e3)
+            m.decode_time.observe(max(0.0, e2e_s - t.ttft_ms / 1e3))
             if self.num_tokens > 1:
                 m.tpot.observe((e2e_s - t.ttft_ms / 1e3) / (self.num_tokens - 1))
 
