@@ -85,6 +85,30 @@ class TransportConfig(Strict):
     kv: Transport = Field(Transport.OBJECT_STORE, description="How KV caches travel prefill -> decode.")
 
 
+class RemoteMediaConfig(Strict):
+    """Fetching http(s) media URLs (image_url, video_url, audio_url). Off unless hosts are listed."""
+
+    allowed_hosts: list[str] = Field(default_factory=list, description="Hosts media URLs may name: exact names, "
+                                     "'*.example.com' for its subdomains, or '*' for any host. Empty: fetching is off.")
+    allowed_networks: list[str] = Field(default_factory=list, description="Private, loopback or link-local networks "
+                                        "(CIDR) fetching may reach anyway, e.g. an internal media store; every other "
+                                        "non-public address is refused, also after a redirect.")
+    max_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest body fetched for one item.")
+    timeout_s: float = Field(10.0, gt=0, description="One deadline for a whole fetch: connect, redirects and body.")
+    max_redirects: int = Field(3, ge=0, description="Redirects followed, each checked like the first URL.")
+
+    @model_validator(mode="after")
+    def _networks_parse(self) -> "RemoteMediaConfig":
+        import ipaddress
+
+        for net in self.allowed_networks:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"limits.remote_media.allowed_networks: {exc}") from None
+        return self
+
+
 class LimitsConfig(Strict):
     max_items_per_request: int = Field(4, ge=0, description="Most media items in one request.")
     max_image_pixels: int = Field(16_000_000, gt=0, description="Most pixels in one decoded image or video frame (decompression bombs stop here).")
@@ -102,7 +126,7 @@ class LimitsConfig(Strict):
     max_concurrent_decodes: int = Field(2, ge=1, description="Media items the ingress decodes at once (others wait): bounds the "
                                         "CPU and transient memory decoding takes from the ingress process.")
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
-    allow_remote_media: bool = Field(False, description="Fetch http(s) media URLs; off by default.")
+    remote_media: RemoteMediaConfig = Field(default_factory=RemoteMediaConfig, description="Fetching http(s) media URLs.")
     default_max_tokens: int | None = Field(
         None, ge=1, description="max_tokens when a request gives none; None: the rest of the context (max_model_len minus "
         "the prompt), as OpenAI and vLLM do for chat (text completions default to 16, as theirs).")
@@ -154,6 +178,10 @@ class ServerConfig(Strict):
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     num_cpus_ray: int = Field(8, ge=1, description="Logical CPUs of a local Ray cluster that `epd serve` starts.")
     trace_path: str | None = Field(None, description="Append one JSONL record per finished request here (simulator replay format).")
+    api_key: str | None = Field(None, description="When set, /v1/* requires `Authorization: Bearer <key>` (401 otherwise); "
+                                "/health and /metrics stay open. `epd serve` fills it from $EPD_API_KEY when unset.")
+    log_requests: bool = Field(True, description="One log line per finished request: id, status, tokens, TTFT, e2e.")
+    log_prompts: bool = Field(False, description="Add the prompt's text to each request's log line (off: prompts may be private).")
 
 
 class ClusterConfig(Strict):

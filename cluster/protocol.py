@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+from pydantic import (BaseModel, Field, ValidationError, ValidationInfo,
                       field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
@@ -25,12 +25,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 # Content-part type -> modality; a modality's value is also its HF chat-template placeholder type.
 MEDIA_PART_TYPES: dict[str, Modality] = {
-    "image_url": Modality.IMAGE, "input_audio": Modality.AUDIO, "video_url": Modality.VIDEO}
-
-
-class _Lenient(BaseModel):
-    # Response-side models only: requests are Strict (an unknown field is refused by name).
-    model_config = ConfigDict(extra="ignore")
+    "image_url": Modality.IMAGE, "input_audio": Modality.AUDIO, "audio_url": Modality.AUDIO, "video_url": Modality.VIDEO}
 
 
 # ----------------------------------------------------------------------------- request
@@ -44,6 +39,10 @@ class VideoURL(Strict):
     url: str
 
 
+class AudioURL(Strict):  # vLLM's extension: a data URL or an http(s) URL, the MIME type names the format
+    url: str
+
+
 class InputAudio(Strict):
     data: str = Field(description="base64 audio")
     format: str = Field(description="wav, mp3, ...")
@@ -53,13 +52,14 @@ class ContentPart(Strict):
     """One content part; `type` names the payload field that must be present.
     One model, not a pydantic union, so error locations stay clean JSON paths."""
 
-    type: Literal["text", "image_url", "input_audio", "video_url"]
+    type: Literal["text", "image_url", "input_audio", "audio_url", "video_url"]
     text: str | None = None
     image_url: ImageURL | None = None
     input_audio: InputAudio | None = None
     video_url: VideoURL | None = None
+    audio_url: AudioURL | None = None
 
-    @field_validator("image_url", "video_url", mode="before")
+    @field_validator("image_url", "video_url", "audio_url", mode="before")
     @classmethod
     def _bare_url(cls, value: Any) -> Any:
         # Some clients send {"image_url": "data:..."} instead of {"image_url": {"url": "data:..."}}.
@@ -218,7 +218,7 @@ class MediaPart:
 
 
 def _media_part(part: ContentPart, param: str) -> MediaPart:
-    body = getattr(part, part.type)  # ImageURL, InputAudio or VideoURL; the validator ensured it is set
+    body = getattr(part, part.type)  # ImageURL, InputAudio, AudioURL or VideoURL; the validator ensured it is set
     return MediaPart(MEDIA_PART_TYPES[part.type], body.data if part.type == "input_audio" else body.url,
                      param, format=getattr(body, "format", None), detail=getattr(body, "detail", None))
 

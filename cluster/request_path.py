@@ -293,8 +293,10 @@ class RequestPath:
         stage = self.metrics.stage
         stage.labels("prefill").observe(result.prefill_ms / 1e3)
         stage.labels("prefill_queue").observe(result.queue_ms / 1e3)
+        self.metrics.prefill_time.observe(result.prefill_ms / 1e3)
+        self.metrics.queue_time.observe(result.queue_ms / 1e3)
         for stats in result.encode_stats:
-            self.metrics.encoder_cache.labels("hit" if stats.cache_hit else "miss").inc()
+            self.metrics.record_encoder_lookup(stats.cache_hit)
             if stats.cache_hit:
                 continue
             stage.labels("encode").observe(stats.encode_ms / 1e3)

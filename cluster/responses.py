@@ -33,13 +33,15 @@ class Delta:
 class Collector:
     """Follows one choice's tokens: text deltas, logprobs, token count, finish reason, timings."""
 
-    def __init__(self, adm: Admitted, tokenizer):
-        self.adm = adm
+    def __init__(self, adm: Admitted, tokenizer, metrics: Metrics):
+        self.adm, self.metrics = adm, metrics
         self.text = IncrementalText(tokenizer, tuple(adm.request.stop or ()), adm.sampling.stop_token_ids)
         self.num_tokens = 0
         self.num_chars = 0
         self.trace = Trace()
+        self.finish_reason: str | None = None
         self._logprobs: list[tuple[int, TokenLogprob]] = []  # not yet sent with a delta
+        self._last_chunk_s: float | None = None
 
     def _push(self, chunk: TokenChunk) -> str:
         """The chunk's text; a stop string cannot end in the first min_tokens - 1 tokens' text."""
@@ -53,12 +55,15 @@ class Collector:
 
     async def deltas(self, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[Delta]:
         async for chunk in chunks:
+            self._tick()
             self._logprobs.extend(zip(chunk.token_ids, chunk.logprobs))
             text = self._push(chunk)
             if self.text.stopped:
+                self.finish_reason = FinishReason.STOP.value
                 yield self._delta(text, FinishReason.STOP.value)
                 break  # leaving the stream aborts the decode upstream
             reason = chunk.finish_reason.value if chunk.finished else None
+            self.finish_reason = reason or self.finish_reason
             if text or reason:
                 yield self._delta(text, reason)
 
@@ -66,6 +71,12 @@ class Collector:
         delta = Delta(text, reason, self._logprobs, self.num_chars)
         self._logprobs, self.num_chars = [], self.num_chars + len(text)
         return delta
+
+    def _tick(self) -> None:
+        now_s = time.perf_counter()
+        if self._last_chunk_s is not None:
+            self.metrics.itl.observe(now_s - self._last_chunk_s)
+        self._last_chunk_s = now_s
 
     def timings(self) -> dict[str, float]:
         t = self.trace
@@ -80,14 +91,20 @@ class Collector:
 
 
 def _record(metrics: Metrics, collectors: list[Collector]) -> None:
-    """One finished request: its e2e, all choices' tokens, the first choice's TTFT and TPOT."""
+    """One finished request: its e2e and prompt, all choices' tokens, the first choice's
+    TTFT, TPOT and finish reason."""
     first = collectors[0]
     e2e_s = time.perf_counter() - first.adm.arrived_s
+    num_tokens = sum(c.num_tokens for c in collectors)
     metrics.requests.labels("ok").inc()
+    metrics.success.labels(first.finish_reason or FinishReason.STOP.value).inc()
     metrics.e2e.observe(e2e_s)
-    metrics.completion_tokens.inc(sum(c.num_tokens for c in collectors))
+    metrics.completion_tokens.inc(num_tokens)
+    metrics.request_prompt_tokens.observe(len(first.adm.plan.token_ids))
+    metrics.request_generation_tokens.observe(num_tokens)
     if first.trace.ttft_ms is not None:
         metrics.ttft.observe(first.trace.ttft_ms / 1e3)
+        metrics.decode_time.observe(max(0.0, e2e_s - first.trace.ttft_ms / 1e3))
         if first.num_tokens > 1:
             metrics.tpot.observe((e2e_s - first.trace.ttft_ms / 1e3) / (first.num_tokens - 1))
 

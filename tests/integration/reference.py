@@ -26,7 +26,9 @@ def _model_class(model_type: str):
 
     return {"llava": transformers.LlavaForConditionalGeneration,
             "qwen2_audio": transformers.Qwen2AudioForConditionalGeneration,
-            "qwen2_5_omni_thinker": transformers.Qwen2_5OmniThinkerForConditionalGeneration}[model_type]
+            "qwen2_5_omni_thinker": transformers.Qwen2_5OmniThinkerForConditionalGeneration,
+            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+            "llava_next": transformers.LlavaNextForConditionalGeneration}[model_type]
 
 
 @lru_cache(maxsize=3)
@@ -66,7 +68,9 @@ class _Media:
     def kwargs(self, video_fps: float) -> dict:
         out = {"images": self.images or None, "audio": self.audio or None}
         if self.videos:
-            out.update(videos=self.videos, videos_kwargs={"fps": video_fps})
+            # fps for the Omni processor, per-video metadata for Qwen2.5-VL's (which else assumes 24 fps)
+            metadata = [{"total_num_frames": len(v), "fps": video_fps} for v in self.videos]
+            out.update(videos=self.videos, videos_kwargs={"fps": video_fps, "video_metadata": metadata})
         return {k: v for k, v in out.items() if v is not None}
 
 
