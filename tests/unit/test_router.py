@@ -178,7 +178,7 @@ def test_route_books_the_work_and_completions_release_it():
 
 def test_completions_calibrate_the_chosen_workers():
     router = Router(workers(2, 2, 1), CostPriors(), "round_robin")
-    for k in range(40):
+    for k in range(120):  # relative times are learned slowly (CalibrationConfig.speed_rate)
         size = 0.1 + 0.05 * (k % 10)
         profile = RequestProfile(200 + 50 * k, (MediaJob(f"i{k}", "image", size, 576, 4096),))
         decision = router.route(profile, k * 0.01)
