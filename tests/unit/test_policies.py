@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from router.calibration import CalibrationConfig
 from router.cost_model import CostModel, CostPriors
 from router.policies import POLICIES, Affinity, Joint, LeastLoaded, make_policy
 from router.types import MediaJob, Placement, RequestProfile, WorkerInfo, WorkerKind
@@ -38,7 +39,7 @@ TEXT = RequestProfile(100)
 # -- joint: the O(E + P) path must find the brute-force E x P minimum ----------------------------
 
 
-def random_instance(rng: random.Random) -> tuple[ClusterView, CostModel, RequestProfile]:
+def random_instance(rng: random.Random, spread_z: float = 0.0) -> tuple[ClusterView, CostModel, RequestProfile]:
     nodes = [f"n{k}" for k in range(rng.randint(1, 4))]
     workers = []
     for i in range(rng.randint(1, 7)):
@@ -50,7 +51,7 @@ def random_instance(rng: random.Random) -> tuple[ClusterView, CostModel, Request
     workers += [WorkerInfo(D, i, rng.choice(nodes)) for i in range(rng.randint(1, 3))]
     view = ClusterView(workers)
     priors = CostPriors.from_dict({"bandwidth_gbps": {"same_node": rng.choice([0.05, 1.0, 600.0]), "cross_node": rng.choice([0.01, 0.5, 50.0])}})
-    cost = CostModel.for_view(priors, view)
+    cost = CostModel.for_view(priors, view, CalibrationConfig(spread_z=spread_z))  # 0: the plain argmin
     ids = [f"id{k}" for k in range(6)]
     hashes = tuple(f"h{k}" for k in range(12))
     now = rng.uniform(0, 3)
@@ -62,7 +63,7 @@ def random_instance(rng: random.Random) -> tuple[ClusterView, CostModel, Request
             size = rng.uniform(0.05, 2)
             cost.observe_encode(e, "image", size, (1 + size * 30) * rng.uniform(0.5, 3))
     for p in range(len(view.workers[P])):
-        view.begin(P, p, 1, rng.uniform(0, 200))
+        view.begin(P, p, rng.randint(1, 3), rng.uniform(0, 200))
         if rng.random() < 0.5:
             view.publish(P, p, now_s=now, prefix_hashes=frozenset(hashes[: rng.randint(0, 12)]))
         for _ in range(rng.randint(0, 6)):
@@ -102,6 +103,38 @@ def test_joint_equals_brute_force_minimum_on_random_clusters():
             assert profile.modalities <= view.workers[E][decision.encoder].modalities
         checked += 1
     assert checked > 250  # most instances have a feasible encoder
+
+
+def test_joint_spreads_near_ties_to_the_least_booked_worker():
+    """With spread_z = 1 joint takes, of the pairs estimated within (1 + the prefill fit's error) of
+    the best, one whose prefill worker has the fewest jobs booked: never worse than that bound."""
+    spread_seen = 0
+    for seed in range(300):
+        view, cost, profile = random_instance(random.Random(seed), spread_z=1.0)
+        try:
+            best = brute_force_min(view, cost, profile)
+        except NoWorkerError:
+            continue
+        decision = Joint().pick(profile, view, cost, view.now_s)
+        limit = best * (1 + cost.prefill_error)
+        assert decision.estimated_ttft_ms <= limit * (1 + 1e-9) + 1e-9, seed
+        encoders = view.candidates(E, profile.modalities) if profile.items else [None]
+        near = [p for e in encoders for p in view.candidates(P) if cost.evaluate(profile, view, e, p)[0].total_ms <= limit]
+        assert view.outstanding[P][decision.prefill] <= min(view.outstanding[P][p] for p in near), seed
+        spread_seen += decision.estimated_ttft_ms > best * (1 + 1e-9)
+    assert spread_seen > 10  # the rule did choose other than the argmin
+
+
+def test_joint_spread_by_hand():
+    view, cost = setup(fleet(1, 2, 1))
+    view.begin(P, 0, 2, ms=5.0)  # worker 0: 2 jobs, 5 ms booked; worker 1: 3 jobs, 3 ms: the argmin
+    view.begin(P, 1, 3, ms=3.0)
+    cost.prefill_fit.err2 = 0.3 ** 2  # the fit has seen 30% error
+    assert Joint().decision(TEXT, view, cost).prefill == 0  # 5 + 7 vs 3 + 7 ms: within 30%, fewer jobs
+    cost.prefill_fit.err2 = 0.01 ** 2  # an exact fit: the argmin
+    assert Joint().decision(TEXT, view, cost).prefill == 1
+    cost.prefill_fit.err2 = 0.3 ** 2
+    assert Joint().decision(TEXT, view, CostModel.for_view(None, view, CalibrationConfig(spread_z=0))).prefill == 1
 
 
 def test_joint_equals_brute_force_minimum_with_jobs_in_service():
