@@ -39,8 +39,8 @@ class CalibrationConfig:
 
     pool_memory: float = 10.0  # observations: the pool curve's memory (short: it follows the host)
     speed_rate: float = 0.05  # per own observation: how far a worker's log relative time moves toward what it saw
-    idle_rounds: float = 4.0  # a worker unobserved for this many rounds of its pool starts to heal
-    heal_rounds: float = 8.0  # rounds of healing in which a worker's log relative time is halved toward the pool's
+    idle_rounds: float = 16.0  # a worker unobserved for this many rounds of its pool starts to heal
+    heal_rounds: float = 16.0  # rounds of healing in which a worker's log relative time is halved toward the pool's
     max_relative: float = 16.0  # relative times are held within [1/max_relative, max_relative]
     error_memory: float = 50.0  # observations: the memory of each fit's own error
     spread_z: float = 1.0  # joint: candidates within spread_z x the fit's error of the best are near-ties (0: argmin)
