@@ -23,7 +23,7 @@ from itertools import repeat
 from typing import Any
 
 from router.calibration import CalibrationConfig, LinearCost, OnlineLinear, PoolFit, RelativeTimes
-from router.types import MediaJob, Placement, RequestProfile, TTFTEstimate, WorkerKind
+from router.types import MediaJob, Modality, Placement, RequestProfile, TTFTEstimate, WorkerKind
 from router.view import ClusterView, bits, unique_items
 
 _E, _P = WorkerKind.ENCODER, WorkerKind.PREFILL
@@ -33,7 +33,8 @@ _TIER_INDEX = {placement: i for i, placement in enumerate(_TIERS)}
 
 
 # Seed table (ViT-L/14, Whisper-small): a 0.113 MP image ~5 ms, 30 video frames ~48 ms, 30 s audio ~85 ms.
-DEFAULT_ENCODE = {"image": LinearCost(1.0, 35.0), "video": LinearCost(3.0, 1.5), "audio": LinearCost(1.0, 2.8)}
+DEFAULT_ENCODE = {Modality.IMAGE.value: LinearCost(1.0, 35.0), Modality.VIDEO.value: LinearCost(3.0, 1.5),
+                  Modality.AUDIO.value: LinearCost(1.0, 2.8)}
 DEFAULT_BANDWIDTH_GBPS = {Placement.SAME_PROCESS: 2000.0, Placement.SAME_NODE: 600.0, Placement.CROSS_NODE: 50.0}
 
 

@@ -11,19 +11,10 @@ from router.cost_model import CostModel, CostPriors
 from router.policies import POLICIES, Affinity, Joint, LeastLoaded, make_policy
 from router.types import MediaJob, Placement, RequestProfile, WorkerInfo, WorkerKind
 from router.view import ClusterView, NoWorkerError
+from tests.unit.conftest import fleet, media
 
 E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 MODS = ("image", "video", "audio")
-
-
-def item(identifier: str, modality: str = "image", size: float = 0.113, n: int = 576) -> MediaJob:
-    return MediaJob(identifier, modality, size, n, n * 8192)
-
-
-def fleet(e: int = 3, p: int = 3, d: int = 3, **encoder_mods: frozenset[str]) -> list[WorkerInfo]:
-    mods = frozenset(MODS)
-    return ([WorkerInfo(E, i, modalities=encoder_mods.get(f"e{i}", mods)) for i in range(e)]
-            + [WorkerInfo(P, i) for i in range(p)] + [WorkerInfo(D, i) for i in range(d)])
 
 
 def setup(workers: list[WorkerInfo]) -> tuple[ClusterView, CostModel]:
@@ -32,7 +23,7 @@ def setup(workers: list[WorkerInfo]) -> tuple[ClusterView, CostModel]:
     return view, CostModel.for_view(None, view)
 
 
-IMAGE = RequestProfile(600, (item("a"),))
+IMAGE = RequestProfile(600, (media("a"),))
 TEXT = RequestProfile(100)
 
 
@@ -72,7 +63,7 @@ def random_instance(rng: random.Random, spread_z: float = 0.0) -> tuple[ClusterV
     if rng.random() < 0.5:
         cost.observe_transfer(Placement.SAME_PROCESS, 10**6, rng.uniform(0.0, 5.0))
     modality = rng.choice(["image", "image", "video", "audio"])
-    items = tuple(item(rng.choice(ids), rng.choice(["image", modality]), rng.uniform(0.05, 30), rng.randint(1, 3000)) for _ in range(rng.randint(0, 4)))
+    items = tuple(media(rng.choice(ids), rng.choice(["image", modality]), rng.uniform(0.05, 30), rng.randint(1, 3000)) for _ in range(rng.randint(0, 4)))
     profile = RequestProfile(rng.randint(1, 4000), items, hashes[: rng.randint(0, 12)])
     view.refresh(now)
     return view, cost, profile
@@ -163,7 +154,7 @@ def test_joint_trades_encoder_queue_against_prefill_cache():
     view.publish(E, 1, now_s=0.0, cached_identifiers=frozenset({"a"}))
     view.publish(P, 1, now_s=0.0, prefix_hashes=frozenset({"h0", "h1"}))
     view.begin(E, 0, 1, 100.0)
-    profile = RequestProfile(600, (item("a"),), ("h0", "h1"), block_size=256)
+    profile = RequestProfile(600, (media("a"),), ("h0", "h1"), block_size=256)
     decision = Joint().pick(profile, view, cost, 0.0)
     assert (decision.encoder, decision.prefill) == (1, 1)
     assert decision.encode_items == () and decision.uncached_tokens == 600 - 512
@@ -185,7 +176,7 @@ def test_every_policy_reports_the_cost_models_estimate_of_its_pair(name):
     view, cost = setup(fleet(4, 4, 2))
     view.begin(E, 2, 1, 30.0)
     policy = make_policy(name, seed=5)
-    for profile in (IMAGE, TEXT, RequestProfile(900, (item("a"), item("b", "video", 30, 4000)))):
+    for profile in (IMAGE, TEXT, RequestProfile(900, (media("a"), media("b", "video", 30, 4000)))):
         decision = policy.pick(profile, view, cost, 0.0)
         estimate, misses, uncached = cost.evaluate(profile, view, decision.encoder, decision.prefill)
         assert decision.estimate == estimate and decision.encode_items == misses and decision.uncached_tokens == uncached
@@ -195,8 +186,8 @@ def test_every_policy_reports_the_cost_models_estimate_of_its_pair(name):
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_only_uses_encoders_hosting_the_modalities(name):
     view, cost = setup(fleet(4, 2, 2, e0=frozenset({"image"}), e1=frozenset({"audio"}), e3=frozenset({"image"})))
-    audio = RequestProfile(100, (item("s", "audio", 30, 1500),))
-    both = RequestProfile(100, (item("s", "audio", 30, 1500), item("i")))
+    audio = RequestProfile(100, (media("s", "audio", 30, 1500),))
+    both = RequestProfile(100, (media("s", "audio", 30, 1500), media("i")))
     policy = make_policy(name, seed=1)
     assert {policy.pick(audio, view, cost, 0.0).encoder for _ in range(20)} <= {1, 2}
     assert {policy.pick(both, view, cost, 0.0).encoder for _ in range(20)} == {2}
@@ -208,7 +199,7 @@ def test_every_policy_only_uses_encoders_hosting_the_modalities(name):
     with pytest.raises(NoWorkerError, match="hosts audio"):  # nobody hosts audio any more
         policy.pick(both, view, cost, 0.0)
     with pytest.raises(NoWorkerError, match="video"):
-        policy.pick(RequestProfile(100, (item("v", "video", 30),)), view, cost, 0.0)
+        policy.pick(RequestProfile(100, (media("v", "video", 30),)), view, cost, 0.0)
     assert policy.pick(TEXT, view, cost, 0.0).encoder is None  # text needs no encoder
 
 
@@ -278,12 +269,12 @@ def test_affinity_prefers_the_cache_holder_even_when_busier():
     view.publish(P, 1, now_s=0.0, prefix_hashes=frozenset({"h0", "h1", "h2"}))
     view.publish(P, 2, now_s=0.0, prefix_hashes=frozenset({"h0"}))
     view.begin(P, 1, 5, 500.0)
-    profile = RequestProfile(500, (item("a"), item("b")), ("h0", "h1", "h2", "h3"))
+    profile = RequestProfile(500, (media("a"), media("b")), ("h0", "h1", "h2", "h3"))
     decision = Affinity().pick(profile, view, cost, 0.0)
     assert (decision.encoder, decision.prefill) == (2, 1)  # most items held, longest prefix
     # nobody holds anything: the least loaded
     view.begin(E, 0, 1, 5.0)
-    decision = Affinity().pick(RequestProfile(500, (item("zz"),), ("q0",)), view, cost, 0.0)
+    decision = Affinity().pick(RequestProfile(500, (media("zz"),), ("q0",)), view, cost, 0.0)
     assert (decision.encoder, decision.prefill) == (1, 0)
 
 
