@@ -139,7 +139,7 @@ class OnlineLinear:
 
 class RelativeTimes:
     """Per-worker time multipliers of one pool, geometric mean held at 1 (see the module doc).
-    O(1) to learn from one observation; the per-worker list is rebuilt only when read (factors())."""
+    O(1) to learn from one observation; the fits rebuild their per-worker lists when next read."""
 
     def __init__(self, num_workers: int, config: CalibrationConfig):
         self.n, self.config = max(num_workers, 1), config  # n >= 1: the mean of an empty pool is 0
@@ -148,23 +148,23 @@ class RelativeTimes:
         self.last_seen = [0] * num_workers  # the pool observation count at each worker's last observation
         self.count = 0  # observations of the pool
         self.version = 0  # bumped on every change, so fits know to refresh their per-worker lists
-        self._factors: list[float] = [1.0] * num_workers
-        self._factors_version = 0
+        self.exp = [1.0] * num_workers  # exp(self.log), kept up to date: t_w = exp[w] * scale()
         self._bound = math.log(config.max_relative)
         self._heal = 0.5 ** (1.0 / config.heal_rounds)
         self._idle = int(config.idle_rounds * len(self.log))  # pool observations
 
-    def relative(self, worker: int) -> float:
-        """t_w: the worker's time over the pool's typical worker's."""
-        return math.exp(self.log[worker] - self.sum / self.n)
+    def log_relative(self, worker: int) -> float:
+        """log t_w: the worker's time over the pool's typical worker's, in log."""
+        return self.log[worker] - self.sum / self.n
+
+    def scale(self) -> float:
+        """exp(-mean of log): what turns exp[w] into t_w."""
+        return math.exp(-self.sum / self.n)
 
     def factors(self) -> list[float]:
-        """t_w of every worker (do not mutate)."""
-        if self._factors_version != self.version:
-            mean = self.sum / self.n
-            self._factors = [math.exp(v - mean) for v in self.log]
-            self._factors_version = self.version
-        return self._factors
+        """t_w of every worker."""
+        scale = self.scale()
+        return [e * scale for e in self.exp]
 
     def learn(self, worker: int, log_ratio: float) -> None:
         """The worker took exp(log_ratio) x the pool curve's time: move its relative time a little toward it."""
@@ -175,6 +175,7 @@ class RelativeTimes:
         moved = -bound if moved < -bound else bound if moved > bound else moved
         self.sum += moved + mean - self.log[worker]
         self.log[worker] = moved + mean
+        self.exp[worker] = math.exp(moved + mean)
         self.count += 1
         self.last_seen[worker] = self.count
         if self.count % self.n == 0:
@@ -188,6 +189,7 @@ class RelativeTimes:
             value = self.log[w] - mean  # re-centred: only differences matter, and they stay small
             self.log[w] = value * heal if self.last_seen[w] <= since else value
         self.sum = math.fsum(self.log)  # ~0; also clears the rounding the incremental sum gathered
+        self.exp = [math.exp(v) for v in self.log]
 
 
 class PoolFit:
@@ -210,14 +212,15 @@ class PoolFit:
     def observe(self, worker: int, x: float, y: float) -> None:
         if not (0.0 <= x < _INF and 0.0 < y < _INF):
             return  # a broken timing (NaN, infinite, negative, zero) must not poison the fit
-        rel = self.times.relative(worker)
-        pool = self.curve.predict(x)
+        times = self.times
+        log_rel = times.log_relative(worker)
+        pool = self.curve.predict(x)  # refitted if stale: a burst between two reads is judged against itself
         if pool > 0.0:
             log_ratio = math.log(y / pool)
-            residual = log_ratio - math.log(rel)  # against this worker's estimate: the fit's own error
+            residual = log_ratio - log_rel  # against this worker's estimate: the fit's own error
             self.err2 += self._err_alpha * (residual * residual - self.err2)
-            self.times.learn(worker, log_ratio)
-        self.curve.observe(x, y / rel)  # as the pool's typical worker (t = 1) would have taken
+            times.learn(worker, log_ratio)
+        self.curve.observe(x, y * math.exp(-log_rel))  # as the pool's typical worker (t = 1) would have taken
 
     @property
     def error(self) -> float:
@@ -230,7 +233,8 @@ class PoolFit:
 
     def sync(self) -> None:
         a, b = self.curve.coefficients()
-        factor = self.times.factors()
-        self.a[:] = [f * a for f in factor]  # in place: callers may hold the lists
-        self.b[:] = [f * b for f in factor]
+        scale, exp = self.times.scale(), self.times.exp
+        a, b = a * scale, b * scale
+        self.a[:] = [e * a for e in exp]  # t_w * a, in place: callers may hold the lists
+        self.b[:] = [e * b for e in exp]
         self._synced = self.times.version

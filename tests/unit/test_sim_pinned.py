@@ -60,7 +60,7 @@ PINNED: dict[str, dict] = {'hetero-joint': {'ttft_ms': {'p50': 156.958, 'p90': 6
                   'estimate_error_ms': {'mean_abs': 21.494, 'mean_signed': 7.735},
                   'cache_hit_rate': 0.1187,
                   'completed': 3000,
-                  'sha256': 'ce4b4f499ee5787c'},
+                  'sha256': '8efbcbeeacd7a40b'},
  'hetero-round_robin': {'ttft_ms': {'p50': 986.757,
                                     'p90': 20989.371,
                                     'p99': 29719.001,
@@ -70,19 +70,19 @@ PINNED: dict[str, dict] = {'hetero-joint': {'ttft_ms': {'p50': 156.958, 'p90': 6
                         'estimate_error_ms': {'mean_abs': 145.217, 'mean_signed': 125.378},
                         'cache_hit_rate': 0.0514,
                         'completed': 3000,
-                        'sha256': 'df98d8d0996f407a'},
+                        'sha256': 'a49eb12f5f5b2817'},
  'split-joint': {'ttft_ms': {'p50': 7905.26, 'p90': 19847.852, 'p99': 20872.463, 'mean': 9165.563, 'max': 21010.842},
                  'utilisation': {'encoder': 0.2733, 'prefill': 0.993, 'decode': 0.0414},
                  'estimate_error_ms': {'mean_abs': 3935.547, 'mean_signed': 3924.459},
                  'cache_hit_rate': 0.1104,
                  'completed': 1200,
-                 'sha256': '88250b5b608f4e46'},
+                 'sha256': '0648b7114ef00b6b'},
  'noisy-least_loaded': {'ttft_ms': {'p50': 1400.968, 'p90': 4961.727, 'p99': 6418.2, 'mean': 2059.974, 'max': 7654.12},
                         'utilisation': {'encoder': 0.1664, 'prefill': 0.8288, 'decode': 0.2438},
                         'estimate_error_ms': {'mean_abs': 394.704, 'mean_signed': 9.964},
                         'cache_hit_rate': 0.0606,
                         'completed': 2000,
-                        'sha256': '93955c7c6cb20b53'}}
+                        'sha256': '08407aeabe1530f9'}}
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
