@@ -27,7 +27,6 @@ from router.types import MediaJob, Modality, Placement, RequestProfile, TTFTEsti
 from router.view import ClusterView, bits, unique_items
 
 _E, _P = WorkerKind.ENCODER, WorkerKind.PREFILL
-_INF = math.inf
 _TIERS = (Placement.SAME_PROCESS, Placement.SAME_NODE, Placement.CROSS_NODE)  # closest first
 _TIER_INDEX = {placement: i for i, placement in enumerate(_TIERS)}
 
