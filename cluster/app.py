@@ -75,7 +75,8 @@ class Ingress:
         self.fleet = Fleet(self.config)
         rc = self.config.router
         workers = self.fleet.worker_infos(self.planner.spec.modalities)
-        self.router = Router(workers, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s, dead_after_s=rc.dead_after_s)
+        self.router = Router(workers, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s, dead_after_s=rc.dead_after_s,
+                             calibration=rc.build_calibration())
         routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token)
         self.supervisor = Supervisor(self.fleet, self.router)
         self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics, self.supervisor.handle_lost)

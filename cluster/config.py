@@ -154,6 +154,7 @@ class RouterConfig(Strict):
     policy: str = Field("joint", description="Routing policy: joint, random, round_robin, least_loaded, affinity.")
     seed: int = Field(0, description="Seed of the randomised policies.")
     priors: dict = Field(default_factory=dict, description="Cost-model priors (router.cost_model.CostPriors fields); calibrated online.")
+    calibration: dict = Field(default_factory=dict, description="How the cost model learns online (router.calibration.CalibrationConfig fields: pool_memory, speed_rate, idle_rounds, heal_rounds, max_relative, error_memory, spread_z).")
     staleness_s: float = Field(5.0, gt=0, description="Cache contents a worker published longer ago than this are ignored.")
     dead_after_s: float = Field(10.0, gt=0, description="A worker silent this long leaves the candidate set until it reports again.")
 
@@ -165,7 +166,13 @@ class RouterConfig(Strict):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; known: {sorted(POLICIES)}")
         CostPriors.from_dict(self.priors)  # raises naming the bad prior
+        self.build_calibration()  # raises naming the bad setting
         return self
+
+    def build_calibration(self):
+        from router.calibration import CalibrationConfig
+
+        return CalibrationConfig.from_dict(self.calibration)
 
     def build_priors(self):
         from router.cost_model import CostPriors

@@ -108,6 +108,9 @@ def test_cuda_needs_gpus_in_every_pool(tmp_path):
         ({**MINIMAL, "server": {"port": 70000}}, "port"),
         ({**MINIMAL, "transport": {"kv": "carrier_pigeon"}}, "kv"),
         ({"encoder": {"num_workers": 1}}, "model"),  # the model section is required
+        ({**MINIMAL, "router": {"calibration": {"pool_memory": 0}}}, "pool_memory"),
+        ({**MINIMAL, "router": {"calibration": {"memory": 5}}}, "memory"),
+        ({**MINIMAL, "router": {"priors": {"prefill_tokens_per_ms": -1}}}, "prefill_tokens_per_ms"),
     ],
 )
 def test_invalid_values_are_rejected(tmp_path, data, needle):
