@@ -70,26 +70,26 @@ def test_unknown_repo_id_offline_is_named(tmp_path, offline):
     assert "recipe" not in message  # not the old advice to build a random model
 
 
-def _config(tmp_path: Path, **model) -> object:
+def _config(**model):
     return load_config().replace(model={"builtin": None, "revision": None, **model})
 
 
 def test_ensure_model_pins_a_repo_id_to_its_commit(hub_cache, tmp_path, offline):
-    config = ensure_model(_config(tmp_path, checkpoint="epd-test/tiny-llava", hub_cache_dir=str(hub_cache)))
+    config = ensure_model(_config(checkpoint="epd-test/tiny-llava", hub_cache_dir=str(hub_cache)))
     assert config.model.revision == COMMIT
     assert config.model.checkpoint_path == hub_cache / "models--epd-test--tiny-llava" / "snapshots" / COMMIT
 
 
 def test_unknown_repo_id_fails_startup(tmp_path, offline):
     with pytest.raises(ConfigError, match="no-such-org/no-such-model"):
-        ensure_model(_config(tmp_path, checkpoint="no-such-org/no-such-model", hub_cache_dir=str(tmp_path)))
+        ensure_model(_config(checkpoint="no-such-org/no-such-model", hub_cache_dir=str(tmp_path)))
 
 
 def test_unsupported_model_type_is_named_with_the_supported_ones(tmp_path):
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
     with pytest.raises(ConfigError) as err:
-        ensure_model(_config(tmp_path, checkpoint=str(tmp_path / "bert")))
+        ensure_model(_config(checkpoint=str(tmp_path / "bert")))
     assert "'bert'" in str(err.value)
     for supported in ("llava", "qwen2_audio", "qwen2_5_omni", "qwen2_5_omni_thinker"):
         assert supported in str(err.value)
