@@ -24,6 +24,8 @@ def ensure_model(config: ClusterConfig) -> ClusterConfig:
             config = config.replace(model={"revision": path.name})  # a snapshot dir is named by its commit
         else:
             path = ensure_checkpoint(m.checkpoint_path, m.builtin, progress=True)
+            if not m.checkpoint_path.is_absolute():  # the workers' working directory is not this one
+                config = config.replace(model={"checkpoint": str(path)})
     except (CheckpointNotFound, FileNotFoundError) as exc:
         raise ConfigError(str(exc)) from None
     from actors.adapters import UnsupportedFamily, check_family  # torch: only once there is a checkpoint

@@ -80,6 +80,12 @@ def test_ensure_model_pins_a_repo_id_to_its_commit(hub_cache, tmp_path, offline)
     assert config.model.checkpoint_path == hub_cache / "models--epd-test--tiny-llava" / "snapshots" / COMMIT
 
 
+def test_a_relative_directory_is_made_absolute_for_the_workers(ckpt, monkeypatch):
+    monkeypatch.chdir(ckpt.parent)
+    config = ensure_model(_config(checkpoint=ckpt.name))
+    assert config.model.checkpoint == str(ckpt.resolve())
+
+
 def test_unknown_repo_id_fails_startup(tmp_path, offline):
     with pytest.raises(ConfigError, match="no-such-org/no-such-model"):
         ensure_model(_config(checkpoint="no-such-org/no-such-model", hub_cache_dir=str(tmp_path)))
