@@ -70,7 +70,8 @@ class Ingress:
         self.metrics = Metrics(self.config.model.served_name, self.config.limits.request_timeout_s)
         api.state.api_key = self.config.server.api_key
         self.request_log = RequestLog(self.config.server.log_requests, self.config.server.log_prompts)
-        self.planner = PromptPlanner(self.config.model.checkpoint_path, self.config.model.dtype)
+        self.checkpoint = self.config.model.checkpoint_path  # resolved on this replica's node
+        self.planner = PromptPlanner(self.checkpoint, self.config.model.resolved_dtype)
         self.config.encoder_modalities(self.planner.spec.modalities)  # every modality has an encoder: check before any actor starts
         self.fleet = Fleet(self.config)
         rc = self.config.router
@@ -233,7 +234,7 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        card = ModelCard(id=self.config.model.served_name, root=str(self.config.model.checkpoint_path),
+        card = ModelCard(id=self.config.model.served_name, root=str(self.checkpoint),
                          max_model_len=self.config.model.max_model_len)
         return ModelList(data=[card]).model_dump()
 

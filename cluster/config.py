@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import os
 from pathlib import Path
 
 import yaml
@@ -29,17 +28,42 @@ class Transport(str, enum.Enum):
     NCCL = "nccl"
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 class ModelConfig(Strict):
-    checkpoint: str = Field(description="Checkpoint directory loaded with from_pretrained; ~ and $VARS expand.")
+    checkpoint: str = Field(description="Checkpoint directory loaded with from_pretrained (~ and $VARS expand), or a Hugging "
+                            "Face repo id (org/name) resolved through the Hugging Face cache: downloaded when online, "
+                            "read from the filled cache when offline (HF_HUB_OFFLINE=1).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a repo id; unset: main. "
+                                 "`epd serve` pins it to the commit it resolved, so every node loads the same files.")
+    hub_cache_dir: str | None = Field(None, description="Hugging Face hub cache for repo ids on every node; unset: "
+                                      "huggingface_hub's default (HF_HUB_CACHE, else ~/.cache/huggingface/hub).")
     builtin: str | None = Field(None, description="Recipe that builds the checkpoint locally when the directory is missing.")
     served_name: str = Field(description="Model id that clients send and GET /v1/models reports.")
-    dtype: str = Field("float32", description="Weights and activations dtype: float32, bfloat16 or float16.")
+    dtype: str = Field("float32", description="Weights and activations dtype: float32, bfloat16, float16, or auto "
+                       "(bfloat16 on cuda, float32 on cpu).")
     device: str = Field("cpu", description="Torch device of every worker: cpu or cuda.")
     max_model_len: int = Field(2048, gt=0, description="Upper bound on prompt plus generated tokens.")
 
     @property
+    def is_hub_repo(self) -> bool:
+        from actors.checkpoint_source import is_repo_id
+
+        return is_repo_id(self.checkpoint)
+
+    @property
     def checkpoint_path(self) -> Path:
-        return Path(os.path.expandvars(os.path.expanduser(self.checkpoint)))
+        """The checkpoint's directory on this node (a repo id resolves through this node's cache)."""
+        from actors.checkpoint_source import resolve_checkpoint
+
+        return resolve_checkpoint(self.checkpoint, self.revision, self.hub_cache_dir)
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
 
 
 class PoolConfig(Strict):
@@ -210,8 +234,8 @@ class ClusterConfig(Strict):
             raise ValueError("transport nccl needs model.device: cuda")
         if self.model.device == "cuda" and min(p.num_gpus for p in [*self.encoder_pools, self.prefill, self.decode]) <= 0:
             raise ValueError("model.device cuda needs num_gpus > 0 in every pool")
-        if self.model.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
+        if self.model.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, not {self.model.dtype!r}")
         if self.media.video_max_frames > self.limits.max_video_frames:
             raise ValueError(f"media.video_max_frames ({self.media.video_max_frames}) must not exceed "
                              f"limits.max_video_frames ({self.limits.max_video_frames})")

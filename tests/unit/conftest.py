@@ -39,6 +39,14 @@ def audio_ckpt(tmp_path_factory) -> Path:
     return build_checkpoint("tiny-qwen2-audio", tmp_path_factory.mktemp("ck") / "audio", progress=False)
 
 
+@pytest.fixture(scope="session")
+def published_omni_ckpt(tmp_path_factory) -> Path:
+    """Qwen2.5-Omni in the published layout: thinker + talker + token2wav in one repo."""
+    from actors.checkpoints import build_checkpoint
+
+    return build_checkpoint("tiny-qwen2.5-omni", tmp_path_factory.mktemp("ck") / "qwen2.5-omni", progress=False)
+
+
 # -- the router tests' shared factories (router/: plain Python, no model) --------------------------
 
 from router.sim import Workload  # noqa: E402

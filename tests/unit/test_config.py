@@ -118,6 +118,15 @@ def test_invalid_values_are_rejected(tmp_path, data, needle):
         load_config(write(tmp_path, data))
 
 
+@pytest.mark.parametrize("dtype, device, num_gpus, resolved", [
+    ("auto", "cpu", 0, "float32"), ("auto", "cuda", 1, "bfloat16"), ("bfloat16", "cpu", 0, "bfloat16"), ("float16", "cuda", 1, "float16"),
+])
+def test_dtype_auto_is_bfloat16_on_gpu_and_float32_on_cpu(tmp_path, dtype, device, num_gpus, resolved):
+    pools = {kind: {"num_gpus": num_gpus} for kind in ("encoder", "prefill", "decode")}
+    config = load_config(write(tmp_path, {"model": {**MINIMAL["model"], "dtype": dtype, "device": device}, **pools}))
+    assert config.model.resolved_dtype == resolved
+
+
 def test_missing_file_names_the_path(tmp_path):
     path = tmp_path / "nope" / "missing.yaml"
     with pytest.raises(ConfigError) as info:
