@@ -21,9 +21,11 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
     from ray import serve
 
     from cluster.app import build_app
+    from cluster.placement import check_placement
 
     if not ray.is_initialized():
         ray.init(address=address, num_cpus=None if address else config.server.num_cpus_ray, include_dashboard=False)
+    check_placement(config)  # a pool pinned to a node type the cluster lacks: a clear error, before any actor starts
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
     serve.run(build_app(config), name="epd", route_prefix="/")
     return f"http://{config.server.host}:{config.server.port}/v1"
