@@ -33,6 +33,8 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    if args.port is not None:
+        config = config.replace(server={"port": args.port})
     ensure_model(config)
     url = start(config, address=args.address)
     print(f"epd is serving {config.model.served_name} at {url}  (Ctrl-C stops it)", flush=True)
@@ -58,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_p = sub.add_parser("serve", help="start the cluster and the OpenAI endpoint")
     serve_p.add_argument("--config", default=str(DEFAULT_CONFIG))
     serve_p.add_argument("--address", default=None, help="join a running Ray cluster (e.g. 'auto') instead of starting one")
+    serve_p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's server.port)")
     serve_p.set_defaults(func=_serve)
     build_p = sub.add_parser("build-model", help="build the config's built-in checkpoint if it is missing")
     build_p.add_argument("--config", default=str(DEFAULT_CONFIG))
