@@ -23,21 +23,29 @@ if ! ssh -o BatchMode=yes -o StrictHostKeyChecking=no -i "$KEY" epdnode@127.0.0.
   ssh-keygen -A >/dev/null; mkdir -p /run/sshd
   /usr/sbin/sshd -o ListenAddress=127.0.0.1 -o ListenAddress=127.0.0.2 -o PasswordAuthentication=no
 fi
-for ip in 127.0.0.1 127.0.0.2; do ssh -o BatchMode=yes -o StrictHostKeyChecking=no -i "$KEY" epdnode@$ip 'echo "ssh epdnode@$(hostname -I 2>/dev/null | cut -d" " -f1) ok"' ; done
+for ip in 127.0.0.1 127.0.0.2; do ssh -o BatchMode=yes -o StrictHostKeyChecking=no -i "$KEY" epdnode@$ip true && echo "ssh epdnode@$ip ok"; done
 
 step "ray up $YAML"
 started=$(date +%s)
+# Ray 2.60's autoscaler v2 never launches the local provider's workers (it loops on
+# "Adding 1 node(s)"), so this run uses the v1 autoscaler, Ray's documented switch.
+export RAY_UP_enable_autoscaler_v2=0
 "$VENV/bin/ray" up "$YAML" --yes --no-config-cache
 echo "ray up took $(( $(date +%s) - started )) s"
 
-cleanup() { step "ray down $YAML"; "$VENV/bin/ray" down "$YAML" --yes; }
+cleanup() {
+  "$VENV/bin/ray" exec "$YAML" '[ -f ~/serve.pid ] && kill $(cat ~/serve.pid) 2>/dev/null; rm -f ~/serve.pid' || true  # `ray stop` leaves drivers running
+  step "ray down $YAML"; "$VENV/bin/ray" down "$YAML" --yes
+}
 trap cleanup EXIT
 
 step "epd serve --address auto, on the head"
 "$VENV/bin/ray" exec "$YAML" "cd ~/epd && nohup .venv/bin/epd serve --config configs/multi_node_cpu.yaml --address auto --port $PORT > ~/serve.log 2>&1 & echo \$! > ~/serve.pid"
-for _ in $(seq 300); do
+for _ in $(seq 400); do
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1
 done
+curl -sf "http://127.0.0.1:$PORT/health" || { "$VENV/bin/ray" exec "$YAML" "tail -20 ~/serve.log"; exit 1; }
+echo
 "$VENV/bin/ray" exec "$YAML" "tail -3 ~/serve.log"
 
 step "ray status (nodes and their resources)"
@@ -58,4 +66,5 @@ for a in state.actors().values():
 \""
 
 step "stop epd serve"
-"$VENV/bin/ray" exec "$YAML" 'kill $(cat ~/serve.pid); sleep 5; tail -2 ~/serve.log'
+# SIGTERM: `epd serve` shuts Serve down and exits; wait for it, since `ray stop` leaves drivers alive.
+"$VENV/bin/ray" exec "$YAML" 'pid=$(cat ~/serve.pid); kill $pid; for s in $(seq 120); do kill -0 $pid 2>/dev/null || { echo "epd serve exited after $s s"; rm ~/serve.pid; break; }; sleep 1; done'

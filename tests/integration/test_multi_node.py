@@ -25,8 +25,10 @@ def free_port() -> int:
 
 def private_ray_env() -> dict:
     """The environment for a Ray of our own: its address file in a private RAY_TMPDIR, so
-    `ray.init()` / `address='auto'` elsewhere on this machine never finds it."""
-    return {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="epd-ray-", dir="/tmp"),
+    `ray.init()` / `address='auto'` elsewhere on this machine never finds it; one auth mode
+    for all its processes (`ray start` turns token auth on when ~/.ray/auth_token exists,
+    a client of `serve run` does not)."""
+    return {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="epd-ray-", dir="/tmp"), "RAY_AUTH_MODE": "disabled",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
 

@@ -4,6 +4,7 @@ its own, in subprocesses, beside the shared `ray_session` of the other integrati
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,12 +26,22 @@ def ray_head(tmp_path_factory):
     """`ray start --head --block`, stopped by signalling the process we started (never `ray stop`)."""
     env = private_ray_env()
     port = free_port()
-    head = subprocess.Popen([RAY, "start", "--head", "--block", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+    head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
                              f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not _accepts(port):  # the GCS listens: the head is up
+        assert head.poll() is None and time.monotonic() < deadline, "the Ray head never came up"
+        time.sleep(1)
+    time.sleep(2)  # its raylet registers just after the GCS opens
     yield f"127.0.0.1:{port}", env
     head.send_signal(signal.SIGTERM)
     head.wait(timeout=60)
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _serve_yaml(tmp_path: Path, http_port: int) -> Path:
@@ -42,10 +53,10 @@ def _serve_yaml(tmp_path: Path, http_port: int) -> Path:
     return path
 
 
-def _wait_ready(root: str, proc: subprocess.Popen, within_s: float = 300) -> None:
+def _wait_ready(root: str, proc: subprocess.Popen, log: Path, within_s: float = 300) -> None:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"serve run exited with {proc.returncode}"
+        assert proc.poll() is None, f"serve run exited with {proc.returncode}: {log.read_text()[-3000:]}"
         try:
             if httpx.get(f"{root}/health", timeout=5).status_code == 200:
                 return
@@ -58,12 +69,12 @@ def _wait_ready(root: str, proc: subprocess.Popen, within_s: float = 300) -> Non
 def test_serve_run_serves_the_serve_config(ray_head, tmp_path):
     address, env = ray_head
     http_port = free_port()
-    log = (tmp_path / "serve_run.log").open("w")
+    log = tmp_path / "serve_run.log"
     proc = subprocess.Popen([SERVE, "run", "--address", address, str(_serve_yaml(tmp_path, http_port))],
-                            cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            cwd=REPO_ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     root = f"http://127.0.0.1:{http_port}"
     try:
-        _wait_ready(root, proc)
+        _wait_ready(root, proc, log)
         assert httpx.get(f"{root}/v1/models").json()["data"][0]["id"] == "tiny-llava"
         reply = httpx.post(f"{root}/v1/chat/completions", timeout=120, json={
             "model": "tiny-llava", "messages": [{"role": "user", "content": "Hello there"}], "temperature": 0, "max_tokens": 8})
@@ -72,6 +83,6 @@ def test_serve_run_serves_the_serve_config(ray_head, tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C: serve run deletes its app and exits
         returncode = proc.wait(timeout=120)
-    assert returncode == 0, (tmp_path / "serve_run.log").read_text()[-3000:]
+    assert returncode == 0, log.read_text()[-3000:]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{root}/health", timeout=5).raise_for_status()  # the app is gone with it
