@@ -17,6 +17,12 @@ from actors.types import Modality
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local_cpu.yaml"
+SERVE_CONFIG = REPO_ROOT / "configs" / "serve.yaml"  # Ray Serve's config (serve run / deploy), not an epd config
+
+
+def repo_configs() -> list[Path]:
+    """The epd configs in configs/ (every YAML there but the Serve config)."""
+    return sorted(p for p in (REPO_ROOT / "configs").glob("*.yaml") if p != SERVE_CONFIG)
 
 
 class Strict(BaseModel):

@@ -40,7 +40,7 @@ cleanup() {
 trap cleanup EXIT
 
 step "epd serve --address auto, on the head"
-"$VENV/bin/ray" exec "$YAML" "cd ~/epd && nohup .venv/bin/epd serve --config configs/multi_node_cpu.yaml --address auto --port $PORT > ~/serve.log 2>&1 & echo \$! > ~/serve.pid"
+"$VENV/bin/ray" exec "$YAML" "cd ~/epd; nohup .venv/bin/epd serve --config configs/multi_node_cpu.yaml --address auto --port $PORT > ~/serve.log 2>&1 & echo \$! > ~/serve.pid"
 for _ in $(seq 400); do
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1
 done

@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 from cluster.app import AppArgs, app_builder
-from cluster.config import REPO_ROOT, Transport, load_config
+from cluster.config import REPO_ROOT, SERVE_CONFIG, Transport, load_config, repo_configs
 from cluster.placement import NodeShape, unplaceable
 
-SERVE_YAML = REPO_ROOT / "configs" / "serve.yaml"
-CONFIGS = sorted(p for p in (REPO_ROOT / "configs").glob("*.yaml") if p != SERVE_YAML)
+SERVE_YAML = SERVE_CONFIG
+CONFIGS = repo_configs()
 CLUSTER = REPO_ROOT / "cluster"
 
 
