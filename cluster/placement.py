@@ -8,7 +8,9 @@ Autoscaling clusters: a resource counts as offered when a live node has it, or w
 type of the autoscaler's own config (published to the GCS by the autoscaler of `ray up` or
 KubeRay) declares it with room for at least one node: the autoscaler then launches such a
 node for the pending actor. Where that config is not published (Ray's v1 autoscaler),
-`server.wait_for_nodes_s` gives the cluster's worker nodes time to join.
+`server.wait_for_nodes_s` gives the cluster's worker nodes time to join. Pools that together
+reserve more of a resource than the live nodes and those node types (at their max count)
+offer are refused too: some of their actors would wait forever.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class NodeShape:
 
     source: str
     resources: Mapping[str, float]
+    count: int = 1  # nodes of this shape (an autoscaler node type: its max count)
 
     def holds(self, bundle: Mapping[str, float]) -> bool:
         return all(self.resources.get(name, 0.0) >= amount for name, amount in bundle.items())
@@ -43,7 +46,8 @@ def _shown(resources: Mapping[str, float]) -> dict[str, float]:
 
 
 def unplaceable(config: ClusterConfig, shapes: list[NodeShape]) -> list[str]:
-    """One sentence per pool whose actors no node (or node type) can hold."""
+    """One sentence per pool whose actors no node (or node type) can hold, and per resource
+    the pools together need more of than all nodes offer."""
     offered = sorted({name for shape in shapes for name in _shown(shape.resources)})
     problems = []
     for name, pool in config.named_pools():
@@ -54,6 +58,18 @@ def unplaceable(config: ClusterConfig, shapes: list[NodeShape]) -> list[str]:
         elif not any(shape.holds(bundle) for shape in shapes):
             largest = [f"{s.source}: {_shown(s.resources)}" for s in shapes]
             problems.append(f"no single node can hold one actor of pool {name!r} ({bundle}); nodes: {largest}")
+    return problems or _short(config, shapes)
+
+
+def _short(config: ClusterConfig, shapes: list[NodeShape]) -> list[str]:
+    """Resources the pools need more of, all actors together, than the nodes offer."""
+    problems = []
+    for resource in sorted({r for _, pool in config.named_pools() for r in pool.ray_resources()}):
+        parts = {name: pool.num_workers * pool.ray_resources().get(resource, 0.0) for name, pool in config.named_pools()}
+        offered = sum(shape.resources.get(resource, 0.0) * shape.count for shape in shapes)
+        if (needed := sum(parts.values())) > offered:
+            split = ", ".join(f"{name} {amount:g}" for name, amount in parts.items() if amount)
+            problems.append(f"the pools reserve {needed:g} {resource} in all ({split}); the cluster offers {offered:g}")
     return problems
 
 
@@ -73,7 +89,9 @@ def autoscaler_shapes() -> list[NodeShape]:
         return []
     if published is None:
         return []
-    return [NodeShape(f"node type {group.name} (autoscaler)", {k: float(v) for k, v in group.resources.items()})
+    unbounded = 1 << 20  # max_count -1: no limit
+    return [NodeShape(f"node type {group.name} (autoscaler)", {k: float(v) for k, v in group.resources.items()},
+                      group.max_count if group.max_count > 0 else unbounded)
             for group in published.node_group_configs if group.max_count != 0]
 
 

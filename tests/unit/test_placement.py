@@ -36,8 +36,17 @@ def test_a_resource_split_over_nodes_does_not_hold_one_actor():
     assert problems == [problems[0]] and "no single node can hold one actor of pool 'prefill'" in problems[0]
 
 
+def test_pools_that_need_more_than_the_nodes_offer_in_all_are_refused():
+    more = PINNED.replace(prefill={"num_workers": 2})  # 2 prefill + 1 decode = 3 llm_node; the LLM node has 2
+    (problem,) = unplaceable(more, [HEAD, ENCODER, LLM])
+    assert "3 llm_node in all (prefill 2, decode 1)" in problem and "offers 2" in problem
+    assert unplaceable(more, [HEAD, ENCODER, LLM, LLM]) == []
+    two_launchable = NodeShape("node type gpu_llm (autoscaler)", {"CPU": 8.0, "llm_node": 1.0}, count=2)
+    assert unplaceable(more, [HEAD, ENCODER, LLM, two_launchable]) == []
+
+
 def test_a_node_type_the_autoscaler_may_launch_counts():
-    launchable = NodeShape("node type gpu_llm (autoscaler)", {"CPU": 8.0, "llm_node": 1.0})
+    launchable = NodeShape("node type gpu_llm (autoscaler)", {"CPU": 8.0, "llm_node": 1.0}, count=2)
     assert unplaceable(PINNED, [HEAD, ENCODER, launchable]) == []
 
 
