@@ -3,8 +3,10 @@ answer across nodes is token-exact. The cluster runs in a process of its own
 (multi_node_run.py), so this module never touches the shared `ray_session`."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,10 +36,15 @@ def private_ray_env() -> dict:
 
 @pytest.fixture(scope="module")
 def outcome() -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tests.integration.multi_node_run", str(free_port())],
-                          cwd=REPO_ROOT, env=private_ray_env(), capture_output=True, text=True, timeout=400)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.multi_node_run", str(free_port())], cwd=REPO_ROOT,
+                            env=private_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:  # whatever happened, none of its raylets outlives it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-5000:]
     return json.loads(lines[-1])
 
 

@@ -3,6 +3,8 @@
 its own, in subprocesses, beside the shared `ray_session` of the other integration tests."""
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -29,14 +31,27 @@ def ray_head(tmp_path_factory):
     head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
                              f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not _accepts(port):  # the GCS listens: the head is up
-        assert head.poll() is None and time.monotonic() < deadline, "the Ray head never came up"
-        time.sleep(1)
-    time.sleep(2)  # its raylet registers just after the GCS opens
-    yield f"127.0.0.1:{port}", env
-    head.send_signal(signal.SIGTERM)
-    head.wait(timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while not _accepts(port):  # the GCS listens: the head is up
+            assert head.poll() is None and time.monotonic() < deadline, "the Ray head never came up"
+            time.sleep(1)
+        time.sleep(2)  # its raylet registers just after the GCS opens
+        yield f"127.0.0.1:{port}", env
+    finally:
+        _stop_group(head)
+
+
+def _stop_group(head: subprocess.Popen) -> None:
+    """SIGTERM to the head's own process group (`ray start` and every process it started),
+    SIGKILL to what is left after a grace period."""
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGKILL)
 
 
 def _accepts(port: int) -> bool:
