@@ -4,7 +4,9 @@ Routes: POST /v1/chat/completions, GET /v1/models, GET /metrics, GET /health.
 """
 
 import asyncio
+import functools
 import logging
+import math
 import os
 import time
 import uuid
@@ -19,7 +21,8 @@ from ray.exceptions import TaskCancelledError
 from actors.types import TokenChunk
 from cluster import responses
 from cluster.config import ClusterConfig
-from cluster.fleet import Fleet
+from cluster import controller
+from cluster.fleet_client import FleetClient
 from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptPlanner
 from cluster.admission import Admission, Overloaded, Ticket
@@ -56,17 +59,23 @@ class Ingress:
         self.metrics = Metrics()
         self.planner = PromptPlanner(self.config.model.checkpoint_path, self.config.model.dtype)
         self.config.encoder_modalities(self.planner.spec.modalities)  # every modality has an encoder: check before any actor starts
-        self.fleet = Fleet(self.config)
+        app_name = serve.get_replica_context().app_name
+        self.fleet = FleetClient(functools.partial(controller.attach, app_name, self.config, self.planner.spec.modalities), self.config)
         rc = self.config.router
-        workers = self.fleet.worker_infos(self.planner.spec.modalities)
-        self.router = Router(workers, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s, dead_after_s=rc.dead_after_s)
+        self.router = Router(self.fleet.snapshot.infos, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s, dead_after_s=rc.dead_after_s)
         routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token)
         self.supervisor = Supervisor(self.fleet, self.router)
         self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics, self.supervisor.handle_lost)
         limits = self.config.limits
         self._admit_pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="admit")
-        self.admission = Admission(limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers,
-                                   limits.max_generating_per_decode_worker * self.config.decode.num_workers)
+        share = self.config.server.num_replicas  # each replica admits its share of the cluster's budget
+        self.admission = Admission(math.ceil(limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers / share),
+                                   math.ceil(limits.max_generating_per_decode_worker * self.config.decode.num_workers / share))
+
+    async def check_health(self) -> None:
+        """Serve's periodic replica check: also starts supervision (and so the controller
+        heartbeat) in a replica that has had no request yet."""
+        self.supervisor.ensure_running()
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
@@ -189,10 +198,14 @@ class Ingress:
         body = {"status": "ok" if whole else ("degraded" if serving else "unavailable"), "healthy_workers": healthy}
         if verbose:
             body["workers"] = {kind.value: stats[kind] for kind in WorkerKind}
-            body["ingress"] = {"pid": os.getpid(), "config_sha1": self.config_sha1, "waiting_tokens": self.admission.waiting_tokens, "generating": self.admission.generating}
+            served = self.metrics.registry.get_sample_value("epd_requests_total", {"status": "ok"}) or 0
+            body["ingress"] = {"pid": os.getpid(), "config_sha1": self.config_sha1, "waiting_tokens": self.admission.waiting_tokens,
+                               "generating": self.admission.generating, "served_ok": int(served)}
+            snapshot = self.fleet.snapshot
+            body["fleet"] = {"generation": snapshot.generation, "actor_ids": {kind.value: list(snapshot.actor_ids[kind]) for kind in WorkerKind}}
         headers = {} if serving else {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(body, status_code=200 if serving else 503, headers=headers)
 
 
 def build_app(config: ClusterConfig):
-    return Ingress.bind(config.model_dump(mode="json"))
+    return Ingress.options(num_replicas=config.server.num_replicas).bind(config.model_dump(mode="json"))

@@ -8,6 +8,8 @@ import time
 
 from cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError, load_config
 
+APP_NAME = "epd"  # the Serve application (and so its fleet controller's name)
+
 
 def ensure_model(config: ClusterConfig) -> None:
     from actors.checkpoints import ensure_checkpoint
@@ -25,7 +27,7 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
     if not ray.is_initialized():
         ray.init(address=address, num_cpus=None if address else config.server.num_cpus_ray, include_dashboard=False)
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
-    serve.run(build_app(config), name="epd", route_prefix="/")
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     return f"http://{config.server.host}:{config.server.port}/v1"
 
 
@@ -41,7 +43,10 @@ def _serve(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, SystemExit):
         from ray import serve
 
+        from cluster.controller import retire
+
         serve.shutdown()
+        retire(APP_NAME)  # the fleet controller is detached: it would outlive the app
     return 0
 
 

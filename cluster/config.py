@@ -152,6 +152,10 @@ class ServerConfig(Strict):
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     num_cpus_ray: int = Field(8, ge=1, description="Logical CPUs of a local Ray cluster that `epd serve` starts.")
     trace_path: str | None = Field(None, description="Append one JSONL record per finished request here (simulator replay format).")
+    num_replicas: int = Field(
+        1, ge=1, description="Ingress replicas sharing the one worker fleet (owned by the fleet controller, so it outlives "
+        "any replica). Each admits 1/num_replicas of the back-pressure budget and serves its own /metrics (a scrape "
+        "through the proxy sees one replica). Object-store transport only when above 1.")
 
 
 class ClusterConfig(Strict):
@@ -175,6 +179,11 @@ class ClusterConfig(Strict):
             raise ValueError("model.device cuda needs num_gpus > 0 in every pool")
         if self.model.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
+        rdt = {self.transport.embeddings, self.transport.kv} - {Transport.OBJECT_STORE}
+        if rdt and self.server.num_replicas > 1:
+            raise ValueError(f"transport {rdt.pop().value} needs server.num_replicas: 1 (got {self.server.num_replicas}): "
+                             "transfers into one worker must run one at a time (gloo pairs sends and receives by order "
+                             "alone), and a replica can order only its own; use object_store to run several replicas")
         if self.media.video_max_frames > self.limits.max_video_frames:
             raise ValueError(f"media.video_max_frames ({self.media.video_max_frames}) must not exceed "
                              f"limits.max_video_frames ({self.limits.max_video_frames})")

@@ -19,7 +19,7 @@ from actors.types import (DecodeRequest, EncodeJob, FinishReason, MediaItem, Pre
                           SamplingParams, TokenChunk)
 from actors.decode_state import finish_reason_of
 from cluster.config import ClusterConfig, Transport
-from cluster.fleet import Fleet
+from cluster.fleet_client import FleetClient
 from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
 from cluster.protocol import to_template_messages
@@ -76,7 +76,8 @@ class Admitted:
 class Job:
     """One attempt at a request: the prompt it prefills (the request's, plus the tokens an
     earlier attempt already produced) and what is left of its token budget. Workers know
-    it by `job_id`, so nothing an abandoned attempt left behind is mistaken for this one's."""
+    it by `job_id`, so nothing an abandoned attempt left behind is mistaken for this one's;
+    the id starts with the replica's owner tag (what its death frees: FleetClient.owner)."""
 
     adm: Admitted
     job_id: str
@@ -85,11 +86,11 @@ class Job:
     deadline_s: float  # perf_counter time by which the request must be done
 
     @classmethod
-    def of(cls, adm: Admitted, produced: tuple[int, ...], attempt: int, deadline_s: float) -> "Job":
+    def of(cls, adm: Admitted, produced: tuple[int, ...], attempt: int, deadline_s: float, owner: str = "") -> "Job":
         sampling = adm.sampling
         if produced:
             sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - len(produced))
-        return cls(adm, f"{adm.request_id}/{attempt}", adm.plan.token_ids + produced, sampling, deadline_s)
+        return cls(adm, f"{owner}{adm.request_id}/{attempt}", adm.plan.token_ids + produced, sampling, deadline_s)
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Trace:
 
 
 class RequestPath:
-    def __init__(self, config: ClusterConfig, fleet: Fleet, planner: PromptPlanner, routing: LiveRouting, metrics: Metrics,
+    def __init__(self, config: ClusterConfig, fleet: FleetClient, planner: PromptPlanner, routing: LiveRouting, metrics: Metrics,
                  on_worker_lost: Callable[[WorkerLost], Awaitable[None]]):
         self.config, self.fleet, self.planner = config, fleet, planner
         self.routing, self.metrics = routing, metrics
@@ -180,7 +181,7 @@ class RequestPath:
         produced: list[int] = []
         deadline_s = adm.arrived_s + self.config.limits.request_timeout_s
         for attempt in range(self.config.limits.max_attempts):
-            job = Job.of(adm, tuple(produced), attempt, deadline_s)
+            job = Job.of(adm, tuple(produced), attempt, deadline_s, self.fleet.owner)
             attempt_stream = self._attempt(job, trace)
             try:
                 async for chunk in attempt_stream:
