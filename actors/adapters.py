@@ -106,6 +106,8 @@ FAMILIES: dict[str, str] = {
     "llava": "actors.adapter_llava",
     "qwen2_audio": "actors.adapter_qwen2_audio",
     "qwen2_5_omni_thinker": "actors.adapter_omni",
+    "qwen2_5_vl": "actors.adapter_qwen2_5_vl",
+    "llava_next": "actors.adapter_llava_next",
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

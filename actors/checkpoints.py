@@ -268,13 +268,18 @@ def build_llava(recipe: Recipe):
 def _recipes() -> dict:
     """Every recipe by name: LLaVA ones here, Qwen-family ones (audio, omni) beside them."""
     from actors.checkpoint_qwen import QWEN_RECIPES
+    from actors.checkpoint_vl import VL_RECIPES
 
-    return {**RECIPES, **QWEN_RECIPES}
+    return {**RECIPES, **QWEN_RECIPES, **VL_RECIPES}
 
 
 def _builder(recipe):
     if isinstance(recipe, Recipe):
         return build_llava
+    from actors.checkpoint_vl import VLRecipe, build_vl
+
+    if isinstance(recipe, VLRecipe):
+        return build_vl
     from actors.checkpoint_qwen import build_qwen
 
     return build_qwen
@@ -298,6 +303,7 @@ def build_checkpoint(recipe: str, out_dir: str | Path, *, progress: bool = True)
             bar.set_description(f"build {recipe}: save")
             model.save_pretrained(tmp)
             processor.save_pretrained(tmp)  # also writes the tokenizer and chat_template.jinja
+            getattr(r, "publish_layout", lambda _: None)(tmp)  # recipes that mirror a Hub repo's file names
             bar.update()
         try:
             os.rename(tmp, out)  # atomic; replaces `out` only if it is an empty dir

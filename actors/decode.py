@@ -17,6 +17,7 @@ from actors.adapters import Part
 from actors.decode_state import DecodeScheduler, Sequence
 from actors.inbox import TensorInbox
 from actors.lm_runner import LMRunner
+from actors.sampling import Sampled
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import DecodeRequest, FinishReason, TokenChunk
 
@@ -53,11 +54,12 @@ class DecodeWorker(ModelWorker):
 
     @staticmethod
     def _drain(first: TokenChunk, outbox: asyncio.Queue) -> TokenChunk:
-        tokens, last = list(first.token_ids), first
+        tokens, logprobs, last = list(first.token_ids), list(first.logprobs), first
         while not last.finished and not outbox.empty():
             last = outbox.get_nowait()
             tokens.extend(last.token_ids)
-        return TokenChunk(tuple(tokens), last.finish_reason, last.step_ms)
+            logprobs.extend(last.logprobs)
+        return TokenChunk(tuple(tokens), last.finish_reason, last.step_ms, tuple(logprobs))
 
     def abort(self, request_id: str) -> None:
         self.inbox.close(request_id)
@@ -91,17 +93,18 @@ class DecodeWorker(ModelWorker):
                 raise
             step_ms = (time.perf_counter() - started) * 1e3
             self.max_batch_seen = max(self.max_batch_seen, len(tokens))
-            for seq, token in zip(self.scheduler.running, tokens):
-                if token is not None:  # a failed row ends alone, with ERROR, in _release
-                    self._publish(seq, TokenChunk((token,), None, step_ms))
-            self._release(self.scheduler.record(tokens), step_ms)
+            for seq, sampled in zip(self.scheduler.running, tokens):
+                if sampled is not None:  # a failed row ends alone, with ERROR, in _release
+                    logprobs = (sampled.logprob,) if sampled.logprob is not None else ()
+                    self._publish(seq, TokenChunk((sampled.token_id,), None, step_ms, logprobs))
+            self._release(self.scheduler.record([s.token_id if s is not None else None for s in tokens]), step_ms)
 
     def _join(self, joining: list[Sequence]) -> None:
         for seq in joining:
             self.batch.join(seq.kv.to(self.runner.device))
             seq.kv = None
 
-    def _step(self) -> list[int | None]:
+    def _step(self) -> list[Sampled | None]:
         running = self.scheduler.running
         return self.runner.decode_step(
             self.batch,
@@ -109,6 +112,7 @@ class DecodeWorker(ModelWorker):
             [seq.request.sampling for seq in running],
             [seq.next_position for seq in running],
             [seq.request.rope_delta for seq in running],
+            [seq.history() for seq in running],
         )
 
     def _release(self, finished: list[Sequence], step_ms: float = 0.0) -> None:

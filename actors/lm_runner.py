@@ -10,8 +10,8 @@ from transformers.cache_utils import DynamicCache
 
 from actors import kv
 from actors.adapters import ModelAdapter
-from actors.sampling import sample
-from actors.types import PlaceholderRange, SamplingParams
+from actors.sampling import Sampled, sample_rows
+from actors.types import PlaceholderRange, SamplingParams, TokenHistory
 
 
 def splice(embeds: torch.Tensor, ranges: tuple[PlaceholderRange, ...], items: list[torch.Tensor]) -> torch.Tensor:
@@ -40,7 +40,8 @@ class LMRunner:
         ranges: tuple[PlaceholderRange, ...],
         items: list[torch.Tensor],
         params: SamplingParams,
-    ) -> tuple[int | None, torch.Tensor, int]:
+        history: TokenHistory | None = None,
+    ) -> tuple[Sampled | None, torch.Tensor, int]:
         """First token (None if it could not be sampled), the packed KV cache of the whole
         prompt, and the rope delta decode adds to cache lengths (0 for 1-D positions)."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
@@ -51,13 +52,13 @@ class LMRunner:
             end = start + self.max_chunk_tokens
             hidden = self.adapter.forward(embeds[:, start:end], positions[..., start:end], cache)
         logits = self.adapter.logits(hidden[:, -1])
-        return sample(logits, [params], [ids.shape[1]])[0], kv.pack(cache), rope_delta
+        return sample_rows(logits, [params], [ids.shape[1]], [history] if history else None)[0], kv.pack(cache), rope_delta
 
     @torch.inference_mode()
     def decode_step(
         self, batch: kv.BatchedKV, last_tokens: list[int], params: list[SamplingParams], positions: list[int],
-        rope_deltas: list[int] | None = None,
-    ) -> list[int | None]:
+        rope_deltas: list[int] | None = None, histories: list[TokenHistory] | None = None,
+    ) -> list[Sampled | None]:
         """Feed each row its last token; the cache grows by one slot; returns the next tokens."""
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)
         position_ids = batch.lengths().unsqueeze(1)
@@ -68,4 +69,4 @@ class LMRunner:
         cache = batch.as_cache()
         hidden = self.adapter.forward(self.adapter.embed_tokens(ids), position_ids, cache, mask)
         batch.absorb(cache)
-        return sample(self.adapter.logits(hidden[:, -1]), params, positions)
+        return sample_rows(self.adapter.logits(hidden[:, -1]), params, positions, histories)

@@ -12,7 +12,15 @@ from actors.adapters import Part
 from actors.inbox import TensorInbox
 from actors.lm_runner import LMRunner
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
-from actors.types import EncodeStats, PrefillRequest, PrefillResult, WorkerRequestError
+from actors.types import EncodeStats, PrefillRequest, PrefillResult, TokenHistory, WorkerRequestError
+
+
+def history_of(request: PrefillRequest) -> TokenHistory | None:
+    """What the first token's penalties see; a resumed request's generated tokens are output."""
+    if not request.sampling.needs_history:
+        return None
+    split = len(request.prompt_token_ids) - request.num_output_tokens
+    return TokenHistory(request.prompt_token_ids[:split], request.prompt_token_ids[split:])
 
 
 class PrefillWorker(ModelWorker):
@@ -45,17 +53,19 @@ class PrefillWorker(ModelWorker):
         self.kv.put(request.request_id, packed)  # dropped at once if the request was closed meanwhile
         return PrefillResult(
             request_id=request.request_id,
-            first_token_id=token,
+            first_token_id=token.token_id,
             num_prompt_tokens=len(request.prompt_token_ids),
             queue_ms=(started - arrived) * 1e3,
             prefill_ms=(finished - started) * 1e3,
             encode_stats=tuple(stats for _, stats in encoded),
             rope_delta=rope_delta,
+            first_logprob=token.logprob,
         )
 
     def _timed_prefill(self, request: PrefillRequest, items: list[torch.Tensor]):
         started = time.perf_counter()
-        token, packed, rope_delta = self.runner.prefill(request.prompt_token_ids, request.placeholders, items, request.sampling)
+        token, packed, rope_delta = self.runner.prefill(request.prompt_token_ids, request.placeholders, items,
+                                                        request.sampling, history_of(request))
         return token, packed, rope_delta, started
 
     async def pop_kv(self, request_id: str) -> torch.Tensor:

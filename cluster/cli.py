@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -33,6 +34,8 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    if os.environ.get("EPD_API_KEY") and not config.server.api_key:
+        config = config.replace(server={"api_key": os.environ["EPD_API_KEY"]})
     ensure_model(config)
     url = start(config, address=args.address)
     print(f"epd is serving {config.model.served_name} at {url}  (Ctrl-C stops it)", flush=True)

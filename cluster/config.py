@@ -85,6 +85,30 @@ class TransportConfig(Strict):
     kv: Transport = Field(Transport.OBJECT_STORE, description="How KV caches travel prefill -> decode.")
 
 
+class RemoteMediaConfig(Strict):
+    """Fetching http(s) media URLs (image_url, video_url, audio_url). Off unless hosts are listed."""
+
+    allowed_hosts: list[str] = Field(default_factory=list, description="Hosts media URLs may name: exact names, "
+                                     "'*.example.com' for its subdomains, or '*' for any host. Empty: fetching is off.")
+    allowed_networks: list[str] = Field(default_factory=list, description="Private, loopback or link-local networks "
+                                        "(CIDR) fetching may reach anyway, e.g. an internal media store; every other "
+                                        "non-public address is refused, also after a redirect.")
+    max_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest body fetched for one item.")
+    timeout_s: float = Field(10.0, gt=0, description="One deadline for a whole fetch: connect, redirects and body.")
+    max_redirects: int = Field(3, ge=0, description="Redirects followed, each checked like the first URL.")
+
+    @model_validator(mode="after")
+    def _networks_parse(self) -> "RemoteMediaConfig":
+        import ipaddress
+
+        for net in self.allowed_networks:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"limits.remote_media.allowed_networks: {exc}") from None
+        return self
+
+
 class LimitsConfig(Strict):
     max_items_per_request: int = Field(4, ge=0, description="Most media items in one request.")
     max_image_pixels: int = Field(16_000_000, gt=0, description="Most pixels in one decoded image or video frame (decompression bombs stop here).")
@@ -102,8 +126,10 @@ class LimitsConfig(Strict):
     max_concurrent_decodes: int = Field(2, ge=1, description="Media items the ingress decodes at once (others wait): bounds the "
                                         "CPU and transient memory decoding takes from the ingress process.")
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
-    allow_remote_media: bool = Field(False, description="Fetch http(s) media URLs; off by default.")
-    default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
+    remote_media: RemoteMediaConfig = Field(default_factory=RemoteMediaConfig, description="Fetching http(s) media URLs.")
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="max_tokens when a request gives none; None: the rest of the context (max_model_len minus "
+        "the prompt), as OpenAI and vLLM do for chat (text completions default to 16, as theirs).")
     request_timeout_s: float = Field(120.0, gt=0, description="A request that has not finished by then fails with 504.")
     max_waiting_tokens_per_prefill_worker: int = Field(
         16384, ge=1, description="Back-pressure: prompt tokens of requests still waiting for their first token, per prefill "
@@ -156,6 +182,10 @@ class ServerConfig(Strict):
         1, ge=1, description="Ingress replicas sharing the one worker fleet (owned by the fleet controller, so it outlives "
         "any replica). Each admits 1/num_replicas of the back-pressure budget and serves its own /metrics (a scrape "
         "through the proxy sees one replica). Object-store transport only when above 1.")
+    api_key: str | None = Field(None, description="When set, /v1/* requires `Authorization: Bearer <key>` (401 otherwise); "
+                                "/health and /metrics stay open. `epd serve` fills it from $EPD_API_KEY when unset.")
+    log_requests: bool = Field(True, description="One log line per finished request: id, status, tokens, TTFT, e2e.")
+    log_prompts: bool = Field(False, description="Add the prompt's text to each request's log line (off: prompts may be private).")
 
 
 class ClusterConfig(Strict):

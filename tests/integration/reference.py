@@ -26,7 +26,9 @@ def _model_class(model_type: str):
 
     return {"llava": transformers.LlavaForConditionalGeneration,
             "qwen2_audio": transformers.Qwen2AudioForConditionalGeneration,
-            "qwen2_5_omni_thinker": transformers.Qwen2_5OmniThinkerForConditionalGeneration}[model_type]
+            "qwen2_5_omni_thinker": transformers.Qwen2_5OmniThinkerForConditionalGeneration,
+            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+            "llava_next": transformers.LlavaNextForConditionalGeneration}[model_type]
 
 
 @lru_cache(maxsize=3)
@@ -66,7 +68,9 @@ class _Media:
     def kwargs(self, video_fps: float) -> dict:
         out = {"images": self.images or None, "audio": self.audio or None}
         if self.videos:
-            out.update(videos=self.videos, videos_kwargs={"fps": video_fps})
+            # fps for the Omni processor, per-video metadata for Qwen2.5-VL's (which else assumes 24 fps)
+            metadata = [{"total_num_frames": len(v), "fps": video_fps} for v in self.videos]
+            out.update(videos=self.videos, videos_kwargs={"fps": video_fps, "video_metadata": metadata})
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -83,15 +87,26 @@ def _to_hf(messages: list[dict], media: _Media) -> list[dict]:
 
 @torch.inference_mode()
 def reference_generate(checkpoint: str, messages: list[dict], max_new_tokens: int, device: str = "cpu",
-                       video_fps: float = 2.0) -> tuple[list[int], str, str]:
-    """(new token ids, their text, OpenAI finish reason)."""
+                       video_fps: float = 2.0, **generate_kwargs) -> tuple[list[int], str, str]:
+    """(new token ids, their text, OpenAI finish reason); `generate_kwargs` go to `generate`
+    (repetition_penalty, min_new_tokens, ...)."""
     processor, model = _load(checkpoint, device)
     extractor = getattr(processor, "feature_extractor", None)
     media = _Media(extractor.n_samples if extractor is not None else None)
     hf = _to_hf(messages, media)
     text = processor.apply_chat_template(hf, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, return_tensors="pt", **media.kwargs(video_fps)).to(device)
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
     new = out[0, inputs["input_ids"].shape[1]:].tolist()
     finish = "stop" if new[-1] == processor.tokenizer.eos_token_id else "length"
     return new, processor.tokenizer.decode(new, skip_special_tokens=True), finish
+
+
+@torch.inference_mode()
+def reference_generate_ids(checkpoint: str, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """New token ids `generate` gives after a raw prompt (no chat template): /v1/completions."""
+    _, model = _load(checkpoint)
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, **generate_kwargs)
+    return out[0, ids.shape[1]:].tolist()

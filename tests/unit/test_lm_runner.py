@@ -74,7 +74,8 @@ def run_continuous_batching(
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
             token_ids, ranges, items, max_tokens = prompts[i]
-            first, packed, _ = runner.prefill(token_ids, ranges, items, GREEDY)
+            sampled, packed, _ = runner.prefill(token_ids, ranges, items, GREEDY)
+            first = sampled.token_id
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens)  # no stop ids: run to max_tokens
             sched.add(Sequence(DecodeRequest(f"r{i}", len(token_ids), first, params), packed))
         joining = sched.admit()
@@ -97,7 +98,7 @@ def run_continuous_batching(
                 [s.request.sampling for s in running],
                 [s.next_position for s in running],
             )
-            done = sched.record(tokens)
+            done = sched.record([t.token_id for t in tokens])
             finished.update({s.request_id: s.token_ids for s in done})
             batch.keep(sched.remove_finished())
             if done and batch.num_rows:
