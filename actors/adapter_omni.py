@@ -1,5 +1,6 @@
-"""Qwen2.5-Omni thinker: one model for images, video and audio (vision tower with 2x2 patch
-merging and 2-frame temporal patches, Whisper-style audio tower, LM with 3-D rotary positions).
+"""Qwen2.5-Omni thinker, bare (`qwen2_5_omni_thinker`) or inside the published layout
+(`qwen2_5_omni`, talker ignored): one model for images, video and audio (vision tower with 2x2
+patch merging and 2-frame temporal patches, Whisper-style audio tower, LM with 3-D rotary positions).
 
 Encoding calls the checkpoint's own sub-processors with the kwargs its processor would merge,
 so features equal what `processor(...)` gives. Positions: the prefill worker lays out the
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoProcessor, Qwen2_5OmniThinkerForConditionalGeneration
+from transformers import AutoConfig, AutoProcessor, Qwen2_5OmniThinkerForConditionalGeneration
 
 from actors.adapter_qwen2_audio import audio_embeddings
 from actors.adapters import ItemLayout, ModelAdapter, Part, merged_kwargs
@@ -32,7 +33,23 @@ class OmniSpec(VisionGridSpec):
         return super().layout(item)
 
 
+def thinker_config(config):
+    """The thinker's config: the checkpoint's own (bare thinker) or nested in the published layout."""
+    return getattr(config, "thinker_config", config)
+
+
+def load_thinker(checkpoint: Path, dtype: torch.dtype) -> Qwen2_5OmniThinkerForConditionalGeneration:
+    """The thinker alone. From the published layout (`qwen2_5_omni`: thinker + talker +
+    token2wav in one repo) only `thinker.*` tensors are read: the talker never reaches memory."""
+    config = AutoConfig.from_pretrained(checkpoint)
+    if config.model_type != "qwen2_5_omni":
+        return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
+    return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+        checkpoint, config=config.thinker_config, dtype=dtype, key_mapping={r"^thinker\.": ""})
+
+
 def build_spec(config, processor, dtype_bytes: int) -> OmniSpec:
+    config = thinker_config(config)
     fe = processor.feature_extractor
     return OmniSpec(
         token_by_modality={Modality.IMAGE: processor.image_token, Modality.VIDEO: processor.video_token,
@@ -48,7 +65,7 @@ def build_spec(config, processor, dtype_bytes: int) -> OmniSpec:
 class OmniAdapter(VisionEncoding, ModelAdapter):
     def __init__(self, checkpoint: Path, *, part: str, dtype: torch.dtype, device: str):
         super().__init__(checkpoint, part=part, dtype=dtype, device=device)
-        thinker = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
+        thinker = load_thinker(checkpoint, dtype)
         self._model = thinker.model
         if part == Part.ENCODER:
             self._processor = AutoProcessor.from_pretrained(checkpoint)

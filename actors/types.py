@@ -10,11 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
-class Modality(str, enum.Enum):
-    IMAGE = "image"
-    VIDEO = "video"
-    AUDIO = "audio"
+from router.types import Modality  # noqa: F401  (one spelling of the modalities, shared with the router)
 
 
 class FinishReason(str, enum.Enum):

@@ -73,12 +73,14 @@ class Ingress:
         self.metrics = Metrics(self.config.model.served_name, self.config.limits.request_timeout_s)
         api.state.api_key = self.config.server.api_key
         self.request_log = RequestLog(self.config.server.log_requests, self.config.server.log_prompts)
-        self.planner = PromptPlanner(self.config.model.checkpoint_path, self.config.model.dtype)
+        self.checkpoint = self.config.model.checkpoint_path  # resolved on this replica's node
+        self.planner = PromptPlanner(self.checkpoint, self.config.model.resolved_dtype)
         self.config.encoder_modalities(self.planner.spec.modalities)  # every modality has an encoder: check before any actor starts
         app_name = serve.get_replica_context().app_name
         self.fleet = FleetClient(functools.partial(controller.attach, app_name, self.config, self.planner.spec.modalities), self.config)
         rc = self.config.router
-        self.router = Router(self.fleet.snapshot.infos, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s, dead_after_s=rc.dead_after_s)
+        self.router = Router(self.fleet.snapshot.infos, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s,
+                             dead_after_s=rc.dead_after_s, calibration=rc.build_calibration())
         routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token)
         self.supervisor = Supervisor(self.fleet, self.router)
         self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics, self.supervisor.handle_lost)
@@ -241,7 +243,7 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        card = ModelCard(id=self.config.model.served_name, root=str(self.config.model.checkpoint_path),
+        card = ModelCard(id=self.config.model.served_name, root=str(self.checkpoint),
                          max_model_len=self.config.model.max_model_len)
         return ModelList(data=[card]).model_dump()
 

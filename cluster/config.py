@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import os
 from pathlib import Path
 
 import yaml
@@ -29,17 +28,42 @@ class Transport(str, enum.Enum):
     NCCL = "nccl"
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 class ModelConfig(Strict):
-    checkpoint: str = Field(description="Checkpoint directory loaded with from_pretrained; ~ and $VARS expand.")
+    checkpoint: str = Field(description="Checkpoint directory loaded with from_pretrained (~ and $VARS expand), or a Hugging "
+                            "Face repo id (org/name) resolved through the Hugging Face cache: downloaded when online, "
+                            "read from the filled cache when offline (HF_HUB_OFFLINE=1).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a repo id; unset: main. "
+                                 "`epd serve` pins it to the commit it resolved, so every node loads the same files.")
+    hub_cache_dir: str | None = Field(None, description="Hugging Face hub cache for repo ids on every node; unset: "
+                                      "huggingface_hub's default (HF_HUB_CACHE, else ~/.cache/huggingface/hub).")
     builtin: str | None = Field(None, description="Recipe that builds the checkpoint locally when the directory is missing.")
     served_name: str = Field(description="Model id that clients send and GET /v1/models reports.")
-    dtype: str = Field("float32", description="Weights and activations dtype: float32, bfloat16 or float16.")
+    dtype: str = Field("float32", description="Weights and activations dtype: float32, bfloat16, float16, or auto "
+                       "(bfloat16 on cuda, float32 on cpu).")
     device: str = Field("cpu", description="Torch device of every worker: cpu or cuda.")
     max_model_len: int = Field(2048, gt=0, description="Upper bound on prompt plus generated tokens.")
 
     @property
+    def is_hub_repo(self) -> bool:
+        from actors.checkpoint_source import is_repo_id
+
+        return is_repo_id(self.checkpoint)
+
+    @property
     def checkpoint_path(self) -> Path:
-        return Path(os.path.expandvars(os.path.expanduser(self.checkpoint)))
+        """The checkpoint's directory on this node (a repo id resolves through this node's cache)."""
+        from actors.checkpoint_source import resolve_checkpoint
+
+        return resolve_checkpoint(self.checkpoint, self.revision, self.hub_cache_dir)
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
 
 
 class PoolConfig(Strict):
@@ -154,6 +178,7 @@ class RouterConfig(Strict):
     policy: str = Field("joint", description="Routing policy: joint, random, round_robin, least_loaded, affinity.")
     seed: int = Field(0, description="Seed of the randomised policies.")
     priors: dict = Field(default_factory=dict, description="Cost-model priors (router.cost_model.CostPriors fields); calibrated online.")
+    calibration: dict = Field(default_factory=dict, description="How the cost model learns online (router.calibration.CalibrationConfig fields: pool_memory, speed_rate, idle_rounds, heal_rounds, max_relative, error_memory, spread_z).")
     staleness_s: float = Field(5.0, gt=0, description="Cache contents a worker published longer ago than this are ignored.")
     dead_after_s: float = Field(10.0, gt=0, description="A worker silent this long leaves the candidate set until it reports again.")
 
@@ -165,7 +190,13 @@ class RouterConfig(Strict):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; known: {sorted(POLICIES)}")
         CostPriors.from_dict(self.priors)  # raises naming the bad prior
+        self.build_calibration()  # raises naming the bad setting
         return self
+
+    def build_calibration(self):
+        from router.calibration import CalibrationConfig
+
+        return CalibrationConfig.from_dict(self.calibration)
 
     def build_priors(self):
         from router.cost_model import CostPriors
@@ -207,8 +238,8 @@ class ClusterConfig(Strict):
             raise ValueError("transport nccl needs model.device: cuda")
         if self.model.device == "cuda" and min(p.num_gpus for p in [*self.encoder_pools, self.prefill, self.decode]) <= 0:
             raise ValueError("model.device cuda needs num_gpus > 0 in every pool")
-        if self.model.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
+        if self.model.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, not {self.model.dtype!r}")
         rdt = {self.transport.embeddings, self.transport.kv} - {Transport.OBJECT_STORE}
         if rdt and self.server.num_replicas > 1:
             raise ValueError(f"transport {rdt.pop().value} needs server.num_replicas: 1 (got {self.server.num_replicas}): "

@@ -135,7 +135,7 @@ def encoder_throughput(cfg, args) -> dict:
     from cluster.prompt_plan import PromptPlanner
 
     planner, pool = PromptPlanner(cfg.model.checkpoint_path), cfg.encoder_pools[0]
-    spec = WorkerSpec(str(cfg.model.checkpoint_path), cfg.model.dtype, cfg.model.device, pool.torch_threads, cfg.model.max_model_len)
+    spec = WorkerSpec(str(cfg.model.checkpoint_path), cfg.model.resolved_dtype, cfg.model.device, pool.torch_threads, cfg.model.max_model_len)
     items = sample_items(planner, args)
     out = {}
     for batch in (1, pool.max_batch_size):
