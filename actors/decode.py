@@ -65,6 +65,13 @@ class DecodeWorker(ModelWorker):
         self.inbox.close(request_id)
         self.scheduler.abort(request_id)
 
+    def drop_owner(self, prefix: str) -> int:
+        """An ingress replica died: abort() all its requests (their ids start with `prefix`)."""
+        mine = {seq.request_id for seq in [*self.scheduler.waiting, *self.scheduler.running] if seq.request_id.startswith(prefix)}
+        for request_id in mine:
+            self.scheduler.abort(request_id)
+        return self.inbox.close_owner(prefix) + len(mine)
+
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.create_task(self._loop())

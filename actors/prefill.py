@@ -77,6 +77,10 @@ class PrefillWorker(ModelWorker):
         self.kv.close(request_id)
         self.embeddings.close(request_id)
 
+    def drop_owner(self, prefix: str) -> int:
+        """An ingress replica died: drop() all its requests (their ids start with `prefix`)."""
+        return self.kv.close_owner(prefix) + self.embeddings.close_owner(prefix)
+
     def stats(self) -> dict[str, int]:
         return {"pid": os.getpid(), "queued": self._queued, "held_kv": len(self.kv), "held_embeddings": len(self.embeddings)}
 
