@@ -1,5 +1,5 @@
 """The embedded default model answers: over HTTP on a real local Ray + Serve, the trained
-`shapes-llava` of `configs/local_cpu.yaml` names the colour, shape, count and side of
+`shapes-llava` of `configs/local_cpu.yaml` answers what it was taught (colour, side) about
 pictures it never saw (a held-out seed), greedy, with all requests in flight at once.
 Concurrency also catches cross-request mix-ups (another request's picture or KV would
 give another answer), which token-exactness on random weights can miss."""
