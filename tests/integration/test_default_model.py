@@ -24,8 +24,7 @@ MIN_ACCURACY = 0.90
 
 @pytest.fixture(scope="module")
 def default_app(ray_session):
-    config = load_config()  # the embedded default, as `./scripts/serve` serves it
-    ensure_model(config)
+    config = ensure_model(load_config())  # the embedded default, as `./scripts/serve` serves it
     return deploy(config.replace(server={"port": TEST_PORT, "trace_path": str(TRACE_PATH)}))
 
 
