@@ -15,7 +15,9 @@ import numpy as np
 from tqdm import tqdm
 
 from actors import shapes
-from actors.checkpoints import _GAINS, Recipe, _init_weights, build_processor, build_tokenizer, greedy_generation_config, llava_config
+from actors.checkpoints import (
+    _GAINS, Recipe, _init_weights, build_processor, build_tokenizer, greedy_generation_config, llava_config,
+)
 
 if TYPE_CHECKING:
     import torch
