@@ -266,23 +266,29 @@ def build_llava(recipe: Recipe):
 
 
 def _recipes() -> dict:
-    """Every recipe by name: LLaVA ones here, Qwen-family ones (audio, omni) beside them."""
+    """Every recipe by name: LLaVA ones here, Qwen-family ones (audio, omni) and trained ones beside them."""
     from actors.checkpoint_qwen import QWEN_RECIPES
+    from actors.checkpoint_shapes import SHAPES_RECIPES
     from actors.checkpoint_vl import VL_RECIPES
 
-    return {**RECIPES, **QWEN_RECIPES, **VL_RECIPES}
+    return {**RECIPES, **QWEN_RECIPES, **VL_RECIPES, **SHAPES_RECIPES}
 
 
-def _builder(recipe):
+def _build(recipe, progress: bool):
+    """(model, processor) of any recipe; only the trained ones are slow enough to show progress."""
     if isinstance(recipe, Recipe):
-        return build_llava
+        return build_llava(recipe)
+    from actors.checkpoint_shapes import TrainedRecipe, build_shapes
+
+    if isinstance(recipe, TrainedRecipe):
+        return build_shapes(recipe, progress=progress)
     from actors.checkpoint_vl import VLRecipe, build_vl
 
     if isinstance(recipe, VLRecipe):
-        return build_vl
+        return build_vl(recipe)
     from actors.checkpoint_qwen import build_qwen
 
-    return build_qwen
+    return build_qwen(recipe)
 
 
 def _save(recipe, model, processor, out: Path) -> None:
@@ -308,7 +314,7 @@ def build_checkpoint(recipe: str, out_dir: str | Path, *, progress: bool = True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
         with tqdm(total=2, desc=f"build {recipe}: model", disable=not progress, unit="step") as bar:
-            model, processor = _builder(r)(r)
+            model, processor = _build(r, progress)
             bar.update()
             bar.set_description(f"build {recipe}: save")
             _save(r, model, processor, tmp)

@@ -325,3 +325,9 @@ def load_config(path: str | Path = DEFAULT_CONFIG) -> ClusterConfig:
         return ClusterConfig.model_validate(raw or {})
     except ValidationError as exc:
         raise ConfigError(f"invalid config {path}:\n{exc}") from exc
+
+
+def builtin_model(recipe: str) -> dict[str, str]:
+    """The `model` section serving built-in `recipe` from the shared cache, built on first use:
+    `load_config().replace(model=builtin_model("tiny-llava"))` is the default with random weights."""
+    return {"checkpoint": f"~/.cache/epd/models/{recipe}", "builtin": recipe, "served_name": recipe}

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_load as bl  # noqa: E402  (scripts/bench_load.py: workload, SSE client, CpuWatch)
-from cluster.config import DEFAULT_CONFIG, load_config  # noqa: E402
+from cluster.config import builtin_model, load_config  # noqa: E402
 
 FILLER = ("context note detail river mountain window garden music paper story light street "
           "morning winter colour market table simple quiet bright").split()
@@ -58,7 +58,7 @@ MODELS = ("variable", "measured host", "deterministic")  # simulator calibration
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--out-dir", default=str(Path(tempfile.gettempdir()) / "epd_routing_live"))
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="base config (default: the tiny model's local_cpu.yaml)")
+    p.add_argument("--config", default=None, help="base config (default: local_cpu.yaml with the random-weight tiny-llava)")
     p.add_argument("--prefill-workers", type=int, default=2, help="prefill workers; the last one is the slowed one")
     p.add_argument("--slowdown", type=float, default=4.0, help="the last prefill worker's slowdown factor S")
     p.add_argument("--stretch", type=float, default=1.0,
@@ -97,8 +97,13 @@ def slowdowns(args) -> list[float]:
     return [args.stretch] * (args.prefill_workers - 1) + [args.stretch * args.slowdown]
 
 
+def base_config(args):
+    """--config, else the default config with tiny-llava, the model the recorded runs used."""
+    return load_config(args.config) if args.config else load_config().replace(model=builtin_model("tiny-llava"))
+
+
 def cluster_config(args, policy: str, trace: Path):
-    return load_config(args.config).replace(
+    return base_config(args).replace(
         encoder={"num_workers": 2}, prefill={"num_workers": args.prefill_workers, "slowdown": slowdowns(args)},
         decode={"num_workers": 1}, router={"policy": policy}, server={"port": args.port, "trace_path": str(trace)})
 
@@ -384,7 +389,7 @@ def live_rounds(args) -> list[dict[str, dict]]:
         port_taken = sock.connect_ex(("127.0.0.1", args.port)) == 0
     if port_taken:
         sys.exit(f"port {args.port} is in use (another engineer's Serve?); pass --port")
-    ensure_model(load_config(args.config))
+    ensure_model(base_config(args))
     reqs = make_requests(args.num_requests, 1.0, args.image_fraction, args.seed, args.words)
     warm = make_requests(11, 1.0, args.image_fraction, args.seed + 1, args.words)
     probe = make_requests(args.probe_requests, 1.0, args.image_fraction, args.seed + 2, args.words)

@@ -19,20 +19,26 @@ from PIL import Image
 from ray import serve
 
 from cluster.cli import ensure_model, start
-from cluster.config import ClusterConfig, load_config
+from cluster.config import ClusterConfig, builtin_model, load_config
 
 TEST_PORT = int(os.environ.get("EPD_TEST_PORT", 8765))  # distinct per concurrent run on one machine
 TRACE_PATH = Path(tempfile.gettempdir()) / f"epd-test-trace-{os.getpid()}.jsonl"  # every app records its requests
 
 
+def tiny_config() -> ClusterConfig:
+    """The default config with the random-weight tiny-llava: built in seconds, where the default's
+    trained model costs a training run that only test_default_model.py needs."""
+    return load_config().replace(model=builtin_model("tiny-llava"))
+
+
 def cluster_config(**sections) -> ClusterConfig:
-    base = load_config().replace(server={"port": TEST_PORT, "trace_path": str(TRACE_PATH)}, encoder={"num_workers": 2, "max_wait_ms": 20, "cache_mb": float(os.environ.get("EPD_TEST_CACHE_MB", 256))})
+    base = tiny_config().replace(server={"port": TEST_PORT, "trace_path": str(TRACE_PATH)}, encoder={"num_workers": 2, "max_wait_ms": 20, "cache_mb": float(os.environ.get("EPD_TEST_CACHE_MB", 256))})
     return base.replace(**sections) if sections else base
 
 
 @pytest.fixture(scope="session")
 def ray_session():
-    ensure_model(load_config())
+    ensure_model(tiny_config())
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     serve.shutdown()

@@ -16,7 +16,9 @@ import httpx
 import pytest
 import yaml
 
-from cluster.config import REPO_ROOT
+from actors import shapes
+from cluster.config import REPO_ROOT, load_config
+from tests.integration.conftest import png_data_url
 from tests.integration.test_multi_node import free_port, private_ray_env
 
 RAY = str(Path(sys.executable).parent / "ray")
@@ -68,6 +70,12 @@ def _serve_yaml(tmp_path: Path, http_port: int) -> Path:
     return path
 
 
+def _served_name() -> str:
+    """The model name of the epd config that configs/serve.yaml serves (the default one)."""
+    args = yaml.safe_load((REPO_ROOT / "configs" / "serve.yaml").read_text())["applications"][0]["args"]
+    return load_config(REPO_ROOT / args["config"]).model.served_name
+
+
 def _wait_ready(root: str, proc: subprocess.Popen, log: Path, within_s: float = 300) -> None:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -90,11 +98,14 @@ def test_serve_run_serves_the_serve_config(ray_head, tmp_path):
     root = f"http://127.0.0.1:{http_port}"
     try:
         _wait_ready(root, proc, log)
-        assert httpx.get(f"{root}/v1/models").json()["data"][0]["id"] == "tiny-llava"
+        served = _served_name()
+        assert httpx.get(f"{root}/v1/models").json()["data"][0]["id"] == served
+        sample = shapes.samples(31337, 1, asks=(shapes.Ask.COLOUR,))[0]  # the default model is taught colours
+        image = {"type": "image_url", "image_url": {"url": png_data_url(sample.image)}}
         reply = httpx.post(f"{root}/v1/chat/completions", timeout=120, json={
-            "model": "tiny-llava", "messages": [{"role": "user", "content": "Hello there"}], "temperature": 0, "max_tokens": 8})
+            "model": served, "messages": sample.messages(image), "temperature": 0, "max_tokens": 8})
         assert reply.status_code == 200, reply.text
-        assert reply.json()["usage"]["completion_tokens"] > 0
+        assert reply.json()["choices"][0]["message"]["content"].strip() == sample.answer
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C: serve run deletes its app and exits
         returncode = proc.wait(timeout=120)
