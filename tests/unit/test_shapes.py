@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from actors import shapes
-from actors.checkpoint_shapes import IGNORE, SHAPES_RECIPES, BatchMaker, build_shapes
+from actors.checkpoint_shapes import IGNORE, SHAPES_RECIPES, BatchMaker, build_shapes, generate_answer
 from actors.checkpoints import build_processor, build_tokenizer
 
-RECIPE = SHAPES_RECIPES["shapes-llava"]
+RECIPE = SHAPES_RECIPES["shapes-llava-v2"]
 
 
 def test_samples_are_seeded_and_vary():
@@ -97,12 +97,10 @@ def trained():
 def test_trained_checkpoint_answers_held_out_questions_with_generate(trained):
     recipe, model, processor = trained
     held_out = shapes.samples(777, 40, asks=recipe.asks)  # not the training seed
+    assert shapes.Ask.SHAPE in {s.ask for s in held_out}, "the default names shapes too"
     right = 0
     for s in held_out:
-        text = processor.apply_chat_template(s.messages({"type": "image"}), add_generation_prompt=True, tokenize=False)
-        inputs = processor(text=text, images=[s.image], return_tensors="pt")
-        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-        new = out[0, inputs["input_ids"].shape[1]:]
+        new = generate_answer(model, processor, s)
         assert new[-1] == processor.tokenizer.eos_token_id, "answers end with </s>, not at max_new_tokens"
         right += processor.tokenizer.decode(new, skip_special_tokens=True) == " " + s.answer
     assert right / len(held_out) >= 0.9, f"{right}/{len(held_out)}"
