@@ -1,10 +1,11 @@
-"""Train `shapes-llava`: a small LLaVA that answers questions about pictures of shapes.
+"""Train `shapes-llava-v2` (and `shapes-llava`): small LLaVAs that answer questions about pictures of shapes.
 
 The random-weight checkpoints answer noise, so a working cluster and a broken one look the
-same; this one names the colour and the side (left or right) of what `actors.shapes` draws. It
-is the same architecture and files as `tiny-llava` (CLIP tower + projector + Llama LM,
-processor, chat template), trained end to end from a seed in about a minute on one CPU
-core: AdamW, fresh pictures every step, loss on the answer tokens only.
+same; `shapes-llava-v2` names the colour, the shape and the side (left or right) of what
+`actors.shapes` draws (`shapes-llava`: colour and side). It is the same architecture and files
+as `tiny-llava` (CLIP tower + projector + Llama LM, processor, chat template), trained end to
+end from a seed in 70-80 s of one CPU core: AdamW, fresh pictures every step, loss on the
+answer tokens only.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Synthetic pictures of coloured shapes with questions about them and their answers.
 
-What the built-in `shapes-llava` checkpoint is trained on, and what its accuracy tests ask.
+What the built-in `shapes-llava(-v2)` checkpoints are trained on, and what its accuracy tests ask.
 A scene is copies of one shape in one colour on a dark grey background; a picture of one
 shape also has a side (left or right). Everything is drawn from a numpy Generator,
 so a seed gives the same pictures and questions on every machine.
@@ -21,7 +21,7 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 SHAPES = ("circle", "square", "triangle", "cross")
 COUNT_WORDS = ("one", "two", "three")
 SIDES = ("left", "right")
-MAX_COUNT = 1  # shapes per scene; more (and the count question) once the shape question is learnt
+MAX_COUNT = 1  # shapes per scene; more (and the count question) not taught yet
 
 
 class Ask(enum.Enum):
