@@ -97,6 +97,8 @@ class PrefillRequest:
     prompt_token_ids: tuple[int, ...]
     placeholders: tuple[PlaceholderRange, ...]
     sampling: SamplingParams
+    # Content identifier per placeholder (the prefix cache's extra key); empty: media blocks are not cached.
+    media_identifiers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,7 @@ class PrefillResult:
     prefill_ms: float
     encode_stats: tuple[EncodeStats, ...] = ()
     rope_delta: int = 0  # 3-D rotary models: decode position = cache length + rope_delta (travels with the KV)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)

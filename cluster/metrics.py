@@ -28,6 +28,8 @@ class Metrics:
             "epd_encoder_batch_size", "Items per encoder forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
         )
         self.encoder_cache = Counter("epd_encoder_cache", "Encoder cache lookups by result.", ["result"], registry=r)
+        self.prefix_cache_tokens = Counter("epd_prefix_cache_tokens", "Prompt tokens whose KV came from a prefill worker's "
+                                           "prefix cache (hit) or was computed (miss).", ["result"], registry=r)
         self.queue_depth = Gauge("epd_queue_depth", "Outstanding jobs per worker kind.", ["kind"], registry=r)
         self.retries = Counter("epd_retries", "Requests resumed on other workers after a worker failed, by the failed kind.",
                                ["kind"], registry=r)
