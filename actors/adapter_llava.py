@@ -14,9 +14,11 @@ from actors.types import MediaItem, Modality
 
 
 class LlavaAdapter(ModelAdapter):
+    MODEL_CLASS = LlavaForConditionalGeneration  # LLaVA-NeXT subclasses with its own
+
     def __init__(self, checkpoint: Path, *, part: str, dtype: torch.dtype, device: str):
         super().__init__(checkpoint, part=part, dtype=dtype, device=device)
-        model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
+        model = self.MODEL_CLASS.from_pretrained(checkpoint, dtype=dtype)
         self.config = model.config
         if part == Part.ENCODER:
             self._processor = AutoProcessor.from_pretrained(checkpoint).image_processor

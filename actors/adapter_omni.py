@@ -1,5 +1,6 @@
-"""Qwen2.5-Omni thinker: one model for images, video and audio (vision tower with 2x2 patch
-merging and 2-frame temporal patches, Whisper-style audio tower, LM with 3-D rotary positions).
+"""Qwen2.5-Omni thinker, bare (`qwen2_5_omni_thinker`) or inside the published layout
+(`qwen2_5_omni`, talker ignored): one model for images, video and audio (vision tower with 2x2
+patch merging and 2-frame temporal patches, Whisper-style audio tower, LM with 3-D rotary positions).
 
 Encoding calls the checkpoint's own sub-processors with the kwargs its processor would merge,
 so features equal what `processor(...)` gives. Positions: the prefill worker lays out the
@@ -9,55 +10,47 @@ PlaceholderRange), with explicit position ids, never the model's per-instance ca
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
-from transformers import AutoProcessor, Qwen2_5OmniThinkerForConditionalGeneration
-from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+from transformers import AutoConfig, AutoProcessor, Qwen2_5OmniThinkerForConditionalGeneration
 
 from actors.adapter_qwen2_audio import audio_embeddings
-from actors.adapters import ItemLayout, ModelAdapter, Part, PlaceholderSpec, merged_kwargs
+from actors.adapters import ItemLayout, ModelAdapter, Part, merged_kwargs
+from actors.qwen_vision import VisionEncoding, VisionGridSpec, vision_spec_fields
 from actors.types import MediaItem, Modality, PlaceholderRange
-
-DEFAULT_VIDEO_FPS = 2.0  # what the processor assumes when no fps is given
 
 
 @dataclass(frozen=True)
-class OmniSpec(PlaceholderSpec):
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    image_pixels: tuple[int, int] = (0, 0)  # (min, max) pixels an image is resized into
-    video_pixels: tuple[int, int] = (0, 0)  # the same per video frame
+class OmniSpec(VisionGridSpec):
+    """Images and video as the vision tower's grids, audio as the audio tower's windows."""
 
     def layout(self, item: MediaItem) -> ItemLayout:
         if item.modality == Modality.AUDIO:
             return ItemLayout(audio_embeddings(len(item.data), self.hop_length))
-        if item.modality == Modality.IMAGE:
-            grid = (1, *self._grid_hw(item.data.shape[0], item.data.shape[1], self.image_pixels))
-            return ItemLayout(self._tokens(grid), grid)
-        frames = item.data.shape[0]
-        grid = (math.ceil(frames / self.temporal_patch_size), *self._grid_hw(item.data.shape[1], item.data.shape[2], self.video_pixels))
-        fps = item.frames_per_s or DEFAULT_VIDEO_FPS
-        return ItemLayout(self._tokens(grid), grid, self.temporal_patch_size / fps)
+        return super().layout(item)
 
-    def _grid_hw(self, height: int, width: int, pixels: tuple[int, int]) -> tuple[int, int]:
-        h, w = smart_resize(height, width, self.patch_size * self.merge_size, min_pixels=pixels[0], max_pixels=pixels[1])
-        return h // self.patch_size, w // self.patch_size
 
-    def _tokens(self, grid: tuple[int, int, int]) -> int:
-        return grid[0] * grid[1] * grid[2] // self.merge_size**2
+def thinker_config(config):
+    """The thinker's config: the checkpoint's own (bare thinker) or nested in the published layout."""
+    return getattr(config, "thinker_config", config)
+
+
+def load_thinker(checkpoint: Path, dtype: torch.dtype) -> Qwen2_5OmniThinkerForConditionalGeneration:
+    """The thinker alone. From the published layout (`qwen2_5_omni`: thinker + talker +
+    token2wav in one repo) only `thinker.*` tensors are read: the talker never reaches memory."""
+    config = AutoConfig.from_pretrained(checkpoint)
+    if config.model_type != "qwen2_5_omni":
+        return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
+    return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+        checkpoint, config=config.thinker_config, dtype=dtype, key_mapping={r"^thinker\.": ""})
 
 
 def build_spec(config, processor, dtype_bytes: int) -> OmniSpec:
-    kwargs, fe, video = merged_kwargs(processor), processor.feature_extractor, processor.video_processor
-    images, videos = kwargs["images_kwargs"], kwargs["videos_kwargs"]
-    image_size = images.get("size") or processor.image_processor.size
-    video_size = videos.get("size") or video.size
+    config = thinker_config(config)
+    fe = processor.feature_extractor
     return OmniSpec(
         token_by_modality={Modality.IMAGE: processor.image_token, Modality.VIDEO: processor.video_token,
                            Modality.AUDIO: processor.audio_token},
@@ -65,16 +58,14 @@ def build_spec(config, processor, dtype_bytes: int) -> OmniSpec:
                               Modality.AUDIO: config.audio_token_id},
         embedding_bytes_per_token=config.text_config.hidden_size * dtype_bytes,
         audio_sample_rate_hz=fe.sampling_rate, audio_window_samples=fe.n_samples, hop_length=fe.hop_length,
-        patch_size=video.patch_size, merge_size=video.merge_size, temporal_patch_size=video.temporal_patch_size,
-        image_pixels=(images.get("min_pixels", image_size["shortest_edge"]), images.get("max_pixels", image_size["longest_edge"])),
-        video_pixels=(video_size["shortest_edge"], video_size["longest_edge"]),
+        **vision_spec_fields(processor),
     )
 
 
-class OmniAdapter(ModelAdapter):
+class OmniAdapter(VisionEncoding, ModelAdapter):
     def __init__(self, checkpoint: Path, *, part: str, dtype: torch.dtype, device: str):
         super().__init__(checkpoint, part=part, dtype=dtype, device=device)
-        thinker = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
+        thinker = load_thinker(checkpoint, dtype)
         self._model = thinker.model
         if part == Part.ENCODER:
             self._processor = AutoProcessor.from_pretrained(checkpoint)
@@ -90,20 +81,6 @@ class OmniAdapter(ModelAdapter):
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
         encode = {Modality.IMAGE: self._images, Modality.VIDEO: self._videos, Modality.AUDIO: self._audio}
         return [rows.contiguous() for rows in encode[items[0].modality]([item.data for item in items])]
-
-    def _images(self, arrays: list[np.ndarray]):
-        images = [Image.fromarray(np.ascontiguousarray(a)) for a in arrays]
-        inputs = self._processor.image_processor(images, **self._kwargs["images_kwargs"])
-        pixels, grid = inputs["pixel_values"].to(self.device, self.dtype), inputs["image_grid_thw"].to(self.device)
-        return self._model.get_image_features(pixels, grid).pooler_output
-
-    def _videos(self, arrays: list[np.ndarray]):
-        # Say the layout: left to guess, the processor reads frames 1 or 3 pixels high as
-        # channels-first (a 1x1 GIF became 140 embeddings where the plan's grid says 144).
-        kwargs = {**self._kwargs["videos_kwargs"], "input_data_format": "channels_last"}
-        inputs = self._processor.video_processor(list(arrays), **kwargs)
-        pixels, grid = inputs["pixel_values_videos"].to(self.device, self.dtype), inputs["video_grid_thw"].to(self.device)
-        return self._model.get_video_features(pixels, grid).pooler_output
 
     def _audio(self, arrays: list[np.ndarray]):
         inputs, _ = self._processor._process_audio(arrays, **self._kwargs["audio_kwargs"])
@@ -124,9 +101,6 @@ class OmniAdapter(ModelAdapter):
             second_per_grids=as_tensor([r.seconds_per_grid for r in ranges if r.modality == Modality.VIDEO], torch.float32),
         )
         return positions, int(deltas.reshape(-1)[0])
-
-    def step_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions.unsqueeze(0).expand(3, -1, -1)  # text tokens: the same position on all three axes
 
 
 ADAPTER = OmniAdapter

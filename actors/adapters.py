@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,14 +107,34 @@ FAMILIES: dict[str, str] = {
     "llava": "actors.adapter_llava",
     "qwen2_audio": "actors.adapter_qwen2_audio",
     "qwen2_5_omni_thinker": "actors.adapter_omni",
+    "qwen2_5_vl": "actors.adapter_qwen2_5_vl",
+    "llava_next": "actors.adapter_llava_next",
+    "qwen2_5_omni": "actors.adapter_omni",  # the published layout: its thinker is served, the talker ignored
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+class UnsupportedFamily(ValueError):
+    pass
+
+
+def check_family(checkpoint: Path) -> str:
+    """The checkpoint's model_type; UnsupportedFamily naming it and the supported ones if
+    epd has no adapter for it. Reads config.json itself: transformers may not know the type either."""
+    try:
+        model_type = json.loads((Path(checkpoint) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as exc:
+        raise UnsupportedFamily(f"checkpoint {checkpoint} has no readable config.json: {exc}") from None
+    if model_type not in FAMILIES:
+        raise UnsupportedFamily(f"checkpoint {checkpoint} has model_type {model_type!r}, which epd does not serve; "
+                                f"supported model_type values: {', '.join(sorted(FAMILIES))}")
+    return model_type
+
+
 def _family(config):
     if config.model_type not in FAMILIES:
-        raise ValueError(f"unsupported model family {config.model_type!r}; known: {sorted(FAMILIES)}")
+        raise UnsupportedFamily(f"model_type {config.model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
     return importlib.import_module(FAMILIES[config.model_type])
 
 

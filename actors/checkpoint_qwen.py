@@ -40,7 +40,7 @@ CHAT_TEMPLATE = (
 @dataclass(frozen=True)
 class QwenRecipe:
     name: str
-    family: str  # "qwen2_audio" | "qwen2_5_omni_thinker"
+    family: str  # "qwen2_audio" | "qwen2_5_omni_thinker" | "qwen2_5_omni" (the published layout, thinker + talker)
     seed: int
     vocab_size: int
     text_hidden: int = 64
@@ -63,6 +63,7 @@ class QwenRecipe:
 QWEN_RECIPES: dict[str, QwenRecipe] = {
     "tiny-qwen2-audio": QwenRecipe(name="tiny-qwen2-audio", family="qwen2_audio", seed=2024, vocab_size=1000),
     "tiny-omni": QwenRecipe(name="tiny-omni", family="qwen2_5_omni_thinker", seed=2025, vocab_size=1000),
+    "tiny-qwen2.5-omni": QwenRecipe(name="tiny-qwen2.5-omni", family="qwen2_5_omni", seed=2027, vocab_size=1000),
     "bench-omni": QwenRecipe(
         name="bench-omni", family="qwen2_5_omni_thinker", seed=2026, vocab_size=4000, text_hidden=512,
         text_layers=8, text_heads=8, text_kv_heads=4, text_intermediate=1536, audio_hidden=256, audio_layers=4,
@@ -160,5 +161,9 @@ def build_qwen(recipe: QwenRecipe):
     model = model.to(torch.float32).eval()
     _init_weights(model, recipe, _GAINS)
     _mute_unprintable(model, tokenizer, len(QWEN_SPECIALS))
+    if recipe.family == "qwen2_5_omni":
+        from actors.checkpoint_omni import with_talker
+
+        model = with_talker(model, recipe)
     model.generation_config = greedy_generation_config(tokenizer)
     return model, processor

@@ -198,7 +198,7 @@ def _init_weights(model, recipe, gains: dict[str, float] = _GAINS) -> None:
     gen = torch.Generator().manual_seed(recipe.seed)  # private RNG: callers' global seed untouched
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.ndim < 2 and not name.endswith("class_embedding"):
+            if (p.ndim < 2 and not name.endswith("class_embedding")) or p.numel() == 0:
                 continue
             fan_in = 1 if "embed" in name and "patch" not in name else p[0].numel()
             gain = next((g for key, g in gains.items() if re.search(key, name)), 1.0)
@@ -268,16 +268,31 @@ def build_llava(recipe: Recipe):
 def _recipes() -> dict:
     """Every recipe by name: LLaVA ones here, Qwen-family ones (audio, omni) beside them."""
     from actors.checkpoint_qwen import QWEN_RECIPES
+    from actors.checkpoint_vl import VL_RECIPES
 
-    return {**RECIPES, **QWEN_RECIPES}
+    return {**RECIPES, **QWEN_RECIPES, **VL_RECIPES}
 
 
 def _builder(recipe):
     if isinstance(recipe, Recipe):
         return build_llava
+    from actors.checkpoint_vl import VLRecipe, build_vl
+
+    if isinstance(recipe, VLRecipe):
+        return build_vl
     from actors.checkpoint_qwen import build_qwen
 
     return build_qwen
+
+
+def _save(recipe, model, processor, out: Path) -> None:
+    if getattr(recipe, "family", None) == "qwen2_5_omni":
+        from actors.checkpoint_omni import save_published
+
+        return save_published(model, processor, out, recipe.seed)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)  # also writes the tokenizer and chat_template.jinja
+    getattr(recipe, "publish_layout", lambda _: None)(out)  # recipes that mirror a Hub repo's file names
 
 
 def build_checkpoint(recipe: str, out_dir: str | Path, *, progress: bool = True) -> Path:
@@ -296,8 +311,7 @@ def build_checkpoint(recipe: str, out_dir: str | Path, *, progress: bool = True)
             model, processor = _builder(r)(r)
             bar.update()
             bar.set_description(f"build {recipe}: save")
-            model.save_pretrained(tmp)
-            processor.save_pretrained(tmp)  # also writes the tokenizer and chat_template.jinja
+            _save(r, model, processor, tmp)
             bar.update()
         try:
             os.rename(tmp, out)  # atomic; replaces `out` only if it is an empty dir

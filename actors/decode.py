@@ -47,11 +47,12 @@ class DecodeWorker(ModelWorker):
 
     @staticmethod
     def _drain(first: TokenChunk, outbox: asyncio.Queue) -> TokenChunk:
-        tokens, last = list(first.token_ids), first
+        tokens, logprobs, last = list(first.token_ids), list(first.logprobs), first
         while not last.finished and not outbox.empty():
             last = outbox.get_nowait()
             tokens.extend(last.token_ids)
-        return TokenChunk(tuple(tokens), last.finish_reason, last.step_ms)
+            logprobs.extend(last.logprobs)
+        return TokenChunk(tuple(tokens), last.finish_reason, last.step_ms, tuple(logprobs))
 
     def abort(self, request_id: str) -> None:
         self.inbox.close(request_id)

@@ -7,7 +7,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from actors.types import DecodeRequest, FinishReason
+from actors.types import NO_HISTORY, DecodeRequest, FinishReason, TokenHistory
 
 
 class SeqStatus(str, enum.Enum):
@@ -34,6 +34,13 @@ class Sequence:
     def next_position(self) -> int:
         """Index in the full sequence of the token the next step produces."""
         return self.request.num_prompt_tokens + len(self.token_ids)
+
+    def history(self) -> TokenHistory:
+        """What the next token's penalties see: the prompt and every token generated so far."""
+        if not self.request.sampling.needs_history:
+            return NO_HISTORY
+        past = self.request.history
+        return TokenHistory(past.prompt_ids, past.output_ids + tuple(self.token_ids))
 
 
 def finish_reason(seq: Sequence, max_model_len: int) -> FinishReason | None:

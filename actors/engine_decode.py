@@ -60,19 +60,21 @@ class DecodeEngine:
         if not running:
             return out
         started = time.perf_counter()
-        tokens = self.runner.decode_step(
+        sampled = self.runner.decode_step(
             self.batch,
             [seq.token_ids[-1] for seq in running],
             [seq.request.sampling for seq in running],
             [seq.next_position for seq in running],
             [seq.request.rope_delta for seq in running],
+            [seq.history() for seq in running],
         )
         step_ms = (time.perf_counter() - started) * 1e3
-        self.max_batch_seen = max(self.max_batch_seen, len(tokens))
-        for seq, token in zip(running, tokens):
-            if token is not None:  # a failed row ends alone, with ERROR, in _release
-                out.append(DecodeOutput(seq.request_id, TokenChunk((token,), None, step_ms)))
-        self._release(self.scheduler.record(tokens), out, step_ms)
+        self.max_batch_seen = max(self.max_batch_seen, len(sampled))
+        for seq, s in zip(running, sampled):
+            if s is not None:  # a failed row ends alone, with ERROR, in _release
+                logprobs = (s.logprob,) if s.logprob is not None else ()
+                out.append(DecodeOutput(seq.request_id, TokenChunk((s.token_id,), None, step_ms, logprobs)))
+        self._release(self.scheduler.record([s.token_id if s is not None else None for s in sampled]), out, step_ms)
         return out
 
     def fail_all(self) -> list[DecodeOutput]:

@@ -22,13 +22,14 @@ from actors import kv
 from actors.lm_runner import LMRunner
 from actors.prefill_schedule import Order, PrefillState, Span, plan_step
 from actors.prefix_cache import BlockPool, MediaKey, block_hashes
-from actors.types import PrefillRequest
+from actors.sampling import Sampled
+from actors.types import PrefillRequest, TokenHistory
 
 
 @dataclass(frozen=True)
 class PrefillOutput:
     request_id: str
-    first_token_id: int | None  # None: it could not be sampled (non-finite logits)
+    first: Sampled | None  # None: it could not be sampled (non-finite logits)
     packed_kv: torch.Tensor
     rope_delta: int
     num_cached_tokens: int
@@ -56,6 +57,14 @@ class _Job:
     def state(self) -> PrefillState:
         spans = tuple(Span(r.offset, r.length) for r in self.request.placeholders)
         return PrefillState(self.request.request_id, len(self.request.prompt_token_ids), self.num_computed, spans, self.arrival)
+
+
+def history_of(request: PrefillRequest) -> TokenHistory | None:
+    """What the first token's penalties see; a resumed request's generated tokens are output."""
+    if not request.sampling.needs_history:
+        return None
+    split = len(request.prompt_token_ids) - request.num_output_tokens
+    return TokenHistory(request.prompt_token_ids[:split], request.prompt_token_ids[split:])
 
 
 def media_keys(request: PrefillRequest) -> tuple[MediaKey, ...]:
@@ -142,7 +151,7 @@ class PrefillEngine:
 
     def _finish(self, job: _Job) -> PrefillOutput:
         req = job.request
-        first = self.runner.first_token(job.hidden, req.sampling, len(req.prompt_token_ids))
+        first = self.runner.first_token(job.hidden, req.sampling, len(req.prompt_token_ids), history_of(req))
         packed = kv.pack(job.cache)
         self._keep_blocks(job, packed)
         self._drop(req.request_id)

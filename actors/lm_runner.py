@@ -10,8 +10,8 @@ from transformers.cache_utils import DynamicCache
 
 from actors import kv
 from actors.adapters import ModelAdapter
-from actors.sampling import sample
-from actors.types import PlaceholderRange, SamplingParams
+from actors.sampling import Sampled, sample_rows
+from actors.types import PlaceholderRange, SamplingParams, TokenHistory
 
 
 def splice(embeds: torch.Tensor, ranges: tuple[PlaceholderRange, ...], items: list[torch.Tensor]) -> torch.Tensor:
@@ -40,14 +40,15 @@ class LMRunner:
         ranges: tuple[PlaceholderRange, ...],
         items: list[torch.Tensor],
         params: SamplingParams,
-    ) -> tuple[int | None, torch.Tensor, int]:
+        history: TokenHistory | None = None,
+    ) -> tuple[Sampled | None, torch.Tensor, int]:
         """First token (None if it could not be sampled), the packed KV cache of the whole
         prompt, and the rope delta decode adds to cache lengths (0 for 1-D positions)."""
         embeds, positions, rope_delta = self.prompt_inputs(token_ids, ranges, items)
         cache = DynamicCache()
         for start in range(0, embeds.shape[1], self.max_chunk_tokens):
             hidden = self.forward_chunk(embeds, positions, cache, start, start + self.max_chunk_tokens)
-        return self.first_token(hidden, params, len(token_ids)), kv.pack(cache), rope_delta
+        return self.first_token(hidden, params, len(token_ids), history), kv.pack(cache), rope_delta
 
     @torch.inference_mode()
     def prompt_inputs(
@@ -64,14 +65,15 @@ class LMRunner:
         return self.adapter.forward(embeds[:, start:end], positions[..., start:end], cache)
 
     @torch.inference_mode()
-    def first_token(self, hidden: torch.Tensor, params: SamplingParams, num_prompt_tokens: int) -> int | None:
-        return sample(self.adapter.logits(hidden[:, -1]), [params], [num_prompt_tokens])[0]
+    def first_token(self, hidden: torch.Tensor, params: SamplingParams, num_prompt_tokens: int,
+                    history: TokenHistory | None = None) -> Sampled | None:
+        return sample_rows(self.adapter.logits(hidden[:, -1]), [params], [num_prompt_tokens], [history] if history else None)[0]
 
     @torch.inference_mode()
     def decode_step(
         self, batch: kv.BatchedKV, last_tokens: list[int], params: list[SamplingParams], positions: list[int],
-        rope_deltas: list[int] | None = None,
-    ) -> list[int | None]:
+        rope_deltas: list[int] | None = None, histories: list[TokenHistory] | None = None,
+    ) -> list[Sampled | None]:
         """Feed each row its last token; the cache grows by one slot; returns the next tokens."""
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)
         position_ids = batch.lengths().unsqueeze(1)
@@ -82,4 +84,4 @@ class LMRunner:
         cache = batch.as_cache()
         hidden = self.adapter.forward(self.adapter.embed_tokens(ids), position_ids, cache, mask)
         batch.absorb(cache)
-        return sample(self.adapter.logits(hidden[:, -1]), params, positions)
+        return sample_rows(self.adapter.logits(hidden[:, -1]), params, positions, histories)

@@ -15,8 +15,9 @@ from typing import Callable, Protocol
 import numpy as np
 
 from actors.identifiers import media_identifier
-from actors.media_audio import decode_audio
+from actors.media_audio import decode_audio, decode_audio_url
 from actors.media_budget import PixelBudget
+from actors.media_fetch import FetchPolicy
 from actors.media_image import convert_to_rgb, decode_image_url
 from actors.media_input import MediaError
 from actors.media_pool import decode_slot
@@ -27,11 +28,21 @@ __all__ = ["DECODERS", "Decoded", "MediaError", "MediaLimits", "MediaOptions", "
            "convert_to_rgb", "decode_image_url", "decode_media", "load_media_item"]
 
 
+class RemoteMediaLimits(Protocol):
+    """cluster.config.RemoteMediaConfig as fetching needs it."""
+
+    allowed_hosts: list[str]  # empty: fetching is off
+    allowed_networks: list[str]
+    max_bytes: int
+    timeout_s: float
+    max_redirects: int
+
+
 class MediaLimits(Protocol):
     """The fields of cluster.config.LimitsConfig that decoding needs (no import of cluster/)."""
 
     max_image_pixels: int  # per image, and per video frame
-    allow_remote_media: bool
+    remote_media: RemoteMediaLimits
     max_audio_s: float
     max_video_s: float
     max_video_frames: int  # hard cap on the frames kept from one video
@@ -68,20 +79,33 @@ class _Part:
 
 # ----------------------------------------------------------------------------- dispatch
 
+def fetch_policy(limits: MediaLimits) -> FetchPolicy | None:
+    """How http(s) media URLs may be fetched; None when no host is allowed."""
+    r = limits.remote_media
+    if not r.allowed_hosts:
+        return None
+    return FetchPolicy.of(r.allowed_hosts, r.allowed_networks, max_bytes=r.max_bytes, timeout_s=r.timeout_s,
+                          max_redirects=r.max_redirects)
+
+
 Decoder = Callable[[_Part, MediaLimits, MediaOptions, PixelBudget | None], Decoded]
 
 
 def _image_decoder(part: _Part, limits: MediaLimits, options: MediaOptions,
                    budget: PixelBudget | None) -> Decoded:
     return Decoded(decode_image_url(part.payload, max_pixels=limits.max_image_pixels,
-                                    allow_remote=limits.allow_remote_media, param=part.param, budget=budget))
+                                    remote=fetch_policy(limits), param=part.param, budget=budget))
 
 
 def _audio_decoder(part: _Part, limits: MediaLimits, options: MediaOptions,
                    budget: PixelBudget | None) -> Decoded:
     rate_hz = options.audio_sample_rate_hz
-    samples = decode_audio(part.payload, part.format, sample_rate_hz=rate_hz,
-                           max_duration_s=limits.max_audio_s, param=part.param)
+    if part.format is None:  # an audio_url part: a data or http(s) URL whose MIME type names the format
+        samples = decode_audio_url(part.payload, remote=fetch_policy(limits), sample_rate_hz=rate_hz,
+                                   max_duration_s=limits.max_audio_s, param=part.param)
+    else:
+        samples = decode_audio(part.payload, part.format, sample_rate_hz=rate_hz,
+                               max_duration_s=limits.max_audio_s, param=part.param)
     return Decoded(samples, sample_rate_hz=rate_hz)
 
 
@@ -90,7 +114,7 @@ def _video_decoder(part: _Part, limits: MediaLimits, options: MediaOptions,
     video = decode_video_url(part.payload, sampling=options.video_sampling,
                              max_pixels=limits.max_image_pixels, max_duration_s=limits.max_video_s,
                              max_frames=limits.max_video_frames, max_video_pixels=limits.max_video_pixels,
-                             allow_remote=limits.allow_remote_media, param=part.param, budget=budget)
+                             remote=fetch_policy(limits), param=part.param, budget=budget)
     return Decoded(video.frames, frames_per_s=video.frames_per_s)
 
 

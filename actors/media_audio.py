@@ -13,13 +13,20 @@ import math
 import numpy as np
 import soundfile as sf
 
-from actors.media_input import MediaError, decode_base64
+from actors.media_fetch import FetchPolicy
+from actors.media_input import MediaError, UrlKind, data_url_bytes, decode_base64
 
 # input_audio.format -> the libsndfile container names that format may arrive as.
 _CONTAINERS = {"wav": ("WAV", "WAVEX", "RF64"), "flac": ("FLAC",), "mp3": ("MP3",), "ogg": ("OGG",)}
 # Only what this libsndfile can read: MP3 needs libsndfile >= 1.1, and builds may leave codecs out.
 AUDIO_FORMATS: tuple[str, ...] = tuple(
     name for name, containers in _CONTAINERS.items() if containers[0] in sf.available_formats())
+
+# audio_url (vLLM's extension of OpenAI's content parts): the MIME type names the format.
+_FORMAT_OF_MIME = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/wave": "wav", "audio/vnd.wave": "wav",
+                   "audio/flac": "flac", "audio/x-flac": "flac", "audio/mpeg": "mp3", "audio/mp3": "mp3", "audio/ogg": "ogg"}
+AUDIO_URL = UrlKind("audio", frozenset(m for m, f in _FORMAT_OF_MIME.items() if f in AUDIO_FORMATS),
+                    "audio/wav, audio/flac, audio/mpeg or audio/ogg", "data:audio/wav;base64,...")
 
 # Outside these a header is corrupt or hostile, not a recording worth resampling.
 MIN_SAMPLE_RATE_HZ = 1_000
@@ -37,10 +44,22 @@ def decode_audio(data_b64: str, audio_format: str | None, *, sample_rate_hz: int
     declared format, absurd sample rates or channel counts, no samples, non-finite samples
     and clips longer than `max_duration_s`.
     """
-    if sample_rate_hz <= 0:
-        raise ValueError(f"target sample rate must be positive, got {sample_rate_hz}")
     name = _format_name(audio_format, param)
     data = decode_base64(_strip_data_url(data_b64), noun="audio", where="input_audio data", param=param)
+    return decode_audio_bytes(data, name, sample_rate_hz=sample_rate_hz, max_duration_s=max_duration_s, param=param)
+
+
+def decode_audio_url(url: str, *, remote: FetchPolicy | None, sample_rate_hz: int, max_duration_s: float,
+                     param: str) -> np.ndarray:
+    """An audio_url (a data URL, or http(s) fetched under `remote`) -> samples, as decode_audio."""
+    mime, data = data_url_bytes(url, kind=AUDIO_URL, remote=remote, param=param)
+    return decode_audio_bytes(data, _FORMAT_OF_MIME[mime], sample_rate_hz=sample_rate_hz,
+                              max_duration_s=max_duration_s, param=param)
+
+
+def decode_audio_bytes(data: bytes, name: str, *, sample_rate_hz: int, max_duration_s: float, param: str) -> np.ndarray:
+    if sample_rate_hz <= 0:
+        raise ValueError(f"target sample rate must be positive, got {sample_rate_hz}")
     sound = _open(data, name, param)
     with sound:
         _check_header(sound, max_duration_s=max_duration_s, param=param)

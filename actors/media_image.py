@@ -15,6 +15,7 @@ import numpy as np
 from PIL import Image, ImageFile
 
 from actors.media_budget import DecodeCost, PixelBudget
+from actors.media_fetch import FetchPolicy
 from actors.media_input import MediaError, UrlKind, data_url_bytes
 
 # Formats we decode. MPO is what Pillow calls a JPEG with extra (multi-picture)
@@ -34,7 +35,7 @@ _OTHER_MAGIC = (
 )
 
 
-def decode_image_url(url: str, *, max_pixels: int, allow_remote: bool, param: str,
+def decode_image_url(url: str, *, max_pixels: int, remote: FetchPolicy | None, param: str,
                      budget: PixelBudget | None = None) -> np.ndarray:
     """An image URL from a request -> HxWx3 uint8 RGB, exactly as the CLIP processor converts it.
 
@@ -42,7 +43,7 @@ def decode_image_url(url: str, *, max_pixels: int, allow_remote: bool, param: st
     than PNG/JPEG/WebP, truncated data, zero-size images, images over `max_pixels`, and
     images the request's `budget` cannot pay for (charged before any pixel is decoded).
     """
-    _, data = data_url_bytes(url, kind=IMAGE_URL, allow_remote=allow_remote, param=param)
+    _, data = data_url_bytes(url, kind=IMAGE_URL, remote=remote, param=param)
     check_header_pixels(data, max_pixels=max_pixels, param=param)
     image = _open_and_load(data, max_pixels=max_pixels, param=param, budget=budget)
     return convert_to_rgb(image)

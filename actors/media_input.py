@@ -9,6 +9,10 @@ import base64
 import binascii
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from actors.media_fetch import FetchPolicy
 
 _WHITESPACE = re.compile(rb"\s+")
 
@@ -32,15 +36,15 @@ class UrlKind:
     example: str  # e.g. "data:image/png;base64,..."
 
 
-def data_url_bytes(url: str, *, kind: UrlKind, allow_remote: bool, param: str) -> tuple[str, bytes]:
-    """(MIME type, bytes) of a base64 `data:` URL of `kind`; remote and other schemes are refused."""
+def data_url_bytes(url: str, *, kind: UrlKind, remote: "FetchPolicy | None", param: str) -> tuple[str, bytes]:
+    """(MIME type, bytes) of a base64 `data:` URL of `kind`, or of an http(s) URL fetched
+    under `remote` (None: fetching is off); other schemes are refused."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
-        if not allow_remote:
+        if remote is None:
             raise MediaError("fetching remote media is disabled on this server; "
                              f"send the {kind.noun} inline as a base64 data URL", param)
-        raise MediaError("fetching remote media is not implemented yet; "
-                         f"send the {kind.noun} inline as a base64 data URL", param)
+        return _fetched(url, kind, remote, param)
     if scheme != "data":
         shown = f"'{scheme}' URLs" if scheme else "this URL"
         raise MediaError(f"unsupported {kind.noun} URL: {shown} cannot be used; "
@@ -55,6 +59,17 @@ def data_url_bytes(url: str, *, kind: UrlKind, allow_remote: bool, param: str) -
     if "base64" not in fields[1:]:
         raise MediaError(f"only base64 data URLs are supported ({kind.example})", param)
     return mime, decode_base64(payload, noun=kind.noun, where="data URL", param=param)
+
+
+def _fetched(url: str, kind: UrlKind, remote: "FetchPolicy", param: str) -> tuple[str, bytes]:
+    from actors.media_fetch import fetch  # media_fetch raises this module's MediaError
+
+    mime, data = fetch(url, remote, noun=kind.noun, param=param)
+    if mime not in kind.mime_types:
+        raise MediaError(f"the {kind.noun} URL served type '{mime or '(none)'}'; {kind.advice} are accepted", param)
+    if not data:
+        raise MediaError(f"the {kind.noun} URL served no data", param)
+    return mime, data
 
 
 def decode_base64(payload: str, *, noun: str, where: str, param: str) -> bytes:

@@ -22,6 +22,7 @@ from PIL import Image
 from actors.media_budget import DecodeCost, PixelBudget, check_video_pixels
 from actors.media_image import (PIL_ERRORS, check_header_pixels, check_pixels, convert_to_rgb,
                                 require_strict_pillow)
+from actors.media_fetch import FetchPolicy
 from actors.media_input import MediaError, UrlKind, data_url_bytes
 from actors.media_probe import probe_animation
 
@@ -78,7 +79,7 @@ class _Timeline:
 
 
 def decode_video_url(url: str, *, sampling: VideoSampling, max_pixels: int, max_duration_s: float,
-                     max_frames: int, allow_remote: bool, param: str, max_video_pixels: int | None = None,
+                     max_frames: int, remote: FetchPolicy | None, param: str, max_video_pixels: int | None = None,
                      budget: PixelBudget | None = None) -> DecodedVideo:
     """A video URL from a request -> the frames `sampling` keeps, at most `max_frames` of them.
 
@@ -88,7 +89,7 @@ def decode_video_url(url: str, *, sampling: VideoSampling, max_pixels: int, max_
     `max_video_pixels` (None: no such limit) or than the request's `budget` has left;
     for MP4/WebM when PyAV is missing too. Every limit is checked before any frame is rendered.
     """
-    mime, data = data_url_bytes(url, kind=VIDEO_URL, allow_remote=allow_remote, param=param)
+    mime, data = data_url_bytes(url, kind=VIDEO_URL, remote=remote, param=param)
     library, fmt = _READERS[mime]
     reader = _AnimatedImage if library == "pillow" else _AvVideo
     clip = reader(data, fmt, max_pixels=max_pixels, param=param)

@@ -46,18 +46,19 @@ class PrefillWorker(ModelWorker):
         finally:
             if self._waiters.pop(request.request_id, None) is not None:
                 self.engine.abort(request.request_id)  # the caller left before the end: free its slot
-        if out.first_token_id is None:  # nothing to hand to decode; this request alone fails
+        if out.first is None:  # nothing to hand to decode; this request alone fails
             raise WorkerRequestError(f"the first token of request {request.request_id} could not be sampled "
                                      "(the model gave non-finite logits)")
         self.kv.put(request.request_id, out.packed_kv)  # dropped at once if the request was closed meanwhile
         return PrefillResult(
             request_id=request.request_id,
-            first_token_id=out.first_token_id,
+            first_token_id=out.first.token_id,
             num_prompt_tokens=len(request.prompt_token_ids),
             queue_ms=out.queue_ms,
             prefill_ms=out.prefill_ms,
             encode_stats=tuple(stats for _, stats in encoded),
             rope_delta=out.rope_delta,
+            first_logprob=out.first.logprob,
             num_cached_tokens=out.num_cached_tokens,
         )
 

@@ -8,11 +8,11 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from actors.adapters import ModelAdapter, load_adapter
+from actors.checkpoint_source import resolve_checkpoint
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class WorkerSpec:
     torch_threads: int
     max_model_len: int
     slowdown: float = 1.0  # experiments: stretch device work by this factor
+    revision: str | None = None  # of a Hub repo id `checkpoint` (pinned to a commit by the CLI)
+    hub_cache_dir: str | None = None  # None: huggingface_hub's default cache
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class ModelWorker:
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.spec = spec
-        self.adapter: ModelAdapter = load_adapter(Path(spec.checkpoint), part=part, dtype=spec.dtype, device=spec.device)
+        checkpoint = resolve_checkpoint(spec.checkpoint, spec.revision, spec.hub_cache_dir)  # on this worker's node
+        self.adapter: ModelAdapter = load_adapter(checkpoint, part=part, dtype=spec.dtype, device=spec.device)
         self._executor = ThreadPoolExecutor(max_workers=1)
         self._loop_task: asyncio.Task | None = None
 

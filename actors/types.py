@@ -10,11 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
-class Modality(str, enum.Enum):
-    IMAGE = "image"
-    VIDEO = "video"
-    AUDIO = "audio"
+from router.types import Modality  # noqa: F401  (one spelling of the modalities, shared with the router)
 
 
 class FinishReason(str, enum.Enum):
@@ -84,11 +80,44 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int = 0
     max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # end the request; masked until min_tokens are out
+    min_tokens: int = 0
+    presence_penalty: float = 0.0  # OpenAI: over generated tokens
+    frequency_penalty: float = 0.0  # OpenAI: over generated tokens, per occurrence
+    repetition_penalty: float = 1.0  # HF/vLLM: over prompt and generated tokens, 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    num_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling looks at the tokens so far (penalties, min_tokens)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """The tokens a request's penalties see: its prompt, and what it generated before this
+    attempt (a request resumed on another worker). Empty unless `needs_history`."""
+
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
+
+
+NO_HISTORY = TokenHistory()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The chosen token's log-probability and the most likely alternatives, best first,
+    under the model's own distribution (before penalties and temperature, as vLLM)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,6 +126,7 @@ class PrefillRequest:
     prompt_token_ids: tuple[int, ...]
     placeholders: tuple[PlaceholderRange, ...]
     sampling: SamplingParams
+    num_output_tokens: int = 0  # the last ones of prompt_token_ids were generated (a resumed request)
     # Content identifier per placeholder (the prefix cache's extra key); empty: media blocks are not cached.
     media_identifiers: tuple[str, ...] = ()
 
@@ -122,6 +152,7 @@ class PrefillResult:
     prefill_ms: float
     encode_stats: tuple[EncodeStats, ...] = ()
     rope_delta: int = 0  # 3-D rotary models: decode position = cache length + rope_delta (travels with the KV)
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
@@ -132,6 +163,7 @@ class DecodeRequest:
     first_token_id: int
     sampling: SamplingParams
     rope_delta: int = 0  # from PrefillResult: the position offset this request's KV was built with
+    history: TokenHistory = NO_HISTORY  # the first token excluded; empty unless sampling.needs_history
 
 
 @dataclass(frozen=True)
@@ -141,6 +173,7 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     step_ms: float = 0.0
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token when the request asked for logprobs
 
     @property
     def finished(self) -> bool:

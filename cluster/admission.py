@@ -37,12 +37,14 @@ class Ticket:
     def first_token(self) -> None:
         if self.stage is Stage.WAITING:
             self.admission.waiting_tokens -= self.prompt_tokens
+            self.admission.waiting -= 1
             self.admission.generating += 1
             self.stage = Stage.GENERATING
 
     def release(self) -> None:
         if self.stage is Stage.WAITING:
             self.admission.waiting_tokens -= self.prompt_tokens
+            self.admission.waiting -= 1
         elif self.stage is Stage.GENERATING:
             self.admission.generating -= 1
         self.stage = Stage.DONE
@@ -52,6 +54,7 @@ class Admission:
     def __init__(self, max_waiting_tokens: int, max_generating: int):
         self.max_waiting_tokens, self.max_generating = max_waiting_tokens, max_generating
         self.waiting_tokens = 0
+        self.waiting = 0  # requests behind waiting_tokens
         self.generating = 0
 
     def admit(self, prompt_tokens: int) -> Ticket:
@@ -65,4 +68,5 @@ class Admission:
             raise Overloaded(f"the cluster is at capacity: {self.generating} requests are generating "
                              f"(the limit is {self.max_generating}); retry later")
         self.waiting_tokens += prompt_tokens
+        self.waiting += 1
         return Ticket(self, prompt_tokens)

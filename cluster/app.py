@@ -1,6 +1,6 @@
 """The Ray Serve application: an OpenAI-compatible HTTP ingress over the worker fleet.
 
-Routes: POST /v1/chat/completions, GET /v1/models, GET /metrics, GET /health.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /metrics, GET /health.
 """
 
 import asyncio
@@ -24,6 +24,8 @@ from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptPlanner
 from cluster.admission import Admission, Overloaded, Ticket
 from cluster.protocol import SSE_DONE, ModelCard, ModelList, error_body, sse_event
+from cluster.admitted import Admitted, Endpoint
+from cluster.request_log import RequestLog, RequestRecord, bearer_ok
 from cluster.request_path import RETRY_AFTER_S, RequestError, RequestPath
 from cluster.supervisor import Supervisor
 from cluster.routing import LiveRouting
@@ -39,8 +41,20 @@ ADMIT_THREADS = 32  # parse + plan + media decode; the decode slots (limits.max_
 CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError)
 
 
+@api.middleware("http")
+async def _require_api_key(request: Request, call_next):
+    """With `server.api_key` set, every /v1 route wants `Authorization: Bearer <key>`;
+    /health and /metrics stay open for probes and scrapers."""
+    key = getattr(request.app.state, "api_key", None)
+    if key and request.url.path.startswith("/v1") and not bearer_ok(request.headers.get("authorization"), key):
+        body = error_body("a valid API key is required: send `Authorization: Bearer <key>`", type="authentication_error",
+                          code="invalid_api_key")
+        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    return await call_next(request)
+
+
 def _error(exc: RequestError, request_id: str) -> JSONResponse:
-    headers = {"x-request-id": request_id}
+    headers = {}  # Serve's proxy adds the x-request-id; the request log line pairs it with `request_id`
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(exc.retry_after_s)
     body = error_body(exc.message, type=exc.type, param=exc.param, code=exc.code)
@@ -53,13 +67,17 @@ class Ingress:
     def __init__(self, config: dict):
         self.config = ClusterConfig.model_validate(config)
         self.config_sha1 = self.config.fingerprint()  # which config this replica serves (rolling updates)
-        self.metrics = Metrics()
-        self.planner = PromptPlanner(self.config.model.checkpoint_path, self.config.model.dtype)
+        self.metrics = Metrics(self.config.model.served_name, self.config.limits.request_timeout_s)
+        api.state.api_key = self.config.server.api_key
+        self.request_log = RequestLog(self.config.server.log_requests, self.config.server.log_prompts)
+        self.checkpoint = self.config.model.checkpoint_path  # resolved on this replica's node
+        self.planner = PromptPlanner(self.checkpoint, self.config.model.resolved_dtype)
         self.config.encoder_modalities(self.planner.spec.modalities)  # every modality has an encoder: check before any actor starts
         self.fleet = Fleet(self.config)
         rc = self.config.router
         workers = self.fleet.worker_infos(self.planner.spec.modalities)
-        self.router = Router(workers, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s, dead_after_s=rc.dead_after_s)
+        self.router = Router(workers, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s, dead_after_s=rc.dead_after_s,
+                             calibration=rc.build_calibration())
         prefix_block_tokens = self.config.prefill.prefix_block_tokens if self.config.prefill.prefix_cache_mb > 0 else 0
         routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token, prefix_block_tokens)
         self.supervisor = Supervisor(self.fleet, self.router)
@@ -68,51 +86,83 @@ class Ingress:
         self._admit_pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="admit")
         self.admission = Admission(limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers,
                                    limits.max_generating_per_decode_worker * self.config.decode.num_workers)
+        self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
+        return await self._serve(request, Endpoint.CHAT, f"chatcmpl-{uuid.uuid4().hex}")
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, Endpoint.COMPLETIONS, f"cmpl-{uuid.uuid4().hex}")
+
+    async def _serve(self, request: Request, endpoint: Endpoint, request_id: str) -> Response:
         """Every outcome is an answer in OpenAI's shape and a count in /metrics: a request
         error (4xx), back-pressure (429), a failure of ours (500, logged with its traceback),
         or a client that left (counted as aborted)."""
         self.supervisor.ensure_running()
-        request_id, arrived_s = f"chatcmpl-{uuid.uuid4().hex}", time.perf_counter()
+        arrived_s = time.perf_counter()
         try:
-            return await self._chat(request, request_id, arrived_s)
+            return await self._respond(request, endpoint, request_id, arrived_s)
         except RequestError as exc:
             return self._fail(exc, request_id)
         except CLIENT_GONE:
             self.metrics.requests.labels("aborted").inc()
+            self.request_log.write(RequestRecord(request_id, "aborted"))
             raise
         except Exception:
             log.exception("request %s failed", request_id)
             return self._fail(RequestError(500, f"internal error while serving request {request_id}", type="server_error"), request_id)
 
-    async def _chat(self, request: Request, request_id: str, arrived_s: float) -> Response:
+    async def _respond(self, request: Request, endpoint: Endpoint, request_id: str, arrived_s: float) -> Response:
         body = await request.body()
         if len(body) > self.config.limits.max_request_bytes:
             raise RequestError(413, f"request body is {len(body)} bytes; the limit is {self.config.limits.max_request_bytes}")
         # Media decoding must not stall the loop; admission has threads of its own, since
         # requests waiting for a decode slot must not hold up text-only ones.
-        adm = await asyncio.get_running_loop().run_in_executor(self._admit_pool, self.path.admit, body, request_id, arrived_s)
+        adm = await asyncio.get_running_loop().run_in_executor(self._admit_pool, self.path.admit, body, request_id, arrived_s, endpoint)
+        choices = adm.choices()
+        tickets = self._tickets(adm, len(choices))
+        collectors = [responses.Collector(choice, self.planner.tokenizer, self.metrics) for choice in choices]
+        chunks = [self._ticketed(t, self.path.run(choice, c.trace)) for t, choice, c in zip(tickets, choices, collectors)]
         try:
-            ticket = self.admission.admit(len(adm.plan.token_ids))
+            firsts = await self._firsts(chunks)
+        except BaseException:
+            for ticket, stream in zip(tickets, chunks):
+                ticket.release()  # also when `chunks` never started, so its own clean-up never runs
+                responses.close_soon(stream)
+            raise
+        streams = [self._guarded(first, rest) for first, rest in zip(firsts, chunks)]
+        shape = responses.Shape(adm, self.planner.tokenizer)
+        if adm.request.stream:
+            return StreamingResponse(self._sse(collectors, responses.stream(shape, collectors, streams, self.metrics)),
+                                     media_type="text/event-stream")
+        answer = await responses.complete(shape, collectors, streams, self.metrics)
+        self._log_done(collectors, "ok")
+        return JSONResponse(answer.model_dump())
+
+    def _tickets(self, adm: Admitted, num_choices: int) -> list[Ticket]:
+        """One admission ticket per choice (each is a sequence on the workers), all or none."""
+        tickets: list[Ticket] = []
+        try:
+            for _ in range(num_choices):
+                tickets.append(self.admission.admit(len(adm.plan.token_ids)))
         except Overloaded as exc:
+            for ticket in tickets:
+                ticket.release()
             raise RequestError(429, exc.message, type="rate_limit_error", code="server_overloaded",
                                retry_after_s=self.config.limits.retry_after_s) from None
-        collector = responses.Collector(adm, self.planner.tokenizer, self.metrics)
-        chunks = self._ticketed(ticket, self.path.run(adm, collector.trace))
-        try:
-            first = await self._first(chunks)
-        except BaseException:
-            ticket.release()  # also when `chunks` never started, so its own clean-up never runs
-            responses.close_soon(chunks)
-            raise
-        stream = self._guarded(first, chunks)
-        headers = {"x-request-id": request_id}
-        if adm.request.stream:
-            return StreamingResponse(self._sse(collector, stream), media_type="text/event-stream", headers=headers)
-        completion = await responses.complete(collector, stream)
-        return JSONResponse(completion.model_dump(), headers=headers)
+        return tickets
+
+    async def _firsts(self, chunks: list[AsyncIterator[TokenChunk]]) -> list[TokenChunk]:
+        """Each choice's first token, all prefilled at once; a failure is raised once every
+        choice has settled, so none is still running when the caller closes them."""
+        if len(chunks) == 1:
+            return [await self._first(chunks[0])]
+        firsts = await asyncio.gather(*(self._first(c) for c in chunks), return_exceptions=True)
+        if failed := next((f for f in firsts if isinstance(f, BaseException)), None):
+            raise failed
+        return firsts
 
     async def _first(self, chunks: AsyncIterator[TokenChunk]) -> TokenChunk:
         try:
@@ -143,20 +193,34 @@ class Ingress:
         finally:
             responses.close_soon(rest)
 
-    async def _sse(self, collector: responses.Collector, stream: AsyncIterator[TokenChunk]) -> AsyncIterator[bytes]:
+    async def _sse(self, collectors: list[responses.Collector], events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        status, request_id = "ok", collectors[0].adm.request_id
         try:
-            async for event in responses.stream(collector, stream):
+            async for event in events:
                 yield event
         except RequestError as exc:  # headers are gone: report in-band, as OpenAI does
+            status = str(exc.status)
             yield self._stream_error(exc)
         except (*CLIENT_GONE, GeneratorExit):
+            status = "aborted"
             self.metrics.requests.labels("aborted").inc()
             raise
         except Exception:
-            log.exception("request %s failed while streaming", collector.adm.request_id)
-            yield self._stream_error(RequestError(500, f"internal error while serving request {collector.adm.request_id}", type="server_error"))
+            status = "500"
+            log.exception("request %s failed while streaming", request_id)
+            yield self._stream_error(RequestError(500, f"internal error while serving request {request_id}", type="server_error"))
         finally:
-            responses.close_soon(stream)
+            self._log_done(collectors, status)
+            responses.close_soon(events)
+
+    def _log_done(self, collectors: list[responses.Collector], status: str) -> None:
+        """One line per request: all choices' tokens, the first choice's TTFT and finish reason."""
+        first = collectors[0]
+        adm, trace = first.adm, first.trace
+        prompt = self.planner.tokenizer.decode(adm.plan.token_ids) if self.request_log.with_prompts else None
+        self.request_log.write(RequestRecord(
+            adm.request_id, status, len(adm.plan.token_ids), sum(c.num_tokens for c in collectors), trace.ttft_ms,
+            (time.perf_counter() - adm.arrived_s) * 1e3, first.finish_reason, prompt))
 
     def _stream_error(self, exc: RequestError) -> bytes:
         self.metrics.requests.labels(str(exc.status)).inc()
@@ -164,13 +228,15 @@ class Ingress:
 
     def _fail(self, exc: RequestError, request_id: str) -> JSONResponse:
         self.metrics.requests.labels(str(exc.status)).inc()
+        self.request_log.write(RequestRecord(request_id, str(exc.status)))
         if exc.status >= 500:
             log.warning("request %s: %d %s", request_id, exc.status, exc.message)
         return _error(exc, request_id)
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        card = ModelCard(id=self.config.model.served_name, root=str(self.config.model.checkpoint_path))
+        card = ModelCard(id=self.config.model.served_name, root=str(self.checkpoint),
+                         max_model_len=self.config.model.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     @api.get("/metrics")

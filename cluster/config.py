@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import os
 from pathlib import Path
 
 import yaml
@@ -29,17 +28,42 @@ class Transport(str, enum.Enum):
     NCCL = "nccl"
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 class ModelConfig(Strict):
-    checkpoint: str = Field(description="Checkpoint directory loaded with from_pretrained; ~ and $VARS expand.")
+    checkpoint: str = Field(description="Checkpoint directory loaded with from_pretrained (~ and $VARS expand), or a Hugging "
+                            "Face repo id (org/name) resolved through the Hugging Face cache: downloaded when online, "
+                            "read from the filled cache when offline (HF_HUB_OFFLINE=1).")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a repo id; unset: main. "
+                                 "`epd serve` pins it to the commit it resolved, so every node loads the same files.")
+    hub_cache_dir: str | None = Field(None, description="Hugging Face hub cache for repo ids on every node; unset: "
+                                      "huggingface_hub's default (HF_HUB_CACHE, else ~/.cache/huggingface/hub).")
     builtin: str | None = Field(None, description="Recipe that builds the checkpoint locally when the directory is missing.")
     served_name: str = Field(description="Model id that clients send and GET /v1/models reports.")
-    dtype: str = Field("float32", description="Weights and activations dtype: float32, bfloat16 or float16.")
+    dtype: str = Field("float32", description="Weights and activations dtype: float32, bfloat16, float16, or auto "
+                       "(bfloat16 on cuda, float32 on cpu).")
     device: str = Field("cpu", description="Torch device of every worker: cpu or cuda.")
     max_model_len: int = Field(2048, gt=0, description="Upper bound on prompt plus generated tokens.")
 
     @property
+    def is_hub_repo(self) -> bool:
+        from actors.checkpoint_source import is_repo_id
+
+        return is_repo_id(self.checkpoint)
+
+    @property
     def checkpoint_path(self) -> Path:
-        return Path(os.path.expandvars(os.path.expanduser(self.checkpoint)))
+        """The checkpoint's directory on this node (a repo id resolves through this node's cache)."""
+        from actors.checkpoint_source import resolve_checkpoint
+
+        return resolve_checkpoint(self.checkpoint, self.revision, self.hub_cache_dir)
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device == "cuda" else "float32"
 
 
 class PoolConfig(Strict):
@@ -94,6 +118,30 @@ class TransportConfig(Strict):
     kv: Transport = Field(Transport.OBJECT_STORE, description="How KV caches travel prefill -> decode.")
 
 
+class RemoteMediaConfig(Strict):
+    """Fetching http(s) media URLs (image_url, video_url, audio_url). Off unless hosts are listed."""
+
+    allowed_hosts: list[str] = Field(default_factory=list, description="Hosts media URLs may name: exact names, "
+                                     "'*.example.com' for its subdomains, or '*' for any host. Empty: fetching is off.")
+    allowed_networks: list[str] = Field(default_factory=list, description="Private, loopback or link-local networks "
+                                        "(CIDR) fetching may reach anyway, e.g. an internal media store; every other "
+                                        "non-public address is refused, also after a redirect.")
+    max_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest body fetched for one item.")
+    timeout_s: float = Field(10.0, gt=0, description="One deadline for a whole fetch: connect, redirects and body.")
+    max_redirects: int = Field(3, ge=0, description="Redirects followed, each checked like the first URL.")
+
+    @model_validator(mode="after")
+    def _networks_parse(self) -> "RemoteMediaConfig":
+        import ipaddress
+
+        for net in self.allowed_networks:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"limits.remote_media.allowed_networks: {exc}") from None
+        return self
+
+
 class LimitsConfig(Strict):
     max_items_per_request: int = Field(4, ge=0, description="Most media items in one request.")
     max_image_pixels: int = Field(16_000_000, gt=0, description="Most pixels in one decoded image or video frame (decompression bombs stop here).")
@@ -111,8 +159,10 @@ class LimitsConfig(Strict):
     max_concurrent_decodes: int = Field(2, ge=1, description="Media items the ingress decodes at once (others wait): bounds the "
                                         "CPU and transient memory decoding takes from the ingress process.")
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
-    allow_remote_media: bool = Field(False, description="Fetch http(s) media URLs; off by default.")
-    default_max_tokens: int = Field(64, ge=1, description="max_tokens when a request gives none.")
+    remote_media: RemoteMediaConfig = Field(default_factory=RemoteMediaConfig, description="Fetching http(s) media URLs.")
+    default_max_tokens: int | None = Field(
+        None, ge=1, description="max_tokens when a request gives none; None: the rest of the context (max_model_len minus "
+        "the prompt), as OpenAI and vLLM do for chat (text completions default to 16, as theirs).")
     request_timeout_s: float = Field(120.0, gt=0, description="A request that has not finished by then fails with 504.")
     max_waiting_tokens_per_prefill_worker: int = Field(
         16384, ge=1, description="Back-pressure: prompt tokens of requests still waiting for their first token, per prefill "
@@ -137,6 +187,7 @@ class RouterConfig(Strict):
     policy: str = Field("joint", description="Routing policy: joint, random, round_robin, least_loaded, affinity.")
     seed: int = Field(0, description="Seed of the randomised policies.")
     priors: dict = Field(default_factory=dict, description="Cost-model priors (router.cost_model.CostPriors fields); calibrated online.")
+    calibration: dict = Field(default_factory=dict, description="How the cost model learns online (router.calibration.CalibrationConfig fields: pool_memory, speed_rate, idle_rounds, heal_rounds, max_relative, error_memory, spread_z).")
     staleness_s: float = Field(5.0, gt=0, description="Cache contents a worker published longer ago than this are ignored.")
     dead_after_s: float = Field(10.0, gt=0, description="A worker silent this long leaves the candidate set until it reports again.")
 
@@ -148,7 +199,13 @@ class RouterConfig(Strict):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; known: {sorted(POLICIES)}")
         CostPriors.from_dict(self.priors)  # raises naming the bad prior
+        self.build_calibration()  # raises naming the bad setting
         return self
+
+    def build_calibration(self):
+        from router.calibration import CalibrationConfig
+
+        return CalibrationConfig.from_dict(self.calibration)
 
     def build_priors(self):
         from router.cost_model import CostPriors
@@ -161,6 +218,10 @@ class ServerConfig(Strict):
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     num_cpus_ray: int = Field(8, ge=1, description="Logical CPUs of a local Ray cluster that `epd serve` starts.")
     trace_path: str | None = Field(None, description="Append one JSONL record per finished request here (simulator replay format).")
+    api_key: str | None = Field(None, description="When set, /v1/* requires `Authorization: Bearer <key>` (401 otherwise); "
+                                "/health and /metrics stay open. `epd serve` fills it from $EPD_API_KEY when unset.")
+    log_requests: bool = Field(True, description="One log line per finished request: id, status, tokens, TTFT, e2e.")
+    log_prompts: bool = Field(False, description="Add the prompt's text to each request's log line (off: prompts may be private).")
 
 
 class ClusterConfig(Strict):
@@ -182,8 +243,8 @@ class ClusterConfig(Strict):
             raise ValueError("transport nccl needs model.device: cuda")
         if self.model.device == "cuda" and min(p.num_gpus for p in [*self.encoder_pools, self.prefill, self.decode]) <= 0:
             raise ValueError("model.device cuda needs num_gpus > 0 in every pool")
-        if self.model.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"model.dtype must be float32, bfloat16 or float16, not {self.model.dtype!r}")
+        if self.model.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, not {self.model.dtype!r}")
         if self.media.video_max_frames > self.limits.max_video_frames:
             raise ValueError(f"media.video_max_frames ({self.media.video_max_frames}) must not exceed "
                              f"limits.max_video_frames ({self.limits.max_video_frames})")

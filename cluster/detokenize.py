@@ -15,14 +15,19 @@ class IncrementalText:
         self._hidden = set(hidden_ids)
         self._ids: list[int] = []
         self._emitted = 0
+        self._stop_after = 0  # a stop string must end past this character (min_tokens)
         self.stopped = False
 
-    def push(self, token_ids: tuple[int, ...] | list[int], final: bool = False) -> str:
+    def push(self, token_ids: tuple[int, ...] | list[int], final: bool = False, protect: bool = False) -> str:
+        """`protect`: no stop string may end in the text so far (vLLM checks none before
+        min_tokens); one may still begin in it and end in later text."""
         self._ids.extend(t for t in token_ids if t not in self._hidden)
         text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        if protect:
+            self._stop_after = len(text)
         safe = len(text)
         for stop in self._stop:
-            at = text.find(stop)
+            at = text.find(stop, max(0, self._stop_after - len(stop) + 1))
             if at != -1 and at < safe:
                 safe, self.stopped = at, True
         if not self.stopped and not final:

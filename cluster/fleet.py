@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 
@@ -37,7 +38,9 @@ class Fleet:
         self.config = config
         self.rdt = _rdt_transport(config)
         m = config.model
-        self.spec = WorkerSpec(str(m.checkpoint_path), m.dtype, m.device, 1, m.max_model_len)
+        # The checkpoint as configured (a repo id stays one): each worker resolves it on its own node.
+        self.spec = WorkerSpec(m.checkpoint, m.resolved_dtype, m.device, 1, m.max_model_len, revision=m.revision,
+                               hub_cache_dir=m.hub_cache_dir)
         self.pools: dict[WorkerKind, list] = {kind: [] for kind in WorkerKind}
         for kind in WorkerKind:
             self.pools[kind] = [self._start(kind, i) for i in range(self._num_workers(kind))]
@@ -62,9 +65,7 @@ class Fleet:
 
     def _start(self, kind: WorkerKind, index: int):
         pool, in_pool = self._pool_config(kind, index)
-        spec = WorkerSpec(
-            self.spec.checkpoint, self.spec.dtype, self.spec.device, pool.torch_threads, self.spec.max_model_len, pool.slowdown_of(in_pool)
-        )
+        spec = dataclasses.replace(self.spec, torch_threads=pool.torch_threads, slowdown=pool.slowdown_of(in_pool))
         options = dict(
             num_cpus=pool.num_cpus,
             num_gpus=pool.num_gpus,

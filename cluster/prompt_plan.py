@@ -53,6 +53,21 @@ class PromptPlanner:
                        for r, item, layout in zip(self._ranges(ids, items, counts), items, layouts))
         return PromptPlan(tuple(ids.tolist()), ranges, counts, tuple(items))
 
+    def plan_text(self, prompt: str | list[int]) -> PromptPlan:
+        """A completions prompt: no chat template, special tokens as the tokenizer adds them
+        (as vLLM); token ids as given. Media placeholders have no media here: refused."""
+        ids = list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
+        vocab = len(self.tokenizer)
+        reserved = {self.spec.token_id_by_modality[m]: token for m, token in self.spec.token_by_modality.items()}
+        for token_id in ids:
+            if not 0 <= token_id < vocab:
+                raise PromptError(f"token id {token_id} is not in this model's vocabulary of {vocab} tokens")
+            if token_id in reserved:
+                raise PromptError(f"the prompt holds the reserved media token {reserved[token_id]}")
+        if not ids:
+            raise PromptError("the prompt has no tokens")
+        return PromptPlan(tuple(ids), (), ())
+
     def window_audio(self, hf_messages: list[dict], items: list[MediaItem]) -> tuple[list[dict], list[MediaItem]]:
         """Split clips longer than the model's audio window into windows, each its own audio
         part of the message (the way the model's processor takes several clips)."""

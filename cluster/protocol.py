@@ -1,64 +1,65 @@
 """OpenAI chat-completions wire format: request validation, responses, errors and SSE.
 
-Requests are lenient where OpenAI clients are sloppy (unknown fields, null for a
-default, image_url as a bare string) and strict where a silent fallback would
-surprise (n != 1, out-of-range sampling values, empty messages). No torch here.
+Requests are lenient where OpenAI clients are sloppy (null for a default, image_url as
+a bare string, an echoed assistant message's null tool_calls) and strict where a silent
+fallback would surprise: a field this server does not honour is refused by name, as are
+out-of-range sampling values and empty messages. No torch here.
 """
 from __future__ import annotations
 
 import json
-import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+from pydantic import (BaseModel, Field, ValidationError, ValidationInfo,
                       field_validator, model_serializer, model_validator)
 from pydantic_core import PydanticCustomError
 
-from actors.types import Modality, SamplingParams
+from actors.types import Modality
+from cluster.logprobs import ChatLogprobs
+from cluster.sampling_fields import MAX_LOGPROBS, SamplingFields, Strict, refuse_unless
 
 SSE_DONE = b"data: [DONE]\n\n"
-MIN_TEMPERATURE = 0.01  # as vLLM: below it, sampling is numerically unsafe and barely differs from greedy
 
 # Content-part type -> modality; a modality's value is also its HF chat-template placeholder type.
 MEDIA_PART_TYPES: dict[str, Modality] = {
-    "image_url": Modality.IMAGE, "input_audio": Modality.AUDIO, "video_url": Modality.VIDEO}
-
-
-class _Lenient(BaseModel):
-    # OpenAI clients send fields we do not model (name, refusal, logit_bias, ...): ignore them.
-    model_config = ConfigDict(extra="ignore")
+    "image_url": Modality.IMAGE, "input_audio": Modality.AUDIO, "audio_url": Modality.AUDIO, "video_url": Modality.VIDEO}
 
 
 # ----------------------------------------------------------------------------- request
 
-class ImageURL(_Lenient):
+class ImageURL(Strict):
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class VideoURL(_Lenient):
+class VideoURL(Strict):
     url: str
 
 
-class InputAudio(_Lenient):
+class AudioURL(Strict):  # vLLM's extension: a data URL or an http(s) URL, the MIME type names the format
+    url: str
+
+
+class InputAudio(Strict):
     data: str = Field(description="base64 audio")
     format: str = Field(description="wav, mp3, ...")
 
 
-class ContentPart(_Lenient):
+class ContentPart(Strict):
     """One content part; `type` names the payload field that must be present.
     One model, not a pydantic union, so error locations stay clean JSON paths."""
 
-    type: Literal["text", "image_url", "input_audio", "video_url"]
+    type: Literal["text", "image_url", "input_audio", "audio_url", "video_url"]
     text: str | None = None
     image_url: ImageURL | None = None
     input_audio: InputAudio | None = None
     video_url: VideoURL | None = None
+    audio_url: AudioURL | None = None
 
-    @field_validator("image_url", "video_url", mode="before")
+    @field_validator("image_url", "video_url", "audio_url", mode="before")
     @classmethod
     def _bare_url(cls, value: Any) -> Any:
         # Some clients send {"image_url": "data:..."} instead of {"image_url": {"url": "data:..."}}.
@@ -76,10 +77,27 @@ class ContentPart(_Lenient):
         return self.type in MEDIA_PART_TYPES
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Strict):
     role: Literal["system", "user", "assistant", "developer"]
     # A string arrives as one text part; validate_default so a missing content is checked too.
     content: list[ContentPart] | None = Field(None, validate_default=True)
+    # What the openai client echoes back from an earlier assistant message: null only.
+    name: None = None
+    refusal: None = None
+    tool_calls: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: None = None
+
+    @field_validator("tool_calls", "function_call", mode="before")
+    @classmethod
+    def _no_tool_calls(cls, value: Any) -> Any:
+        return refuse_unless(value, (), "this server does not call tools")
+
+    @field_validator("name", "refusal", "audio", "annotations", mode="before")
+    @classmethod
+    def _unused(cls, value: Any) -> Any:
+        return refuse_unless(value, (), "the chat template is given role and content only")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -113,71 +131,56 @@ class ChatMessage(_Lenient):
         return "system" if self.role == "developer" else self.role
 
 
-class StreamOptions(_Lenient):
-    include_usage: bool = False
+class ResponseFormat(Strict):
+    type: Literal["text"] = Field(description="only plain text: json_object and json_schema are not built")
 
 
-class ChatCompletionRequest(_Lenient):
-    model: str
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="-1 or 0: off (vLLM extension)")
-    seed: int | None = None
-    stop: list[Annotated[str, Field(min_length=1)]] | None = Field(None, max_length=4)
-    n: int = 1
-    user: str | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens; wins over it")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI fields declared only to be refused by name with a reason (until they are built).
+    tools: None = None
+    functions: None = None
+    function_call: None = None
+    parallel_tool_calls: None = None
+    tool_choice: Literal["none"] | None = None
+    response_format: ResponseFormat | None = None
 
-    @field_validator("*", mode="before")
+    @field_validator("tools", "functions", "function_call", "parallel_tool_calls", mode="before")
     @classmethod
-    def _null_means_default(cls, value: Any, info: ValidationInfo) -> Any:
-        # Clients send "temperature": null to mean "default"; only `model`/`messages` have none.
-        if value is None and info.field_name is not None:
-            field = cls.model_fields[info.field_name]
-            if not field.is_required():
-                return field.get_default(call_default_factory=True)
-        return value
+    def _no_tools(cls, value: Any) -> Any:
+        return refuse_unless(value, (), "this server does not call tools")
 
-    @field_validator("stop", mode="before")
+    @field_validator("tool_choice", mode="before")
     @classmethod
-    def _stop_as_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
+    def _tool_choice_none(cls, value: Any) -> Any:
+        return refuse_unless(value, ("none",), "this server does not call tools (only \"none\" is accepted)")
 
-    @field_validator("temperature")
+    @field_validator("response_format", mode="before")
     @classmethod
-    def _numerically_safe_temperature(cls, value: float) -> float:
-        # logits / t overflows float32 for tiny t, and one row's NaN must not reach a batch.
-        if 0.0 < value < MIN_TEMPERATURE:
-            raise PydanticCustomError("temperature_too_small", "must be 0 (greedy) or at least {m}, got {t}",
-                                      {"m": MIN_TEMPERATURE, "t": value})
-        return value
+    def _text_only(cls, value: Any) -> Any:
+        return refuse_unless(value, ({"type": "text"},), "only {\"type\": \"text\"} (structured output is not built)")
 
-    @field_validator("n")
+    @field_validator("top_logprobs")
     @classmethod
-    def _only_one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise PydanticCustomError("unsupported_n", "only n=1 is supported, got {n}", {"n": value})
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise PydanticCustomError("top_logprobs_without_logprobs", "top_logprobs needs \"logprobs\": true")
         return value
 
     @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
-    def effective_max_tokens(self, default: int) -> int:
-        """max_completion_tokens wins over the deprecated max_tokens; `default` when neither."""
-        return self.max_completion_tokens or self.max_tokens or default
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
-    def to_sampling_params(self, *, default_max_tokens: int,
-                           stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
-        """Sampling settings for the engine. A missing seed gets a random one (no seed = not reproducible)."""
-        return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
-            seed=self.seed if self.seed is not None else secrets.randbits(63),
-            max_tokens=self.effective_max_tokens(default_max_tokens), stop_token_ids=stop_token_ids)
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def format_param(loc: tuple[int | str, ...]) -> str | None:
@@ -194,6 +197,8 @@ def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:
     msg = error["msg"].removeprefix("Value error, ")
     if error["type"] == "missing" and param:
         return f"Missing required parameter: '{param}'.", param
+    if error["type"] == "extra_forbidden":
+        return f"Unrecognized request argument supplied: '{param}' (this server does not honour it)", param
     if error["type"] == "json_invalid":
         return f"Request body is not valid JSON: {error.get('ctx', {}).get('error', msg)}", None
     return (f"Invalid '{param}': {msg}" if param else f"Invalid request: {msg}"), param
@@ -213,7 +218,7 @@ class MediaPart:
 
 
 def _media_part(part: ContentPart, param: str) -> MediaPart:
-    body = getattr(part, part.type)  # ImageURL, InputAudio or VideoURL; the validator ensured it is set
+    body = getattr(part, part.type)  # ImageURL, InputAudio, AudioURL or VideoURL; the validator ensured it is set
     return MediaPart(MEDIA_PART_TYPES[part.type], body.data if part.type == "input_audio" else body.url,
                      param, format=getattr(body, "format", None), detail=getattr(body, "detail", None))
 
@@ -270,7 +275,7 @@ class Choice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(_OmitNone):
@@ -294,7 +299,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(_OmitNone):
@@ -314,6 +319,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "epd"
     root: str | None = None  # the checkpoint directory
+    max_model_len: int | None = None  # prompt plus generated tokens, as vLLM reports it
 
 
 class ModelList(BaseModel):

@@ -1,19 +1,21 @@
-"""Raw HTTP body -> validated ChatCompletionRequest, refusing what would otherwise reach
+"""Raw HTTP body -> validated request model, refusing what would otherwise reach
 the engine half-understood: bodies that are not UTF-8, JSON nested deeper than any
-request needs, numbers too long to be meant, NaN and infinities, lone UTF-16 surrogates
-(no tokenizer can encode them), and values of the wrong JSON type (no coercion:
-`"stream": "yes"` is an error, not True). Every refusal names the offending parameter
-where it has one. No torch here.
+request needs, a key given twice (which one would win?), numbers too long to be meant,
+NaN and infinities, lone UTF-16 surrogates (no tokenizer can encode them), and values of
+the wrong JSON type (no coercion: `"stream": "yes"` is an error, not True). Every refusal
+names the offending parameter where it has one. No torch here.
 """
 from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from cluster.protocol import ChatCompletionRequest, format_param, validation_error_message
+
+Request = TypeVar("Request", bound=BaseModel)
 
 MAX_JSON_DEPTH = 32  # a chat request nests about 6 deep
 MAX_INT_DIGITS = 19  # an int64; longer numbers are mistakes or attacks (int() of 5,000 digits raises)
@@ -47,13 +49,22 @@ def _parse_constant(text: str) -> _BadNumber:
     return _BadNumber(text, f"{text} is not a JSON number")
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise BodyError(f"Invalid '{key}': the key appears more than once in its JSON object", key)
+        out[key] = value
+    return out
+
+
 def _load(body: bytes) -> Any:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BodyError(f"request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
     try:
-        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+        return json.loads(text, object_pairs_hook=_unique_keys, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except json.JSONDecodeError as exc:
         raise BodyError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -86,11 +97,15 @@ def _check_text(text: str, path: tuple[int | str, ...]) -> None:
                         "is not valid Unicode", format_param(path)) from None
 
 
-def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+def parse_request(body: bytes, model: type[Request]) -> Request:
     raw = _load(body)
     _check(raw)
     try:
-        return ChatCompletionRequest.model_validate(raw, strict=True)
+        return model.model_validate(raw, strict=True)
     except ValidationError as exc:
         message, param = validation_error_message(exc)
         raise BodyError(message, param) from None
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    return parse_request(body, ChatCompletionRequest)

@@ -7,7 +7,6 @@ here: embeddings and KV move worker-to-worker as refs this module only passes al
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
@@ -15,16 +14,17 @@ from typing import AsyncIterator, Awaitable, Callable
 import ray
 
 from actors.media import MediaError, MediaOptions, PixelBudget, VideoSampling, load_media_item
-from actors.types import (DecodeRequest, EncodeJob, FinishReason, MediaItem, PrefillRequest, PrefillResult,
-                          SamplingParams, TokenChunk)
+from actors.types import DecodeRequest, EncodeJob, FinishReason, MediaItem, PrefillRequest, PrefillResult, TokenChunk
 from actors.decode_state import finish_reason_of
 from cluster.config import ClusterConfig, Transport
 from cluster.fleet import Fleet
 from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
-from cluster.protocol import to_template_messages
+from cluster.admitted import Admitted, Endpoint, Job
+from cluster.protocol import ChatCompletionRequest, to_template_messages
 from cluster.recovery import RETRYABLE, WorkerLost, lost_worker
-from cluster.request_body import BodyError, parse_chat_request
+from cluster.request_body import BodyError, parse_request
+from cluster.sampling_fields import ModelBounds, ParamError
 from cluster.routing import LiveRouting, RoutingUnavailable
 from cluster.trace import TraceWriter
 from router.types import RequestProfile, RouteDecision, WorkerKind
@@ -62,36 +62,6 @@ class RequestError(Exception):
         self.retry_after_s = retry_after_s  # sent as Retry-After (429, 503)
 
 
-@dataclass(frozen=True)
-class Admitted:
-    request_id: str
-    request: ChatCompletionRequest
-    items: tuple[MediaItem, ...]
-    plan: PromptPlan
-    sampling: SamplingParams
-    arrived_s: float
-
-
-@dataclass(frozen=True)
-class Job:
-    """One attempt at a request: the prompt it prefills (the request's, plus the tokens an
-    earlier attempt already produced) and what is left of its token budget. Workers know
-    it by `job_id`, so nothing an abandoned attempt left behind is mistaken for this one's."""
-
-    adm: Admitted
-    job_id: str
-    token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    deadline_s: float  # perf_counter time by which the request must be done
-
-    @classmethod
-    def of(cls, adm: Admitted, produced: tuple[int, ...], attempt: int, deadline_s: float) -> "Job":
-        sampling = adm.sampling
-        if produced:
-            sampling = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - len(produced))
-        return cls(adm, f"{adm.request_id}/{attempt}", adm.plan.token_ids + produced, sampling, deadline_s)
-
-
 @dataclass
 class Trace:
     """Per-request timings, filled in as the request moves (ms since arrival unless noted)."""
@@ -113,19 +83,28 @@ class RequestPath:
         self.trace = TraceWriter(config.server.trace_path) if config.server.trace_path else None
 
     # -- 1. admit -------------------------------------------------------------------------
-    def admit(self, body: bytes, request_id: str, arrived_s: float) -> Admitted:
+    def admit(self, body: bytes, request_id: str, arrived_s: float, endpoint: Endpoint = Endpoint.CHAT) -> Admitted:
         try:
-            request = parse_chat_request(body)
+            request = parse_request(body, endpoint.request_model)
         except BodyError as exc:
             raise RequestError(400, exc.message, exc.param) from None
         if request.model != self.config.model.served_name:
             raise RequestError(404, f"model {request.model!r} does not exist; this server serves {self.config.model.served_name!r}", "model", code="model_not_found")
-        hf_messages, media = to_template_messages(request.messages)
-        plan = self._plan(hf_messages, tuple(self._decode_media(media)))
-        sampling = request.to_sampling_params(
-            default_max_tokens=self.config.limits.default_max_tokens, stop_token_ids=self.planner.eos_token_ids
-        )
+        if isinstance(request, ChatCompletionRequest):
+            hf_messages, media = to_template_messages(request.messages)
+            plan = self._plan(hf_messages, tuple(self._decode_media(media)))
+        else:
+            plan = self._text_plan(request.prompt)
+        try:
+            sampling = request.to_sampling_params(len(plan.token_ids), self.bounds)
+        except ParamError as exc:
+            raise RequestError(400, exc.message, exc.param) from None
         return Admitted(request_id, request, plan.items, plan, sampling, arrived_s)
+
+    @property
+    def bounds(self) -> ModelBounds:
+        return ModelBounds(self.config.model.max_model_len, len(self.planner.tokenizer), self.planner.eos_token_ids,
+                           self.config.limits.default_max_tokens)
 
     def _media_options(self) -> MediaOptions:
         """The served model's input shape: its audio rate and the configured video sampling."""
@@ -150,12 +129,20 @@ class RequestPath:
 
     def _plan(self, hf_messages: list[dict], items: tuple[MediaItem, ...]) -> PromptPlan:
         try:
-            plan = self.planner.plan(hf_messages, list(items))
+            return self._fits(self.planner.plan(hf_messages, list(items)), "messages")
         except PromptError as exc:
             raise RequestError(400, str(exc), "messages") from None
+
+    def _text_plan(self, prompt: str | list[int]) -> PromptPlan:
+        try:
+            return self._fits(self.planner.plan_text(prompt), "prompt")
+        except PromptError as exc:
+            raise RequestError(400, f"Invalid 'prompt': {exc}", "prompt") from None
+
+    def _fits(self, plan: PromptPlan, param: str) -> PromptPlan:
         limit = self.config.model.max_model_len
         if len(plan.token_ids) >= limit:
-            raise RequestError(400, f"prompt is {len(plan.token_ids)} tokens; this model's context is {limit} tokens", "messages", code="context_length_exceeded")
+            raise RequestError(400, f"prompt is {len(plan.token_ids)} tokens; this model's context is {limit} tokens", param, code="context_length_exceeded")
         return plan
 
     # -- 2. route ---------------------------------------------------------------------------
@@ -270,8 +257,8 @@ class RequestPath:
         if encoded:
             received_at = max(await self.deliver(WorkerKind.PREFILL, decision.prefill, job.job_id, encoded, self.config.transport.embeddings))
         plan = job.adm.plan
-        request = PrefillRequest(job.job_id, job.token_ids, plan.placeholders, job.sampling,
-                                 tuple(item.identifier for item in plan.items))
+        request = PrefillRequest(job.job_id, job.token_ids, plan.placeholders, job.sampling, job.num_output_tokens,
+                                 media_identifiers=tuple(item.identifier for item in plan.items))
         result = await prefill.prefill.remote(request)
         ready_at = max((s.finished_at_s for s in result.encode_stats if not s.cache_hit), default=None)
         transfer_ms = (received_at - ready_at) * 1e3 if received_at and ready_at else None
@@ -279,13 +266,15 @@ class RequestPath:
 
     def _first_chunk(self, job: Job, result: PrefillResult) -> TokenChunk:
         reason = finish_reason_of(result.num_prompt_tokens, job.sampling, [result.first_token_id], self.config.model.max_model_len)
-        return TokenChunk((result.first_token_id,), reason)
+        logprobs = (result.first_logprob,) if result.first_logprob is not None else ()
+        return TokenChunk((result.first_token_id,), reason, logprobs=logprobs)
 
     async def decode(self, job: Job, decision: RouteDecision, result: PrefillResult) -> AsyncIterator[TokenChunk]:
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         decoder = self.fleet.pools[WorkerKind.DECODE][decision.decode]
         kv_ref = prefill.pop_kv.options(**self.fleet.transport_option(self.config.transport.kv)).remote(job.job_id)
-        request = DecodeRequest(job.job_id, result.num_prompt_tokens, result.first_token_id, job.sampling, result.rope_delta)
+        request = DecodeRequest(job.job_id, result.num_prompt_tokens, result.first_token_id, job.sampling, result.rope_delta,
+                                job.history)
         finished = False
         try:
             await self.deliver(WorkerKind.DECODE, decision.decode, job.job_id, [kv_ref], self.config.transport.kv)
@@ -306,8 +295,10 @@ class RequestPath:
         stage = self.metrics.stage
         stage.labels("prefill").observe(result.prefill_ms / 1e3)
         stage.labels("prefill_queue").observe(result.queue_ms / 1e3)
+        self.metrics.prefill_time.observe(result.prefill_ms / 1e3)
+        self.metrics.queue_time.observe(result.queue_ms / 1e3)
         for stats in result.encode_stats:
-            self.metrics.encoder_cache.labels("hit" if stats.cache_hit else "miss").inc()
+            self.metrics.record_encoder_lookup(stats.cache_hit)
             if stats.cache_hit:
                 continue
             stage.labels("encode").observe(stats.encode_ms / 1e3)
@@ -316,5 +307,5 @@ class RequestPath:
         trace.encode_ms = max((s.queue_ms + s.encode_ms for s in result.encode_stats), default=0.0)
         trace.prefill_ms, trace.prefill_queue_ms = result.prefill_ms, result.queue_ms
         self.metrics.prompt_tokens.inc(result.num_prompt_tokens)
-        self.metrics.prefix_cache_tokens.labels("hit").inc(result.num_cached_tokens)
-        self.metrics.prefix_cache_tokens.labels("miss").inc(result.num_prompt_tokens - result.num_cached_tokens)
+        self.metrics.prefix_cache_queries.inc(result.num_prompt_tokens)
+        self.metrics.prefix_cache_hits.inc(result.num_cached_tokens)

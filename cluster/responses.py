@@ -1,61 +1,82 @@
-"""Turns a request's token stream into OpenAI responses: SSE chunks or one JSON body,
-with usage, finish reason and timings, and records the request-level metrics."""
+"""Turns a request's token streams (one per choice) into OpenAI responses, chat or text
+completion: SSE chunks or one JSON body, with logprobs, usage, finish reasons and timings,
+and records the request-level metrics."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from actors.types import FinishReason, TokenChunk
+from pydantic import BaseModel
+
+from actors.types import FinishReason, TokenChunk, TokenLogprob
+from cluster.completions import Completion, CompletionChoice
 from cluster.detokenize import IncrementalText
+from cluster.logprobs import LogprobText
 from cluster.metrics import Metrics
 from cluster.protocol import (
-    SSE_DONE, AssistantMessage, ChatCompletion, ChatCompletionChunk, ChunkChoice, Choice, DeltaMessage, Usage, sse_event,
+    SSE_DONE, AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, Choice,
+    DeltaMessage, Usage, sse_event,
 )
-from cluster.request_path import Admitted, Trace, close_soon
+from cluster.admitted import Admitted
+from cluster.request_path import Trace, close_soon
 
 
 @dataclass
 class Delta:
     text: str
     finish_reason: str | None
+    logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # the tokens behind `text`
+    text_offset: int = 0  # where `text` starts in the choice's whole text
 
 
 class Collector:
-    """Follows one request's tokens: text deltas, token counts, finish reason, timings."""
+    """Follows one choice's tokens: text deltas, logprobs, token count, finish reason, timings."""
 
     def __init__(self, adm: Admitted, tokenizer, metrics: Metrics):
         self.adm, self.metrics = adm, metrics
         self.text = IncrementalText(tokenizer, tuple(adm.request.stop or ()), adm.sampling.stop_token_ids)
         self.num_tokens = 0
+        self.num_chars = 0
         self.trace = Trace()
+        self.finish_reason: str | None = None
+        self._logprobs: list[tuple[int, TokenLogprob]] = []  # not yet sent with a delta
+        self._last_chunk_s: float | None = None
+
+    def _push(self, chunk: TokenChunk) -> str:
+        """The chunk's text; a stop string cannot end in the first min_tokens - 1 tokens' text."""
+        num_protected = max(0, self.adm.sampling.min_tokens - 1 - self.num_tokens)
+        head, tail = chunk.token_ids[:num_protected], chunk.token_ids[num_protected:]
+        text = self.text.push(head, protect=True) if head else ""
+        if tail or not head or chunk.finished:
+            text += self.text.push(tail, final=chunk.finished)
+        self.num_tokens += len(chunk.token_ids)
+        return text
 
     async def deltas(self, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[Delta]:
         async for chunk in chunks:
-            self.num_tokens += len(chunk.token_ids)
-            text = self.text.push(chunk.token_ids, final=chunk.finished)
+            self._tick()
+            self._logprobs.extend(zip(chunk.token_ids, chunk.logprobs))
+            text = self._push(chunk)
             if self.text.stopped:
-                yield Delta(text, FinishReason.STOP.value)
+                self.finish_reason = FinishReason.STOP.value
+                yield self._delta(text, FinishReason.STOP.value)
                 break  # leaving the stream aborts the decode upstream
             reason = chunk.finish_reason.value if chunk.finished else None
+            self.finish_reason = reason or self.finish_reason
             if text or reason:
-                yield Delta(text, reason)
-        self._record()
+                yield self._delta(text, reason)
 
-    def _record(self) -> None:
-        m, t = self.metrics, self.trace
-        e2e_s = time.perf_counter() - self.adm.arrived_s
-        m.requests.labels("ok").inc()
-        m.e2e.observe(e2e_s)
-        m.completion_tokens.inc(self.num_tokens)
-        if t.ttft_ms is not None:
-            m.ttft.observe(t.ttft_ms / 1e3)
-            if self.num_tokens > 1:
-                m.tpot.observe((e2e_s - t.ttft_ms / 1e3) / (self.num_tokens - 1))
+    def _delta(self, text: str, reason: str | None) -> Delta:
+        delta = Delta(text, reason, self._logprobs, self.num_chars)
+        self._logprobs, self.num_chars = [], self.num_chars + len(text)
+        return delta
 
-    @property
-    def usage(self) -> Usage:
-        return Usage.of(len(self.adm.plan.token_ids), self.num_tokens)
+    def _tick(self) -> None:
+        now_s = time.perf_counter()
+        if self._last_chunk_s is not None:
+            self.metrics.itl.observe(now_s - self._last_chunk_s)
+        self._last_chunk_s = now_s
 
     def timings(self) -> dict[str, float]:
         t = self.trace
@@ -69,34 +90,114 @@ class Collector:
         }
 
 
-async def complete(collector: Collector, chunks: AsyncIterator[TokenChunk]) -> ChatCompletion:
-    parts, reason = [], None
+def _record(metrics: Metrics, collectors: list[Collector]) -> None:
+    """One finished request: its e2e and prompt, all choices' tokens, the first choice's
+    TTFT, TPOT and finish reason."""
+    first = collectors[0]
+    e2e_s = time.perf_counter() - first.adm.arrived_s
+    num_tokens = sum(c.num_tokens for c in collectors)
+    metrics.requests.labels("ok").inc()
+    metrics.success.labels(first.finish_reason or FinishReason.STOP.value).inc()
+    metrics.e2e.observe(e2e_s)
+    metrics.completion_tokens.inc(num_tokens)
+    metrics.request_prompt_tokens.observe(len(first.adm.plan.token_ids))
+    metrics.request_generation_tokens.observe(num_tokens)
+    if first.trace.ttft_ms is not None:
+        metrics.ttft.observe(first.trace.ttft_ms / 1e3)
+        metrics.decode_time.observe(max(0.0, e2e_s - first.trace.ttft_ms / 1e3))
+        if first.num_tokens > 1:
+            metrics.tpot.observe((e2e_s - first.trace.ttft_ms / 1e3) / (first.num_tokens - 1))
+
+
+def _usage(collectors: list[Collector]) -> Usage:
+    return Usage.of(len(collectors[0].adm.plan.token_ids), sum(c.num_tokens for c in collectors))
+
+
+class Shape:
+    """The wire shape of one endpoint's answers (chat.completion or text_completion)."""
+
+    def __init__(self, adm: Admitted, tokenizer):
+        self.adm, self.logprob_text = adm, LogprobText(tokenizer)
+        self.is_chat = isinstance(adm.request, ChatCompletionRequest)
+        self.wants_logprobs = adm.sampling.num_logprobs is not None
+
+    def _logprobs(self, delta: Delta):
+        if not self.wants_logprobs:
+            return None
+        if self.is_chat:
+            return self.logprob_text.chat(delta.logprobs)
+        return self.logprob_text.completion(delta.logprobs, delta.text_offset)
+
+    def whole(self, deltas: list[Delta], usage: Usage, timings: dict[str, float]) -> BaseModel:
+        """One answer from each choice's text merged into one delta."""
+        base = dict(id=self.adm.request_id, model=self.adm.request.model, usage=usage, timings=timings)
+        if self.is_chat:
+            return ChatCompletion(**base, choices=[
+                Choice(index=i, message=AssistantMessage(content=d.text), finish_reason=d.finish_reason, logprobs=self._logprobs(d))
+                for i, d in enumerate(deltas)])
+        return Completion(**base, choices=[
+            CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=self._logprobs(d))
+            for i, d in enumerate(deltas)])
+
+    def chunk(self, index: int, delta: Delta | None, **extra) -> bytes:
+        """An SSE event of one choice's delta; `delta` None: no choices (the usage chunk)."""
+        base = dict(id=self.adm.request_id, model=self.adm.request.model, **extra)
+        if self.is_chat:
+            choices = [] if delta is None else [ChunkChoice(
+                index=index, delta=DeltaMessage(content=delta.text or None), finish_reason=delta.finish_reason,
+                logprobs=self._logprobs(delta))]
+            return sse_event(ChatCompletionChunk(**base, choices=choices))
+        choices = [] if delta is None else [CompletionChoice(
+            index=index, text=delta.text, finish_reason=delta.finish_reason, logprobs=self._logprobs(delta))]
+        return sse_event(Completion(**base, choices=choices))
+
+    def role_chunk(self, index: int) -> bytes | None:
+        if not self.is_chat:
+            return None
+        choice = ChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
+        return sse_event(ChatCompletionChunk(id=self.adm.request_id, model=self.adm.request.model, choices=[choice]))
+
+
+async def _whole_choice(collector: Collector, chunks: AsyncIterator[TokenChunk]) -> Delta:
+    merged = Delta("", None)
     try:
         async for delta in collector.deltas(chunks):
-            parts.append(delta.text)
-            reason = delta.finish_reason or reason
+            merged.text += delta.text
+            merged.logprobs.extend(delta.logprobs)
+            merged.finish_reason = delta.finish_reason or merged.finish_reason
     finally:
-        close_soon(chunks)  # a stop string ends the request here: free its workers now
-    adm = collector.adm
-    return ChatCompletion(
-        id=adm.request_id,
-        model=adm.request.model,
-        choices=[Choice(message=AssistantMessage(content="".join(parts)), finish_reason=reason)],
-        usage=collector.usage,
-        timings=collector.timings(),
-    )
+        close_soon(chunks)  # a stop string ends the choice here: free its workers now
+    return merged
 
 
-async def stream(collector: Collector, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[bytes]:
-    adm = collector.adm
+async def complete(shape: Shape, collectors: list[Collector], streams: list[AsyncIterator[TokenChunk]],
+                   metrics: Metrics) -> BaseModel:
+    """The whole answer. Choices are read one after another: all are generating already,
+    and a later one's tokens wait in its stream meanwhile."""
+    try:
+        deltas = [await _whole_choice(c, s) for c, s in zip(collectors, streams)]
+    finally:
+        for s in streams:
+            close_soon(s)
+    _record(metrics, collectors)
+    return shape.whole(deltas, _usage(collectors), collectors[0].timings())
 
-    def chunk(delta: DeltaMessage, reason: str | None = None, **extra) -> bytes:
-        choices = [ChunkChoice(delta=delta, finish_reason=reason)] if delta is not None else []
-        return sse_event(ChatCompletionChunk(id=adm.request_id, model=adm.request.model, choices=choices, **extra))
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
-    async for delta in collector.deltas(chunks):
-        yield chunk(DeltaMessage(content=delta.text or None), delta.finish_reason)
-    if adm.request.include_usage:
-        yield chunk(None, usage=collector.usage, timings=collector.timings())
+async def stream(shape: Shape, collectors: list[Collector], streams: list[AsyncIterator[TokenChunk]],
+                 metrics: Metrics) -> AsyncIterator[bytes]:
+    """SSE events: each choice's role chunk, then each choice's deltas in turn, then usage."""
+    try:
+        for index in range(len(collectors)):
+            if (event := shape.role_chunk(index)) is not None:
+                yield event
+        for index, (collector, chunks) in enumerate(zip(collectors, streams)):
+            async for delta in collector.deltas(chunks):
+                yield shape.chunk(index, delta)
+            close_soon(chunks)  # a stop string ended it early: free its workers before the next choice
+    finally:
+        for s in streams:
+            close_soon(s)
+    _record(metrics, collectors)
+    if shape.adm.request.include_usage:
+        yield shape.chunk(0, None, usage=_usage(collectors), timings=collectors[0].timings())
     yield SSE_DONE

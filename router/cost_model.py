@@ -7,10 +7,12 @@ Estimated TTFT of a request on (encoder e, prefill p) =
   + queue of p (its booked work, less what the job it is serving has done: prefill_queue_ms)
   + prefill of the prompt tokens p's prefix cache does not cover.
 
-Every linear term is `fixed_ms + per_unit_ms * x` with an `OnlineLinear` fit per worker
-(per modality for encoders, per placement for transfers): O(1) to observe, O(1) to read.
-The routing fast path reads the fits' coefficients from flat per-worker lists (prefill_a,
-encode lists per modality, ...), brought up to date by _sync() before each read.
+Every linear term is `fixed_ms + per_unit_ms * x`. Encode (per modality) and prefill are
+calibrated as a pool-wide curve times per-worker relative times (router/calibration.py: a
+burst moves the pool's curve, not one worker's fit, and a stale worker heals); transfers
+have one `OnlineLinear` fit per placement. Observing is O(1); the routing fast path reads
+the per-worker coefficients from flat lists (prefill_a, encode lists per modality, ...),
+brought up to date before each read (_sync, _modality).
 """
 from __future__ import annotations
 
@@ -20,23 +22,18 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
-from router.types import MediaJob, Placement, RequestProfile, TTFTEstimate, WorkerKind
+from router.calibration import CalibrationConfig, LinearCost, OnlineLinear, PoolFit, RelativeTimes
+from router.types import MediaJob, Modality, Placement, RequestProfile, TTFTEstimate, WorkerKind
 from router.view import ClusterView, bits, unique_items
 
 _E, _P = WorkerKind.ENCODER, WorkerKind.PREFILL
-_INF = math.inf
 _TIERS = (Placement.SAME_PROCESS, Placement.SAME_NODE, Placement.CROSS_NODE)  # closest first
 _TIER_INDEX = {placement: i for i, placement in enumerate(_TIERS)}
 
 
-@dataclass(frozen=True)
-class LinearCost:
-    fixed_ms: float = 0.0
-    per_unit_ms: float = 0.0
-
-
 # Seed table (ViT-L/14, Whisper-small): a 0.113 MP image ~5 ms, 30 video frames ~48 ms, 30 s audio ~85 ms.
-DEFAULT_ENCODE = {"image": LinearCost(1.0, 35.0), "video": LinearCost(3.0, 1.5), "audio": LinearCost(1.0, 2.8)}
+DEFAULT_ENCODE = {Modality.IMAGE.value: LinearCost(1.0, 35.0), Modality.VIDEO.value: LinearCost(3.0, 1.5),
+                  Modality.AUDIO.value: LinearCost(1.0, 2.8)}
 DEFAULT_BANDWIDTH_GBPS = {Placement.SAME_PROCESS: 2000.0, Placement.SAME_NODE: 600.0, Placement.CROSS_NODE: 50.0}
 
 
@@ -84,115 +81,66 @@ def _positive(name: str, value: Any) -> float:
     return float(value)
 
 
-class OnlineLinear:
-    """y ~ a + b*x, exponentially weighted least squares; until the sizes seen vary enough to
-    fit a slope, the prior scaled by an EWMA of observed/predicted. a, b stay finite and >= 0.
-
-    `observe` only updates the sufficient statistics (a few multiply-adds); the fit is redone
-    lazily, the next time the coefficients are read, so a burst of observations between two
-    routing decisions costs one fit. The fit is a pure function of the statistics, so the
-    coefficients are exactly those an eager refit after every observation would give."""
-
-    DECAY, RATIO_ALPHA, MIN_WEIGHT, MIN_CV = 0.9, 0.2, 3.0, 0.1
-
-    __slots__ = ("prior", "_p0", "_p1", "ratio", "sw", "sx", "sy", "sxx", "sxy", "_coefficients", "stale")
-
-    def __init__(self, prior: LinearCost):
-        self.prior, self.ratio = prior, 1.0
-        self._p0, self._p1 = prior.fixed_ms, prior.per_unit_ms  # the prior's coefficients, for observe()
-        self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self._coefficients = (prior.fixed_ms, prior.per_unit_ms)  # (a, b) as of the last fit
-        self.stale = False  # observed since the last fit
-
-    @property
-    def a(self) -> float:
-        return self.coefficients()[0]
-
-    @property
-    def b(self) -> float:
-        return self.coefficients()[1]
-
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b), refitted first if anything was observed since the last fit."""
-        if self.stale:
-            self._coefficients = self._fit()
-            self.stale = False
-        return self._coefficients
-
-    def predict(self, x: float) -> float:
-        a, b = self.coefficients()
-        return a + b * x
-
-    def observe(self, x: float, y: float) -> None:
-        if not (0.0 <= x < _INF and 0.0 <= y < _INF):
-            return  # a broken timing (NaN, infinite, negative) must not poison the fit
-        expected = self._p0 + self._p1 * x
-        if expected > 0:
-            ratio = y / expected
-            ratio = 1e-3 if ratio < 1e-3 else 1e3 if ratio > 1e3 else ratio
-            self.ratio += self.RATIO_ALPHA * (ratio - self.ratio)
-        d = self.DECAY
-        self.sw, self.sx, self.sy = d * self.sw + 1, d * self.sx + x, d * self.sy + y
-        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * y
-        self.stale = True
-
-    def _fit(self) -> tuple[float, float]:
-        sw = self.sw
-        if sw >= self.MIN_WEIGHT:
-            mx, my = self.sx / sw, self.sy / sw
-            var = self.sxx / sw - mx * mx
-            if var > (self.MIN_CV * mx) ** 2 and var > 1e-12:  # else (nearly) one size seen: a slope would be noise
-                b = (self.sxy / sw - mx * my) / var
-                if b >= 0:
-                    a = my - b * mx
-                    if a < 0:  # through the origin instead
-                        a, b = 0.0, self.sxy / self.sxx
-                    if -_INF < a < _INF and -_INF < b < _INF:  # both finite (NaN fails too)
-                        return a, b
-        return self.ratio * self.prior.fixed_ms, self.ratio * self.prior.per_unit_ms  # the prior, scaled
-
-
 class CostModel:
-    def __init__(self, priors: CostPriors | None = None, *, num_encoders: int = 0, num_prefill: int = 0):
+    def __init__(self, priors: CostPriors | None = None, *, num_encoders: int = 0, num_prefill: int = 0,
+                 calibration: CalibrationConfig | None = None):
         self.priors = priors or CostPriors()
+        self.calibration = calibration or CalibrationConfig()
         self.num_encoders = num_encoders
-        # per modality: the fits per encoder, and their coefficients as flat lists for the fast path
-        self._encode: dict[str, tuple[list[OnlineLinear], list[float], list[float]]] = {}
+        # per modality: a pool fit over the encoders, all sharing the encoders' relative times
+        self.encoder_times = RelativeTimes(num_encoders, self.calibration)
+        self._encode: dict[str, PoolFit] = {}
         for modality in self.priors.encode:
             self._modality(modality)
         prefill_prior = LinearCost(self.priors.prefill_fixed_ms, 1.0 / self.priors.prefill_tokens_per_ms)
-        self._prefill = [OnlineLinear(prefill_prior) for _ in range(num_prefill)]
-        self.prefill_a = [f.a for f in self._prefill]
-        self.prefill_b = [f.b for f in self._prefill]
+        self.prefill_fit = PoolFit(prefill_prior, RelativeTimes(num_prefill, self.calibration), self.calibration)
+        self.prefill_a, self.prefill_b = self.prefill_fit.a, self.prefill_fit.b  # updated in place
         self._transfer = {pl: OnlineLinear(LinearCost(0.0, 1.0 / (gbps * 1e6))) for pl, gbps in self.priors.bandwidth_gbps.items()}
         if missing := [pl.value for pl in _TIERS if pl not in self._transfer]:
             raise ValueError(f"cost priors lack bandwidth_gbps for {missing}")
         # the three transfer fits' coefficients, in _TIERS order, for transfer_tiers()
         self._transfer_a = [self._transfer[pl].a for pl in _TIERS]
         self._transfer_b = [self._transfer[pl].b for pl in _TIERS]
-        # Fits observed since their flat coefficients were last copied: (fit, a list, b list, index).
-        # Copied (refitting each once) before the next read, so observing stays a few multiply-adds.
-        self._pending: list[tuple[OnlineLinear, list[float], list[float], int]] = []
+        # Prefill or transfers observed since their flat coefficients were last copied: brought up to
+        # date before the next read, so observing stays a few multiply-adds (encode fits: _modality()).
+        self._pending = False
 
     @classmethod
-    def for_view(cls, priors: CostPriors | None, view: ClusterView) -> CostModel:
-        return cls(priors, num_encoders=len(view.workers[_E]), num_prefill=len(view.workers[_P]))
+    def for_view(cls, priors: CostPriors | None, view: ClusterView, calibration: CalibrationConfig | None = None) -> CostModel:
+        return cls(priors, num_encoders=len(view.workers[_E]), num_prefill=len(view.workers[_P]), calibration=calibration)
 
-    def _modality(self, modality: str) -> tuple[list[OnlineLinear], list[float], list[float]]:
-        found = self._encode.get(modality)
-        if found is None:
+    def _modality(self, modality: str) -> tuple[PoolFit, list[float], list[float]]:
+        """The modality's fit and its per-encoder coefficient lists, up to date."""
+        fit = self._encode.get(modality)
+        if fit is None:
             prior = self.priors.encode.get(modality, self.priors.unknown_modality)
-            fits = [OnlineLinear(prior) for _ in range(self.num_encoders)]
-            found = self._encode[modality] = (fits, [f.a for f in fits], [f.b for f in fits])
-        return found
+            fit = self._encode[modality] = PoolFit(prior, self.encoder_times, self.calibration)
+        elif fit.curve.stale or fit._synced != self.encoder_times.version:  # fit.stale, inlined
+            fit.sync()
+        return fit, fit.a, fit.b
 
     def _sync(self) -> None:
-        """Bring the flat coefficient lists up to date with the fits observed since the last read."""
-        for fit, a, b, index in self._pending:
-            if fit.stale:  # fit.coefficients(), inlined
-                fit._coefficients, fit.stale = fit._fit(), False
-            a[index], b[index] = fit._coefficients
-        self._pending.clear()
+        """Bring the prefill and transfer coefficient lists up to date with what was observed."""
+        if self.prefill_fit.stale:
+            self.prefill_fit.sync()
+        for i, placement in enumerate(_TIERS):
+            fit = self._transfer[placement]
+            if fit.stale:
+                self._transfer_a[i], self._transfer_b[i] = fit.coefficients()
+        self._pending = False
+
+    def encode_error(self, modality: str) -> float:
+        """The encode fit's own relative error for `modality` (see router/calibration.py)."""
+        return self._modality(modality)[0].error
+
+    @property
+    def prefill_error(self) -> float:
+        """The prefill fit's own relative error."""
+        return self.prefill_fit.error
+
+    def relative_times(self, kind: WorkerKind) -> list[float]:
+        """Each worker's learned time relative to its pool's typical worker (geometric mean 1)."""
+        return list((self.encoder_times if kind is _E else self.prefill_fit.times).factors())
 
     # -- single terms --------------------------------------------------------------------------
     def encode_ms(self, encoder: int, modality: str, size: float) -> float:
@@ -261,26 +209,17 @@ class CostModel:
         return self.priors.decode_step_ms + self.priors.decode_per_seq_ms * running
 
     # -- calibration -----------------------------------------------------------------------------
-    # Each queues its fit for _sync() unless it is queued already (stale); a rejected observation
-    # leaves the fit as it was, and syncing it then copies what was there.
     def observe_encode(self, encoder: int, modality: str, size: float, duration_ms: float) -> None:
-        fits, a, b = self._modality(modality)
-        fit = fits[encoder]
-        if not fit.stale:
-            self._pending.append((fit, a, b, encoder))
-        fit.observe(size, duration_ms)
+        fit = self._encode.get(modality) or self._modality(modality)[0]
+        fit.observe(encoder, size, duration_ms)
 
     def observe_prefill(self, prefill: int, uncached_tokens: int, duration_ms: float) -> None:
-        fit = self._prefill[prefill]
-        if not fit.stale:
-            self._pending.append((fit, self.prefill_a, self.prefill_b, prefill))
-        fit.observe(uncached_tokens, duration_ms)
+        self.prefill_fit.observe(prefill, uncached_tokens, duration_ms)
+        self._pending = True
 
     def observe_transfer(self, placement: Placement, num_bytes: int, duration_ms: float) -> None:
-        fit = self._transfer[placement]
-        if not fit.stale:
-            self._pending.append((fit, self._transfer_a, self._transfer_b, _TIER_INDEX[placement]))
-        fit.observe(num_bytes, duration_ms)
+        self._transfer[placement].observe(num_bytes, duration_ms)
+        self._pending = True
 
     # -- one (encoder, prefill) pair: what every policy reports ---------------------------------------
     def evaluate(self, profile: RequestProfile, view: ClusterView, encoder: int | None, prefill: int) -> tuple[TTFTEstimate, tuple[MediaJob, ...], int]:

@@ -98,7 +98,13 @@ def least_ms(view: ClusterView, kind: WorkerKind, workers: list[int]) -> int:
 class Joint(Policy):
     """Minimum estimated TTFT over encoder x prefill pairs, without scanning the pairs: the
     transfer term depends only on placement, so each prefill worker needs just the best
-    encoder on its node, the best anywhere, and any encoder sharing its process."""
+    encoder on its node, the best anywhere, and any encoder sharing its process.
+
+    Near-ties spread the load: an estimate is only as good as its fit, so with the prefill fit's
+    own relative error s (CostModel.prefill_error) and z = CalibrationConfig.spread_z, every
+    prefill worker whose best pair is estimated within z * s * T of the best pair's T is as good
+    a choice, and of those the one with the fewest requests booked wins (ties: the lower
+    estimate, then the lower index). z = 0, or an exact fit, is the plain argmin."""
 
     name = "joint"
 
@@ -115,24 +121,37 @@ class Joint(Policy):
                 return split_decision(self, profile, view, cost)
         prefills = view.candidates(_P)
         prefill_costs = cost.prefill_costs(profile, view)
+        spread = cost.calibration.spread_z * cost.prefill_error  # the slack per ms of the best estimate
         if not profile.items:
             encoder, prefill = None, argmin(prefills, prefill_costs)
+            if spread > 0.0 and len(prefills) > 1:
+                prefill = _least_booked(view, [(prefill_costs[p], None, p) for p in prefills], prefill_costs[prefill], spread)[1]
             items, holders, tiers = (), [], (0.0, 0.0, 0.0)
         else:
             items = profile.items if len(profile.items) == 1 else unique_items(profile.items)
             holders = view.item_holders(items)
             enc_cost = cost.encoder_costs_of(items, holders, view)
             tiers = cost.transfer_tiers(embedding_bytes(profile.items))
-            encoder, prefill = _pair(view, encoders, encoders_on, enc_cost, tiers, prefills, prefill_costs)
+            encoder, prefill = _pair(view, encoders, encoders_on, enc_cost, tiers, prefills, prefill_costs, spread)
         decode = view.least_loaded_decode()  # least_decode()
         estimate, misses, uncached = cost.pair_estimate(profile, view, encoder, prefill, items, holders, tiers)
         return RouteDecision.of(encoder, prefill, decode, estimate, profile.items, misses, uncached)
 
 
+def _least_booked(view: ClusterView, pairs: list[tuple[float, int | None, int]], top: float, spread: float) -> tuple[int | None, int]:
+    """Of the (total, encoder, prefill) `pairs` within spread * top of the best `top`: the
+    (encoder, prefill) whose prefill worker has the fewest requests booked (see Joint)."""
+    limit, jobs = top * (1.0 + spread), view.outstanding[_P]
+    _, _, p, e = min([(jobs[p], total, p, e) for total, e, p in pairs if total <= limit])  # p unique: e never compared
+    return e, p
+
+
 def _pair(view: ClusterView, encoders: list[int], encoders_on: dict[int, list[int]], enc_cost: list[float],
-          tiers: tuple[float, float, float], prefills: list[int], prefill_costs: list[float]) -> tuple[int, int]:
+          tiers: tuple[float, float, float], prefills: list[int], prefill_costs: list[float],
+          spread: float = 0.0) -> tuple[int, int]:
     """The (encoder, prefill) pair of least enc_cost + transfer + prefill_cost; ties to the lowest
-    prefill index. `encoders_on`: the candidate encoders per node id.
+    prefill index; with `spread` > 0, the near-tie of least booked work (see Joint and _least_booked).
+    `encoders_on`: the candidate encoders per node id.
 
     Any prefill worker can have the cheapest encoder `best` cross-node; being on a node whose own
     cheapest encoder is within (t_cross - t_node) of it saves at most that much (transfers are
@@ -150,7 +169,9 @@ def _pair(view: ClusterView, encoders: list[int], encoders_on: dict[int, list[in
     via: dict[int, tuple[float, int]] = {}  # node -> (encoder-side cost for a prefill worker there, its encoder)
     order = sorted(prefills, key=prefill_costs.__getitem__)  # cheapest first, ties in index order
     bound = prefill_costs[order[0]] + saving
-    top, pair = math.inf, (best, order[0])
+    if spread > 0.0:  # a pair estimated within the slack of the best may win too
+        bound += spread * (cross + prefill_costs[order[0]])
+    top, pair, seen = math.inf, (best, order[0]), []
     for p in order:
         if prefill_costs[p] > bound:
             break
@@ -161,22 +182,31 @@ def _pair(view: ClusterView, encoders: list[int], encoders_on: dict[int, list[in
             e = min(group, key=cost_of) if group else best
             found = via[n] = (enc_cost[e] + t_node, e) if group and enc_cost[e] <= limit else (cross, best)
         total = found[0] + prefill_costs[p]
+        if spread > 0.0:
+            seen.append((total, found[1], p))
         if total < top or (total == top and p < pair[1]):
             top, pair = total, (found[1], p)
     if view.any_colocated:  # an encoder in the prefill worker's own process: cheaper still
-        pair = _colocated(view, t_proc, encoders, enc_cost, prefills, prefill_costs, top, pair)
+        top, pair = _colocated(view, t_proc, encoders, enc_cost, prefills, prefill_costs, top, pair, seen if spread > 0.0 else None)
+    if spread > 0.0 and len(seen) > 1:
+        pair = _least_booked(view, seen, top, spread)
     return pair
 
 
 def _colocated(view: ClusterView, t_proc: float, encoders: list[int], enc_cost: list[float],
-               prefills: list[int], prefill_costs: list[float], top: float, pair: tuple[int, int]) -> tuple[int, int]:
+               prefills: list[int], prefill_costs: list[float], top: float, pair: tuple[int, int],
+               seen: list[tuple[float, int, int]] | None) -> tuple[float, tuple[int, int]]:
+    """(top, pair) with the same-process pairs considered too (added to `seen` when given)."""
     allowed = set(encoders)
     for p in prefills:
         for e in view.colocated[p]:
             total = enc_cost[e] + t_proc + prefill_costs[p]
-            if e in allowed and total < top:
-                top, pair = total, (e, p)
-    return pair
+            if e in allowed:
+                if seen is not None:
+                    seen.append((total, e, p))
+                if total < top:
+                    top, pair = total, (e, p)
+    return top, pair
 
 
 class Random(StagewisePolicy):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from router.calibration import CalibrationConfig
 from router.cost_model import CostModel, CostPriors
 from router.policies import Policy, make_policy
 from router.types import MediaJob, Placement, RequestProfile, RouteDecision, WorkerInfo, WorkerKind
@@ -25,9 +26,10 @@ _E, _P, _D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 
 class Router:
     def __init__(self, workers: Iterable[WorkerInfo], priors: CostPriors | None = None, policy: str | Policy = "joint", *,
-                 seed: int = 0, staleness_s: float = 5.0, dead_after_s: float = 10.0):
+                 seed: int = 0, staleness_s: float = 5.0, dead_after_s: float = 10.0,
+                 calibration: CalibrationConfig | None = None):
         self.view = ClusterView(workers, staleness_s=staleness_s, dead_after_s=dead_after_s)
-        self.cost = CostModel.for_view(priors, self.view)
+        self.cost = CostModel.for_view(priors, self.view, calibration)
         self.policy = make_policy(policy, seed) if isinstance(policy, str) else policy
 
     def route(self, profile: RequestProfile, now_s: float) -> RouteDecision:

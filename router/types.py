@@ -9,6 +9,18 @@ import enum
 from dataclasses import dataclass, field
 
 
+class Modality(str, enum.Enum):
+    """The kinds of media item; the one spelling of them (actors.types re-exports it). A str enum, so
+    a member and its value are equal, hash alike and may key the same dict."""
+
+    IMAGE = "image"
+    VIDEO = "video"
+    AUDIO = "audio"
+
+
+ALL_MODALITIES: frozenset[str] = frozenset(m.value for m in Modality)
+
+
 class WorkerKind(str, enum.Enum):
     ENCODER = "encoder"
     PREFILL = "prefill"
@@ -30,7 +42,7 @@ class WorkerInfo:
     kind: WorkerKind
     index: int
     node: str = "node-0"
-    modalities: frozenset[str] = frozenset()  # encoders: the towers it hosts ("image", "video", "audio")
+    modalities: frozenset[str] = frozenset()  # encoders: the towers it hosts (Modality values)
     process: str | None = None  # an encoder and a prefill worker sharing one process: SAME_PROCESS transfer
 
 
@@ -39,7 +51,7 @@ class MediaJob:
     """One media item of a request, as the cost model sees it."""
 
     identifier: str
-    modality: str  # "image" | "video" | "audio"
+    modality: str  # a Modality value
     size: float  # in the modality's cost unit: megapixels, frames, seconds
     num_embeddings: int
     embedding_bytes: int

@@ -16,9 +16,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping
 
-from router.types import MediaJob, Placement, RequestProfile, RouteDecision, WorkerInfo, WorkerKind, WorkerReport, WorkerState
+from router.types import (
+    ALL_MODALITIES,
+    MediaJob,
+    Placement,
+    RequestProfile,
+    RouteDecision,
+    WorkerInfo,
+    WorkerKind,
+    WorkerReport,
+    WorkerState,
+)
 
-ALL_MODALITIES = frozenset({"image", "video", "audio"})
 # Leading prefix blocks the router assumes a prefill worker holds right after dispatch, until its
 # next report (32 x 16 = 512 tokens: the head of a shared system prompt). Recording every block
 # would cost O(prompt) dict inserts per route, the largest cost of a decision.

@@ -138,7 +138,7 @@ def encoder_throughput(cfg, args) -> dict:
     from cluster.prompt_plan import PromptPlanner
 
     planner, pool = PromptPlanner(cfg.model.checkpoint_path), cfg.encoder_pools[0]
-    spec = WorkerSpec(str(cfg.model.checkpoint_path), cfg.model.dtype, cfg.model.device, pool.torch_threads, cfg.model.max_model_len)
+    spec = WorkerSpec(str(cfg.model.checkpoint_path), cfg.model.resolved_dtype, cfg.model.device, pool.torch_threads, cfg.model.max_model_len)
     items = sample_items(planner, args)
     out = {}
     for batch in (1, pool.max_batch_size):
@@ -176,10 +176,11 @@ def sample_items(planner, args) -> dict:
 
 
 def prefix_tokens(base_url: str) -> dict[str, float]:
-    """epd_prefix_cache_tokens_total by result, from the ingress's /metrics."""
+    """Prompt tokens found in the prefix cache (hit) and computed (miss), from the ingress's /metrics."""
     text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
-    return {r: sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("epd_prefix_cache_tokens_total") and f'result="{r}"' in line) for r in ("hit", "miss")}
+    total = lambda name: sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    hits, queries = total("epd:prefix_cache_hits_total"), total("epd:prefix_cache_queries_total")
+    return {"hit": hits, "miss": queries - hits}
 
 
 def multi_turn(url: str, model: str, args) -> dict:

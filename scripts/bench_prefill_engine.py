@@ -51,7 +51,7 @@ def run(engine: PrefillEngine, requests: list[tuple[PrefillRequest, list[torch.T
 
 def request(planner, name: str, messages: list[dict], items: list[MediaItem]) -> PrefillRequest:
     plan = planner.plan(messages, items)
-    return PrefillRequest(name, plan.token_ids, plan.placeholders, GREEDY, tuple(i.identifier for i in plan.items))
+    return PrefillRequest(name, plan.token_ids, plan.placeholders, GREEDY, media_identifiers=tuple(i.identifier for i in plan.items))
 
 
 def multi_turn(planner, lm, encoder, args) -> dict:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import random
 import socket
 import statistics
@@ -104,11 +105,12 @@ def cluster_config(args, policy: str, trace: Path):
 
 def metrics_snapshot(root: str) -> dict[str, float]:
     text = httpx.get(f"{root}/metrics", timeout=30).text
-    return {k: float(v) for k, v in (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#"))}
+    samples = (ln.rsplit(" ", 1) for ln in text.splitlines() if ln and not ln.startswith("#"))
+    return {re.sub(r'model_name="[^"]*",?', "", k): float(v) for k, v in samples}  # one model per app
 
 
 def stage_mean_ms(before: dict, after: dict, stage: str) -> float | None:
-    key = 'epd_stage_latency_seconds_{}{{stage="%s"}}' % stage
+    key = 'epd:stage_latency_seconds_{}{{stage="%s"}}' % stage
     n = after.get(key.format("count"), 0) - before.get(key.format("count"), 0)
     return (after[key.format("sum")] - before.get(key.format("sum"), 0)) / n * 1e3 if n else None
 

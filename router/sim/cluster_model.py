@@ -49,9 +49,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from router.sim.variability import Variability
-from router.types import Placement, RequestProfile, WorkerInfo, WorkerKind
-
-ALL_MODALITIES = frozenset({"image", "video", "audio"})
+from router.types import ALL_MODALITIES, Modality, Placement, RequestProfile, WorkerInfo, WorkerKind
 
 
 class ClusterShapeError(ValueError):
@@ -75,11 +73,11 @@ def _default_encode() -> dict[str, EncodeCost]:
     mp336 = 336 * 336 / 1e6
     return {
         # 5 ms alone; 4 batched: 2 + 3 * 4**0.87 = 12 ms
-        "image": EncodeCost(2.0, 3.0 / mp336, 0.87),
+        Modality.IMAGE.value: EncodeCost(2.0, 3.0 / mp336, 0.87),
         # 30 frames: 3 + 1.5 * 30 = 48 ms
-        "video": EncodeCost(3.0, 1.5, 0.87),
+        Modality.VIDEO.value: EncodeCost(3.0, 1.5, 0.87),
         # 30 s: 4 + 2.7 * 30 = 85 ms
-        "audio": EncodeCost(4.0, 2.7, 0.87),
+        Modality.AUDIO.value: EncodeCost(4.0, 2.7, 0.87),
     }
 
 
@@ -318,7 +316,7 @@ class SimCluster:
                 f"decode {pool(self.decode)} on {nodes} node(s)")
 
 
-VISION, AUDIO = frozenset({"image", "video"}), frozenset({"audio"})
+VISION, AUDIO = frozenset({Modality.IMAGE.value, Modality.VIDEO.value}), frozenset({Modality.AUDIO.value})
 
 
 def split_towers(num_encoders: int, spec: str) -> list[frozenset[str]]:

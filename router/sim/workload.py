@@ -59,9 +59,9 @@ from pathlib import Path
 
 import numpy as np
 
-from router.types import MediaJob, RequestProfile
+from router.types import MediaJob, Modality, RequestProfile
 
-MODALITIES = ("image", "video", "audio")
+MODALITIES = tuple(m.value for m in Modality)
 
 
 class WorkloadError(ValueError):

@@ -1,5 +1,6 @@
 """The correctness oracle: the checkpoint's own processor, chat template and `generate`,
-in one process, float32, greedy, for every model family.
+in one process, greedy, float32 unless a test asks for another dtype, for every model family
+(the published Qwen2.5-Omni through its own text-only generate).
 
 Media are decoded here independently of the server's decoders: images and GIF frames with
 Pillow, WAV with soundfile (tests send 16 kHz mono, the models' rate, so no resampling).
@@ -21,19 +22,34 @@ from transformers import AutoConfig, AutoProcessor
 from actors.adapter_qwen2_audio import split_windows
 
 
+class TextOnly:
+    """The published Qwen2.5-Omni (thinker + talker) under the plain `generate` signature:
+    its own generate, text only (the talker's speech is not what epd serves)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def generate(self, max_new_tokens: int, **kwargs):
+        return self.model.generate(generation_mode="text", thinker_max_new_tokens=max_new_tokens, **kwargs)
+
+
 def _model_class(model_type: str):
     import transformers
 
     return {"llava": transformers.LlavaForConditionalGeneration,
             "qwen2_audio": transformers.Qwen2AudioForConditionalGeneration,
-            "qwen2_5_omni_thinker": transformers.Qwen2_5OmniThinkerForConditionalGeneration}[model_type]
+            "qwen2_5_omni_thinker": transformers.Qwen2_5OmniThinkerForConditionalGeneration,
+            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+            "llava_next": transformers.LlavaNextForConditionalGeneration,
+            "qwen2_5_omni": transformers.Qwen2_5OmniForConditionalGeneration}[model_type]
 
 
 @lru_cache(maxsize=3)
-def _load(checkpoint: str, device: str = "cpu"):
+def _load(checkpoint: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
     processor = AutoProcessor.from_pretrained(checkpoint)
-    model_class = _model_class(AutoConfig.from_pretrained(checkpoint).model_type)
-    return processor, model_class.from_pretrained(checkpoint, dtype=torch.float32).to(device).eval()
+    model_type = AutoConfig.from_pretrained(checkpoint).model_type
+    model = _model_class(model_type).from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+    return processor, TextOnly(model) if model_type == "qwen2_5_omni" else model
 
 
 def _payload(url: str) -> bytes:
@@ -66,7 +82,9 @@ class _Media:
     def kwargs(self, video_fps: float) -> dict:
         out = {"images": self.images or None, "audio": self.audio or None}
         if self.videos:
-            out.update(videos=self.videos, videos_kwargs={"fps": video_fps})
+            # fps for the Omni processor, per-video metadata for Qwen2.5-VL's (which else assumes 24 fps)
+            metadata = [{"total_num_frames": len(v), "fps": video_fps} for v in self.videos]
+            out.update(videos=self.videos, videos_kwargs={"fps": video_fps, "video_metadata": metadata})
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -83,15 +101,27 @@ def _to_hf(messages: list[dict], media: _Media) -> list[dict]:
 
 @torch.inference_mode()
 def reference_generate(checkpoint: str, messages: list[dict], max_new_tokens: int, device: str = "cpu",
-                       video_fps: float = 2.0) -> tuple[list[int], str, str]:
-    """(new token ids, their text, OpenAI finish reason)."""
-    processor, model = _load(checkpoint, device)
+                       video_fps: float = 2.0, dtype: torch.dtype = torch.float32, **generate_kwargs) -> tuple[list[int], str, str]:
+    """(new token ids, their text, OpenAI finish reason); `generate_kwargs` go to `generate`
+    (repetition_penalty, min_new_tokens, ...)."""
+    processor, model = _load(checkpoint, device, dtype)
     extractor = getattr(processor, "feature_extractor", None)
     media = _Media(extractor.n_samples if extractor is not None else None)
     hf = _to_hf(messages, media)
     text = processor.apply_chat_template(hf, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, return_tensors="pt", **media.kwargs(video_fps)).to(device)
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    inputs = inputs.to(dtype)  # floating inputs (pixels, features) in the model's dtype; ids stay integers
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
     new = out[0, inputs["input_ids"].shape[1]:].tolist()
     finish = "stop" if new[-1] == processor.tokenizer.eos_token_id else "length"
     return new, processor.tokenizer.decode(new, skip_special_tokens=True), finish
+
+
+@torch.inference_mode()
+def reference_generate_ids(checkpoint: str, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """New token ids `generate` gives after a raw prompt (no chat template): /v1/completions."""
+    _, model = _load(checkpoint)
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, **generate_kwargs)
+    return out[0, ids.shape[1]:].tolist()

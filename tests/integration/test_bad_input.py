@@ -57,7 +57,14 @@ CASES = [
     ("temperature", {"temperature": 7}, 400, "temperature", "temperature"),
     ("top_p", {"top_p": 0}, 400, "top_p", "top_p"),
     ("max_tokens", {"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
-    ("n", {"n": 3}, 400, "n", "n"),
+    ("n", {"n": 17}, 400, "n", "n"),
+    # Each of these was a 200 before (#12): a 400 naming the field now.
+    ("duplicate key", b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "top_p": 0.5, "top_p": 1}', 400, "more than once", "top_p"),
+    ("top_p 1e-45", {"top_p": 1e-45}, 400, "1e-05", "top_p"),
+    ("top_k 1e12", {"top_k": 10**12}, 400, "vocabulary", "top_k"),
+    ("max_tokens 1e12", {"max_tokens": 10**12}, 400, "context", "max_tokens"),
+    ("100k-character stop", {"stop": "x" * 100_000}, 400, "256 characters", "stop[0]"),
+    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tools"),
     ("reserved token in text", {"messages": _user({"type": "text", "text": "look <image> here"})}, 400, "<image>", "messages"),
     # Each of these was a plain-text 500 before: now a 400 in OpenAI's shape, naming the problem.
     ("json nested 100,000 deep", b'{"model": "tiny-llava", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply", None),

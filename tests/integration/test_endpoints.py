@@ -45,8 +45,11 @@ def test_models_lists_the_checkpoint(app, client):
 
 
 def _scrape(app) -> dict:
-    families = text_string_to_metric_families(app.http.get("/metrics").text)
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+    """Every epd sample by (name, labels other than model_name); each names the served model."""
+    families = [f for f in text_string_to_metric_families(app.http.get("/metrics").text) if f.name.startswith("epd:")]
+    samples = [s for f in families for s in f.samples]
+    assert samples and all(s.labels["model_name"] == app.config.model.served_name for s in samples)
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value for s in samples}
 
 
 def test_metrics_scrape(app):
@@ -56,16 +59,25 @@ def test_metrics_scrape(app):
     assert app.chat([{"role": "user", "content": "x"}], temperature=9).status_code == 400
     after = _scrape(app)
     grew = lambda key: after.get(key, 0) - before.get(key, 0)
-    assert grew(("epd_requests_total", (("status", "ok"),))) == 1
-    assert grew(("epd_requests_total", (("status", "400"),))) == 1
-    assert grew(("epd_ttft_seconds_count", ())) == 1
-    assert grew(("epd_tpot_seconds_count", ())) == 1
-    assert grew(("epd_e2e_latency_seconds_count", ())) == 1
+    assert grew(("epd:requests_total", (("status", "ok"),))) == 1
+    assert grew(("epd:requests_total", (("status", "400"),))) == 1
+    assert grew(("epd:request_success_total", (("finished_reason", "length"),))) == 1
+    for name in ("time_to_first_token", "request_time_per_output_token", "e2e_request_latency", "request_queue_time",
+                 "request_prefill_time", "request_decode_time"):
+        assert grew((f"epd:{name}_seconds_count", ())) == 1, name
+    assert grew(("epd:inter_token_latency_seconds_count", ())) >= 1
+    assert grew(("epd:request_generation_tokens_sum", ())) == 6
+    assert grew(("epd:generation_tokens_total", ())) == 6
+    assert grew(("epd:prompt_tokens_total", ())) == grew(("epd:request_prompt_tokens_sum", ())) > 16
+    assert grew(("epd:mm_cache_queries_total", ())) == 1 and grew(("epd:mm_cache_hits_total", ())) == 0
     for stage in ("encode", "prefill", "decode_step"):
-        assert grew(("epd_stage_latency_seconds_count", (("stage", stage),))) >= 1, stage
-    assert grew(("epd_encoder_batch_size_count", ())) == 1
+        assert grew(("epd:stage_latency_seconds_count", (("stage", stage),))) >= 1, stage
+    assert grew(("epd:encoder_batch_size_count", ())) == 1
     for kind in ("encoder", "prefill", "decode"):
-        assert after[("epd_queue_depth", (("kind", kind),))] == 0
+        assert after[("epd:queue_depth", (("kind", kind),))] == 0
+    assert after[("epd:num_requests_running", ())] == after[("epd:num_requests_waiting", ())] == 0
+    top = max(float(dict(k[1])["le"]) for k in after if k[0] == "epd:time_to_first_token_seconds_bucket" and dict(k[1])["le"] != "+Inf")
+    assert top == app.config.limits.request_timeout_s  # buckets reach the timeout, no further
 
 
 def test_health(app):
@@ -102,8 +114,8 @@ def test_repeated_image_hits_the_encoder_cache(app):
     before = _scrape(app)
     answers = [app.chat(messages, temperature=0, max_tokens=8).json()["choices"][0]["message"]["content"] for _ in range(3)]
     after = _scrape(app)
-    hits = after.get(("epd_encoder_cache_total", (("result", "hit"),)), 0) - before.get(("epd_encoder_cache_total", (("result", "hit"),)), 0)
-    misses = after.get(("epd_encoder_cache_total", (("result", "miss"),)), 0) - before.get(("epd_encoder_cache_total", (("result", "miss"),)), 0)
+    hits = after[("epd:mm_cache_hits_total", ())] - before.get(("epd:mm_cache_hits_total", ()), 0)
+    misses = after[("epd:mm_cache_queries_total", ())] - before.get(("epd:mm_cache_queries_total", ()), 0) - hits
     assert len(set(answers)) == 1
     assert misses >= 1 and hits >= 1 and hits + misses == 3  # two encoders: the least-loaded pick may alternate
 
@@ -116,7 +128,7 @@ def test_estimated_ttft_is_reported_and_requests_are_traced(app):
     body = app.chat([{"role": "user", "content": [image, {"type": "text", "text": "trace me"}]}], temperature=0, max_tokens=4).json()
     timings = body["timings"]
     assert timings["estimated_ttft_ms"] > 0 and timings["ttft_ms"] > 0
-    assert _scrape(app)[("epd_estimated_ttft_seconds_count", ())] >= 1
+    assert _scrape(app)[("epd:estimated_ttft_seconds_count", ())] >= 1
     workload = load_trace(TRACE_PATH)  # the simulator's own loader reads what the cluster wrote
     last = workload.profiles[len(workload) - 1]
     assert last.items and last.items[0].modality == "image" and last.items[0].num_embeddings == 16

@@ -102,10 +102,15 @@ def check_token_exact(app, requests: list[list[dict]], copies: int = 3) -> None:
         assert body["choices"][0]["finish_reason"] == finish
 
 
+# Media URLs on the local test server may be fetched; 127.0.0.2 is an allowed name whose address is not.
+FETCH_LIMITS = {"remote_media": {"allowed_hosts": ["127.0.0.1", "127.0.0.2"], "allowed_networks": ["127.0.0.1/32"], "max_bytes": 1 << 20,
+                                 "timeout_s": 2.0, "max_redirects": 2}}
+
+
 @pytest.fixture
 def omni(ray_session):
     """The omni app (redeployed only if another app was deployed since: tests keep omni first)."""
-    return deploy(app_config("omni"))
+    return deploy(app_config("omni", limits=FETCH_LIMITS))
 
 
 def test_omni_equals_generate_with_mixed_requests_in_flight(omni):
@@ -208,3 +213,42 @@ def test_image_sent_to_an_audio_model_is_refused(ray_session):
     response = app.chat(user(image(1, 20, 20), text("hi")))
     assert response.status_code == 400
     assert "does not take image input" in response.json()["error"]["message"]
+
+
+def test_omni_fetches_image_audio_and_video_urls_and_refuses_bad_ones(omni):
+    """Media by http URL answers exactly as the same bytes sent inline; a private address, an
+    oversize or slow body and a redirect to a private address are 400s naming the part, and
+    a request in flight beside them finishes."""
+    from tests.media_server import FILES, MediaServer
+
+    def inline(path: str) -> str:
+        mime, data = FILES[path]
+        return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+    def parts(url) -> list[dict]:
+        return user(text("Look"), {"type": "image_url", "image_url": {"url": url("/cat.png")}},
+                    {"type": "audio_url", "audio_url": {"url": url("/tone.wav")}},
+                    {"type": "video_url", "video_url": {"url": url("/clip.gif")}}, text("now."))
+
+    with MediaServer() as server:
+        by_url = omni.chat(parts(server.url), temperature=0, max_tokens=MAX_TOKENS)
+        by_value = omni.chat(parts(inline), temperature=0, max_tokens=MAX_TOKENS)
+        assert by_url.status_code == 200, by_url.text
+        assert by_url.json()["choices"][0]["message"] == by_value.json()["choices"][0]["message"]
+        bad = {"/cat.png?x": (server.url("/cat.png", host="127.0.0.2"), "private or reserved address"),
+               "/private": (server.url("/private"), "private or reserved address"),
+               "/big": (server.url("/big"), "the limit is 1048576"),
+               "/slow": (server.url("/slow"), "took longer than 2 s")}
+        bystander = asyncio.run(_chat_beside(omni, [user(text("Fine"), image(9, 20, 20))] + [
+            user({"type": "image_url", "image_url": {"url": url}}) for url, _ in bad.values()]))
+        assert bystander[0].status_code == 200, bystander[0].text
+        for response, (name, (_, fragment)) in zip(bystander[1:], bad.items()):
+            assert response.status_code == 400, (name, response.text)
+            error = response.json()["error"]
+            assert fragment in error["message"] and error["param"] == "messages[0].content[0].image_url", (name, error)
+
+
+async def _chat_beside(app, requests: list[list[dict]]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=app.root, timeout=60) as client:
+        body = lambda msgs: {"model": app.config.model.served_name, "messages": msgs, "temperature": 0, "max_tokens": 4}
+        return await asyncio.gather(*[client.post("/v1/chat/completions", json=body(m)) for m in requests])

@@ -41,7 +41,7 @@ def wait_until_idle(app, within_s: float) -> dict[str, int]:
 
 def _requests_total(app) -> dict[str, float]:
     families = text_string_to_metric_families(app.http.get("/metrics").text)
-    return {s.labels["status"]: s.value for f in families for s in f.samples if s.name == "epd_requests_total"}
+    return {s.labels["status"]: s.value for f in families for s in f.samples if s.name == "epd:requests_total"}
 
 
 def test_stop_on_the_first_token_frees_the_kv_at_once(app):

@@ -108,11 +108,23 @@ def test_cuda_needs_gpus_in_every_pool(tmp_path):
         ({**MINIMAL, "server": {"port": 70000}}, "port"),
         ({**MINIMAL, "transport": {"kv": "carrier_pigeon"}}, "kv"),
         ({"encoder": {"num_workers": 1}}, "model"),  # the model section is required
+        ({**MINIMAL, "router": {"calibration": {"pool_memory": 0}}}, "pool_memory"),
+        ({**MINIMAL, "router": {"calibration": {"memory": 5}}}, "memory"),
+        ({**MINIMAL, "router": {"priors": {"prefill_tokens_per_ms": -1}}}, "prefill_tokens_per_ms"),
     ],
 )
 def test_invalid_values_are_rejected(tmp_path, data, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(write(tmp_path, data))
+
+
+@pytest.mark.parametrize("dtype, device, num_gpus, resolved", [
+    ("auto", "cpu", 0, "float32"), ("auto", "cuda", 1, "bfloat16"), ("bfloat16", "cpu", 0, "bfloat16"), ("float16", "cuda", 1, "float16"),
+])
+def test_dtype_auto_is_bfloat16_on_gpu_and_float32_on_cpu(tmp_path, dtype, device, num_gpus, resolved):
+    pools = {kind: {"num_gpus": num_gpus} for kind in ("encoder", "prefill", "decode")}
+    config = load_config(write(tmp_path, {"model": {**MINIMAL["model"], "dtype": dtype, "device": device}, **pools}))
+    assert config.model.resolved_dtype == resolved
 
 
 def test_missing_file_names_the_path(tmp_path):

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from router.calibration import CalibrationConfig
 from router.cost_model import CostModel, CostPriors, LinearCost, OnlineLinear
 from router.types import MediaJob, Placement, RequestProfile, WorkerInfo, WorkerKind
 from router.view import ClusterView
@@ -131,10 +132,72 @@ def test_calibration_moves_the_estimate_toward_observations():
     for _ in range(5):
         cost.observe_encode(0, "image", 0.5, 3 * before)
     assert before < cost.encode_ms(0, "image", 0.5) <= 3 * before
-    assert cost.encode_ms(1, "image", 0.5) == before  # per worker: the other encoder is untouched
+    # the pool curve moved: the other encoder's estimate follows, the observed one's a little more
+    assert before < cost.encode_ms(1, "image", 0.5) < cost.encode_ms(0, "image", 0.5)
     for _ in range(5):
         cost.observe_prefill(1, 1000, 500.0)  # prior: 101 ms
-    assert cost.prefill_ms(1, 1000) > 300 and cost.prefill_ms(0, 1000) == pytest.approx(101.0)
+    assert cost.prefill_ms(1, 1000) > 300 and cost.prefill_ms(0, 1000) > 250
+
+
+def _drive(cost: CostModel, rng: random.Random, workers: list[int], slowness: list[float], rounds: int, host: float = 1.0,
+           sigma: float = 0.3) -> None:
+    """Prefill observations on `workers` (each `slowness` x the truth, x `host`, x lognormal noise)."""
+    for _ in range(rounds):
+        for p in workers:
+            tokens = rng.randint(200, 3000)
+            cost.observe_prefill(p, tokens, host * slowness[p] * (5 + tokens / 8) * math.exp(rng.gauss(0, sigma)))
+
+
+def test_a_burst_moves_the_pool_curve_not_one_workers_estimate():
+    cost, rng = CostModel(PRIORS, num_encoders=1, num_prefill=4), random.Random(1)
+    _drive(cost, rng, [0, 1, 2, 3], [1.0] * 4, rounds=60, sigma=0.05)
+    steady = [cost.prefill_ms(p, 1000) for p in range(4)]
+    _drive(cost, rng, [0], [1.0] * 4, rounds=20, host=3.0, sigma=0.05)  # the host slows 3x while only worker 0 runs
+    burst = [cost.prefill_ms(p, 1000) for p in range(4)]
+    assert all(b > 2.0 * s for b, s in zip(burst, steady))  # every worker's estimate follows the host
+    times = cost.relative_times(P)
+    assert times[0] < 1.35 and math.prod(times) == pytest.approx(1.0)  # worker 0 is not blamed for it
+    _drive(cost, rng, [0, 1, 2, 3], [1.0] * 4, rounds=10, sigma=0.05)  # the burst is over
+    assert all(cost.prefill_ms(p, 1000) == pytest.approx(s, rel=0.35) for p, s in enumerate(steady))
+
+
+def test_equal_workers_estimates_converge_and_a_slow_one_is_told_apart():
+    cost, rng = CostModel(PRIORS, num_encoders=1, num_prefill=8), random.Random(2)
+    slowness = [1.0] * 7 + [4.0]
+    for _ in range(300):  # noisy timings, workers in random order and unequal numbers
+        _drive(cost, rng, [rng.randrange(8)], slowness, rounds=1, sigma=0.3)
+    equal = [cost.prefill_ms(p, 1000) for p in range(7)]
+    assert max(equal) / min(equal) < 1.35  # per-worker fits of the same data disagreed by up to 1.8x
+    assert cost.prefill_ms(7, 1000) / (sum(equal) / 7) == pytest.approx(4.0, rel=0.3)
+
+
+def test_a_stale_slow_estimate_heals():
+    cost, rng = CostModel(PRIORS, num_encoders=1, num_prefill=4), random.Random(3)
+    _drive(cost, rng, [0, 1, 2, 3], [4.0, 1.0, 1.0, 1.0], rounds=80, sigma=0.05)  # worker 0 was slow (a burst of its own)
+    assert cost.relative_times(P)[0] > 2.5
+    _drive(cost, rng, [1, 2, 3], [1.0] * 4, rounds=120, sigma=0.05)  # the router then avoids it
+    times = cost.relative_times(P)
+    assert times[0] < 1.3 and cost.prefill_ms(0, 1000) / cost.prefill_ms(1, 1000) < 1.3
+
+
+def test_encoders_share_relative_times_across_modalities():
+    cost, rng = CostModel(PRIORS, num_encoders=2, num_prefill=1), random.Random(4)
+    for _ in range(200):
+        size = rng.uniform(0.1, 2.0)
+        for e, slow in ((0, 1.0), (1, 2.0)):
+            cost.observe_encode(e, "image", size, slow * (3 + 20 * size))
+    assert cost.encode_ms(1, "image", 1.0) / cost.encode_ms(0, "image", 1.0) == pytest.approx(2.0, rel=0.15)
+    assert cost.encode_ms(1, "audio", 30) / cost.encode_ms(0, "audio", 30) == pytest.approx(2.0, rel=0.15)  # never seen
+
+
+@pytest.mark.parametrize(("setting", "value"), [("pool_memory", 0), ("error_memory", 0.5), ("speed_rate", 0),
+                                                ("speed_rate", 1.5), ("heal_rounds", -1), ("spread_z", -1),
+                                                ("max_relative", 1.0), ("pool_memory", math.nan)])
+def test_a_calibration_that_cannot_hold_is_refused_by_name(setting, value):
+    with pytest.raises(ValueError, match=setting):
+        CalibrationConfig.from_dict({setting: value})
+    with pytest.raises(ValueError, match="pool_mem"):
+        CalibrationConfig.from_dict({"pool_mem": 3})
 
 
 @pytest.mark.parametrize("vary_sizes", [True, False])
@@ -142,7 +205,7 @@ def test_a_2x_slower_worker_is_estimated_2x_slower(vary_sizes):
     cost = CostModel(PRIORS, num_encoders=2, num_prefill=2)
     rng = random.Random(0)
     truth = LinearCost(3.0, 20.0)  # neither worker matches the prior
-    for _ in range(20):
+    for _ in range(60):  # relative times are learned slowly (CalibrationConfig.speed_rate)
         size = rng.uniform(0.1, 2.0) if vary_sizes else 0.5
         cost.observe_encode(0, "image", size, truth.fixed_ms + truth.per_unit_ms * size)
         cost.observe_encode(1, "image", size, 2 * (truth.fixed_ms + truth.per_unit_ms * size))
@@ -220,7 +283,7 @@ def test_lazy_fit_equals_a_fit_after_every_observation():
     assert lazy.coefficients() == eager.coefficients() and (lazy.a, lazy.b) == eager.coefficients()
     cost = CostModel(PRIORS, num_encoders=1, num_prefill=1)
     cost.observe_prefill(0, 1000, 500.0)
-    assert cost.prefill_ms(0, 1000) == cost._prefill[0].predict(1000) > 101  # the flat copy follows the fit
+    assert cost.prefill_ms(0, 1000) == cost.prefill_fit.curve.predict(1000) > 101  # the flat copy follows the fit
 
 
 def test_prefill_queue_credits_the_job_in_service():

@@ -195,3 +195,22 @@ def test_finish_reason_of_tokens_already_produced():
     assert finish_reason_of(5, params, [10, 11, 12], max_model_len=64) == FinishReason.LENGTH
     assert finish_reason_of(5, params, [10, EOS], max_model_len=64) == FinishReason.STOP
     assert finish_reason_of(61, params, [10, 11], max_model_len=63) == FinishReason.LENGTH
+
+
+def test_history_is_prompt_plus_every_generated_token_only_when_needed():
+    from actors.engine_prefill import history_of
+    from actors.types import PrefillRequest, TokenHistory
+
+    plain = seq("a")
+    assert plain.history() == TokenHistory(), "no penalty: nothing to carry"
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.2)
+    resumed = Sequence(DecodeRequest("b", 7, 30, params, history=TokenHistory((1, 2, 3, 4, 5), (20, 21))), kv=object())
+    sched = DecodeScheduler(max_batch_size=4, max_model_len=100)
+    sched.add(resumed)
+    sched.admit()
+    sched.record([31])
+    assert resumed.history() == TokenHistory((1, 2, 3, 4, 5), (20, 21, 30, 31))
+    # prefill of that resumed request: its last two prompt tokens were generated output
+    request = PrefillRequest("b", (1, 2, 3, 4, 5, 20, 21), (), params, num_output_tokens=2)
+    assert history_of(request) == TokenHistory((1, 2, 3, 4, 5), (20, 21))
+    assert history_of(PrefillRequest("c", (1, 2), (), SamplingParams())) is None

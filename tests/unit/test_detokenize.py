@@ -203,3 +203,16 @@ def test_random_streams_match_reference(tok, seed):
         hits = [text.find(s) for s in stops if s in text]
         assert shown == (text[: min(hits)] if hits else text), (text, stops)
         assert detok.stopped == bool(hits)
+
+
+def test_protected_text_cannot_end_a_stop_string(tok):
+    """min_tokens (vLLM): no stop string ends in the first tokens' text; the next match past
+    them stops the text there."""
+    text = "a lake, then a lake again"
+    ids = encode(tok, text)
+    detok = IncrementalText(tok, stop=("lake",))
+    cut = len(encode(tok, "a lake,"))
+    shown = detok.push(ids[:cut], protect=True)
+    assert not detok.stopped and shown == "a lake,"[: len(shown)]
+    rest = "".join(detok.push([i]) for i in ids[cut:])
+    assert detok.stopped and shown + rest == text[: text.rindex("lake")]

@@ -66,7 +66,7 @@ def test_equal_token_ids_different_images_never_share_kv(lm, encoder, hf_model, 
     embs = [encoder.encode([MediaItem(Modality.IMAGE, f"img{i}", data=a)])[0] for i, a in enumerate(arrays)]
 
     def prefill_once(engine, name, emb, identifier):
-        engine.add(PrefillRequest(name, tuple(token_ids), ranges, GREEDY, (identifier,)), [emb])
+        engine.add(PrefillRequest(name, tuple(token_ids), ranges, GREEDY, media_identifiers=(identifier,)), [emb])
         while not (outs := engine.step()):
             pass
         return outs[0]
@@ -83,4 +83,4 @@ def test_equal_token_ids_different_images_never_share_kv(lm, encoder, hf_model, 
     want = hf_greedy(hf_model, 1, **processor(text=processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}], add_generation_prompt=True),
         images=[Image.fromarray(arrays[1])], return_tensors="pt"))
-    assert [b.first_token_id] == want
+    assert [b.first.token_id] == want

@@ -56,7 +56,9 @@ def reference(model, processor, messages: list[dict], items: list[MediaItem], ma
         kwargs["images"] = [Image.fromarray(i.data) for i in by[Modality.IMAGE]]
     if by[Modality.VIDEO]:
         kwargs["videos"] = [i.data for i in by[Modality.VIDEO]]
-        kwargs["videos_kwargs"] = {"fps": by[Modality.VIDEO][0].frames_per_s}
+        # fps for the Omni processor, per-video metadata for Qwen2.5-VL's (which else assumes 24 fps)
+        kwargs["videos_kwargs"] = {"fps": by[Modality.VIDEO][0].frames_per_s, "video_metadata": [
+            {"total_num_frames": len(i.data), "fps": i.frames_per_s} for i in by[Modality.VIDEO]]}
     if by[Modality.AUDIO]:
         kwargs["audio"] = [i.data for i in by[Modality.AUDIO]]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -69,10 +71,10 @@ def reference(model, processor, messages: list[dict], items: list[MediaItem], ma
 def served(encoder, runner: LMRunner, plan, max_new_tokens: int) -> list[int]:
     embeddings = [encoder.encode([i])[0] for i in plan.items]
     first, packed, delta = runner.prefill(plan.token_ids, plan.placeholders, embeddings, GREEDY)
-    batch, tokens = kv.BatchedKV(), [first]
+    batch, tokens = kv.BatchedKV(), [first.token_id]
     batch.join(packed)
     for step in range(max_new_tokens - 1):
-        tokens += runner.decode_step(batch, [tokens[-1]], [GREEDY], [len(plan.token_ids) + step], [delta])
+        tokens += [s.token_id for s in runner.decode_step(batch, [tokens[-1]], [GREEDY], [len(plan.token_ids) + step], [delta])]
     return tokens
 
 
@@ -120,26 +122,31 @@ def encode_batched(encoder, plans) -> list[list[torch.Tensor]]:
     return out
 
 
-def test_omni_batched_encode_and_decode(omni):
-    """All cases at once: one encoder batch per modality, one decode batch with a different
-    rope delta per row; each row still equals its own generate."""
-    model, processor, planner, encoder, runner = omni
-    cases = [OMNI_CASES[name]() for name in sorted(OMNI_CASES)]
+def generate_batched(family, cases: list[list], num_tokens: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Every case at once: one encoder batch per modality, one decode batch with each row's
+    own rope delta; (served tokens, each case's own generate, the rope deltas)."""
+    model, processor, planner, encoder, runner = family
     plans = [planner.plan(message(*parts), media(parts)) for parts in cases]
-    wants = [reference(model, processor, planner.window_audio(message(*parts), media(parts))[0], list(plan.items), 6)[1]
+    wants = [reference(model, processor, planner.window_audio(message(*parts), media(parts))[0], list(plan.items), num_tokens)[1]
              for parts, plan in zip(cases, plans)]
     batch, tokens, deltas = kv.BatchedKV(), [], []
     for plan, embeddings in zip(plans, encode_batched(encoder, plans)):
         first, packed, delta = runner.prefill(plan.token_ids, plan.placeholders, embeddings, GREEDY)
         batch.join(packed)
-        tokens.append([first])
+        tokens.append([first.token_id])
         deltas.append(delta)
-    assert len(set(deltas)) > 2, "the cases should exercise different rope deltas"
-    for step in range(5):
+    for step in range(num_tokens - 1):
         nxt = runner.decode_step(batch, [t[-1] for t in tokens], [GREEDY] * len(plans),
                                  [len(p.token_ids) + step for p in plans], deltas)
         for t, token in zip(tokens, nxt):
-            t.append(token)
+            t.append(token.token_id)
+    return tokens, wants, deltas
+
+
+def test_omni_batched_encode_and_decode(omni):
+    """All cases at once: each row still equals its own generate."""
+    tokens, wants, deltas = generate_batched(omni, [OMNI_CASES[name]() for name in sorted(OMNI_CASES)], 6)
+    assert len(set(deltas)) > 2, "the cases should exercise different rope deltas"
     assert tokens == wants
 
 

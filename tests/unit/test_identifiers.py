@@ -20,7 +20,7 @@ def _url(array: np.ndarray, fmt: str, mime: str, **kwargs) -> str:
 
 
 def _decode(url: str) -> np.ndarray:
-    return decode_image_url(url, max_pixels=10**6, allow_remote=False, param="p")
+    return decode_image_url(url, max_pixels=10**6, remote=None, param="p")
 
 
 @pytest.fixture

@@ -76,12 +76,13 @@ def run_engines(
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
             token_ids, ranges, items, _ = prompts[i]
-            prefill.add(PrefillRequest(f"r{i}", token_ids, ranges, GREEDY, identifiers[i] if identifiers else ()), items)
+            prefill.add(PrefillRequest(f"r{i}", token_ids, ranges, GREEDY, media_identifiers=identifiers[i] if identifiers else ()), items)
         for out in prefill.step():
             i = int(out.request_id[1:])
             params = SamplingParams(temperature=0.0, max_tokens=prompts[i][3])  # no stop ids: run to max_tokens
-            tokens[out.request_id], cached[out.request_id] = [out.first_token_id], out.num_cached_tokens
-            decode.add(DecodeRequest(out.request_id, len(prompts[i][0]), out.first_token_id, params, out.rope_delta), out.packed_kv)
+            first = out.first.token_id
+            tokens[out.request_id], cached[out.request_id] = [first], out.num_cached_tokens
+            decode.add(DecodeRequest(out.request_id, len(prompts[i][0]), first, params, out.rope_delta), out.packed_kv)
         rows_before = decode.batch.num_rows
         for out in decode.step():
             tokens[out.request_id] += out.chunk.token_ids

@@ -13,6 +13,7 @@ from PIL import Image, ImageFile
 
 from actors import media, media_image
 from actors.media import MediaError, decode_image_url, decode_media, load_media_item
+from actors.media_fetch import FetchPolicy
 from actors.types import MediaItem, Modality
 from cluster.config import LimitsConfig
 
@@ -30,13 +31,13 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def decode(url: str, max_pixels: int = LIMIT, allow_remote: bool = False) -> np.ndarray:
-    return decode_image_url(url, max_pixels=max_pixels, allow_remote=allow_remote, param=PARAM)
+def decode(url: str, max_pixels: int = LIMIT, remote=None) -> np.ndarray:
+    return decode_image_url(url, max_pixels=max_pixels, remote=remote, param=PARAM)
 
 
-def rejects(url: str, *fragments: str, max_pixels: int = LIMIT, allow_remote: bool = False) -> MediaError:
+def rejects(url: str, *fragments: str, max_pixels: int = LIMIT, remote=None) -> MediaError:
     with pytest.raises(MediaError) as info:
-        decode(url, max_pixels=max_pixels, allow_remote=allow_remote)
+        decode(url, max_pixels=max_pixels, remote=remote)
     assert info.value.param == PARAM
     for fragment in fragments:
         assert fragment in info.value.message, info.value.message
@@ -95,7 +96,8 @@ def test_wrapped_base64_and_mismatched_but_allowed_mime_are_accepted() -> None:
 def test_remote_urls_are_refused() -> None:
     rejects("https://example.com/cat.png", "fetching remote media is disabled")
     rejects("http://example.com/cat.png", "fetching remote media is disabled")
-    rejects("https://example.com/cat.png", "not implemented", allow_remote=True)
+    others_only = FetchPolicy.of(["media.internal"], [], max_bytes=1000, timeout_s=1, max_redirects=0)
+    rejects("https://example.com/cat.png", "host 'example.com' is not allowed", remote=others_only)
 
 
 @pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://host/x.png", "cat.png", ""])

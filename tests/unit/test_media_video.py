@@ -11,6 +11,7 @@ from PIL import Image, ImageSequence
 
 from actors import media_video
 from actors.media import MediaError, MediaOptions, load_media_item
+from actors.media_fetch import FetchPolicy
 from actors.media_video import VideoSampling, _Timeline, decode_video_url, sample_times, select_frames
 from actors.types import Modality
 from cluster.config import LimitsConfig
@@ -26,9 +27,9 @@ def data_url(data: bytes, mime: str) -> str:
 
 
 def decode(url: str, sampling: VideoSampling = VideoSampling(), *, max_pixels: int = LIMIT,
-           max_s: float = 600.0, max_frames: int = 256, allow_remote: bool = False):
+           max_s: float = 600.0, max_frames: int = 256, remote=None):
     return decode_video_url(url, sampling=sampling, max_pixels=max_pixels, max_duration_s=max_s,
-                            max_frames=max_frames, allow_remote=allow_remote, param=PARAM)
+                            max_frames=max_frames, remote=remote, param=PARAM)
 
 
 def rejects(url: str, *fragments: str, **kwargs) -> MediaError:
@@ -287,7 +288,8 @@ def test_animated_image_undecodable_data() -> None:
 
 def test_url_rejections() -> None:
     rejects("https://example.com/clip.mp4", "fetching remote media is disabled", "send the video inline")
-    rejects("https://example.com/clip.mp4", "not implemented", allow_remote=True)
+    others_only = FetchPolicy.of(["media.internal"], [], max_bytes=1000, timeout_s=1, max_redirects=0)
+    rejects("https://example.com/clip.mp4", "host 'example.com' is not allowed", remote=others_only)
     rejects("file:///etc/passwd", "unsupported video URL")
     rejects(data_url(b"x", "video/quicktime"), "unsupported video type 'video/quicktime'",
             "video/mp4, video/webm, image/gif or image/webp")

@@ -102,3 +102,4 @@ def test_notebook_runs_in_fast_mode(tmp_path, monkeypatch):
         assert f"\n{policy} " in head, f"comparison table lacks a row for {policy}"
     assert "joint p99 / least_loaded p99" in text, "no joint / least_loaded ratio printed"
     assert "encoder-cache hit rate" in text, "no cache-affinity results printed"
+    assert "now |err| %" in text and "equal workers' estimates" in text, "no calibration-through-a-burst results printed"

@@ -6,23 +6,15 @@ import random
 
 import pytest
 
+from router.calibration import CalibrationConfig
 from router.cost_model import CostModel, CostPriors
 from router.policies import POLICIES, Affinity, Joint, LeastLoaded, make_policy
 from router.types import MediaJob, Placement, RequestProfile, WorkerInfo, WorkerKind
 from router.view import ClusterView, NoWorkerError
+from tests.unit.conftest import fleet, media
 
 E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 MODS = ("image", "video", "audio")
-
-
-def item(identifier: str, modality: str = "image", size: float = 0.113, n: int = 576) -> MediaJob:
-    return MediaJob(identifier, modality, size, n, n * 8192)
-
-
-def fleet(e: int = 3, p: int = 3, d: int = 3, **encoder_mods: frozenset[str]) -> list[WorkerInfo]:
-    mods = frozenset(MODS)
-    return ([WorkerInfo(E, i, modalities=encoder_mods.get(f"e{i}", mods)) for i in range(e)]
-            + [WorkerInfo(P, i) for i in range(p)] + [WorkerInfo(D, i) for i in range(d)])
 
 
 def setup(workers: list[WorkerInfo]) -> tuple[ClusterView, CostModel]:
@@ -31,14 +23,14 @@ def setup(workers: list[WorkerInfo]) -> tuple[ClusterView, CostModel]:
     return view, CostModel.for_view(None, view)
 
 
-IMAGE = RequestProfile(600, (item("a"),))
+IMAGE = RequestProfile(600, (media("a"),))
 TEXT = RequestProfile(100)
 
 
 # -- joint: the O(E + P) path must find the brute-force E x P minimum ----------------------------
 
 
-def random_instance(rng: random.Random) -> tuple[ClusterView, CostModel, RequestProfile]:
+def random_instance(rng: random.Random, spread_z: float = 0.0) -> tuple[ClusterView, CostModel, RequestProfile]:
     nodes = [f"n{k}" for k in range(rng.randint(1, 4))]
     workers = []
     for i in range(rng.randint(1, 7)):
@@ -50,7 +42,7 @@ def random_instance(rng: random.Random) -> tuple[ClusterView, CostModel, Request
     workers += [WorkerInfo(D, i, rng.choice(nodes)) for i in range(rng.randint(1, 3))]
     view = ClusterView(workers)
     priors = CostPriors.from_dict({"bandwidth_gbps": {"same_node": rng.choice([0.05, 1.0, 600.0]), "cross_node": rng.choice([0.01, 0.5, 50.0])}})
-    cost = CostModel.for_view(priors, view)
+    cost = CostModel.for_view(priors, view, CalibrationConfig(spread_z=spread_z))  # 0: the plain argmin
     ids = [f"id{k}" for k in range(6)]
     hashes = tuple(f"h{k}" for k in range(12))
     now = rng.uniform(0, 3)
@@ -62,7 +54,7 @@ def random_instance(rng: random.Random) -> tuple[ClusterView, CostModel, Request
             size = rng.uniform(0.05, 2)
             cost.observe_encode(e, "image", size, (1 + size * 30) * rng.uniform(0.5, 3))
     for p in range(len(view.workers[P])):
-        view.begin(P, p, 1, rng.uniform(0, 200))
+        view.begin(P, p, rng.randint(1, 3), rng.uniform(0, 200))
         if rng.random() < 0.5:
             view.publish(P, p, now_s=now, prefix_hashes=frozenset(hashes[: rng.randint(0, 12)]))
         for _ in range(rng.randint(0, 6)):
@@ -71,7 +63,7 @@ def random_instance(rng: random.Random) -> tuple[ClusterView, CostModel, Request
     if rng.random() < 0.5:
         cost.observe_transfer(Placement.SAME_PROCESS, 10**6, rng.uniform(0.0, 5.0))
     modality = rng.choice(["image", "image", "video", "audio"])
-    items = tuple(item(rng.choice(ids), rng.choice(["image", modality]), rng.uniform(0.05, 30), rng.randint(1, 3000)) for _ in range(rng.randint(0, 4)))
+    items = tuple(media(rng.choice(ids), rng.choice(["image", modality]), rng.uniform(0.05, 30), rng.randint(1, 3000)) for _ in range(rng.randint(0, 4)))
     profile = RequestProfile(rng.randint(1, 4000), items, hashes[: rng.randint(0, 12)])
     view.refresh(now)
     return view, cost, profile
@@ -104,6 +96,38 @@ def test_joint_equals_brute_force_minimum_on_random_clusters():
     assert checked > 250  # most instances have a feasible encoder
 
 
+def test_joint_spreads_near_ties_to_the_least_booked_worker():
+    """With spread_z = 1 joint takes, of the pairs estimated within (1 + the prefill fit's error) of
+    the best, one whose prefill worker has the fewest jobs booked: never worse than that bound."""
+    spread_seen = 0
+    for seed in range(300):
+        view, cost, profile = random_instance(random.Random(seed), spread_z=1.0)
+        try:
+            best = brute_force_min(view, cost, profile)
+        except NoWorkerError:
+            continue
+        decision = Joint().pick(profile, view, cost, view.now_s)
+        limit = best * (1 + cost.prefill_error)
+        assert decision.estimated_ttft_ms <= limit * (1 + 1e-9) + 1e-9, seed
+        encoders = view.candidates(E, profile.modalities) if profile.items else [None]
+        near = [p for e in encoders for p in view.candidates(P) if cost.evaluate(profile, view, e, p)[0].total_ms <= limit]
+        assert view.outstanding[P][decision.prefill] <= min(view.outstanding[P][p] for p in near), seed
+        spread_seen += decision.estimated_ttft_ms > best * (1 + 1e-9)
+    assert spread_seen > 10  # the rule did choose other than the argmin
+
+
+def test_joint_spread_by_hand():
+    view, cost = setup(fleet(1, 2, 1))
+    view.begin(P, 0, 2, ms=5.0)  # worker 0: 2 jobs, 5 ms booked; worker 1: 3 jobs, 3 ms: the argmin
+    view.begin(P, 1, 3, ms=3.0)
+    cost.prefill_fit.err2 = 0.3 ** 2  # the fit has seen 30% error
+    assert Joint().decision(TEXT, view, cost).prefill == 0  # 5 + 7 vs 3 + 7 ms: within 30%, fewer jobs
+    cost.prefill_fit.err2 = 0.01 ** 2  # an exact fit: the argmin
+    assert Joint().decision(TEXT, view, cost).prefill == 1
+    cost.prefill_fit.err2 = 0.3 ** 2
+    assert Joint().decision(TEXT, view, CostModel.for_view(None, view, CalibrationConfig(spread_z=0))).prefill == 1
+
+
 def test_joint_equals_brute_force_minimum_with_jobs_in_service():
     """The same, with prefill workers part-way through a job (the queue credit in play)."""
     checked = 0
@@ -130,7 +154,7 @@ def test_joint_trades_encoder_queue_against_prefill_cache():
     view.publish(E, 1, now_s=0.0, cached_identifiers=frozenset({"a"}))
     view.publish(P, 1, now_s=0.0, prefix_hashes=frozenset({"h0", "h1"}))
     view.begin(E, 0, 1, 100.0)
-    profile = RequestProfile(600, (item("a"),), ("h0", "h1"), block_size=256)
+    profile = RequestProfile(600, (media("a"),), ("h0", "h1"), block_size=256)
     decision = Joint().pick(profile, view, cost, 0.0)
     assert (decision.encoder, decision.prefill) == (1, 1)
     assert decision.encode_items == () and decision.uncached_tokens == 600 - 512
@@ -152,7 +176,7 @@ def test_every_policy_reports_the_cost_models_estimate_of_its_pair(name):
     view, cost = setup(fleet(4, 4, 2))
     view.begin(E, 2, 1, 30.0)
     policy = make_policy(name, seed=5)
-    for profile in (IMAGE, TEXT, RequestProfile(900, (item("a"), item("b", "video", 30, 4000)))):
+    for profile in (IMAGE, TEXT, RequestProfile(900, (media("a"), media("b", "video", 30, 4000)))):
         decision = policy.pick(profile, view, cost, 0.0)
         estimate, misses, uncached = cost.evaluate(profile, view, decision.encoder, decision.prefill)
         assert decision.estimate == estimate and decision.encode_items == misses and decision.uncached_tokens == uncached
@@ -162,8 +186,8 @@ def test_every_policy_reports_the_cost_models_estimate_of_its_pair(name):
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_only_uses_encoders_hosting_the_modalities(name):
     view, cost = setup(fleet(4, 2, 2, e0=frozenset({"image"}), e1=frozenset({"audio"}), e3=frozenset({"image"})))
-    audio = RequestProfile(100, (item("s", "audio", 30, 1500),))
-    both = RequestProfile(100, (item("s", "audio", 30, 1500), item("i")))
+    audio = RequestProfile(100, (media("s", "audio", 30, 1500),))
+    both = RequestProfile(100, (media("s", "audio", 30, 1500), media("i")))
     policy = make_policy(name, seed=1)
     assert {policy.pick(audio, view, cost, 0.0).encoder for _ in range(20)} <= {1, 2}
     assert {policy.pick(both, view, cost, 0.0).encoder for _ in range(20)} == {2}
@@ -175,7 +199,7 @@ def test_every_policy_only_uses_encoders_hosting_the_modalities(name):
     with pytest.raises(NoWorkerError, match="hosts audio"):  # nobody hosts audio any more
         policy.pick(both, view, cost, 0.0)
     with pytest.raises(NoWorkerError, match="video"):
-        policy.pick(RequestProfile(100, (item("v", "video", 30),)), view, cost, 0.0)
+        policy.pick(RequestProfile(100, (media("v", "video", 30),)), view, cost, 0.0)
     assert policy.pick(TEXT, view, cost, 0.0).encoder is None  # text needs no encoder
 
 
@@ -245,12 +269,12 @@ def test_affinity_prefers_the_cache_holder_even_when_busier():
     view.publish(P, 1, now_s=0.0, prefix_hashes=frozenset({"h0", "h1", "h2"}))
     view.publish(P, 2, now_s=0.0, prefix_hashes=frozenset({"h0"}))
     view.begin(P, 1, 5, 500.0)
-    profile = RequestProfile(500, (item("a"), item("b")), ("h0", "h1", "h2", "h3"))
+    profile = RequestProfile(500, (media("a"), media("b")), ("h0", "h1", "h2", "h3"))
     decision = Affinity().pick(profile, view, cost, 0.0)
     assert (decision.encoder, decision.prefill) == (2, 1)  # most items held, longest prefix
     # nobody holds anything: the least loaded
     view.begin(E, 0, 1, 5.0)
-    decision = Affinity().pick(RequestProfile(500, (item("zz"),), ("q0",)), view, cost, 0.0)
+    decision = Affinity().pick(RequestProfile(500, (media("zz"),), ("q0",)), view, cost, 0.0)
     assert (decision.encoder, decision.prefill) == (1, 0)
 
 

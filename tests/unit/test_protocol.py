@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from actors.types import Modality
+from cluster.sampling_fields import ModelBounds, ParamError
 from cluster.protocol import (SSE_DONE, AssistantMessage, ChatCompletion, ChatCompletionChunk,
                               ChatCompletionRequest, Choice, ChunkChoice, DeltaMessage, ModelCard,
                               ModelList, Usage, error_body, sse_event, to_template_messages,
@@ -32,10 +33,47 @@ def invalid_fields(**fields: Any) -> tuple[str, str | None]:
 
 # ----------------------------------------------------------------------------- valid requests
 
-def test_defaults_and_unknown_fields_ignored() -> None:
-    req = request(frequency_penalty=0.5, logit_bias={}, metadata={"x": 1})
+BOUNDS = ModelBounds(max_model_len=100, vocab_size=50, eos_token_ids=(2,))
+
+
+def test_defaults() -> None:
+    req = request(frequency_penalty=0.5, logit_bias={})
     assert (req.temperature, req.top_p, req.top_k, req.n, req.stream, req.stop) == (1.0, 1.0, 0, 1, False, None)
-    assert not req.include_usage and req.effective_max_tokens(64) == 64
+    assert not req.include_usage and req.effective_max_tokens(30, BOUNDS) == 70, "the rest of the context"
+    assert req.effective_max_tokens(30, ModelBounds(100, 50, (2,), default_max_tokens=64)) == 64
+    assert req.effective_max_tokens(60, ModelBounds(100, 50, (2,), default_max_tokens=64)) == 40
+
+
+def test_sampling_params_carry_every_honoured_field() -> None:
+    req = request(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.3, logit_bias={"7": -100, "3": 2.5},
+                  min_tokens=4, logprobs=True, top_logprobs=3, n=3, seed=9)
+    params = req.to_sampling_params(10, BOUNDS)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.0, 1.3)
+    assert (params.logit_bias, params.min_tokens, params.num_logprobs, params.stop_token_ids) == (((7, -100.0), (3, 2.5)), 4, 3, (2,))
+    assert request(logprobs=True).to_sampling_params(10, BOUNDS).num_logprobs == 0
+    assert request().to_sampling_params(10, BOUNDS).num_logprobs is None
+    assert request(ignore_eos=True).to_sampling_params(10, BOUNDS).stop_token_ids == ()
+
+
+@pytest.mark.parametrize("fields,prompt_tokens,param,fragment", [
+    ({"max_tokens": 10**12}, 10, "max_tokens", "context of 100 tokens"),
+    ({"max_tokens": 91}, 10, "max_tokens", "max_tokens is 91"),
+    ({"max_completion_tokens": 95, "max_tokens": 5}, 10, "max_completion_tokens", "context"),
+    ({"top_k": 51}, 10, "top_k", "vocabulary of 50"),
+    ({"logit_bias": {"50": 1}}, 10, "logit_bias", "token id 50"),
+    ({"min_tokens": 5, "max_tokens": 4}, 10, "min_tokens", "more than the 4 tokens"),
+])
+def test_fields_checked_against_the_model(fields: dict, prompt_tokens: int, param: str, fragment: str) -> None:
+    with pytest.raises(ParamError) as info:
+        request(**fields).to_sampling_params(prompt_tokens, BOUNDS)
+    assert info.value.param == param and fragment in info.value.message and f"'{param}'" in info.value.message
+    assert request(max_tokens=90, top_k=50, logit_bias={"49": 1}).to_sampling_params(10, BOUNDS).max_tokens == 90
+
+
+def test_accepted_values_of_refusable_fields() -> None:
+    req = request(tool_choice="none", response_format={"type": "text"}, tools=None, user="u",
+                  messages=[USER, {"role": "assistant", "content": "ok", "tool_calls": None, "refusal": None}])
+    assert req.tool_choice == "none" and req.response_format.type == "text"
 
 
 def test_null_means_default() -> None:
@@ -46,11 +84,11 @@ def test_null_means_default() -> None:
 def test_max_completion_tokens_wins_and_sampling_params() -> None:
     req = request(max_tokens=10, max_completion_tokens=20, temperature=0, top_k=-1, seed=5,
                   stream=True, stream_options={"include_usage": True})
-    params = req.to_sampling_params(default_max_tokens=64, stop_token_ids=(2,))
+    params = req.to_sampling_params(10, BOUNDS)
     assert (params.max_tokens, params.top_k, params.seed, params.greedy, params.stop_token_ids) == (20, 0, 5, True, (2,))
     assert req.include_usage
-    assert request(max_tokens=10).effective_max_tokens(64) == 10
-    assert isinstance(request().to_sampling_params(default_max_tokens=8).seed, int)
+    assert request(max_tokens=10).effective_max_tokens(10, BOUNDS) == 10
+    assert isinstance(request().to_sampling_params(10, BOUNDS).seed, int)
 
 
 def test_stop_string_becomes_list() -> None:
@@ -90,7 +128,7 @@ def test_content_parts_and_template_messages() -> None:
 
 def test_input_audio_format_reaches_the_media_part() -> None:
     req = request(messages=[{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "mp3", "extra": 1}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "mp3"}},
         {"type": "input_audio", "input_audio": {"data": "ZkxhQw==", "format": "FLAC"}},
         {"type": "video_url", "video_url": {"url": "data:image/gif;base64,R0lG"}},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
@@ -110,7 +148,29 @@ def test_input_audio_format_reaches_the_media_part() -> None:
 # ----------------------------------------------------------------------------- invalid requests
 
 @pytest.mark.parametrize("fields,param,fragment", [
-    ({"n": 2}, "n", "only n=1 is supported"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
+    ({"n": 17}, "n", "less than or equal to 16"),
+    ({"top_p": 1e-45}, "top_p", "must be in [1e-05, 1]"),
+    ({"stop": "x" * 257}, "stop[0]", "at most 256 characters"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
+    ({"logit_bias": {"a": 1}}, "logit_bias", "keys must be token ids"),
+    ({"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs \"logprobs\": true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "does not call tools"),
+    ({"functions": [{"name": "f"}]}, "functions", "does not call tools"),
+    ({"function_call": "auto"}, "function_call", "does not call tools"),
+    ({"parallel_tool_calls": True}, "parallel_tool_calls", "does not call tools"),
+    ({"tool_choice": "auto"}, "tool_choice", "only \"none\""),
+    ({"response_format": {"type": "json_object"}}, "response_format", "structured output"),
+    ({"metadata": {"x": "1"}}, "metadata", "Unrecognized request argument"),
+    ({"store": True}, "store", "Unrecognized request argument"),
+    ({"min_p": 0.1}, "min_p", "Unrecognized request argument"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name", "role and content only"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache": 1}]}]}, "messages[0].content[0].cache", "Unrecognized"),
     ({"temperature": 3}, "temperature", "less than or equal to 2"),
     ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
     ({"top_p": 0}, "top_p", "greater than 0"),
@@ -230,3 +290,30 @@ def test_error_body() -> None:
     assert error_body("bad temperature", param="temperature") == {"error": {
         "message": "bad temperature", "type": "invalid_request_error", "param": "temperature", "code": None}}
     assert error_body("boom", type="server_error", code="internal")["error"]["code"] == "internal"
+
+
+def test_logprob_shapes_parse_with_the_openai_client() -> None:
+    from openai.types import Completion as OpenAICompletion
+    from openai.types.chat import ChatCompletion as OpenAIChat
+
+    from actors.types import TokenLogprob
+    from cluster.completions import Completion, CompletionChoice
+    from cluster.logprobs import LogprobText
+
+    class Tokenizer:
+        def decode(self, ids: list[int]) -> str:
+            return {1: "a", 2: "é", 3: "cd"}[ids[0]]
+
+    pairs = [(1, TokenLogprob(-0.5, ((1, -0.5), (3, -1.0)))), (2, TokenLogprob(float("-inf"), ((1, -0.1),)))]
+    text = LogprobText(Tokenizer())
+    chat = text.chat(pairs)
+    parsed = OpenAIChat.model_validate(ChatCompletion(model="m", usage=Usage.of(1, 2), choices=[
+        Choice(message=AssistantMessage(content="aé"), finish_reason="stop", logprobs=chat)]).model_dump())
+    first, second = parsed.choices[0].logprobs.content
+    assert (first.token, first.logprob, first.bytes, [t.token for t in first.top_logprobs]) == ("a", -0.5, [97], ["a", "cd"])
+    assert second.bytes == list("é".encode()) and second.logprob == -9999.0, "-inf is not JSON: floored as vLLM"
+    legacy = text.completion(pairs, text_offset=4)
+    assert (legacy.tokens, legacy.text_offset, legacy.top_logprobs[0]) == (["a", "é"], [4, 5], {"a": -0.5, "cd": -1.0})
+    done = OpenAICompletion.model_validate(Completion(model="m", choices=[CompletionChoice(text="aé", logprobs=legacy, finish_reason="length")],
+                                                      usage=Usage.of(1, 2)).model_dump())
+    assert done.choices[0].logprobs.token_logprobs == [-0.5, -9999.0]

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from cluster.request_body import MAX_JSON_DEPTH, BodyError, parse_chat_request
+from cluster.completions import CompletionRequest
+from cluster.request_body import MAX_JSON_DEPTH, BodyError, parse_chat_request, parse_request
 
 OK = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -27,6 +28,11 @@ def body(**fields) -> bytes:
     (body(max_tokens="16"), "integer", "max_tokens"),
     (body(max_tokens=16.0), "integer", "max_tokens"),
     (body(temperature=1e-38), "at least 0.01", "temperature"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "temperature": 2}', "more than once", "temperature"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "hi", "content": "ho"}]}', "more than once", "content"),
+    (body(top_p=1e-45), "must be in [1e-05, 1]", "top_p"),
+    (body(stop="x" * 100_000), "at most 256 characters", "stop[0]"),
+    (body(tools=[{"type": "function"}]), "does not call tools", "tools"),
 ])
 def test_refused_naming_the_problem(raw, words, param):
     with pytest.raises(BodyError) as caught:
@@ -46,3 +52,30 @@ def test_ordinary_requests_pass_unchanged():
     request = parse_chat_request(body(temperature=0, max_tokens=16, seed=2**62, top_p=0.5, stop="x", stream=True))
     assert (request.temperature, request.max_tokens, request.seed, request.stop, request.stream) == (0.0, 16, 2**62, ["x"], True)
     assert parse_chat_request(body(temperature=1)).temperature == 1.0  # an int where a number goes is a number
+
+
+def completion(**fields) -> bytes:
+    return json.dumps({"model": "m", "prompt": "hi", **fields}).encode()
+
+
+@pytest.mark.parametrize("fields, words, param", [
+    ({"prompt": ["a", "b"]}, "a batch of prompts is not supported", "prompt"),
+    ({"prompt": [[1, 2], [3]]}, "a batch of prompts is not supported", "prompt"),
+    ({"prompt": ""}, "empty", "prompt"),
+    ({"prompt": [1, "a"]}, "a batch of prompts", "prompt"),
+    ({"echo": True}, "echoing the prompt is not built", "echo"),
+    ({"suffix": "x"}, "suffix after the completion", "suffix"),
+    ({"best_of": 2}, "best_of > 1 is not built", "best_of"),
+    ({"logprobs": 21}, "less than or equal to 20", "logprobs"),
+    ({"messages": []}, "Unrecognized request argument", "messages"),
+])
+def test_completions_refused_naming_the_field(fields, words, param):
+    with pytest.raises(BodyError) as caught:
+        parse_request(completion(**fields), CompletionRequest)
+    assert words in caught.value.message and caught.value.param == param
+
+
+def test_completions_accept_one_prompt_as_text_or_token_ids():
+    assert parse_request(completion(prompt=["hi"]), CompletionRequest).prompt == "hi"
+    assert parse_request(completion(prompt=[5, 6]), CompletionRequest).prompt == [5, 6]
+    assert parse_request(completion(prompt=[[5, 6]], echo=False, best_of=1, logprobs=2), CompletionRequest).prompt == [5, 6]

@@ -14,6 +14,7 @@ from router.policies import LeastLoaded, make_policy
 from router.router import Router
 from router.types import EncoderShare, MediaJob, RequestProfile, RouteDecision, WorkerInfo, WorkerKind, WorkerState
 from router.view import ClusterView, NoWorkerError
+from tests.unit.conftest import fleet
 
 E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 REPO = Path(__file__).resolve().parents[2]
@@ -21,11 +22,6 @@ REPO = Path(__file__).resolve().parents[2]
 _ITEM = MediaJob(identifier="a", modality="image", size=0.05, num_embeddings=16, embedding_bytes=4096)
 IMAGE = RequestProfile(num_prompt_tokens=100, items=(_ITEM, _ITEM))
 TEXT = RequestProfile(num_prompt_tokens=10)
-ALL = frozenset({"image", "video", "audio"})
-
-
-def workers(e: int = 3, p: int = 3, d: int = 3) -> list[WorkerInfo]:
-    return [WorkerInfo(E, i, modalities=ALL) for i in range(e)] + [WorkerInfo(P, i) for i in range(p)] + [WorkerInfo(D, i) for i in range(d)]
 
 
 def view(e: int = 3, p: int = 3, d: int = 3) -> ClusterView:
@@ -99,7 +95,7 @@ def test_worker_indices_must_be_dense():
 
 
 def test_stale_cache_reports_are_ignored():
-    v = ClusterView(workers(2, 2, 1), staleness_s=5.0, dead_after_s=100.0)
+    v = ClusterView(fleet(2, 2, 1), staleness_s=5.0, dead_after_s=100.0)
     v.publish(E, 1, now_s=0.0, cached_identifiers=frozenset({"a"}))
     v.publish(P, 0, now_s=0.0, prefix_hashes=frozenset({"h0"}))
     v.refresh(4.0)
@@ -112,7 +108,7 @@ def test_stale_cache_reports_are_ignored():
 
 
 def test_the_routers_own_dispatches_count_as_cached_for_a_while():
-    router = Router(workers(3, 3, 1), CostPriors(), "joint", staleness_s=2.0)
+    router = Router(fleet(3, 3, 1), CostPriors(), "joint", staleness_s=2.0)
     profile = RequestProfile(300, (MediaJob("v", "video", 30, 4000, 10**6),), ("h0", "h1"))
     first = router.route(profile, 0.0)
     assert router.view.holds_item(first.encoder, "v") and router.view.prefix_blocks(first.prefill, ("h0", "h1")) == 2
@@ -123,7 +119,7 @@ def test_the_routers_own_dispatches_count_as_cached_for_a_while():
 
 
 def test_silent_workers_leave_and_come_back_when_they_report():
-    v = ClusterView(workers(3, 2, 2), staleness_s=1.0, dead_after_s=10.0)
+    v = ClusterView(fleet(3, 2, 2), staleness_s=1.0, dead_after_s=10.0)
     v.publish(E, 1, now_s=0.0, queued=0)
     v.publish(E, 2, now_s=8.0)
     v.refresh(9.0)
@@ -144,7 +140,7 @@ def test_silent_workers_leave_and_come_back_when_they_report():
 
 
 def test_decode_load_takes_fresh_reports_of_other_routers_work():
-    v = ClusterView(workers(1, 1, 3), staleness_s=5.0)
+    v = ClusterView(fleet(1, 1, 3), staleness_s=5.0)
     v.begin(D, 0, 2)
     v.publish(D, 1, now_s=0.0, running=7)
     v.refresh(1.0)
@@ -157,7 +153,7 @@ def test_decode_load_takes_fresh_reports_of_other_routers_work():
 
 
 def test_route_books_the_work_and_completions_release_it():
-    router = Router(workers(2, 2, 2), CostPriors(), "joint")
+    router = Router(fleet(2, 2, 2), CostPriors(), "joint")
     image = RequestProfile(1000, (MediaJob("x", "image", 0.113, 576, 576 * 8192),))
     decision = router.route(image, 0.0)
     v = router.view
@@ -176,9 +172,9 @@ def test_route_books_the_work_and_completions_release_it():
     assert all(ms == 0.0 for values in v.outstanding_ms.values() for ms in values)
 
 
-def test_completions_calibrate_the_chosen_workers():
-    router = Router(workers(2, 2, 1), CostPriors(), "round_robin")
-    for k in range(40):
+def test_completions_calibrate_the_chosen_fleet():
+    router = Router(fleet(2, 2, 1), CostPriors(), "round_robin")
+    for k in range(120):  # relative times are learned slowly (CalibrationConfig.speed_rate)
         size = 0.1 + 0.05 * (k % 10)
         profile = RequestProfile(200 + 50 * k, (MediaJob(f"i{k}", "image", size, 576, 4096),))
         decision = router.route(profile, k * 0.01)
@@ -192,13 +188,13 @@ def test_completions_calibrate_the_chosen_workers():
 
 
 def test_router_accepts_a_policy_object_and_reports():
-    router = Router(workers(2, 2, 1), None, make_policy("affinity", seed=2))
+    router = Router(fleet(2, 2, 1), None, make_policy("affinity", seed=2))
     router.publish(E, 1, now_s=0.0, cached_identifiers=frozenset({"a"}))
     assert router.route(IMAGE, 0.0).encoder == 1
     router.set_healthy(E, 1, False)
     assert router.route(IMAGE, 0.0).encoder == 0
     with pytest.raises(ValueError, match="joint"):
-        Router(workers(), None, "fastest")
+        Router(fleet(), None, "fastest")
 
 
 def test_router_imports_no_torch_and_no_ray():
@@ -241,7 +237,7 @@ def test_decode_loads_kept_incrementally_equal_the_definition():
     import random
 
     rng = random.Random(4)
-    v = ClusterView(workers(1, 1, 5), staleness_s=2.0)
+    v = ClusterView(fleet(1, 1, 5), staleness_s=2.0)
     for step in range(400):
         now = step * 0.05
         action = rng.random()

@@ -25,32 +25,26 @@ from router.sim import (
 )
 from router.sim.cli import main as cli_main
 from router.types import MediaJob, Placement, RequestProfile
+from tests.unit.conftest import sim_run
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _run(shape: str, n: int, load: float, policy: str, seed: int = 3, **kw):
-    cluster = SimCluster.parse(shape)
-    wl = make_workload("poisson", n, seed=seed, **kw)
-    wl = wl.at_rate(load * capacity_rps(cluster, wl))
-    return simulate(cluster, wl, policy, seed=seed, slo_ms=1500.0)
 
 
 # ---------------------------------------------------------------------------------------- engine
 
 
 def test_same_seed_same_result():
-    a = _run("4x4x4-hetero", 3000, 0.8, "joint")
-    b = _run("4x4x4-hetero", 3000, 0.8, "joint")
+    a = sim_run("4x4x4-hetero", 3000, 0.8, "joint")
+    b = sim_run("4x4x4-hetero", 3000, 0.8, "joint")
     assert np.array_equal(a.ttft_ms, b.ttft_ms)
     assert np.array_equal(a.estimate_ms, b.estimate_ms)
-    c = _run("4x4x4-hetero", 3000, 0.8, "joint", seed=4)
+    c = sim_run("4x4x4-hetero", 3000, 0.8, "joint", seed=4)
     assert not np.array_equal(a.ttft_ms, c.ttft_ms)
 
 
 @pytest.mark.parametrize("policy", ["joint", "least_loaded", "random", "round_robin", "affinity"])
 def test_every_request_finishes_and_ttft_covers_its_service(policy):
-    r = _run("3x4x2-hetero", 2000, 0.7, policy, prefix_share=0.5)
+    r = sim_run("3x4x2-hetero", 2000, 0.7, policy, prefix_share=0.5)
     assert r.completed == len(r.ttft_ms) == 2000
     assert np.all(r.ttft_ms > 0)
     assert np.all(r.ttft_ms >= r.service_ms - 1e-6)  # waiting only adds
@@ -103,15 +97,15 @@ def test_encoder_cache_hit_skips_encoding():
 
 
 def test_higher_load_gives_higher_p99():
-    low = _run("4x4x4", 4000, 0.4, "joint")
-    high = _run("4x4x4", 4000, 0.95, "joint")
+    low = sim_run("4x4x4", 4000, 0.4, "joint")
+    high = sim_run("4x4x4", 4000, 0.95, "joint")
     assert np.percentile(high.ttft_ms, 99) > np.percentile(low.ttft_ms, 99)
     assert high.utilisation["prefill"] > low.utilisation["prefill"]
 
 
 def test_joint_not_worse_than_random_on_heterogeneous_workers():
-    joint = _run("4x4x4-hetero", 6000, 0.8, "joint", seed=11)
-    rand = _run("4x4x4-hetero", 6000, 0.8, "random", seed=11)
+    joint = sim_run("4x4x4-hetero", 6000, 0.8, "joint", seed=11)
+    rand = sim_run("4x4x4-hetero", 6000, 0.8, "random", seed=11)
     assert np.percentile(joint.ttft_ms, 99) <= np.percentile(rand.ttft_ms, 99)
 
 

@@ -9,38 +9,17 @@ import pytest
 from router.cost_model import CostPriors
 from router.policies import POLICIES
 from router.router import Router
-from router.sim import ClusterShapeError, SimCluster, Workload
+from router.sim import ClusterShapeError, SimCluster
 from router.sim.engine import _run as run_engine
 from router.sim.engine import make_router
-from router.types import MediaJob, RequestProfile, WorkerInfo, WorkerKind
+from router.types import RequestProfile, WorkerInfo, WorkerKind
 from router.view import NoWorkerError
+from tests.unit.conftest import AUDIO, VISION, assert_idle, audio, media, mixed_workload, split_fleet
 
 E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
-VISION, AUDIO = frozenset({"image", "video"}), frozenset({"audio"})
 
 
-def image(identifier: str) -> MediaJob:
-    return MediaJob(identifier, "image", 0.113, 576, 576 * 8192)
-
-
-def audio(identifier: str) -> MediaJob:
-    return MediaJob(identifier, "audio", 30.0, 1500, 1500 * 8192)
-
-
-def split_fleet() -> list[WorkerInfo]:
-    """Encoders 0-1: the vision tower; encoder 2: the audio tower."""
-    mods = [VISION, VISION, AUDIO]
-    return ([WorkerInfo(E, i, modalities=m) for i, m in enumerate(mods)]
-            + [WorkerInfo(P, i) for i in range(2)] + [WorkerInfo(D, i) for i in range(2)])
-
-
-MIXED = RequestProfile(2000, (image("i1"), audio("a1"), image("i2")))
-
-
-def assert_idle(router: Router) -> None:
-    view = router.view
-    assert all(c == 0 for counts in view.outstanding.values() for c in counts), view.outstanding
-    assert all(ms == 0.0 for values in view.outstanding_ms.values() for ms in values), view.outstanding_ms
+MIXED = RequestProfile(2000, (media("i1"), audio("a1"), media("i2")))
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -78,7 +57,7 @@ def test_joint_routes_the_heaviest_group_with_the_prefill_worker():
     assert decision.encoder_for("image") == 1
     # a cached item skips its encoder's queue and encode, and is not booked as a miss
     router.publish(E, 0, now_s=0.0, cached_identifiers=frozenset({"i1", "i2"}))
-    hit = router.route(RequestProfile(2000, (image("i1"), audio("a2"), image("i2"))), 0.0)
+    hit = router.route(RequestProfile(2000, (media("i1"), audio("a2"), media("i2"))), 0.0)
     share = next(s for s in hit.shares if "image" in s.modalities)
     assert share.encoder == 0 and share.encode_items == () and share.queue_ms == 0.0
 
@@ -129,18 +108,6 @@ def test_split_cluster_shapes():
         SimCluster.parse("4x4x4-split-split")
 
 
-def _mixed_workload(n: int) -> Workload:
-    rng = np.random.default_rng(3)
-    profiles = []
-    for k in range(n):
-        kind = k % 4
-        items = {0: (image(f"i{k}"), audio(f"a{k}")), 1: (image(f"j{k}"),), 2: (audio(f"b{k}"),), 3: ()}[kind]
-        if kind == 0 and k % 8 == 0:
-            items = items + (image(f"i{k - 8}"),)  # a repeat: the encoder cache may hold it
-        profiles.append(RequestProfile(1000 + sum(it.num_embeddings for it in items), items, max_tokens=16))
-    return Workload("mixed", profiles, np.cumsum(rng.exponential(0.02, n)))
-
-
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_simulator_splits_mixed_requests_and_releases_every_encoder(policy):
     cluster = SimCluster.parse("3x2x2-split")  # encoders 0-1 vision, 2 audio
@@ -148,7 +115,7 @@ def test_simulator_splits_mixed_requests_and_releases_every_encoder(policy):
     decisions = []
     route = router.route
     router.route = lambda profile, now_s: decisions.append(route(profile, now_s)) or decisions[-1]
-    result = run_engine(cluster, _mixed_workload(400), router, policy, slo_ms=1000, progress=False,
+    result = run_engine(cluster, mixed_workload(400), router, policy, slo_ms=1000, progress=False,
                         record_decisions=False, load=None)
     assert result.completed == 400 and np.all(result.ttft_ms >= result.service_ms - 1e-6)
     split = [d for d in decisions if d.shares]

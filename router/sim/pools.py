@@ -1,0 +1,326 @@
+"""The simulated workers, one class per pool: its queues, its caches and its service model.
+
+The pools schedule their own completions on the engine's event heap and report what a live
+worker would through the engine's router; the engine (router/sim/engine.py) routes requests,
+moves them between pools and dispatches events. Per-worker state lives in small slotted
+objects, so a pool's code reads `worker.queue` rather than `queue[index]`.
+
+Ground truth is `cluster_model.SimCosts`; with variability on, each encode batch and prefill
+draws a multiplier (`Multipliers.service`) at its start, in the order the engine starts them.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from heapq import heappush
+from typing import TYPE_CHECKING
+
+from router.sim.cluster_model import SimCosts, SimWorker
+from router.types import Placement, WorkerKind
+
+if TYPE_CHECKING:
+    from router.sim.engine import Engine
+
+# event types; the order is the tie-break at equal times: completions before new work
+EV_ENC_DONE = 0
+EV_PF_DONE = 1
+EV_DEC_DONE = 2
+EV_PF_ARRIVE = 3
+EV_PUBLISH = 4
+EV_ADMIT = 5  # a request's ingress overhead is over (only with SimCosts.ingress_ms / ingress_media_ms)
+
+_SAME, _CROSS = Placement.SAME_NODE, Placement.CROSS_NODE
+
+
+class Network:
+    """Transfer times: latency + bytes / bandwidth of the placement (same node or across)."""
+
+    def __init__(self, costs: SimCosts):
+        self.same_bw, self.cross_bw = costs.bandwidth_bytes_per_ms[_SAME], costs.bandwidth_bytes_per_ms[_CROSS]
+        self.same_lat, self.cross_lat = costs.transfer_latency_ms[_SAME], costs.transfer_latency_ms[_CROSS]
+
+    def send_ms(self, node_a: int, node_b: int, num_bytes: int) -> tuple[Placement, float]:
+        if node_a == node_b:
+            return _SAME, self.same_lat + num_bytes / self.same_bw
+        return _CROSS, self.cross_lat + num_bytes / self.cross_bw
+
+
+class KeySnapshots:
+    """An LRU's keys as a set, and a frozen copy of it re-taken only after a change (for publish)."""
+
+    __slots__ = ("keys", "dirty", "_frozen")
+
+    def __init__(self) -> None:
+        self.keys: set = set()
+        self.dirty, self._frozen = True, frozenset()
+
+    def frozen(self) -> frozenset:
+        if self.dirty:
+            self._frozen, self.dirty = frozenset(self.keys), False
+        return self._frozen
+
+
+class Request:
+    """A request in flight: what routing decided, and its encode progress."""
+
+    __slots__ = ("profile", "decision", "pending", "encode_ms", "wall_ms", "encoded", "walls")
+
+    def __init__(self, profile) -> None:
+        self.profile, self.decision = profile, None
+        self.pending = 0  # items still being encoded
+        self.encode_ms = 0.0  # compute time of its items (their shares of the batches)
+        self.wall_ms = 0.0  # full times of the batches its items rode in
+        self.encoded: tuple = ()  # the items actually encoded (cache misses)
+        self.walls: dict[int, float] | None = None  # split requests: encoder -> its batches' full times
+
+
+class Encoder:
+    __slots__ = ("speed", "node", "queues", "queued", "batch", "busy_ms", "cache", "cache_bytes", "snap")
+
+    def __init__(self, worker: SimWorker, node: int):
+        self.speed, self.node = worker.speed, node
+        self.queues: dict[str, deque] = {}  # modality -> deque[(t_enq, r, size, identifier, bytes)]; non-empty only
+        self.queued = 0
+        self.batch: tuple | None = None  # in service: (items, batch_ms, ms per item, ms per unit of size)
+        self.busy_ms = 0.0
+        self.cache: OrderedDict[str, int] = OrderedDict()  # identifier -> embedding bytes, LRU
+        self.cache_bytes = 0
+        self.snap = KeySnapshots()
+
+
+class EncoderPool:
+    """One batch at a time per encoder: up to `encode_max_batch` items of the modality whose oldest
+    queued item is oldest, timed by `EncodeCost.batch_ms`; each item's share of the batch time is
+    in proportion to its solo cost. Items are cached (LRU of `encoder_cache_bytes`) when their batch
+    finishes; an item the chosen encoder holds at routing (or twice in one request) skips the queue."""
+
+    def __init__(self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine):
+        self.workers = [Encoder(w, nodes.index(w.node)) for w in workers]
+        self.cost = {m: (c.fixed_ms, c.per_unit_ms, c.batch_exponent - 1.0) for m, c in costs.encode.items()}
+        self.max_batch, self.cache_cap = costs.encode_max_batch, costs.encoder_cache_bytes
+        self.engine = engine
+        self.cache_hits = 0
+
+    def queue_request(self, r: int, req: Request, now: float) -> bool:
+        """Queue the request's items on their encoders (cache hits skip); False if none needs encoding."""
+        decision, items, workers = req.decision, req.profile.items, self.workers
+        split = decision.shares
+        counts: dict[int, int] = {}
+        encoded, seen = [], set()
+        for it in items:
+            e = decision.encoder_for(it.modality) if split else decision.encoder
+            ident, worker = it.identifier, workers[e]
+            if ident in worker.cache or ident in seen:
+                self.cache_hits += 1
+                continue
+            seen.add(ident)
+            q = worker.queues.get(it.modality)
+            if q is None:
+                q = worker.queues[it.modality] = deque()
+            q.append((now, r, it.size, ident, it.embedding_bytes))
+            encoded.append(it)
+            counts[e] = counts.get(e, 0) + 1
+        if not encoded:
+            return False
+        req.pending, req.encoded = len(encoded), tuple(encoded)
+        if split:
+            req.walls = {}
+        for e, k in counts.items():
+            worker = workers[e]
+            worker.queued += k
+            if worker.batch is None:
+                self.start_batch(e, now)
+        return True
+
+    def start_batch(self, e: int, now: float) -> None:
+        worker = self.workers[e]
+        queues = worker.queues
+        best = min(queues, key=lambda m: queues[m][0][0]) if len(queues) > 1 else next(iter(queues))
+        q = queues[best]
+        fixed, per, exponent = self.cost[best]
+        k = len(q)
+        if k == 1:
+            items = [q.popleft()]
+            total, scale = items[0][2], 1.0
+        else:
+            k = min(k, self.max_batch)
+            items = [q.popleft() for _ in range(k)]
+            total = 0.0
+            for it in items:
+                total += it[2]
+            scale = k ** exponent
+        if not q:
+            del queues[best]
+        worker.queued -= k
+        solo = k * fixed + per * total
+        ms = (fixed + per * total * scale) / worker.speed
+        ms = self.engine.scaled(ms, now)
+        unit = ms / solo if solo > 0 else 0.0
+        worker.batch = (items, ms, unit * fixed, unit * per)
+        worker.busy_ms += ms
+        heappush(self.engine.heap, (now + ms * 1e-3, EV_ENC_DONE, e, 0))
+
+    def finish_batch(self, e: int, now: float) -> None:
+        """The batch is done: cache its items, credit each request, hand on the fully encoded ones."""
+        worker = self.workers[e]
+        items, ms, share0, share1 = worker.batch
+        worker.batch = None
+        cache, snap, cap, used = worker.cache, worker.snap, self.cache_cap, worker.cache_bytes
+        requests, prev = self.engine.requests, -1
+        for _, r, size, ident, nb in items:
+            if ident in cache:
+                cache.move_to_end(ident)
+            elif nb <= cap:
+                cache[ident] = nb
+                snap.keys.add(ident)
+                snap.dirty = True
+                used += nb
+                while used > cap:
+                    old, old_bytes = cache.popitem(last=False)
+                    snap.keys.discard(old)
+                    used -= old_bytes
+            req = requests[r]
+            req.encode_ms += share0 + share1 * size
+            if r != prev:  # a request's items in one batch are consecutive
+                if req.walls is None:
+                    req.wall_ms += ms
+                else:  # split: its encoders work in parallel
+                    req.walls[e] = req.walls.get(e, 0.0) + ms
+                prev = r
+            req.pending -= 1
+            if req.pending == 0:
+                if req.walls is not None:
+                    req.wall_ms, req.walls = max(req.walls.values()), None
+                self.engine.to_prefill(r, req, now, req.encode_ms, req.wall_ms, req.encoded)
+                req.encoded = ()
+        worker.cache_bytes = used
+        if worker.queued:
+            self.start_batch(e, now)
+
+    def publish(self, publish, now: float) -> None:
+        for e, w in enumerate(self.workers):
+            publish(WorkerKind.ENCODER, e, now_s=now, queued=w.queued, running=0 if w.batch is None else len(w.batch[0]),
+                    cached_identifiers=w.snap.frozen())
+
+    def busy_ms(self) -> float:
+        return sum(w.busy_ms for w in self.workers)
+
+
+class Prefill:
+    __slots__ = ("speed", "node", "queue", "current", "busy_ms", "prefix", "snap")
+
+    def __init__(self, worker: SimWorker, node: int):
+        self.speed, self.node = worker.speed, node
+        self.queue: deque[int] = deque()
+        self.current: tuple | None = None  # in service: (r, ms, uncached tokens)
+        self.busy_ms = 0.0
+        self.prefix: OrderedDict[str, None] = OrderedDict()  # block hashes, LRU
+        self.snap = KeySnapshots()
+
+
+class PrefillPool:
+    """FIFO, one request at a time per worker: prefill_fixed_ms + uncached / prefill_tokens_per_ms,
+    the uncached part being what the worker's prefix LRU (`prefix_cache_blocks`) misses at the start."""
+
+    def __init__(self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine):
+        self.workers = [Prefill(w, nodes.index(w.node)) for w in workers]
+        self.fixed_ms, self.tokens_per_ms = costs.prefill_fixed_ms, costs.prefill_tokens_per_ms
+        self.prefix_cap = costs.prefix_cache_blocks
+        self.engine = engine
+
+    def arrive(self, p: int, r: int, now: float) -> None:
+        if self.workers[p].current is None:
+            self.start(p, r, now)
+        else:
+            self.workers[p].queue.append(r)
+
+    def start(self, p: int, r: int, now: float) -> None:
+        worker, prof = self.workers[p], self.engine.requests[r].profile
+        uncached = prof.num_prompt_tokens
+        if prof.prefix_hashes:
+            hit = 0
+            for h in prof.prefix_hashes:
+                if h not in worker.prefix:
+                    break
+                hit += 1
+            uncached = max(1, uncached - hit * prof.block_size)
+        ms = (self.fixed_ms + uncached / self.tokens_per_ms) / worker.speed
+        ms = self.engine.scaled(ms, now)
+        worker.current = (r, ms, uncached)
+        worker.busy_ms += ms
+        heappush(self.engine.heap, (now + ms * 1e-3, EV_PF_DONE, p, r))
+
+    def finish(self, p: int, now: float) -> tuple[float, int]:
+        """The job in service is done: (its ms, its uncached tokens). Call start_next() after."""
+        worker = self.workers[p]
+        r, ms, uncached = worker.current
+        worker.current = None
+        return ms, uncached
+
+    def remember(self, p: int, prefix_hashes: tuple[str, ...]) -> None:
+        """The worker now holds the prompt's blocks (LRU, evicted after the whole prompt is in)."""
+        worker = self.workers[p]
+        cache, snap = worker.prefix, worker.snap
+        for h in prefix_hashes:
+            if h in cache:
+                cache.move_to_end(h)
+            else:
+                cache[h] = None
+                snap.keys.add(h)
+                snap.dirty = True
+        while len(cache) > self.prefix_cap:
+            snap.keys.discard(cache.popitem(last=False)[0])
+
+    def start_next(self, p: int, now: float) -> None:
+        queue = self.workers[p].queue
+        if queue:
+            self.start(p, queue.popleft(), now)
+
+    def waiting(self) -> int:
+        """Requests queued (not in service) on any prefill worker: they use no CPU."""
+        return sum(len(w.queue) for w in self.workers)
+
+    def publish(self, publish, now: float) -> None:
+        for p, w in enumerate(self.workers):
+            publish(WorkerKind.PREFILL, p, now_s=now, queued=len(w.queue), running=0 if w.current is None else 1,
+                    prefix_hashes=w.snap.frozen())
+
+    def busy_ms(self) -> float:
+        return sum(w.busy_ms for w in self.workers)
+
+
+class DecodePool:
+    """Continuous batching, approximated: admitted while fewer than `decode_max_batch` run, else FIFO;
+    a request admitted as the b-th active takes max_tokens x (step + per_seq x b) / speed, b frozen then.
+    To save an event, admission is decided when the prefill finishes and takes effect when the KV lands."""
+
+    def __init__(self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine):
+        self.speed = [w.speed for w in workers]
+        self.node = [nodes.index(w.node) for w in workers]
+        self.active = [0] * len(workers)
+        self.wait: list[deque[tuple[int, float]]] = [deque() for _ in workers]  # (r, KV landing time)
+        self.step_ms, self.per_seq_ms, self.max_batch = costs.decode_step_ms, costs.decode_step_per_seq_ms, costs.decode_max_batch
+        self.slot_ms = 0.0  # sum of admitted requests' decode ms (utilisation)
+        self.engine = engine
+
+    def submit(self, d: int, r: int, max_tokens: int, kv_at: float) -> None:
+        """Request r's KV lands on d at `kv_at`: admit it then if a slot is free, else queue it."""
+        if self.active[d] < self.max_batch:
+            self._admit(d, r, max_tokens, kv_at)
+        else:
+            self.wait[d].append((r, kv_at))
+
+    def _admit(self, d: int, r: int, max_tokens: int, at: float) -> None:
+        b = self.active[d] = self.active[d] + 1
+        ms = max_tokens * (self.step_ms + self.per_seq_ms * b) / self.speed[d]
+        self.slot_ms += ms
+        heappush(self.engine.heap, (at + ms * 1e-3, EV_DEC_DONE, d, r))
+
+    def finish(self, d: int, now: float) -> None:
+        self.active[d] -= 1
+        if self.wait[d]:
+            r, kv_at = self.wait[d].popleft()
+            self._admit(d, r, self.engine.requests[r].profile.max_tokens, kv_at if kv_at > now else now)
+
+    def publish(self, publish, now: float) -> None:
+        for d, active in enumerate(self.active):
+            publish(WorkerKind.DECODE, d, now_s=now, queued=len(self.wait[d]), running=active)
