@@ -9,18 +9,21 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.exceptions import TaskCancelledError
 
 from actors.types import TokenChunk
 from cluster import responses
-from cluster.config import ClusterConfig
+from cluster.config import REPO_ROOT, ClusterConfig, load_config
 from cluster.fleet import Fleet
 from cluster.metrics import Metrics
+from cluster.placement import check_placement
 from cluster.prompt_plan import PromptPlanner
 from cluster.admission import Admission, Overloaded, Ticket
 from cluster.protocol import SSE_DONE, ModelCard, ModelList, error_body, sse_event
@@ -73,6 +76,7 @@ class Ingress:
         self.checkpoint = self.config.model.checkpoint_path  # resolved on this replica's node
         self.planner = PromptPlanner(self.checkpoint, self.config.model.resolved_dtype)
         self.config.encoder_modalities(self.planner.spec.modalities)  # every modality has an encoder: check before any actor starts
+        check_placement(self.config)  # and every pool has a node type that can hold it
         self.fleet = Fleet(self.config)
         rc = self.config.router
         workers = self.fleet.worker_infos(self.planner.spec.modalities)
@@ -263,3 +267,27 @@ class Ingress:
 
 def build_app(config: ClusterConfig):
     return Ingress.bind(config.model_dump(mode="json"))
+
+
+class AppArgs(BaseModel):
+    """The `args` of the Serve application in configs/serve.yaml (serve run / serve deploy / KubeRay)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    config: str = Field("configs/local_cpu.yaml", description="epd config file; a relative path is taken from the "
+                        "working directory if it is there, else from the epd checkout (serve deploy builds elsewhere).")
+    overrides: dict = Field(default_factory=dict, description="Sections or fields replaced in that config, e.g. "
+                            "{decode: {num_workers: 2}} (ClusterConfig.replace).")
+
+
+def app_builder(args: dict):
+    """Serve's application builder (`import_path: cluster.app:app_builder`). The HTTP host and
+    port come from the Serve config's http_options; server.host/port apply to `epd serve` only.
+    Builds the config's built-in checkpoint here if it is missing (nodes build their own copy
+    in cluster.yaml's setup) and pins a repo id to a commit, as `epd serve` does."""
+    from cluster.cli import prepare
+
+    parsed = AppArgs.model_validate(args)
+    path = Path(parsed.config).expanduser()
+    config = load_config(path if path.is_absolute() or path.exists() else REPO_ROOT / path)
+    config = config.replace(**parsed.overrides) if parsed.overrides else config
+    return build_app(prepare(config))

@@ -43,13 +43,23 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
     from ray import serve
 
     from cluster.app import build_app
+    from cluster.placement import check_placement
 
     config = ensure_model(config)
     if not ray.is_initialized():
         ray.init(address=address, num_cpus=None if address else config.server.num_cpus_ray, include_dashboard=False)
+    check_placement(config)  # a pool pinned to a node type the cluster lacks: a clear error, before any actor starts
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
     serve.run(build_app(config), name="epd", route_prefix="/")
     return f"http://{config.server.host}:{config.server.port}/v1"
+
+
+def prepare(config: ClusterConfig) -> ClusterConfig:
+    """What `epd serve` and Serve's app builder do before deploying: the API key from
+    $EPD_API_KEY unless the config sets one, and the model built or pinned to a commit."""
+    if os.environ.get("EPD_API_KEY") and not config.server.api_key:
+        config = config.replace(server={"api_key": os.environ["EPD_API_KEY"]})
+    return ensure_model(config)
 
 
 def with_model(config: ClusterConfig, model: str | None, served_name: str | None = None) -> ClusterConfig:
@@ -62,9 +72,9 @@ def with_model(config: ClusterConfig, model: str | None, served_name: str | None
 
 def _serve(args: argparse.Namespace) -> int:
     config = with_model(load_config(args.config), args.model, args.served_model_name)
-    if os.environ.get("EPD_API_KEY") and not config.server.api_key:
-        config = config.replace(server={"api_key": os.environ["EPD_API_KEY"]})
-    config = ensure_model(config)
+    if args.port is not None:
+        config = config.replace(server={"port": args.port})
+    config = prepare(config)
     url = start(config, address=args.address)
     print(f"epd is serving {config.model.served_name} at {url}  (Ctrl-C stops it)", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -92,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--model", default=None, metavar="ID_OR_DIR",
                          help="serve this checkpoint (a directory or a Hugging Face repo id) instead of the config's")
     serve_p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    serve_p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's server.port)")
     serve_p.set_defaults(func=_serve)
     build_p = sub.add_parser("build-model", help="build the config's built-in checkpoint if it is missing")
     build_p.add_argument("--config", default=str(DEFAULT_CONFIG))

@@ -16,6 +16,12 @@ from actors.types import Modality
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local_cpu.yaml"
+SERVE_CONFIG = REPO_ROOT / "configs" / "serve.yaml"  # Ray Serve's config (serve run / deploy), not an epd config
+
+
+def repo_configs() -> list[Path]:
+    """The epd configs in configs/ (every YAML there but the Serve config)."""
+    return sorted(p for p in (REPO_ROOT / "configs").glob("*.yaml") if p != SERVE_CONFIG)
 
 
 class Strict(BaseModel):
@@ -71,6 +77,11 @@ class PoolConfig(Strict):
     num_cpus: float = Field(1.0, ge=0, description="Ray CPU resources each actor reserves.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPU resources each actor reserves.")
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each actor process.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each actor reserves, e.g. {encoder_node: 1}: pins the pool to the node types "
+        "that declare them (ray start --resources, a node type's `resources` in cluster.yaml, rayStartParams in KubeRay). "
+        "Checked against the cluster before any actor starts.")
     slowdown: list[float] = Field(
         default_factory=list,
         description="Experiments only: per-worker factors (>= 1) by which each worker's device work is slowed, "
@@ -82,6 +93,18 @@ class PoolConfig(Strict):
         if any(f < 1.0 for f in self.slowdown) or len(self.slowdown) > self.num_workers:
             raise ValueError("slowdown needs at most num_workers factors, each >= 1.0")
         return self
+
+    @model_validator(mode="after")
+    def _custom_resources_only(self) -> "PoolConfig":
+        if clash := {"CPU", "GPU", "memory", "object_store_memory"} & set(self.resources):
+            raise ValueError(f"resources: {sorted(clash)} are set by num_cpus / num_gpus, not here")
+        if any(amount <= 0 for amount in self.resources.values()):
+            raise ValueError("resources: every amount must be > 0")
+        return self
+
+    def ray_resources(self) -> dict[str, float]:
+        """Everything one actor of this pool reserves, as Ray counts it."""
+        return {k: v for k, v in {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}.items() if v > 0}
 
     def slowdown_of(self, index: int) -> float:
         return self.slowdown[index] if index < len(self.slowdown) else 1.0
@@ -218,6 +241,9 @@ class ServerConfig(Strict):
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     num_cpus_ray: int = Field(8, ge=1, description="Logical CPUs of a local Ray cluster that `epd serve` starts.")
     trace_path: str | None = Field(None, description="Append one JSONL record per finished request here (simulator replay format).")
+    wait_for_nodes_s: float = Field(
+        0.0, ge=0, description="How long to wait for the nodes that pinned pools need (custom resources, GPUs) to join "
+        "before failing: worker nodes of a freshly launched cluster join after the head.")
     api_key: str | None = Field(None, description="When set, /v1/* requires `Authorization: Bearer <key>` (401 otherwise); "
                                 "/health and /metrics stay open. `epd serve` fills it from $EPD_API_KEY when unset.")
     log_requests: bool = Field(True, description="One log line per finished request: id, status, tokens, TTFT, e2e.")
@@ -253,6 +279,12 @@ class ClusterConfig(Strict):
     @property
     def encoder_pools(self) -> list[EncoderPoolConfig]:
         return self.encoder if isinstance(self.encoder, list) else [self.encoder]
+
+    def named_pools(self) -> list[tuple[str, PoolConfig]]:
+        """Every pool with the name errors use: encoder (or encoder[i] in a list), prefill, decode."""
+        encoders = [("encoder", self.encoder)] if not isinstance(self.encoder, list) else [
+            (f"encoder[{i}]", pool) for i, pool in enumerate(self.encoder)]
+        return [*encoders, ("prefill", self.prefill), ("decode", self.decode)]
 
     def encoder_modalities(self, model_modalities: frozenset[Modality]) -> list[frozenset[Modality]]:
         """What each encoder worker (in pool order) encodes; ConfigError if a modality the

@@ -69,6 +69,7 @@ class Fleet:
         options = dict(
             num_cpus=pool.num_cpus,
             num_gpus=pool.num_gpus,
+            resources=dict(pool.resources),  # custom resources pin the pool to the node types that declare them
             runtime_env={"env_vars": _ZERO_COPY_ENV},
             max_concurrency=1000,
         )

@@ -14,9 +14,10 @@ from cluster.config import (
     Modality,
     Transport,
     load_config,
+    repo_configs,
 )
 
-CONFIGS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
+CONFIGS = repo_configs()
 MINIMAL = {"model": {"checkpoint": "/tmp/ckpt", "served_name": "m"}}
 
 

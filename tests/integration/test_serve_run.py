@@ -1,0 +1,103 @@
+"""Serve's own conventions: the real `serve run configs/serve.yaml` (the app builder behind
+`import_path`) serves and answers over HTTP, then stops cleanly. It runs against a Ray of
+its own, in subprocesses, beside the shared `ray_session` of the other integration tests."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from cluster.config import REPO_ROOT
+from tests.integration.test_multi_node import free_port, private_ray_env
+
+RAY = str(Path(sys.executable).parent / "ray")
+SERVE = str(Path(sys.executable).parent / "serve")
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """`ray start --head --block`, stopped by signalling the process we started (never `ray stop`)."""
+    env = private_ray_env()
+    port = free_port()
+    head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+                             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _accepts(port):  # the GCS listens: the head is up
+            assert head.poll() is None and time.monotonic() < deadline, "the Ray head never came up"
+            time.sleep(1)
+        time.sleep(2)  # its raylet registers just after the GCS opens
+        yield f"127.0.0.1:{port}", env
+    finally:
+        _stop_group(head)
+
+
+def _stop_group(head: subprocess.Popen) -> None:
+    """SIGTERM to the head's own process group (`ray start` and every process it started),
+    SIGKILL to what is left after a grace period."""
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGKILL)
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _serve_yaml(tmp_path: Path, http_port: int) -> Path:
+    """configs/serve.yaml as it is, but for the HTTP address (the only thing a test must change)."""
+    config = yaml.safe_load((REPO_ROOT / "configs" / "serve.yaml").read_text())
+    config["http_options"] = {"host": "127.0.0.1", "port": http_port}
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _wait_ready(root: str, proc: subprocess.Popen, log: Path, within_s: float = 300) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"serve run exited with {proc.returncode}: {log.read_text()[-3000:]}"
+        try:
+            if httpx.get(f"{root}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError("serve run never became healthy")
+
+
+def test_serve_run_serves_the_serve_config(ray_head, tmp_path):
+    address, env = ray_head
+    http_port = free_port()
+    log = tmp_path / "serve_run.log"
+    proc = subprocess.Popen([SERVE, "run", "--address", address, str(_serve_yaml(tmp_path, http_port))],
+                            cwd=REPO_ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    root = f"http://127.0.0.1:{http_port}"
+    try:
+        _wait_ready(root, proc, log)
+        assert httpx.get(f"{root}/v1/models").json()["data"][0]["id"] == "tiny-llava"
+        reply = httpx.post(f"{root}/v1/chat/completions", timeout=120, json={
+            "model": "tiny-llava", "messages": [{"role": "user", "content": "Hello there"}], "temperature": 0, "max_tokens": 8})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] > 0
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: serve run deletes its app and exits
+        returncode = proc.wait(timeout=120)
+    assert returncode == 0, log.read_text()[-3000:]
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{root}/health", timeout=5).raise_for_status()  # the app is gone with it
