@@ -58,6 +58,13 @@ class DecodeWorker(ModelWorker):
         self.inbox.close(request_id)
         self.engine.abort(request_id)
 
+    def drop_owner(self, prefix: str) -> int:
+        """An ingress replica died: abort() all its requests (their ids start with `prefix`)."""
+        mine = [request_id for request_id in self._outboxes if request_id.startswith(prefix)]
+        for request_id in mine:
+            self.engine.abort(request_id)
+        return self.inbox.close_owner(prefix) + len(mine)
+
     def _publish(self, outputs: list[DecodeOutput]) -> None:
         for out in outputs:
             outbox = self._outboxes.get(out.request_id)

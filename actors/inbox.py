@@ -8,6 +8,9 @@ A request that ended early is `close`d: what it holds is freed at once, and what
 still arrives for it afterwards (a transfer already on its way, a prefill that finishes
 after the client left) is dropped on arrival instead of waiting for a claim that never
 comes. Entries nobody claims still expire, as a last resort.
+
+Request ids start with their ingress replica's owner tag: when a replica dies, the fleet
+controller closes its whole tag here (`close_owner`), freeing what its requests held.
 """
 from __future__ import annotations
 
@@ -22,11 +25,12 @@ class TensorInbox:
         self.ttl_s = ttl_s
         self._items: dict[tuple[str, int], tuple[float, Any]] = {}
         self._closed: dict[str, float] = {}  # request id -> when it was closed
+        self._closed_owners: dict[str, float] = {}  # request-id prefix of a dead replica -> when closed
 
     def put(self, request_id: str, value: Any, slot: int = 0) -> bool:
         """Keep `value` until taken; False (and nothing kept) if the request was closed."""
         self.expire()
-        if request_id in self._closed:
+        if request_id in self._closed or any(request_id.startswith(owner) for owner in self._closed_owners):
             return False
         self._items[(request_id, slot)] = (time.monotonic(), value)
         return True
@@ -46,12 +50,21 @@ class TensorInbox:
         self._closed[request_id] = time.monotonic()
         return len(keys)
 
+    def close_owner(self, prefix: str) -> int:
+        """close() every request whose id starts with `prefix`, including those yet to come."""
+        keys = [key for key in self._items if key[0].startswith(prefix)]
+        for key in keys:
+            del self._items[key]
+        self._closed_owners[prefix] = time.monotonic()
+        return len(keys)
+
     def expire(self) -> None:
         cutoff = time.monotonic() - self.ttl_s
         for key in [k for k, (t, _) in self._items.items() if t < cutoff]:
             del self._items[key]
-        for request_id in [r for r, t in self._closed.items() if t < cutoff]:
-            del self._closed[request_id]
+        for closed in (self._closed, self._closed_owners):
+            for request_id in [r for r, t in closed.items() if t < cutoff]:
+                del closed[request_id]
 
     def __len__(self) -> int:
         return len(self._items)

@@ -95,6 +95,13 @@ class PrefillWorker(ModelWorker):
         """Block hashes this worker's prefix cache holds (the router's prefix index)."""
         return self.engine.held_hashes()
 
+    def drop_owner(self, prefix: str) -> int:
+        """An ingress replica died: drop() all its requests (their ids start with `prefix`)."""
+        mine = [request_id for request_id in self._waiters if request_id.startswith(prefix)]
+        for request_id in mine:  # still prefilling: stop, and end the calls waiting on them
+            self.drop(request_id)
+        return self.kv.close_owner(prefix) + self.embeddings.close_owner(prefix) + len(mine)
+
     def stats(self) -> dict[str, int]:
         return {"pid": os.getpid(), **self.engine.stats(), "held_kv": len(self.kv), "held_embeddings": len(self.embeddings)}
 

@@ -4,7 +4,9 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /me
 """
 
 import asyncio
+import functools
 import logging
+import math
 import os
 import time
 import uuid
@@ -21,8 +23,9 @@ from ray.exceptions import TaskCancelledError
 from actors.types import TokenChunk
 from cluster import responses
 from cluster.config import REPO_ROOT, ClusterConfig, load_config
-from cluster.fleet import Fleet
-from cluster.metrics import Metrics
+from cluster import controller
+from cluster.fleet_client import FleetClient
+from cluster.metrics import PREFIX, Metrics
 from cluster.placement import check_placement
 from cluster.prompt_plan import PromptPlanner
 from cluster.admission import Admission, Overloaded, Ticket
@@ -77,20 +80,26 @@ class Ingress:
         self.planner = PromptPlanner(self.checkpoint, self.config.model.resolved_dtype)
         self.config.encoder_modalities(self.planner.spec.modalities)  # every modality has an encoder: check before any actor starts
         check_placement(self.config)  # and every pool has a node type that can hold it
-        self.fleet = Fleet(self.config)
+        app_name = serve.get_replica_context().app_name
+        self.fleet = FleetClient(functools.partial(controller.attach, app_name, self.config, self.planner.spec.modalities), self.config)
         rc = self.config.router
-        workers = self.fleet.worker_infos(self.planner.spec.modalities)
-        self.router = Router(workers, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s, dead_after_s=rc.dead_after_s,
-                             calibration=rc.build_calibration())
+        self.router = Router(self.fleet.snapshot.infos, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s,
+                             dead_after_s=rc.dead_after_s, calibration=rc.build_calibration())
         prefix_block_tokens = self.config.prefill.prefix_block_tokens if self.config.prefill.prefix_cache_mb > 0 else 0
         routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token, prefix_block_tokens)
         self.supervisor = Supervisor(self.fleet, self.router)
         self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics, self.supervisor.handle_lost)
         limits = self.config.limits
         self._admit_pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="admit")
-        self.admission = Admission(limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers,
-                                   limits.max_generating_per_decode_worker * self.config.decode.num_workers)
+        share = self.config.server.num_replicas  # each replica admits its share of the cluster's budget
+        self.admission = Admission(math.ceil(limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers / share),
+                                   math.ceil(limits.max_generating_per_decode_worker * self.config.decode.num_workers / share))
         self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
+
+    async def check_health(self) -> None:
+        """Serve's periodic replica check: also starts supervision (and so the controller
+        heartbeat) in a replica that has had no request yet."""
+        self.supervisor.ensure_running()
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
@@ -260,13 +269,18 @@ class Ingress:
         body = {"status": "ok" if whole else ("degraded" if serving else "unavailable"), "healthy_workers": healthy}
         if verbose:
             body["workers"] = {kind.value: stats[kind] for kind in WorkerKind}
-            body["ingress"] = {"pid": os.getpid(), "config_sha1": self.config_sha1, "waiting_tokens": self.admission.waiting_tokens, "generating": self.admission.generating}
+            served = self.metrics.registry.get_sample_value(
+                f"{PREFIX}requests_total", {"model_name": self.config.model.served_name, "status": "ok"}) or 0
+            body["ingress"] = {"pid": os.getpid(), "config_sha1": self.config_sha1, "waiting_tokens": self.admission.waiting_tokens,
+                               "generating": self.admission.generating, "served_ok": int(served)}
+            snapshot = self.fleet.snapshot
+            body["fleet"] = {"generation": snapshot.generation, "actor_ids": {kind.value: list(snapshot.actor_ids[kind]) for kind in WorkerKind}}
         headers = {} if serving else {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(body, status_code=200 if serving else 503, headers=headers)
 
 
 def build_app(config: ClusterConfig):
-    return Ingress.bind(config.model_dump(mode="json"))
+    return Ingress.options(num_replicas=config.server.num_replicas).bind(config.model_dump(mode="json"))
 
 
 class AppArgs(BaseModel):

@@ -9,6 +9,8 @@ import time
 
 from cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError, load_config
 
+APP_NAME = "epd"  # the Serve application (and so its fleet controller's name)
+
 
 def ensure_model(config: ClusterConfig) -> ClusterConfig:
     """Before any actor starts: the checkpoint is on this node (built from its recipe, or a
@@ -50,7 +52,7 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
         ray.init(address=address, num_cpus=None if address else config.server.num_cpus_ray, include_dashboard=False)
     check_placement(config)  # a pool pinned to a node type the cluster lacks: a clear error, before any actor starts
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
-    serve.run(build_app(config), name="epd", route_prefix="/")
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     return f"http://{config.server.host}:{config.server.port}/v1"
 
 
@@ -84,7 +86,10 @@ def _serve(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, SystemExit):
         from ray import serve
 
+        from cluster.controller import retire
+
         serve.shutdown()
+        retire(APP_NAME)  # the fleet controller is detached: it would outlive the app
     return 0
 
 

@@ -244,6 +244,10 @@ class ServerConfig(Strict):
     wait_for_nodes_s: float = Field(
         0.0, ge=0, description="How long to wait for the nodes that pinned pools need (custom resources, GPUs) to join "
         "before failing: worker nodes of a freshly launched cluster join after the head.")
+    num_replicas: int = Field(
+        1, ge=1, description="Ingress replicas sharing the one worker fleet (owned by the fleet controller, so it outlives "
+        "any replica). Each admits 1/num_replicas of the back-pressure budget and serves its own /metrics (a scrape "
+        "through the proxy sees one replica). Object-store transport only when above 1.")
     api_key: str | None = Field(None, description="When set, /v1/* requires `Authorization: Bearer <key>` (401 otherwise); "
                                 "/health and /metrics stay open. `epd serve` fills it from $EPD_API_KEY when unset.")
     log_requests: bool = Field(True, description="One log line per finished request: id, status, tokens, TTFT, e2e.")
@@ -271,6 +275,11 @@ class ClusterConfig(Strict):
             raise ValueError("model.device cuda needs num_gpus > 0 in every pool")
         if self.model.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, not {self.model.dtype!r}")
+        rdt = {self.transport.embeddings, self.transport.kv} - {Transport.OBJECT_STORE}
+        if rdt and self.server.num_replicas > 1:
+            raise ValueError(f"transport {rdt.pop().value} needs server.num_replicas: 1 (got {self.server.num_replicas}): "
+                             "transfers into one worker must run one at a time (gloo pairs sends and receives by order "
+                             "alone), and a replica can order only its own; use object_store to run several replicas")
         if self.media.video_max_frames > self.limits.max_video_frames:
             raise ValueError(f"media.video_max_frames ({self.media.video_max_frames}) must not exceed "
                              f"limits.max_video_frames ({self.limits.max_video_frames})")

@@ -1,13 +1,11 @@
-"""Creation and supervision of the worker actors, placed by the resources in the config.
+"""Creation and replacement of the worker actors, placed by the resources in the config.
 
-The ingress process creates the fleet itself: Ray Direct Transport needs the caller to
-hold handles that carry the tensor-transport flag and to have created the collective
-group, which a handle fetched by name from another process would not.
+The fleet lives in the fleet controller (cluster/controller.py), which owns the actors, so
+they outlive any ingress replica. Replicas get the handles from a controller method (so
+they keep their tensor-transport flag) and adopt its collective group (cluster/fleet_client.py).
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import logging
 import uuid
@@ -20,6 +18,7 @@ from actors.prefill import PrefillActor
 from actors.runtime import WorkerSpec
 from actors.types import Modality
 from cluster.config import ClusterConfig, PoolConfig, Transport
+from cluster.snapshot import FleetSnapshot, GroupRef
 from router.types import WorkerInfo, WorkerKind
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,6 @@ class Fleet:
         ray.get([a.ready.remote() for a in self.all_actors()])
         self._group_name: str | None = None
         self._form_group()
-        self._receive_locks: dict[tuple[WorkerKind, int], asyncio.Lock] = {}
 
     def _num_workers(self, kind: WorkerKind) -> int:
         pools = self.config.encoder_pools if kind == WorkerKind.ENCODER else [getattr(self.config, kind.value)]
@@ -112,18 +110,6 @@ class Fleet:
         self._group_name = f"epd-{uuid.uuid4().hex[:8]}"
         create_collective_group(self.all_actors(), backend=_BACKEND[self.rdt], name=self._group_name)
 
-    def transport_option(self, transport: Transport) -> dict:
-        """Call options that make an actor method return its tensors over `transport`."""
-        return {} if transport == Transport.OBJECT_STORE else {"tensor_transport": transport.value}
-
-    def receiving(self, kind: WorkerKind, index: int, transport: Transport):
-        """Context for handing tensors to one worker. Over gloo/nccl, transfers into one
-        actor run one at a time: concurrent receives on an actor corrupt each other
-        (Ray 2.60 RDT). Transfers into different actors still overlap."""
-        if transport == Transport.OBJECT_STORE:
-            return contextlib.nullcontext()
-        return self._receive_locks.setdefault((kind, index), asyncio.Lock())
-
     def replace(self, kind: WorkerKind, index: int) -> None:
         """Restart one worker; with RDT the whole group is re-formed (a failed transfer
         destroys it for every member)."""
@@ -134,6 +120,11 @@ class Fleet:
         self.pools[kind][index] = self._start(kind, index)
         ray.get(self.pools[kind][index].ready.remote())
         self._form_group()
+
+    def snapshot(self, generation: int, infos: tuple[WorkerInfo, ...]) -> FleetSnapshot:
+        group = GroupRef(self._group_name, _BACKEND[self.rdt]) if self.rdt is not None else None
+        return FleetSnapshot(generation, {kind: tuple(self.pools[kind]) for kind in WorkerKind},
+                             {kind: tuple(a._actor_id.hex() for a in self.pools[kind]) for kind in WorkerKind}, infos, group)
 
     def shutdown(self) -> None:
         for actor in self.all_actors():

@@ -17,7 +17,7 @@ from actors.media import MediaError, MediaOptions, PixelBudget, VideoSampling, l
 from actors.types import DecodeRequest, EncodeJob, FinishReason, MediaItem, PrefillRequest, PrefillResult, TokenChunk
 from actors.decode_state import finish_reason_of
 from cluster.config import ClusterConfig, Transport
-from cluster.fleet import Fleet
+from cluster.fleet_client import FleetClient
 from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
 from cluster.admitted import Admitted, Endpoint, Job
@@ -75,7 +75,7 @@ class Trace:
 
 
 class RequestPath:
-    def __init__(self, config: ClusterConfig, fleet: Fleet, planner: PromptPlanner, routing: LiveRouting, metrics: Metrics,
+    def __init__(self, config: ClusterConfig, fleet: FleetClient, planner: PromptPlanner, routing: LiveRouting, metrics: Metrics,
                  on_worker_lost: Callable[[WorkerLost], Awaitable[None]]):
         self.config, self.fleet, self.planner = config, fleet, planner
         self.routing, self.metrics = routing, metrics
@@ -167,7 +167,7 @@ class RequestPath:
         produced: list[int] = []
         deadline_s = adm.arrived_s + self.config.limits.request_timeout_s
         for attempt in range(self.config.limits.max_attempts):
-            job = Job.of(adm, tuple(produced), attempt, deadline_s)
+            job = Job.of(adm, tuple(produced), attempt, deadline_s, self.fleet.owner)
             attempt_stream = self._attempt(job, trace)
             try:
                 async for chunk in attempt_stream:

@@ -1,7 +1,9 @@
 """Keeps the fleet whole and the router's view fresh: polls every worker's stats (its
-load and, for encoders, the media it holds), publishes them to the router, takes a dead
-worker out of routing and restarts it (re-forming the collective group when tensors
-travel over one).
+load, which counts every replica's requests, and, for encoders, the media it holds) every
+CHECK_PERIOD_S, publishes them to the router, takes a dead worker out of routing and has
+the fleet controller replace it (re-forming the collective group when tensors travel over
+one). Each check also adopts the controller's newer snapshot, so a worker another replica
+had replaced comes back into routing here too.
 
 /health runs the same check, so it reports a death as soon as Ray knows of it.
 
@@ -20,14 +22,14 @@ import time
 
 import ray.exceptions as rx
 
-from cluster.fleet import Fleet
+from cluster.fleet_client import FleetClient
 from cluster.recovery import RETRYABLE, WorkerLost
 from router.router import Router
 from router.types import WorkerKind
 
 log = logging.getLogger(__name__)
 
-CHECK_PERIOD_S = 2.0
+CHECK_PERIOD_S = 0.2  # also how fresh other replicas' load is in this one's routing view
 PING_TIMEOUT_S = 5.0
 CONFIRM_TIMEOUT_S = 2.0  # a suspect named by a failed request answers within this, or is presumed busy
 HUNG_AFTER_S = 60.0
@@ -40,7 +42,7 @@ class Poll(str, enum.Enum):
 
 
 class Supervisor:
-    def __init__(self, fleet: Fleet, router: Router):
+    def __init__(self, fleet: FleetClient, router: Router):
         self.fleet, self.router = fleet, router
         self._task: asyncio.Task | None = None
         self._restarting: dict[tuple[WorkerKind, int], asyncio.Task] = {}
@@ -56,6 +58,7 @@ class Supervisor:
         while True:
             await asyncio.sleep(CHECK_PERIOD_S)
             try:
+                self._back_in_routing(await self.fleet.sync())
                 await self.check()
             except Exception:  # supervision must outlive any one failure
                 log.exception("supervisor check failed")
@@ -133,14 +136,21 @@ class Supervisor:
         self._restart_lock = self._restart_lock or asyncio.Lock()
         try:
             async with self._restart_lock:
-                await asyncio.to_thread(self.fleet.replace, kind, index)
-            self.router.set_healthy(kind, index, True)
+                changed = await asyncio.to_thread(self.fleet.replace, kind, index)
+            self._back_in_routing(changed)
+            self.router.set_healthy(kind, index, True)  # also when another replica had it replaced already
             self.num_restarts += 1
         except Exception:
             log.exception("restarting %s worker %d failed; the next check tries again", kind.value, index)
         finally:
             self._restarting.pop((kind, index), None)
             self._busy_since.pop((kind, index), None)
+
+    def _back_in_routing(self, changed: list[tuple[WorkerKind, int]]) -> None:
+        """Workers with a new actor (replaced by the controller) route again."""
+        for kind, index in changed:
+            self._busy_since.pop((kind, index), None)
+            self.router.set_healthy(kind, index, True)
 
     @property
     def restarting(self) -> list[tuple[WorkerKind, int]]:

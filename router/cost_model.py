@@ -308,6 +308,9 @@ class CostModel:
                 costs = [c + count * ai + size * bi for c, ai, bi in zip(costs, a, b)]
             if costs is queue:  # no items: a copy, never the view's own list
                 costs = list(queue)
+        if view.num_foreign[_E]:  # other replicas' items queued there, each priced as this request's mean item
+            n, foreign = len(items) or 1, view.foreign[_E]
+            costs = [c + (c - q) * f / n if f else c for c, q, f in zip(costs, queue, foreign)]
         held_any = 0
         for held in holders:
             held_any |= held
@@ -330,9 +333,12 @@ class CostModel:
                 tokens[p] = uncached if uncached > 0 else 0
         # prefill_queue_ms() of each worker, inlined (this runs for every worker on every decision)
         # and without its clamp at 0, which the view's invariant service_ms <= outstanding_ms makes moot
-        return [(queued - (done if done < now_ms - started else now_ms - started) if now_ms > started else queued) + a + b * t
-                for queued, started, done, a, b, t in zip(view.outstanding_ms[_P], view.service_started_ms, view.service_ms,
-                                                          self.prefill_a, self.prefill_b, tokens)]
+        costs = [(queued - (done if done < now_ms - started else now_ms - started) if now_ms > started else queued) + a + b * t
+                 for queued, started, done, a, b, t in zip(view.outstanding_ms[_P], view.service_started_ms, view.service_ms,
+                                                           self.prefill_a, self.prefill_b, tokens)]
+        if view.num_foreign[_P]:  # other replicas' jobs queued there, each priced as this request
+            costs = [c + (a + b * t) * f if f else c for c, a, b, t, f in zip(costs, self.prefill_a, self.prefill_b, tokens, view.foreign[_P])]
+        return costs
 
 
 def embedding_bytes(items: tuple[MediaJob, ...]) -> int:

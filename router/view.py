@@ -7,6 +7,11 @@ Two sources, on purpose:
   which are trusted for `staleness_s` only; a worker silent for `dead_after_s` after
   having reported leaves the candidate set until it reports again.
 
+Several ingress replicas route to one fleet, each with its own view. A worker's reported
+queue counts every replica's requests, so what it holds beyond this view's own bookings is
+other replicas' work (`foreign`: jobs, encoder: items), which the cost model prices like
+the request at hand; decode takes the larger of its own and the reported running count.
+
 Time is always passed in (`now_s`), so the simulator and the live ingress drive the same
 code. Cache contents are bitmasks of worker indices per key, so "which encoders hold this
 image" or "how far does each prefill worker match this prompt" costs a few dict lookups.
@@ -161,6 +166,8 @@ class ClusterView:
         self.outstanding_ms = {kind: [0.0] * n for kind, n in sizes.items()}  # their estimated work
         self.healthy = {kind: [True] * n for kind, n in sizes.items()}  # explicit set_healthy
         self.reports: dict[WorkerKind, list[WorkerReport | None]] = {kind: [None] * n for kind, n in sizes.items()}
+        self.foreign = {kind: [0] * n for kind, n in sizes.items()}  # reported jobs beyond our own (module doc)
+        self.num_foreign = {kind: 0 for kind in sizes}  # sum of each: 0 lets the cost model skip them
         self.encoder_cache = HolderIndex(sizes[_E], staleness_s)
         self.prefix_cache = HolderIndex(sizes[_P], staleness_s)
         nodes = sorted({w.node for infos in self.workers.values() for w in infos})
@@ -301,12 +308,20 @@ class ClusterView:
         self.reports[kind][index] = WorkerReport(now_s, queued, running, cached_identifiers, prefix_hashes)
         if kind is _D:
             self._report_running(index, running, now_s)
+        elif queued is not None:
+            self._report_foreign(kind, index, queued + (running or 0))
         if was_silent or now_s + self.dead_after_s < self._valid_until:
             self._dirty = True
         if kind is _E and cached_identifiers is not None:
             self.encoder_cache.publish(index, cached_identifiers, now_s)
         if kind is _P and prefix_hashes is not None:
             self.prefix_cache.publish(index, prefix_hashes, now_s)
+
+    def _report_foreign(self, kind: WorkerKind, index: int, reported: int) -> None:
+        own = self.outstanding[kind][index]
+        foreign = reported - own if reported > own else 0
+        self.num_foreign[kind] += foreign - self.foreign[kind][index]
+        self.foreign[kind][index] = foreign
 
     # -- placement and caches -----------------------------------------------------------------
     def placement(self, encoder: int, prefill: int) -> Placement:

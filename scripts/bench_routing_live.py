@@ -143,6 +143,7 @@ def run_policy(args, policy: str, tag: str, reqs: list[bl.Req], warm: list[bl.Re
     from ray import serve
 
     from cluster.cli import start
+    from cluster.controller import retire
 
     out_dir, trace = Path(args.out_dir), Path(args.out_dir) / f"trace_{tag}.jsonl"
     trace.unlink(missing_ok=True)  # the writer appends
@@ -161,7 +162,8 @@ def run_policy(args, policy: str, tag: str, reqs: list[bl.Req], warm: list[bl.Re
             results, wall = asyncio.run(bl.replay_cluster(url, timed, model, args))
         after = metrics_snapshot(root)
     finally:
-        serve.delete("epd")  # its actors go with it: the next fleet starts on a quiet host
+        serve.delete("epd")
+        retire("epd")  # its fleet controller and workers too: the next fleet starts on a quiet host
     records = [{"image": r.png is not None, "client_ttft_ms": res.ttft_s * 1e3, **res.timings} for r, res in zip(reqs, results)]
     run = {"policy": policy, "tag": tag, "trace": str(trace), "slow_prefill": args.prefill_workers - 1, "records": records, "wall_s": wall, "capacity_rps": capacity,
            "other_cpu_s": watch.other_cpu_s, "warm_timings": [w.timings for w in warm_res[3:]],

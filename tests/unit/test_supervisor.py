@@ -43,9 +43,10 @@ class _Fleet:
         self.pools = {E: [_Actor()], P: [_Actor()], D: [_Actor()]}
         self.replaced: list[tuple[WorkerKind, int]] = []
 
-    def replace(self, kind: WorkerKind, index: int) -> None:
+    def replace(self, kind: WorkerKind, index: int) -> list[tuple[WorkerKind, int]]:
         self.replaced.append((kind, index))
         self.pools[kind][index] = _Actor()
+        return [(kind, index)]
 
 
 def _setup(monkeypatch):

@@ -1,0 +1,157 @@
+"""The fleet controller: one named, detached actor per Serve app and config that owns the
+worker fleet, so the fleet outlives any ingress replica.
+
+The first replica creates it (get-or-create by name) and every other or restarted replica
+attaches to the same one. It creates the workers and their collective group, replaces a
+worker a replica reports dead (bumping the generation), and hands out FleetSnapshots.
+Requests never pass through it: replicas call the workers directly.
+
+Its name carries the config's fingerprint, so a redeploy with another config never
+attaches to an old fleet; the new config's replicas retire the old controllers of their
+app (their workers die with them: the controller owns them). A controller no replica has
+asked anything for ORPHAN_AFTER_S (the app was deleted) shuts its fleet down itself.
+
+Replicas register with an owner tag that starts their requests' ids; the controller pings
+them, and when Ray says one died, the workers free whatever its requests still held
+(KV no decode will pull, embeddings no prefill will use).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import ray
+
+from actors.types import Modality
+from cluster.config import ClusterConfig
+from cluster.fleet import Fleet
+from cluster.snapshot import FleetSnapshot
+from router.types import WorkerKind
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "epd"
+ORPHAN_AFTER_S = 60.0  # well above a replica's restart, and its heartbeat (every supervisor check)
+_REAP_PERIOD_S = 5.0
+_WATCH_PERIOD_S = 1.0  # how soon a dead replica's leftovers are freed
+_PING_TIMEOUT_S = 10.0  # a replica slower than this is busy, not dead: only Ray's word counts
+
+
+def controller_prefix(app_name: str) -> str:
+    return f"fleet-{app_name}-"
+
+
+def controller_name(app_name: str, config: ClusterConfig) -> str:
+    return controller_prefix(app_name) + config.fingerprint()
+
+
+@ray.remote(num_cpus=0, max_concurrency=16)  # threaded: snapshots are served while a worker is replaced
+class FleetController:
+    def __init__(self, config: dict, model_modalities: list[str]):
+        self._config = ClusterConfig.model_validate(config)
+        self._fleet = Fleet(self._config)
+        self._infos = tuple(self._fleet.worker_infos(frozenset(Modality(m) for m in model_modalities)))
+        self._generation = 0
+        self._lock = threading.Lock()  # one replacement (and group re-formation) at a time
+        self._seen_s = time.monotonic()
+        self._replicas: dict[str, object] = {}  # owner tag -> the replica's actor handle
+        threading.Thread(target=self._reap_when_orphaned, daemon=True, name="reaper").start()
+        threading.Thread(target=self._watch_replicas, daemon=True, name="watcher").start()
+
+    def register(self, owner: str, replica) -> None:
+        """A replica whose requests' ids start with `owner`; its death frees them on the workers."""
+        self._replicas[owner] = replica
+
+    def snapshot(self) -> FleetSnapshot:
+        self._seen_s = time.monotonic()
+        with self._lock:
+            return self._fleet.snapshot(self._generation, self._infos)
+
+    def generation(self) -> int:
+        """What replicas poll (it is also their heartbeat): a change means a new snapshot."""
+        self._seen_s = time.monotonic()
+        return self._generation
+
+    def replace(self, kind: WorkerKind, index: int, actor_id: str) -> FleetSnapshot:
+        """A replica saw worker `actor_id` die: replace it unless that was done already
+        (several replicas report the same death); returns the snapshot after."""
+        with self._lock:
+            if self._fleet.actor_id(kind, index) == actor_id:
+                log.warning("replacing %s worker %d (actor %s)", kind.value, index, actor_id)
+                self._fleet.replace(kind, index)
+                self._generation += 1
+        return self.snapshot()
+
+    def shutdown(self) -> None:
+        """Kill every worker, then this actor."""
+        with self._lock:
+            self._fleet.shutdown()
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+    def _watch_replicas(self) -> None:
+        while True:
+            time.sleep(_WATCH_PERIOD_S)
+            for owner, replica in list(self._replicas.items()):
+                try:
+                    ray.get(replica.__ray_ready__.remote(), timeout=_PING_TIMEOUT_S)
+                    continue
+                except ray.exceptions.ActorDiedError:
+                    pass
+                except Exception as exc:  # busy (timeout), or unreachable for now: asked again next round
+                    log.info("replica %s did not answer: %s", owner, type(exc).__name__)
+                    continue
+                try:
+                    self._free_owner(owner)
+                except Exception:  # a worker died meanwhile: its replacement holds nothing of the replica's
+                    log.exception("freeing what replica %s held failed", owner)
+
+    def _free_owner(self, owner: str) -> None:
+        del self._replicas[owner]
+        with self._lock:
+            workers = [*self._fleet.pools[WorkerKind.PREFILL], *self._fleet.pools[WorkerKind.DECODE]]
+        freed = ray.get([w.drop_owner.remote(owner) for w in workers], timeout=_PING_TIMEOUT_S)
+        log.warning("replica %s died; its requests' leftovers freed on the workers: %d", owner, sum(freed))
+
+    def _reap_when_orphaned(self) -> None:
+        while time.monotonic() - self._seen_s < ORPHAN_AFTER_S:
+            time.sleep(_REAP_PERIOD_S)
+        log.warning("no ingress replica for %.0f s: shutting the fleet down", ORPHAN_AFTER_S)
+        self.shutdown()
+
+
+def attach(app_name: str, config: ClusterConfig, model_modalities: frozenset[Modality], *, again: bool = False):
+    """The app's controller for `config`, created if none runs yet; a new replica retires
+    other configs' controllers. `again`: a running replica lost its controller; None if
+    another config's controller runs (this replica is being replaced: it must not
+    retire its successor's fleet, nor bring its own back)."""
+    name = controller_name(app_name, config)
+    if not again:
+        retire(app_name, keep=name)
+    elif any(other != name for other in running(app_name)):
+        return None
+    return FleetController.options(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True).remote(
+        config.model_dump(mode="json"), sorted(m.value for m in model_modalities))
+
+
+def running(app_name: str) -> list[str]:
+    """Names of the app's controllers that Ray knows of."""
+    prefix = controller_prefix(app_name)
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
+
+
+def retire(app_name: str, keep: str | None = None) -> list[str]:
+    """Kill the app's controllers (and so their workers), except `keep`; returns those killed."""
+    killed = []
+    for name in running(app_name):
+        if name == keep:
+            continue
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            killed.append(name)
+        except ValueError:  # gone meanwhile
+            pass
+    if killed:
+        log.warning("retired fleet controllers of other configs: %s", killed)
+    return killed

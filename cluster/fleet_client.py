@@ -1,0 +1,106 @@
+"""An ingress replica's side of the fleet: the controller's latest snapshot, adopted.
+
+Requests call the workers straight from the snapshot's handles. Adopting a snapshot also
+adopts the controller's collective group: Ray's RDT looks groups up in the calling
+process's RemoteCommunicatorManager, so registering a CommunicatorHandle for the group
+(already initialised on every worker) lets this process own tensor refs that travel over
+it, without forming the group again.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Callable
+
+import ray
+
+from cluster.config import ClusterConfig, Transport
+from cluster.snapshot import FleetSnapshot
+from router.types import WorkerKind
+
+log = logging.getLogger(__name__)
+
+
+class FleetClient:
+    def __init__(self, attach: Callable[..., object], config: ClusterConfig):
+        """`attach(again=False)` returns the controller's handle, creating the controller if
+        none runs (controller.attach)."""
+        self._attach, self.config = attach, config
+        self.owner = f"{uuid.uuid4().hex[:8]}:"  # starts this replica's request ids: what its death frees
+        self.controller = attach(again=False)
+        self.snapshot: FleetSnapshot | None = None
+        self._receive_locks: dict[tuple[WorkerKind, int], asyncio.Lock] = {}
+        self.adopt(ray.get(self.controller.snapshot.remote()))
+        self._register()
+
+    def _register(self):
+        return self.controller.register.remote(self.owner, ray.get_runtime_context().current_actor)
+
+    @property
+    def pools(self):
+        return self.snapshot.pools
+
+    @property
+    def generation(self) -> int:
+        return self.snapshot.generation
+
+    def actor_id(self, kind: WorkerKind, index: int) -> str:
+        """Ray's hex id of a worker's current actor (failures name the actor that died)."""
+        return self.snapshot.actor_id(kind, index)
+
+    def adopt(self, snapshot: FleetSnapshot, force: bool = False) -> list[tuple[WorkerKind, int]]:
+        """Route with `snapshot` from now on unless the one held is as new (or `force`); returns
+        the workers whose actor changed (their routing state must be reset)."""
+        old = self.snapshot
+        if not (force or snapshot.newer_than(old)):
+            return []
+        from ray.experimental.collective.collective import RemoteCommunicatorManager
+        from ray.experimental.collective.communicator import CommunicatorHandle
+
+        manager = RemoteCommunicatorManager.get()
+        if snapshot.group is not None:
+            manager.add_remote_communicator(CommunicatorHandle(snapshot.all_actors(), snapshot.group.name, snapshot.group.backend))
+        if old is not None and old.group is not None and old.group != snapshot.group:
+            manager.remove_remote_communicator(old.group.name)
+        self.snapshot = snapshot
+        changed = snapshot.changed_since(old)
+        for key in changed:
+            self._receive_locks.pop(key, None)
+        return changed
+
+    def replace(self, kind: WorkerKind, index: int) -> list[tuple[WorkerKind, int]]:
+        """Blocking (run it in a thread): have the controller replace a dead worker, or learn
+        that it did already; returns what changed."""
+        return self.adopt(ray.get(self.controller.replace.remote(kind, index, self.actor_id(kind, index))))
+
+    async def sync(self) -> list[tuple[WorkerKind, int]]:
+        """Adopt the controller's snapshot if its generation moved. A controller that is gone
+        (killed, or its node lost) is created again, with a new fleet, unless another
+        config's controller took over (this replica is being replaced)."""
+        try:
+            if await self.controller.generation.remote() == self.snapshot.generation:
+                return []
+            return self.adopt(await self.controller.snapshot.remote())
+        except ray.exceptions.RayActorError:
+            handle = await asyncio.to_thread(self._attach, again=True)
+            if handle is None:
+                return []
+            log.warning("the fleet controller was gone; attached to a new one")
+            self.controller = handle
+            await self._register()
+            return self.adopt(await self.controller.snapshot.remote(), force=True)  # its generations start over
+
+    def transport_option(self, transport: Transport) -> dict:
+        """Call options that make an actor method return its tensors over `transport`."""
+        return {} if transport == Transport.OBJECT_STORE else {"tensor_transport": transport.value}
+
+    def receiving(self, kind: WorkerKind, index: int, transport: Transport):
+        """Context for handing tensors to one worker. Over gloo/nccl, transfers into one
+        actor run one at a time: concurrent receives on an actor corrupt each other
+        (Ray 2.60 RDT). Transfers into different actors still overlap. The lock is this
+        process's: hence RDT transports need server.num_replicas 1 (ClusterConfig checks)."""
+        if transport == Transport.OBJECT_STORE:
+            return contextlib.nullcontext()
+        return self._receive_locks.setdefault((kind, index), asyncio.Lock())

@@ -1,0 +1,117 @@
+"""Two ingress replicas share one fleet, owned by the fleet controller: both serve exact
+answers; killing one with requests in flight rebuilds no worker, loses nothing that had not
+started on it and leaks nothing; a redeploy with another config gets a fleet of its own."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import httpx
+import pytest
+import ray
+
+from cluster import controller
+from tests.integration.conftest import cluster_config, deploy, png_data_url, random_image
+from tests.integration.reference import reference_generate
+from tests.integration.test_worker_failures import held, wait_until_idle
+
+MAX_TOKENS = 24
+
+
+def _messages(seed: int) -> list[dict]:
+    if seed % 2:
+        return [{"role": "user", "content": f"Tell me about the number {seed}, please."}]
+    image = {"type": "image_url", "image_url": {"url": png_data_url(random_image(seed, 48, 40))}}
+    return [{"role": "user", "content": [{"type": "text", "text": "Describe"}, image]}]
+
+
+@pytest.fixture(scope="module")
+def pair(ray_session):
+    return deploy(cluster_config(server={"num_replicas": 2}))
+
+
+def _verbose(app) -> dict:
+    return app.http.get("/health", params={"verbose": 1}).json()
+
+
+def _replicas(app, within_s: float = 60) -> dict[int, dict]:
+    """pid -> /health's `ingress` of each replica, polled through the proxy until both answer."""
+    seen, deadline = {}, time.monotonic() + within_s
+    while len(seen) < 2:
+        assert time.monotonic() < deadline, f"only replicas {sorted(seen)} answered"
+        body = _verbose(app)
+        seen[body["ingress"]["pid"]] = body["ingress"]
+    return seen
+
+
+async def _ask(client: httpx.AsyncClient, model: str, seed: int) -> tuple[int, str]:
+    body = {"model": model, "messages": _messages(seed), "temperature": 0, "max_tokens": MAX_TOKENS}
+    try:
+        r = await client.post("/v1/chat/completions", json=body)
+    except httpx.HTTPError as exc:  # the connection died with the replica
+        return 0, repr(exc)
+    return r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+
+
+def test_both_replicas_serve_exact_answers(pair):
+    checkpoint, model, seeds = str(pair.config.model.checkpoint_path), pair.config.model.served_name, range(900, 916)
+
+    async def all_at_once():
+        async with httpx.AsyncClient(base_url=pair.root, timeout=120) as client:
+            return await asyncio.gather(*[_ask(client, model, s) for s in seeds])
+
+    results = asyncio.run(all_at_once())
+    assert [text for _, text in results] == [reference_generate(checkpoint, _messages(s), MAX_TOKENS)[1] for s in seeds]
+    replicas = _replicas(pair)
+    assert all(r["served_ok"] > 0 for r in replicas.values()), replicas  # both took part
+    assert len({str(_verbose(pair)["fleet"]) for _ in range(6)}) == 1  # one fleet, seen alike from both
+
+
+def _serve_replica_actors() -> dict[int, object]:
+    """pid -> handle of each live ingress replica actor."""
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "serve" and "Ingress" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+    handles = [ray.get_actor(n, namespace="serve") for n in names]
+    return {ray.get(h.__ray_call__.remote(lambda self: os.getpid()), timeout=10): h for h in handles}
+
+
+def test_killing_one_replica_rebuilds_nothing_and_loses_nothing_new(pair):
+    model, seeds = pair.config.model.served_name, list(range(1000, 1020))
+    before = _verbose(pair)["fleet"]
+    expected = {s: pair.chat(_messages(s), temperature=0, max_tokens=MAX_TOKENS).json()["choices"][0]["message"]["content"] for s in seeds}
+    victim_pid, victim = next(iter(_serve_replica_actors().items()))
+
+    async def under_fire():
+        async with httpx.AsyncClient(base_url=pair.root, timeout=120) as client:
+            in_flight = [asyncio.create_task(_ask(client, model, s)) for s in seeds]
+            await asyncio.sleep(0.5)
+            ray.kill(victim, no_restart=False)
+            killed_at = time.monotonic()
+            after = [await _ask(client, model, seeds[0])]  # new requests, one after another
+            first_s = time.monotonic() - killed_at
+            after += [await _ask(client, model, s) for s in seeds[1:6]]
+            return await asyncio.gather(*in_flight), after, first_s, time.monotonic() - killed_at
+
+    results, after, first_s, all_s = asyncio.run(under_fire())
+    lost = [s for s, (status, _) in zip(seeds, results) if status != 200]
+    print(f"\nkill one of 2 replicas: {len(seeds)} in flight, {len(lost)} lost (on the killed replica), "
+          f"first new request answered {first_s:.2f} s after the kill, 6 in {all_s:.2f} s")
+    assert len(lost) < len(seeds), "no request survived on the other replica"
+    assert all(text == expected[s] for s, (status, text) in zip(seeds, results) if status == 200)
+    assert [(status, text) for status, text in after] == [(200, expected[s]) for s in seeds[:6]]  # none lost, at once
+    assert _verbose(pair)["fleet"] == before  # no worker rebuilt, no generation bumped
+    assert not any(wait_until_idle(pair, within_s=10).values()), held(pair)
+    replicas = _replicas(pair, within_s=90)  # Serve brought the killed one back, on the same fleet
+    assert victim_pid not in replicas
+    assert _verbose(pair)["fleet"] == before
+
+
+def test_a_redeploy_with_another_config_gets_its_own_fleet(pair):
+    assert controller.running("epd") == [controller.controller_name("epd", pair.config)]
+    old_ids = _verbose(pair)["fleet"]["actor_ids"]
+    other = deploy(cluster_config())  # the default config: the modules after this one reuse it
+    assert controller.running("epd") == [controller.controller_name("epd", other.config)]  # the old one retired
+    new_ids = _verbose(other)["fleet"]["actor_ids"]
+    assert all(set(new_ids[kind]).isdisjoint(old_ids[kind]) for kind in old_ids), (old_ids, new_ids)
+    assert other.chat(_messages(1), temperature=0, max_tokens=4).status_code == 200
