@@ -132,3 +132,11 @@ class BatchedKV:
 
     def lengths(self) -> torch.Tensor:
         return self.mask.sum(dim=1)
+
+
+def cache_of(packed: torch.Tensor) -> DynamicCache:
+    """A batch-1 cache holding `packed` (e.g. a cached prefix a prefill continues from)."""
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(unpack(packed)):
+        cache.update(k, v, i)
+    return cache

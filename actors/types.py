@@ -127,6 +127,8 @@ class PrefillRequest:
     placeholders: tuple[PlaceholderRange, ...]
     sampling: SamplingParams
     num_output_tokens: int = 0  # the last ones of prompt_token_ids were generated (a resumed request)
+    # Content identifier per placeholder (the prefix cache's extra key); empty: media blocks are not cached.
+    media_identifiers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class PrefillResult:
     encode_stats: tuple[EncodeStats, ...] = ()
     rope_delta: int = 0  # 3-D rotary models: decode position = cache length + rope_delta (travels with the KV)
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,8 @@ class Ingress:
         rc = self.config.router
         self.router = Router(self.fleet.snapshot.infos, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s,
                              dead_after_s=rc.dead_after_s, calibration=rc.build_calibration())
-        routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token)
+        prefix_block_tokens = self.config.prefill.prefix_block_tokens if self.config.prefill.prefix_cache_mb > 0 else 0
+        routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token, prefix_block_tokens)
         self.supervisor = Supervisor(self.fleet, self.router)
         self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics, self.supervisor.handle_lost)
         limits = self.config.limits

@@ -120,7 +120,16 @@ class EncoderPoolConfig(PoolConfig):
 
 
 class PrefillPoolConfig(PoolConfig):
-    max_chunk_tokens: int = Field(512, ge=16, description="Prompt tokens per prefill forward pass (chunked prefill).")
+    max_chunk_tokens: int = Field(
+        512, ge=16, description="Prompt tokens per prefill step, shared by the requests in the worker (chunked prefill, "
+        "shortest remaining first).")
+    max_media_tokens_per_step: int = Field(
+        4096, ge=1, description="Encoder-output budget: embedding tokens one prefill step may splice in, over all its requests.")
+    prefix_block_tokens: int = Field(16, ge=1, description="Tokens per prefix-cache block (the unit of KV reuse and of the "
+                                     "router's prefix index).")
+    prefix_cache_mb: float = Field(
+        64.0, ge=0, description="Prefix cache budget per prefill worker: KV of finished prompts' blocks, kept by block hash "
+        "and evicted least recently used when unreferenced. 0 turns prefix caching off.")
 
 
 class DecodePoolConfig(PoolConfig):

@@ -74,7 +74,8 @@ class Fleet:
         if kind == WorkerKind.ENCODER:
             return EncoderActor.options(**options).remote(spec, pool.max_batch_size, pool.max_wait_ms, pool.cache_mb)
         if kind == WorkerKind.PREFILL:
-            return PrefillActor.options(**options).remote(spec, pool.max_chunk_tokens)
+            return PrefillActor.options(**options).remote(spec, pool.max_chunk_tokens, pool.prefix_block_tokens,
+                                                          int(pool.prefix_cache_mb * 2**20), pool.max_media_tokens_per_step)
         return DecodeActor.options(**options).remote(spec, pool.max_batch_size)
 
     def worker_infos(self, model_modalities: frozenset[Modality]) -> list[WorkerInfo]:

@@ -149,7 +149,7 @@ class RequestPath:
     async def route(self, job: Job, trace: Trace) -> RouteDecision:
         """Pick the workers; while a stage has no healthy worker (one is restarting), wait for
         one until the request's deadline rather than failing at once."""
-        trace.profile = self.routing.profile(job.adm.plan, len(job.token_ids), job.sampling.max_tokens)
+        trace.profile = self.routing.profile(job.adm.plan, job.token_ids, job.sampling.max_tokens)
         while True:
             try:
                 trace.route = self.routing.route(trace.profile)
@@ -256,7 +256,9 @@ class RequestPath:
         received_at = None
         if encoded:
             received_at = max(await self.deliver(WorkerKind.PREFILL, decision.prefill, job.job_id, encoded, self.config.transport.embeddings))
-        request = PrefillRequest(job.job_id, job.token_ids, job.adm.plan.placeholders, job.sampling, job.num_output_tokens)
+        plan = job.adm.plan
+        request = PrefillRequest(job.job_id, job.token_ids, plan.placeholders, job.sampling, job.num_output_tokens,
+                                 media_identifiers=tuple(item.identifier for item in plan.items))
         result = await prefill.prefill.remote(request)
         ready_at = max((s.finished_at_s for s in result.encode_stats if not s.cache_hit), default=None)
         transfer_ms = (received_at - ready_at) * 1e3 if received_at and ready_at else None
@@ -305,3 +307,5 @@ class RequestPath:
         trace.encode_ms = max((s.queue_ms + s.encode_ms for s in result.encode_stats), default=0.0)
         trace.prefill_ms, trace.prefill_queue_ms = result.prefill_ms, result.queue_ms
         self.metrics.prompt_tokens.inc(result.num_prompt_tokens)
+        self.metrics.prefix_cache_queries.inc(result.num_prompt_tokens)
+        self.metrics.prefix_cache_hits.inc(result.num_cached_tokens)

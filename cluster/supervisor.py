@@ -97,9 +97,11 @@ class Supervisor:
         actor = self.fleet.pools[kind][index]
         try:
             stats = await asyncio.wait_for(actor.stats.remote(), timeout=timeout_s)
-            cached = None
+            cached = None  # encoders: media identifiers; prefill workers: prefix block hashes
             if kind == WorkerKind.ENCODER:
                 cached = await asyncio.wait_for(actor.cached_identifiers.remote(), timeout=timeout_s)
+            elif kind == WorkerKind.PREFILL:
+                cached = await asyncio.wait_for(actor.prefix_hashes.remote(), timeout=timeout_s)
             return Poll.ALIVE, (stats, cached)
         except asyncio.TimeoutError:
             return Poll.BUSY, None
@@ -109,7 +111,9 @@ class Supervisor:
 
     def _publish(self, kind: WorkerKind, index: int, stats: dict, cached: frozenset[str] | None) -> None:
         self.router.publish(
-            kind, index, now_s=time.monotonic(), queued=stats.get("queued"), running=stats.get("running"), cached_identifiers=cached
+            kind, index, now_s=time.monotonic(), queued=stats.get("queued"), running=stats.get("running"),
+            cached_identifiers=cached if kind == WorkerKind.ENCODER else None,
+            prefix_hashes=cached if kind == WorkerKind.PREFILL else None,
         )
 
     async def handle_lost(self, lost: WorkerLost) -> None:

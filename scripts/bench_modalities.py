@@ -9,6 +9,9 @@ In one run, on one deployment:
    router.sim.workload.DEFAULT_MIX): TTFT per request class.
 3. Encoder throughput, items/s, per modality: one encoder actor at batch size 1 against
    one at the configured batch size, the same items submitted at once to each.
+4. Multi-turn with the same image: turn 2 repeats turn 1's prompt and image, adds a reply
+   and a question; TTFT of each turn (one conversation at a time) and the prefill
+   workers' prefix hit rate over turn 2 (from /metrics).
 Writes JSON (docs/BENCHMARKS.md has the procedure and figures).
 """
 from __future__ import annotations
@@ -172,6 +175,43 @@ def sample_items(planner, args) -> dict:
     return items
 
 
+def prefix_tokens(base_url: str) -> dict[str, float]:
+    """Prompt tokens found in the prefix cache (hit) and computed (miss), from the ingress's /metrics."""
+    text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    total = lambda name: sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    hits, queries = total("epd:prefix_cache_hits_total"), total("epd:prefix_cache_queries_total")
+    return {"hit": hits, "miss": queries - hits}
+
+
+def multi_turn(url: str, model: str, args) -> dict:
+    """Turn-2 TTFT vs turn 1 on the same image, and turn 2's prefix hit rate."""
+    rng, base = np.random.default_rng(11), url.removesuffix("/chat/completions")
+    body = lambda messages: json.dumps({"model": model, "messages": messages, "temperature": 0, "max_tokens": args.max_tokens,
+                                        "stream": True, "stream_options": {"include_usage": True}}).encode()
+
+    async def run() -> tuple[list[float], list[float], dict]:
+        turn1, turn2, hits = [], [], {"hit": 0.0, "miss": 0.0}
+        async with httpx.AsyncClient(timeout=600) as client:
+            for i in tqdm(range(args.conversations), desc="multi-turn", unit="conv"):
+                first = [{"role": "user", "content": [image_part(rng), {"type": "text", "text": f"What is in this picture, case {i}?"}]}]
+                turn1.append((await stream_one(client, url, body(first), 0.0, time.perf_counter())).ttft_s * 1e3)
+                # A fixed reply stands in for the answer: the prefix turn 2 shares is turn 1's whole prompt either way.
+                second = first + [{"role": "assistant", "content": "A picture of coloured noise."},
+                                  {"role": "user", "content": [{"type": "text", "text": "Which colour is most common?"}]}]
+                before = prefix_tokens(base)
+                turn2.append((await stream_one(client, url, body(second), 0.0, time.perf_counter())).ttft_s * 1e3)
+                after = prefix_tokens(base)
+                for r in hits:
+                    hits[r] += after[r] - before[r]
+        return turn1, turn2, hits
+
+    turn1, turn2, hits = asyncio.run(run())
+    return {"turn1_ttft_p50_ms": pct(turn1, 50), "turn2_ttft_p50_ms": pct(turn2, 50),
+            "ratio_p50": pct(turn2, 50) / pct(turn1, 50),
+            "turn2_prefix_hit_rate": hits["hit"] / max(hits["hit"] + hits["miss"], 1.0),
+            "turn1_ms": [round(x, 1) for x in turn1], "turn2_ms": [round(x, 1) for x in turn2]}
+
+
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -183,7 +223,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mix-requests", type=int, default=40)
     p.add_argument("--mix-rate", type=float, default=0.5)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--skip", nargs="*", default=[], choices=["text_vs_video", "seed_mix", "encoder_throughput"])
+    p.add_argument("--conversations", type=int, default=10, help="multi-turn: conversations, one at a time")
+    p.add_argument("--skip", nargs="*", default=[], choices=["text_vs_video", "seed_mix", "encoder_throughput", "multi_turn"])
     p.add_argument("--out", default="/tmp/bench_modalities.json")
     return p.parse_args(argv)
 
@@ -204,7 +245,8 @@ def main(argv=None) -> int:
         asyncio.run(replay(url, workload(["text", "image", "video", "audio"], 100.0, 1, cfg.model.served_name, 4), "warm-up"))
         phases = {"text_vs_video": lambda: text_vs_video(url, cfg.model.served_name, args),
                    "seed_mix": lambda: seed_mix(url, cfg.model.served_name, args),
-                   "encoder_throughput": lambda: encoder_throughput(cfg, args)}
+                   "encoder_throughput": lambda: encoder_throughput(cfg, args),
+                   "multi_turn": lambda: multi_turn(url, cfg.model.served_name, args)}
         for name, phase in phases.items():
             if name in args.skip:
                 continue

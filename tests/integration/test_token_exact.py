@@ -74,12 +74,15 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport):
     app = deploy(cluster_config(transport={"embeddings": transport, "kv": transport}))
     copies = 3  # 36 requests in flight: encoder batches and decode batches form
     got = asyncio.run(_send_all(app, varied_requests(), copies))
-    for i, response in enumerate(got):
+    again = asyncio.run(_send_all(app, varied_requests(), 1))  # the same prompts once more: the prefix cache is warm
+    for i, response in enumerate(got + again):
         ids, text, finish = references[i % len(references)]
         assert response["choices"][0]["message"]["content"] == text, f"request {i % len(references)}"
         assert response["usage"]["completion_tokens"] == len(ids)
         assert response["choices"][0]["finish_reason"] == finish
     workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]
+    assert sum(w["prefix_hit_blocks"] for w in workers["prefill"]) > 0, workers  # warm prefixes really were reused
+    assert all(w["prefix_referenced_blocks"] == 0 for w in workers["prefill"]), workers  # idle: nothing pinned
     assert max(w["max_batch"] for w in workers["encoder"]) > 1, workers  # batching really happened
     assert max(w["max_batch"] for w in workers["decode"]) > 1, workers
     assert all(w["rows"] == 0 for w in workers["decode"]) and all(w["held_kv"] == 0 for w in workers["prefill"]), workers

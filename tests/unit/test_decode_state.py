@@ -198,7 +198,7 @@ def test_finish_reason_of_tokens_already_produced():
 
 
 def test_history_is_prompt_plus_every_generated_token_only_when_needed():
-    from actors.prefill import history_of
+    from actors.engine_prefill import history_of
     from actors.types import PrefillRequest, TokenHistory
 
     plain = seq("a")

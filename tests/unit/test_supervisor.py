@@ -28,6 +28,7 @@ class _Actor:
         self.mode = mode
         self.stats = _Method(self, {"queued": 0, "running": 0})
         self.cached_identifiers = _Method(self, frozenset())
+        self.prefix_hashes = _Method(self, frozenset({"block-0"}))
 
     async def answer(self, value):
         if self.mode == "dead":
@@ -66,6 +67,13 @@ def test_a_busy_worker_stays_in_routing_and_is_not_restarted(monkeypatch):
     stats, candidates = asyncio.run(run())
     assert candidates == [0] and fleet.replaced == []
     assert "busy" in stats[D][0]["error"] and stats[P][0] == {"queued": 0, "running": 0}
+
+
+def test_prefill_workers_fill_the_routers_prefix_index(monkeypatch):
+    fleet, router, supervisor = _setup(monkeypatch)
+    asyncio.run(supervisor.check(0.05))
+    assert router.view.prefix_matches(("block-0", "block-1")) == {0: 1}
+    assert router.view.prefix_matches(("block-1",)) == {}
 
 
 def test_a_dead_worker_leaves_routing_at_once_and_is_replaced(monkeypatch):
