@@ -6,13 +6,15 @@ batcher runs at once: waiting only pays while jobs keep coming, and would add `m
 to an idle request's latency (jobs arriving meanwhile form the next batch). If a batch fails, its jobs are retried one
 by one so a single bad item fails alone and the rest of the batch still finishes.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Hashable
+from typing import Any
 
 RunBatch = Callable[[list[Any]], Awaitable[list[Any]]]
 

@@ -6,6 +6,7 @@ is the same architecture and files as `tiny-llava` (CLIP tower + projector + Lla
 processor, chat template), trained end to end from a seed in about a minute on one CPU
 core: AdamW, fresh pictures every step, loss on the answer tokens only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +17,13 @@ from tqdm import tqdm
 
 from actors import shapes
 from actors.checkpoints import (
-    _GAINS, Recipe, _init_weights, build_processor, build_tokenizer, greedy_generation_config, llava_config,
+    _GAINS,
+    Recipe,
+    _init_weights,
+    build_processor,
+    build_tokenizer,
+    greedy_generation_config,
+    llava_config,
 )
 
 if TYPE_CHECKING:
@@ -94,9 +101,9 @@ class BatchMaker:
         labels = torch.full((len(rows), width), IGNORE)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, (p, a) in enumerate(rows):
-            ids[i, :len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
-            mask[i, :len(p) + len(a)] = 1
+            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+            mask[i, : len(p) + len(a)] = 1
         pixels = self.processor.image_processor(images=[s.image for s in batch], return_tensors="pt")["pixel_values"]
         return Batch(ids, mask, labels, pixels)
 
@@ -116,8 +123,7 @@ def answer_loss(model: LlavaForConditionalGeneration, batch: Batch) -> torch.Ten
     (the full-vocabulary logits of every prompt position would double the step's cost)."""
     import torch
 
-    hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                         pixel_values=batch.pixel_values).last_hidden_state
+    hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, pixel_values=batch.pixel_values).last_hidden_state
     targets = batch.labels[:, 1:]  # position t predicts token t + 1
     scored = targets != IGNORE
     return torch.nn.functional.cross_entropy(model.lm_head(hidden[:, :-1][scored]), targets[scored])
@@ -175,10 +181,27 @@ def build_shapes(recipe: TrainedRecipe, *, progress: bool = False):
 # TODO(shapes): teach the shape question (longer training, a conv-like patch stem, or curriculum).
 SHAPES_RECIPES: dict[str, TrainedRecipe] = {
     "shapes-llava": TrainedRecipe(
-        arch=Recipe(name="shapes-llava", seed=2024, vocab_size=1000, image_size=32, patch_size=8,
-                    vision_hidden=96, vision_layers=2, vision_heads=4, vision_intermediate=192,
-                    text_hidden=96, text_layers=2, text_heads=4, text_kv_heads=2, text_intermediate=192),
-        num_steps=400, batch_size=32, learning_rate=3e-3, warmup_steps=20, data_seed=11,
+        arch=Recipe(
+            name="shapes-llava",
+            seed=2024,
+            vocab_size=1000,
+            image_size=32,
+            patch_size=8,
+            vision_hidden=96,
+            vision_layers=2,
+            vision_heads=4,
+            vision_intermediate=192,
+            text_hidden=96,
+            text_layers=2,
+            text_heads=4,
+            text_kv_heads=2,
+            text_intermediate=192,
+        ),
+        num_steps=400,
+        batch_size=32,
+        learning_rate=3e-3,
+        warmup_steps=20,
+        data_seed=11,
         asks=(shapes.Ask.COLOUR, shapes.Ask.SIDE),
     ),
 }

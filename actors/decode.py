@@ -3,6 +3,7 @@
 Requests join and leave the running batch between steps; each request's tokens stream
 back to its caller as they are produced.
 """
+
 from __future__ import annotations
 
 import asyncio

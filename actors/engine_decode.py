@@ -6,6 +6,7 @@ runs one batched decode step and returns what each request's caller should see. 
 and `abort` may be called from another thread than `step` (the actor's event loop vs its
 device thread): they only append to thread-safe intakes that `step` applies first.
 """
+
 from __future__ import annotations
 
 import time
@@ -103,5 +104,9 @@ class DecodeEngine:
 
     def stats(self) -> dict[str, int]:
         """`rows` counts KV rows held: zero when idle, or a request leaked its cache."""
-        return {"queued": len(self.scheduler.waiting) + sum(1 for s in list(self._intake) if not isinstance(s, str)), "running": len(self.scheduler.running),
-                "rows": self.batch.num_rows, "max_batch": self.max_batch_seen}
+        return {
+            "queued": len(self.scheduler.waiting) + sum(1 for s in list(self._intake) if not isinstance(s, str)),
+            "running": len(self.scheduler.running),
+            "rows": self.batch.num_rows,
+            "max_batch": self.max_batch_seen,
+        }

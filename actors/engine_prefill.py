@@ -8,6 +8,7 @@ chunk on top of its request's cache and returns the requests that finished: thei
 token and packed KV. Finished prompts leave their full blocks in the prefix cache.
 `add` / `abort` may come from another thread than `step`: they only fill intakes.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -73,8 +74,16 @@ def media_keys(request: PrefillRequest) -> tuple[MediaKey, ...]:
 
 
 class PrefillEngine:
-    def __init__(self, runner: LMRunner, token_budget: int, *, block_size: int = 16, cache_bytes: int = 0,
-                 max_media_tokens_per_step: int | None = None, order: Order = Order.SHORTEST_REMAINING):
+    def __init__(
+        self,
+        runner: LMRunner,
+        token_budget: int,
+        *,
+        block_size: int = 16,
+        cache_bytes: int = 0,
+        max_media_tokens_per_step: int | None = None,
+        order: Order = Order.SHORTEST_REMAINING,
+    ):
         self.runner, self.token_budget, self.block_size, self.order = runner, token_budget, block_size, order
         self.max_media_tokens_per_step = max_media_tokens_per_step
         self.pool = BlockPool(cache_bytes)
@@ -156,8 +165,9 @@ class PrefillEngine:
         self._keep_blocks(job, packed)
         self._drop(req.request_id)
         done = time.perf_counter()
-        return PrefillOutput(req.request_id, first, packed, job.rope_delta, job.num_cached,
-                             (job.started_s - job.added_s) * 1e3, (done - job.started_s) * 1e3)
+        return PrefillOutput(
+            req.request_id, first, packed, job.rope_delta, job.num_cached, (job.started_s - job.added_s) * 1e3, (done - job.started_s) * 1e3
+        )
 
     def _keep_blocks(self, job: _Job, packed: torch.Tensor) -> None:
         bs = self.block_size
@@ -186,7 +196,13 @@ class PrefillEngine:
         s, jobs = self.pool.stats, list(self.jobs.values())
         if self._held_version != self.pool.version:  # one frozenset per change, not per step: the router compares by identity
             self._held, self._held_version = self.pool.held(), self.pool.version
-        self._stats = {"queued": sum(1 for j in jobs if j.started_s is None), "running": sum(1 for j in jobs if j.started_s is not None),
-                       "prefix_hit_blocks": s.hit_blocks, "prefix_miss_blocks": s.miss_blocks, "prefix_evictions": s.evictions,
-                       "prefix_bytes": self.pool.num_bytes, "prefix_blocks": len(self.pool.blocks),
-                       "prefix_referenced_blocks": self.pool.num_referenced()}
+        self._stats = {
+            "queued": sum(1 for j in jobs if j.started_s is None),
+            "running": sum(1 for j in jobs if j.started_s is not None),
+            "prefix_hit_blocks": s.hit_blocks,
+            "prefix_miss_blocks": s.miss_blocks,
+            "prefix_evictions": s.evictions,
+            "prefix_bytes": self.pool.num_bytes,
+            "prefix_blocks": len(self.pool.blocks),
+            "prefix_referenced_blocks": self.pool.num_referenced(),
+        }

@@ -5,6 +5,7 @@ so each transport moves a single buffer. Inside a decode worker the running batc
 one left-padded [batch, kv_heads, tokens, head_dim] tensor per layer and key/value plus a
 [batch, tokens] validity mask; requests join and leave by re-padding between steps.
 """
+
 from __future__ import annotations
 
 import torch

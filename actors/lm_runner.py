@@ -3,6 +3,7 @@
 The actors around this module only queue, batch and move data; everything here is plain
 torch on one device, so it can be driven directly by tests and benchmarks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -65,14 +66,20 @@ class LMRunner:
         return self.adapter.forward(embeds[:, start:end], positions[..., start:end], cache)
 
     @torch.inference_mode()
-    def first_token(self, hidden: torch.Tensor, params: SamplingParams, num_prompt_tokens: int,
-                    history: TokenHistory | None = None) -> Sampled | None:
+    def first_token(
+        self, hidden: torch.Tensor, params: SamplingParams, num_prompt_tokens: int, history: TokenHistory | None = None
+    ) -> Sampled | None:
         return sample_rows(self.adapter.logits(hidden[:, -1]), [params], [num_prompt_tokens], [history] if history else None)[0]
 
     @torch.inference_mode()
     def decode_step(
-        self, batch: kv.BatchedKV, last_tokens: list[int], params: list[SamplingParams], positions: list[int],
-        rope_deltas: list[int] | None = None, histories: list[TokenHistory] | None = None,
+        self,
+        batch: kv.BatchedKV,
+        last_tokens: list[int],
+        params: list[SamplingParams],
+        positions: list[int],
+        rope_deltas: list[int] | None = None,
+        histories: list[TokenHistory] | None = None,
     ) -> list[Sampled | None]:
         """Feed each row its last token; the cache grows by one slot; returns the next tokens."""
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)

@@ -1,6 +1,7 @@
 """Prefill worker: the Ray actor around `PrefillEngine` (actors/engine_prefill.py). It keeps
 the embeddings that arrive ahead of the prefill call, and each prompt's KV until the decode
 worker pulls it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,12 +20,22 @@ from actors.types import EncodeStats, PrefillRequest, PrefillResult, WorkerReque
 
 
 class PrefillWorker(ModelWorker):
-    def __init__(self, spec: WorkerSpec, max_chunk_tokens: int, prefix_block_tokens: int = 16,
-                 prefix_cache_bytes: int = 0, max_media_tokens_per_step: int | None = None):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        max_chunk_tokens: int,
+        prefix_block_tokens: int = 16,
+        prefix_cache_bytes: int = 0,
+        max_media_tokens_per_step: int | None = None,
+    ):
         super().__init__(spec, Part.LANGUAGE_MODEL)
-        self.engine = PrefillEngine(LMRunner(self.adapter, max_chunk_tokens), max_chunk_tokens,
-                                    block_size=prefix_block_tokens, cache_bytes=prefix_cache_bytes,
-                                    max_media_tokens_per_step=max_media_tokens_per_step)
+        self.engine = PrefillEngine(
+            LMRunner(self.adapter, max_chunk_tokens),
+            max_chunk_tokens,
+            block_size=prefix_block_tokens,
+            cache_bytes=prefix_cache_bytes,
+            max_media_tokens_per_step=max_media_tokens_per_step,
+        )
         self.embeddings = TensorInbox()  # from encoders, until the prefill call
         self.kv = TensorInbox()  # for the decode worker, until it pulls it
         self._waiters: dict[str, asyncio.Future] = {}
@@ -47,8 +58,7 @@ class PrefillWorker(ModelWorker):
             if self._waiters.pop(request.request_id, None) is not None:
                 self.engine.abort(request.request_id)  # the caller left before the end: free its slot
         if out.first is None:  # nothing to hand to decode; this request alone fails
-            raise WorkerRequestError(f"the first token of request {request.request_id} could not be sampled "
-                                     "(the model gave non-finite logits)")
+            raise WorkerRequestError(f"the first token of request {request.request_id} could not be sampled (the model gave non-finite logits)")
         self.kv.put(request.request_id, out.packed_kv)  # dropped at once if the request was closed meanwhile
         return PrefillResult(
             request_id=request.request_id,

@@ -11,6 +11,7 @@ have all arrived (until then the span's inputs are unknown); and the embedding t
 step splices in are capped by `max_media_tokens_per_step`, so a burst of media prompts
 cannot build a step's whole input out of embeddings at once.
 """
+
 from __future__ import annotations
 
 import enum
@@ -74,8 +75,9 @@ def media_tokens(state: PrefillState, start: int, end: int) -> int:
     return sum(max(0, min(end, s.end) - max(start, s.offset)) for s in state.spans)
 
 
-def plan_step(states: list[PrefillState], token_budget: int, max_media_tokens: int | None = None,
-              order: Order = Order.SHORTEST_REMAINING) -> list[Chunk]:
+def plan_step(
+    states: list[PrefillState], token_budget: int, max_media_tokens: int | None = None, order: Order = Order.SHORTEST_REMAINING
+) -> list[Chunk]:
     """The chunks of the next step, at most `token_budget` tokens together (each request at
     most one chunk), shortest remaining first."""
     chunks: list[Chunk] = []

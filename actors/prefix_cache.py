@@ -8,6 +8,7 @@ placeholder token ids are the same for every picture, the identifier is what tel
 pictures apart. The router computes the same hashes (cluster/routing.py) to find the
 worker holding the longest prefix.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

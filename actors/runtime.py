@@ -1,12 +1,13 @@
 """Process set-up shared by the three worker kinds."""
+
 from __future__ import annotations
 
 import asyncio
 import os
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch

@@ -3,6 +3,7 @@
 No torch here: the ingress and the router's callers import these without a model.
 Tensors travel beside these records as separate top-level Ray arguments, never inside them.
 """
+
 from __future__ import annotations
 
 import enum
@@ -14,9 +15,9 @@ from router.types import Modality  # noqa: F401  (one spelling of the modalities
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"      # EOS token or a stop string
+    STOP = "stop"  # EOS token or a stop string
     LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"    # client went away or the request was cancelled
+    ABORT = "abort"  # client went away or the request was cancelled
     ERROR = "error"
 
 
@@ -95,8 +96,7 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Whether sampling looks at the tokens so far (penalties, min_tokens)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0 or self.min_tokens > 0
 
 
 @dataclass(frozen=True)

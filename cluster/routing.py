@@ -3,6 +3,7 @@ each request's stages in the Router, and feeds it the timings the workers report
 
 The Router itself (router/) is the same object the simulator drives.
 """
+
 from __future__ import annotations
 
 import time
@@ -56,8 +57,7 @@ class LiveRouting:
         for item, stats in encoded:  # a batch's time is shared by the items in it; each item on its own encoder
             self.router.observe_encode(decision.encoder_for(item.modality), item.modality, item.size, stats.encode_ms / max(stats.batch_size, 1))
         self.router.encode_done(decision, now)  # releases every encoder a split request used
-        self.router.prefill_done(decision, now, duration_ms=result.prefill_ms,
-                                 uncached_tokens=result.num_prompt_tokens - result.num_cached_tokens)
+        self.router.prefill_done(decision, now, duration_ms=result.prefill_ms, uncached_tokens=result.num_prompt_tokens - result.num_cached_tokens)
         # A request split across encoders measures parallel transfers from several places as one
         # interval: no single placement's fit should learn from it.
         if transfer_ms is not None and decision.encoder is not None and decision.items and not decision.shares:

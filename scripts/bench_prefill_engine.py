@@ -12,6 +12,7 @@ one process, each figure against its baseline in the same run:
 Stage timings only (no encode, transfer or decode): the live figures come from
 scripts/bench_modalities.py (phase multi_turn) on a quiet host.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,10 @@ def multi_turn(planner, lm, encoder, args) -> dict:
         item = MediaItem(Modality.IMAGE, media_identifier("bench", Modality.IMAGE, array), data=array)
         [emb] = encoder.encode([item])
         first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is in this picture, case {i}?"}]}]
-        second = first + [{"role": "assistant", "content": "A picture of coloured noise."},
-                          {"role": "user", "content": [{"type": "text", "text": "Which colour is most common?"}]}]
+        second = first + [
+            {"role": "assistant", "content": "A picture of coloured noise."},
+            {"role": "user", "content": [{"type": "text", "text": "Which colour is most common?"}]},
+        ]
         r1, r2 = request(planner, f"a{i}", first, [item]), request(planner, f"b{i}", second, [item])
         t1.append(run(warm, [(r1, [emb])])[r1.request_id][0])
         ms, cached = run(warm, [(r2, [emb])])[r2.request_id]
@@ -74,9 +77,15 @@ def multi_turn(planner, lm, encoder, args) -> dict:
         t2_cold.append(run(cold, [(r2, [emb])])[r2.request_id][0])
     warm.pool.check_integrity()
     med = statistics.median
-    return {"turn1_prefill_ms_p50": med(t1), "turn2_prefill_ms_p50": med(t2), "turn2_no_prefix_cache_ms_p50": med(t2_cold),
-            "ratio_turn2_vs_turn1": med(t2) / med(t1), "ratio_turn2_cache_vs_none": med(t2) / med(t2_cold),
-            "turn2_prefix_hit_rate": hit / total, "turn2_prompt_tokens": total // args.conversations}
+    return {
+        "turn1_prefill_ms_p50": med(t1),
+        "turn2_prefill_ms_p50": med(t2),
+        "turn2_no_prefix_cache_ms_p50": med(t2_cold),
+        "ratio_turn2_vs_turn1": med(t2) / med(t1),
+        "ratio_turn2_cache_vs_none": med(t2) / med(t2_cold),
+        "turn2_prefix_hit_rate": hit / total,
+        "turn2_prompt_tokens": total // args.conversations,
+    }
 
 
 def short_behind_long(lm, args) -> dict:
@@ -91,8 +100,7 @@ def short_behind_long(lm, args) -> dict:
         row["long_ms"].append(got["long"][0])
     summary = {order: {k: min(v) for k, v in row.items()} for order, row in out.items()}
     srf, queue = summary[Order.SHORTEST_REMAINING.value], summary[Order.ARRIVAL.value]
-    return {**summary, "short_ratio_srf_vs_queue": srf["short_ms"] / queue["short_ms"],
-            "long_ratio_srf_vs_queue": srf["long_ms"] / queue["long_ms"]}
+    return {**summary, "short_ratio_srf_vs_queue": srf["short_ms"] / queue["short_ms"], "long_ratio_srf_vs_queue": srf["long_ms"] / queue["long_ms"]}
 
 
 def main(argv=None) -> int:
@@ -111,8 +119,12 @@ def main(argv=None) -> int:
     ckpt = cfg.model.checkpoint_path
     lm = load_adapter(ckpt, part=Part.LANGUAGE_MODEL, dtype=cfg.model.dtype, device=cfg.model.device)
     encoder = load_adapter(ckpt, part=Part.ENCODER, dtype=cfg.model.dtype, device=cfg.model.device)
-    report = {"config": args.config, "args": vars(args), "multi_turn": multi_turn(PromptPlanner(ckpt), lm, encoder, args),
-              "short_behind_long": short_behind_long(lm, args)}
+    report = {
+        "config": args.config,
+        "args": vars(args),
+        "multi_turn": multi_turn(PromptPlanner(ckpt), lm, encoder, args),
+        "short_behind_long": short_behind_long(lm, args),
+    }
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0

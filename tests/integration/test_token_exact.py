@@ -1,5 +1,6 @@
 """Greedy output of the cluster equals the checkpoint's own `generate`, token for token,
 through HTTP, with many requests in flight at once, for each transport."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.integration.conftest import deploy, png_data_url, random_image, cluster_config
+from tests.integration.conftest import cluster_config, deploy, png_data_url, random_image
 from tests.integration.reference import reference_generate
 
 MAX_TOKENS = 20
@@ -91,9 +92,16 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport):
 def test_streaming_equals_whole_response(app, references):
     messages = varied_requests()[4]
     with app.http.stream(
-        "POST", "/v1/chat/completions",
-        json={"model": app.config.model.served_name, "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS,
-              "stream": True, "stream_options": {"include_usage": True}},
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": app.config.model.served_name,
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
     ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")

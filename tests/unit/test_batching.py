@@ -1,4 +1,5 @@
 """Unit tests for actors.batching.MicroBatcher (plain asyncio, no Ray, no torch)."""
+
 from __future__ import annotations
 
 import asyncio

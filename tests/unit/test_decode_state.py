@@ -1,7 +1,8 @@
 """Unit tests for actors.decode_state: the decode worker's scheduler bookkeeping (no torch)."""
+
 from __future__ import annotations
 
-from actors.decode_state import DecodeScheduler, Sequence, SeqStatus, finish_reason, finish_reason_of
+from actors.decode_state import DecodeScheduler, SeqStatus, Sequence, finish_reason, finish_reason_of
 from actors.types import DecodeRequest, FinishReason, SamplingParams
 
 EOS = 1

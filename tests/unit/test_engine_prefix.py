@@ -2,6 +2,7 @@
 token-exact against HF `generate` with the cache cold and warm, with block and chunk
 boundaries inside and beside an image's placeholder span, and two images behind equal
 token ids never share KV."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,7 @@ from PIL import Image  # noqa: E402
 from actors.engine_prefill import PrefillEngine  # noqa: E402
 from actors.lm_runner import LMRunner  # noqa: E402
 from actors.types import MediaItem, Modality, PrefillRequest  # noqa: E402
-from tests.unit.test_lm_runner import (GREEDY, encoder, engines, hf_greedy, hf_model, lm, placeholder_ranges,  # noqa: E402,F401
-                                       processor, run_engines)
+from tests.unit.test_lm_runner import GREEDY, encoder, engines, hf_greedy, hf_model, lm, placeholder_ranges, processor, run_engines  # noqa: E402,F401
 
 BIG_CACHE = 1 << 30
 
@@ -80,7 +80,15 @@ def test_equal_token_ids_different_images_never_share_kv(lm, encoder, hf_model, 
     torch.testing.assert_close(b.packed_kv, cold_b.packed_kv, rtol=1e-5, atol=1e-5)
     image_end = ranges[0].offset + ranges[0].length
     assert not torch.allclose(a.packed_kv[..., :image_end, :], b.packed_kv[..., :image_end, :])
-    want = hf_greedy(hf_model, 1, **processor(text=processor.apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}], add_generation_prompt=True),
-        images=[Image.fromarray(arrays[1])], return_tensors="pt"))
+    want = hf_greedy(
+        hf_model,
+        1,
+        **processor(
+            text=processor.apply_chat_template(
+                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}], add_generation_prompt=True
+            ),
+            images=[Image.fromarray(arrays[1])],
+            return_tensors="pt",
+        ),
+    )
     assert [b.first.token_id] == want

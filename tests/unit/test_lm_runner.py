@@ -4,10 +4,10 @@ The reference is Hugging Face's own `generate` on the whole LlavaForConditionalG
 chunked prefill, KV packing, the left-padded decode batch with requests joining and
 leaving between steps, and splicing encoder embeddings must give exactly its greedy tokens.
 """
+
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration  # noqa: E
 
 from actors.adapter_llava import LlavaAdapter
 from actors.adapters import Part  # noqa: E402
-from actors.checkpoints import SPECIAL_TOKENS, build_checkpoint  # noqa: E402
+from actors.checkpoints import SPECIAL_TOKENS  # noqa: E402
 from actors.engine_decode import DecodeEngine  # noqa: E402
 from actors.engine_prefill import PrefillEngine  # noqa: E402
 from actors.lm_runner import LMRunner, splice  # noqa: E402
@@ -181,9 +181,7 @@ def test_image_prompt_matches_hf_generate(lm, encoder, hf_model, processor, max_
         inputs = processor(text=text, images=[Image.fromarray(array)], return_tensors="pt")
         token_ids = inputs["input_ids"][0].tolist()
         ranges = placeholder_ranges(token_ids, image_id)
-        assert len(ranges) == 1 and ranges[0].length == encoder.config.vision_config.image_size ** 2 // (
-            encoder.config.vision_config.patch_size ** 2
-        )
+        assert len(ranges) == 1 and ranges[0].length == encoder.config.vision_config.image_size**2 // (encoder.config.vision_config.patch_size**2)
         [embeddings] = encoder.encode([MediaItem(Modality.IMAGE, f"img{n}", data=array)])
         assert embeddings.shape == (ranges[0].length, lm.config.text_config.hidden_size)
         max_tokens = 10 + 3 * n

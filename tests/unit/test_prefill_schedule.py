@@ -1,4 +1,5 @@
 """The prefill step planner, in plain Python (no torch, no Ray)."""
+
 from __future__ import annotations
 
 from actors.prefill_schedule import Chunk, Order, PrefillState, Span, plan_step
@@ -40,6 +41,7 @@ def test_media_budget_per_step_is_shared():
 def test_short_prompt_latency_figures_srf_vs_queue():
     """The figure behind shortest-remaining-first: steps until each short prompt finishes
     when it arrives behind one 2,000-token prompt (budget 512 a step)."""
+
     def steps_to_finish(order: Order) -> dict[str, int]:
         states = {"video": state("video", 2000, arrival=0), **{f"q{i}": state(f"q{i}", 40, arrival=i + 1) for i in range(4)}}
         done, step = {}, 0

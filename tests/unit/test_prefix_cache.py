@@ -1,4 +1,5 @@
 """Block hashing and the refcounted LRU block pool, in plain Python (no torch)."""
+
 from __future__ import annotations
 
 import random

@@ -1,6 +1,7 @@
 """The synthetic shapes data and the trained `shapes-llava` checkpoint: pictures are seeded and
 show what their scene says; training batches score the answer tokens only; training is
 deterministic; the trained checkpoint answers held-out questions through plain HF `generate`."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -63,8 +64,8 @@ def test_batches_score_only_the_answer_and_match_the_served_prompt():
         served = processor(text=text, images=[s.image], return_tensors="pt")
         prompt = served["input_ids"][0].tolist()
         scored = batch.labels[row] != IGNORE
-        assert batch.input_ids[row, :len(prompt)].tolist() == prompt
-        assert not scored[:len(prompt)].any()
+        assert batch.input_ids[row, : len(prompt)].tolist() == prompt
+        assert not scored[: len(prompt)].any()
         assert tok.decode(batch.labels[row][scored]) == " " + s.answer + tok.eos_token
         assert torch.equal(batch.pixel_values[row], served["pixel_values"][0])
 
@@ -85,9 +86,7 @@ def trained():
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from actors.checkpoints import ensure_checkpoint
-    from cluster.config import builtin_model
-
-    from cluster.config import load_config
+    from cluster.config import builtin_model, load_config
 
     name = load_config().model.builtin
     path = ensure_checkpoint(builtin_model(name)["checkpoint"], name)
@@ -102,7 +101,7 @@ def test_trained_checkpoint_answers_held_out_questions_with_generate(trained):
         text = processor.apply_chat_template(s.messages({"type": "image"}), add_generation_prompt=True, tokenize=False)
         inputs = processor(text=text, images=[s.image], return_tensors="pt")
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-        new = out[0, inputs["input_ids"].shape[1]:]
+        new = out[0, inputs["input_ids"].shape[1] :]
         assert new[-1] == processor.tokenizer.eos_token_id, "answers end with </s>, not at max_new_tokens"
         right += processor.tokenizer.decode(new, skip_special_tokens=True) == " " + s.answer
     assert right / len(held_out) >= 0.9, f"{right}/{len(held_out)}"

@@ -2,6 +2,7 @@
 times out keeps the worker in routing (a heartbeat), Ray's word that the actor died takes
 it out and restarts it, and only a worker silent for HUNG_AFTER_S is restarted as hung.
 The fleet is a stand-in whose actors answer slowly, die or answer; the router is real."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,7 @@ E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 
 
 class _Method:
-    def __init__(self, actor: "_Actor", value):
+    def __init__(self, actor: _Actor, value):
         self.actor, self.value = actor, value
 
     def remote(self):
