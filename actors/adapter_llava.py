@@ -1,4 +1,5 @@
 """LLaVA family: CLIP/SigLIP vision tower + projector + a Llama/Qwen2-style LM. Images only."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

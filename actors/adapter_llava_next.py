@@ -7,6 +7,7 @@ cut off, one `image_newline` row end after each row. The count therefore depends
 image's aspect ratio; `LlavaNextSpec` derives it from the size alone, by the model's own rules
 (`select_best_resolution`, then the unpadding arithmetic of `unpad_image`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -58,7 +59,8 @@ def build_spec(config, processor, dtype_bytes: int) -> LlavaNextSpec:
         token_by_modality={Modality.IMAGE: token},
         token_id_by_modality={Modality.IMAGE: config.image_token_id},
         embedding_bytes_per_token=config.text_config.hidden_size * dtype_bytes,
-        tile_pixels=vision.image_size, patches_per_side=vision.image_size // vision.patch_size,
+        tile_pixels=vision.image_size,
+        patches_per_side=vision.image_size // vision.patch_size,
         extra_tokens=1 if config.vision_feature_select_strategy == "full" else 0,
         grid_pinpoints=tuple(tuple(p) for p in config.image_grid_pinpoints),
     )
@@ -77,7 +79,8 @@ class LlavaNextAdapter(LlavaAdapter):
         images = [Image.fromarray(np.ascontiguousarray(item.data)) for item in items]
         inputs = self._processor(images=images, **self._kwargs)
         out = self._llava.get_image_features(
-            pixel_values=inputs["pixel_values"].to(self.device, self.dtype), image_sizes=inputs["image_sizes"].to(self.device),
+            pixel_values=inputs["pixel_values"].to(self.device, self.dtype),
+            image_sizes=inputs["image_sizes"].to(self.device),
             vision_feature_layer=self.config.vision_feature_layer,
             vision_feature_select_strategy=self.config.vision_feature_select_strategy,
         )

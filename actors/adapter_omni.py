@@ -8,6 +8,7 @@ prompt's 3-D positions with the model's own `get_rope_index` from each item's gr
 PlaceholderRange), with explicit position ids, never the model's per-instance cached deltas
 (unsafe across concurrent requests); decode adds the returned delta to cache lengths.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,19 +46,20 @@ def load_thinker(checkpoint: Path, dtype: torch.dtype) -> Qwen2_5OmniThinkerForC
     if config.model_type != "qwen2_5_omni":
         return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
     return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-        checkpoint, config=config.thinker_config, dtype=dtype, key_mapping={r"^thinker\.": ""})
+        checkpoint, config=config.thinker_config, dtype=dtype, key_mapping={r"^thinker\.": ""}
+    )
 
 
 def build_spec(config, processor, dtype_bytes: int) -> OmniSpec:
     config = thinker_config(config)
     fe = processor.feature_extractor
     return OmniSpec(
-        token_by_modality={Modality.IMAGE: processor.image_token, Modality.VIDEO: processor.video_token,
-                           Modality.AUDIO: processor.audio_token},
-        token_id_by_modality={Modality.IMAGE: config.image_token_id, Modality.VIDEO: config.video_token_id,
-                              Modality.AUDIO: config.audio_token_id},
+        token_by_modality={Modality.IMAGE: processor.image_token, Modality.VIDEO: processor.video_token, Modality.AUDIO: processor.audio_token},
+        token_id_by_modality={Modality.IMAGE: config.image_token_id, Modality.VIDEO: config.video_token_id, Modality.AUDIO: config.audio_token_id},
         embedding_bytes_per_token=config.text_config.hidden_size * dtype_bytes,
-        audio_sample_rate_hz=fe.sampling_rate, audio_window_samples=fe.n_samples, hop_length=fe.hop_length,
+        audio_sample_rate_hz=fe.sampling_rate,
+        audio_window_samples=fe.n_samples,
+        hop_length=fe.hop_length,
         **vision_spec_fields(processor),
     )
 
@@ -94,8 +96,11 @@ class OmniAdapter(VisionEncoding, ModelAdapter):
             return super().prompt_positions(token_ids, ranges)
         as_tensor = lambda rows, dtype=torch.long: torch.tensor(rows, dtype=dtype, device=token_ids.device) if rows else None
         positions, deltas = self._model.get_rope_index(
-            token_ids, image_grid_thw=as_tensor(grids[Modality.IMAGE]), video_grid_thw=as_tensor(grids[Modality.VIDEO]),
-            attention_mask=torch.ones_like(token_ids), use_audio_in_video=False,
+            token_ids,
+            image_grid_thw=as_tensor(grids[Modality.IMAGE]),
+            video_grid_thw=as_tensor(grids[Modality.VIDEO]),
+            attention_mask=torch.ones_like(token_ids),
+            use_audio_in_video=False,
             # get_rope_index wants mel frames per audio; 4n - 1 frames is one length the tower maps to n embeddings
             audio_seqlens=as_tensor([4 * r.length - 1 for r in ranges if r.modality == Modality.AUDIO]),
             second_per_grids=as_tensor([r.seconds_per_grid for r in ranges if r.modality == Modality.VIDEO], torch.float32),

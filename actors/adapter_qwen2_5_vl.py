@@ -6,6 +6,7 @@ The prompt's 3-D positions come from the model's own `get_rope_index`, given eac
 and (video) seconds per temporal step from its PlaceholderRange, with explicit position ids,
 never the model's per-instance cached deltas (unsafe across concurrent requests).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -60,8 +61,11 @@ class Qwen2_5_VLAdapter(VisionEncoding, ModelAdapter):
         grids = {m: [r.grid_thw for r in ranges if r.modality == m] for m in _TOKEN_TYPE}
         as_tensor = lambda rows, dtype=torch.long: torch.tensor(rows, dtype=dtype, device=device) if rows else None
         positions, deltas = self._model.get_rope_index(
-            token_ids, token_types, image_grid_thw=as_tensor(grids[Modality.IMAGE]),
-            video_grid_thw=as_tensor(grids[Modality.VIDEO]), attention_mask=torch.ones_like(token_ids),
+            token_ids,
+            token_types,
+            image_grid_thw=as_tensor(grids[Modality.IMAGE]),
+            video_grid_thw=as_tensor(grids[Modality.VIDEO]),
+            attention_mask=torch.ones_like(token_ids),
             second_per_grid_ts=as_tensor([r.seconds_per_grid for r in ranges if r.modality == Modality.VIDEO], torch.float32),
         )
         return positions, int(deltas.reshape(-1)[0])

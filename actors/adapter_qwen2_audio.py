@@ -5,6 +5,7 @@ so `_audio_features` mirrors it (tower over one padded window per item, attentio
 to the item's frames, projector, rows cut to the item's output length). Audio longer than
 the feature extractor's window is split at the ingress (see `split_windows`).
 """
+
 from __future__ import annotations
 
 import math
@@ -53,7 +54,9 @@ def build_spec(config, processor, dtype_bytes: int) -> AudioSpec:
         token_by_modality={Modality.AUDIO: processor.audio_token},
         token_id_by_modality={Modality.AUDIO: config.audio_token_id},
         embedding_bytes_per_token=config.text_config.hidden_size * dtype_bytes,
-        audio_sample_rate_hz=fe.sampling_rate, audio_window_samples=fe.n_samples, hop_length=fe.hop_length,
+        audio_sample_rate_hz=fe.sampling_rate,
+        audio_window_samples=fe.n_samples,
+        hop_length=fe.hop_length,
     )
 
 

@@ -7,6 +7,7 @@ language model. The encoder actor calls `encode`; the prefill and decode actors 
 lives in its own module (`adapter_llava`, `adapter_qwen2_audio`, `adapter_omni`) and is
 named in `FAMILIES` by its config's `model_type`.
 """
+
 from __future__ import annotations
 
 import abc
@@ -80,8 +81,7 @@ class ModelAdapter(abc.ABC):
 
     def forward(self, inputs_embeds, position_ids, cache, attention_mask=None) -> torch.Tensor:
         """Last hidden states of the language model; `cache` is updated in place."""
-        out = self._lm(inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=attention_mask,
-                       past_key_values=cache, use_cache=True)
+        out = self._lm(inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -127,8 +127,10 @@ def check_family(checkpoint: Path) -> str:
     except (OSError, ValueError) as exc:
         raise UnsupportedFamily(f"checkpoint {checkpoint} has no readable config.json: {exc}") from None
     if model_type not in FAMILIES:
-        raise UnsupportedFamily(f"checkpoint {checkpoint} has model_type {model_type!r}, which epd does not serve; "
-                                f"supported model_type values: {', '.join(sorted(FAMILIES))}")
+        raise UnsupportedFamily(
+            f"checkpoint {checkpoint} has model_type {model_type!r}, which epd does not serve; "
+            f"supported model_type values: {', '.join(sorted(FAMILIES))}"
+        )
     return model_type
 
 

@@ -1,16 +1,20 @@
 """Batch formation for the encoder pool, in plain asyncio (no Ray, no torch).
 
 Jobs are grouped by a key (the tower that runs them); a batch leaves when it is full or
-when its oldest job has waited `max_wait_s`. If a batch fails, its jobs are retried one
+when its oldest job has waited `max_wait_s`, except that a lone job reaching an idle
+batcher runs at once: waiting only pays while jobs keep coming, and would add `max_wait_s`
+to an idle request's latency (jobs arriving meanwhile form the next batch). If a batch fails, its jobs are retried one
 by one so a single bad item fails alone and the rest of the batch still finishes.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Hashable
+from typing import Any
 
 RunBatch = Callable[[list[Any]], Awaitable[list[Any]]]
 
@@ -52,9 +56,11 @@ class MicroBatcher:
         return min(heads)[1] if heads else None
 
     async def _loop(self) -> None:
+        idle = True  # the loop (re)starts only when a job reached an idle batcher
         while (key := self._oldest_key()) is not None:
             queue = self._queues[key]
-            deadline = queue[0].enqueued_s + self.max_wait_s
+            deadline = -1.0 if idle and self.queue_depth == 1 else queue[0].enqueued_s + self.max_wait_s
+            idle = False
             while len(queue) < self.max_batch_size and (left := deadline - time.monotonic()) > 0:
                 self._wakeup.clear()
                 try:

@@ -7,14 +7,26 @@ template) beside the weights, so the serving code and the tests load them with
 `from_pretrained` like a user's checkpoint. The audio window (`window_s`) is short in the
 tiny recipes so that tests can send a clip longer than one window cheaply.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from actors.checkpoints import _init_weights, _mute_unprintable, greedy_generation_config, train_bpe
 
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<|AUDIO|>", "<|audio_bos|>",
-                 "<|audio_eos|>", "<|IMAGE|>", "<|VIDEO|>", "<|vision_bos|>", "<|vision_eos|>"]
+QWEN_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<unk>",
+    "<|AUDIO|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+    "<|IMAGE|>",
+    "<|VIDEO|>",
+    "<|vision_bos|>",
+    "<|vision_eos|>",
+]
 
 _PLACEHOLDERS = {
     "image": "<|vision_bos|><|IMAGE|><|vision_eos|>",
@@ -65,9 +77,23 @@ QWEN_RECIPES: dict[str, QwenRecipe] = {
     "tiny-omni": QwenRecipe(name="tiny-omni", family="qwen2_5_omni_thinker", seed=2025, vocab_size=1000),
     "tiny-qwen2.5-omni": QwenRecipe(name="tiny-qwen2.5-omni", family="qwen2_5_omni", seed=2027, vocab_size=1000),
     "bench-omni": QwenRecipe(
-        name="bench-omni", family="qwen2_5_omni_thinker", seed=2026, vocab_size=4000, text_hidden=512,
-        text_layers=8, text_heads=8, text_kv_heads=4, text_intermediate=1536, audio_hidden=256, audio_layers=4,
-        audio_heads=4, num_mel_bins=128, window_s=30, vision_hidden=256, vision_layers=4, vision_heads=4,
+        name="bench-omni",
+        family="qwen2_5_omni_thinker",
+        seed=2026,
+        vocab_size=4000,
+        text_hidden=512,
+        text_layers=8,
+        text_heads=8,
+        text_kv_heads=4,
+        text_intermediate=1536,
+        audio_hidden=256,
+        audio_layers=4,
+        audio_heads=4,
+        num_mel_bins=128,
+        window_s=30,
+        vision_hidden=256,
+        vision_layers=4,
+        vision_heads=4,
         image_max_tokens=256,
     ),
 }
@@ -79,29 +105,47 @@ _GAINS = {r"language_model\..*\.[qk]_proj": 2.0, r"audio_tower\.embed_positions"
 def build_tokenizer(recipe: QwenRecipe):
     from transformers import PreTrainedTokenizerFast
 
-    named = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
-             "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
-             "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+    named = {
+        "image_token": "<|IMAGE|>",
+        "video_token": "<|VIDEO|>",
+        "audio_token": "<|AUDIO|>",
+        "vision_bos_token": "<|vision_bos|>",
+        "vision_eos_token": "<|vision_eos|>",
+        "audio_bos_token": "<|audio_bos|>",
+        "audio_eos_token": "<|audio_eos|>",
+    }
     return PreTrainedTokenizerFast(
-        tokenizer_object=train_bpe(recipe, QWEN_SPECIALS), eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token="<unk>", extra_special_tokens=named, chat_template=CHAT_TEMPLATE,
-        model_max_length=recipe.max_positions, clean_up_tokenization_spaces=False,
+        tokenizer_object=train_bpe(recipe, QWEN_SPECIALS),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+        extra_special_tokens=named,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=recipe.max_positions,
+        clean_up_tokenization_spaces=False,
     )
 
 
 def _feature_extractor(recipe: QwenRecipe):
     from transformers import WhisperFeatureExtractor
 
-    return WhisperFeatureExtractor(feature_size=recipe.num_mel_bins, sampling_rate=16000, hop_length=160,
-                                   chunk_length=recipe.window_s, n_fft=400)
+    return WhisperFeatureExtractor(feature_size=recipe.num_mel_bins, sampling_rate=16000, hop_length=160, chunk_length=recipe.window_s, n_fft=400)
 
 
 def _text_config(recipe: QwenRecipe, tokenizer, **extra) -> dict:
-    return dict(vocab_size=len(tokenizer), hidden_size=recipe.text_hidden, intermediate_size=recipe.text_intermediate,
-                num_hidden_layers=recipe.text_layers, num_attention_heads=recipe.text_heads,
-                num_key_value_heads=recipe.text_kv_heads, max_position_embeddings=recipe.max_positions,
-                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                tie_word_embeddings=False, **extra)
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.text_hidden,
+        intermediate_size=recipe.text_intermediate,
+        num_hidden_layers=recipe.text_layers,
+        num_attention_heads=recipe.text_heads,
+        num_key_value_heads=recipe.text_kv_heads,
+        max_position_embeddings=recipe.max_positions,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **extra,
+    )
 
 
 def _audio_model(recipe: QwenRecipe, tokenizer):
@@ -110,44 +154,72 @@ def _audio_model(recipe: QwenRecipe, tokenizer):
     # The tower takes exactly one window of mel frames: 2 frames per source position.
     window_frames = recipe.window_s * 100
     config = Qwen2AudioConfig(
-        audio_config=dict(num_mel_bins=recipe.num_mel_bins, encoder_layers=recipe.audio_layers,
-                          encoder_attention_heads=recipe.audio_heads, encoder_ffn_dim=2 * recipe.audio_hidden,
-                          d_model=recipe.audio_hidden, max_source_positions=window_frames // 2),
+        audio_config=dict(
+            num_mel_bins=recipe.num_mel_bins,
+            encoder_layers=recipe.audio_layers,
+            encoder_attention_heads=recipe.audio_heads,
+            encoder_ffn_dim=2 * recipe.audio_hidden,
+            d_model=recipe.audio_hidden,
+            max_source_positions=window_frames // 2,
+        ),
         text_config=_text_config(recipe, tokenizer, model_type="qwen2"),
         audio_token_index=tokenizer.audio_token_id,
     )
-    processor = Qwen2AudioProcessor(feature_extractor=_feature_extractor(recipe), tokenizer=tokenizer,
-                                    chat_template=CHAT_TEMPLATE)
+    processor = Qwen2AudioProcessor(feature_extractor=_feature_extractor(recipe), tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
     return Qwen2AudioForConditionalGeneration(config), processor
 
 
 def _omni_model(recipe: QwenRecipe, tokenizer):
-    from transformers import (Qwen2_5OmniProcessor, Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration,
-                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+    from transformers import (
+        Qwen2_5OmniProcessor,
+        Qwen2_5OmniThinkerConfig,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     ids = tokenizer.convert_tokens_to_ids
     head_dim = recipe.text_hidden // recipe.text_heads
     third = head_dim // 2 // 4  # mrope sections (t, h, w) over head_dim / 2 rotary frequencies
     config = Qwen2_5OmniThinkerConfig(
-        audio_config=dict(num_mel_bins=recipe.num_mel_bins, encoder_layers=recipe.audio_layers,
-                          encoder_attention_heads=recipe.audio_heads, encoder_ffn_dim=2 * recipe.audio_hidden,
-                          d_model=recipe.audio_hidden, output_dim=recipe.text_hidden, n_window=50),
-        vision_config=dict(depth=recipe.vision_layers, hidden_size=recipe.vision_hidden, num_heads=recipe.vision_heads,
-                           intermediate_size=2 * recipe.vision_hidden, out_hidden_size=recipe.text_hidden,
-                           fullatt_block_indexes=[recipe.vision_layers - 1], window_size=56),
-        text_config=_text_config(recipe, tokenizer, rope_parameters={
-            "rope_type": "default", "rope_theta": 10000.0,
-            "mrope_section": [head_dim // 2 - 2 * third, third, third]}),
-        audio_token_index=tokenizer.audio_token_id, image_token_index=tokenizer.image_token_id,
-        video_token_index=tokenizer.video_token_id, audio_start_token_id=ids("<|audio_bos|>"),
-        audio_end_token_id=ids("<|audio_eos|>"), vision_start_token_id=ids("<|vision_bos|>"),
+        audio_config=dict(
+            num_mel_bins=recipe.num_mel_bins,
+            encoder_layers=recipe.audio_layers,
+            encoder_attention_heads=recipe.audio_heads,
+            encoder_ffn_dim=2 * recipe.audio_hidden,
+            d_model=recipe.audio_hidden,
+            output_dim=recipe.text_hidden,
+            n_window=50,
+        ),
+        vision_config=dict(
+            depth=recipe.vision_layers,
+            hidden_size=recipe.vision_hidden,
+            num_heads=recipe.vision_heads,
+            intermediate_size=2 * recipe.vision_hidden,
+            out_hidden_size=recipe.text_hidden,
+            fullatt_block_indexes=[recipe.vision_layers - 1],
+            window_size=56,
+        ),
+        text_config=_text_config(
+            recipe,
+            tokenizer,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [head_dim // 2 - 2 * third, third, third]},
+        ),
+        audio_token_index=tokenizer.audio_token_id,
+        image_token_index=tokenizer.image_token_id,
+        video_token_index=tokenizer.video_token_id,
+        audio_start_token_id=ids("<|audio_bos|>"),
+        audio_end_token_id=ids("<|audio_eos|>"),
+        vision_start_token_id=ids("<|vision_bos|>"),
         vision_end_token_id=ids("<|vision_eos|>"),
     )
     pixels = 28 * 28
     processor = Qwen2_5OmniProcessor(
         image_processor=Qwen2VLImageProcessor(min_pixels=4 * pixels, max_pixels=recipe.image_max_tokens * pixels),
-        video_processor=Qwen2VLVideoProcessor(), feature_extractor=_feature_extractor(recipe),
-        tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+        video_processor=Qwen2VLVideoProcessor(),
+        feature_extractor=_feature_extractor(recipe),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
     )
     return Qwen2_5OmniThinkerForConditionalGeneration(config), processor
 

@@ -7,6 +7,7 @@ as `tiny-llava` (CLIP tower + projector + Llama LM, processor, chat template), t
 end from a seed in 70-80 s of one CPU core: AdamW, fresh pictures every step, loss on the
 answer tokens only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -17,7 +18,13 @@ from tqdm import tqdm
 
 from actors import shapes
 from actors.checkpoints import (
-    _GAINS, Recipe, _init_weights, build_processor, build_tokenizer, greedy_generation_config, llava_config,
+    _GAINS,
+    Recipe,
+    _init_weights,
+    build_processor,
+    build_tokenizer,
+    greedy_generation_config,
+    llava_config,
 )
 
 if TYPE_CHECKING:
@@ -99,9 +106,9 @@ class BatchMaker:
         labels = torch.full((len(rows), width), IGNORE)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, (p, a) in enumerate(rows):
-            ids[i, :len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p):len(p) + len(a)] = torch.tensor(a)
-            mask[i, :len(p) + len(a)] = 1
+            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+            mask[i, : len(p) + len(a)] = 1
         pixels = self.processor.image_processor(images=[s.image for s in batch], return_tensors="pt")["pixel_values"]
         return Batch(ids, mask, labels, pixels)
 
@@ -121,8 +128,7 @@ def answer_loss(model: LlavaForConditionalGeneration, batch: Batch) -> torch.Ten
     (the full-vocabulary logits of every prompt position would double the step's cost)."""
     import torch
 
-    hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                         pixel_values=batch.pixel_values).last_hidden_state
+    hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, pixel_values=batch.pixel_values).last_hidden_state
     targets = batch.labels[:, 1:]  # position t predicts token t + 1
     scored = targets != IGNORE
     return torch.nn.functional.cross_entropy(model.lm_head(hidden[:, :-1][scored]), targets[scored])
@@ -177,22 +183,40 @@ def build_shapes(recipe: TrainedRecipe, *, progress: bool = False):
     return model, processor
 
 
-
 def generate_answer(model: LlavaForConditionalGeneration, processor: LlavaProcessor, sample: shapes.Sample) -> list[int]:
     """The new token ids of plain HF greedy `generate` on `sample`, prompted as the server prompts."""
     text = processor.apply_chat_template(sample.messages({"type": "image"}), add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, images=[sample.image], return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
-_ARCH = Recipe(name="shapes-llava", seed=2024, vocab_size=1000, image_size=32, patch_size=8,
-               vision_hidden=96, vision_layers=2, vision_heads=4, vision_intermediate=192,
-               text_hidden=96, text_layers=2, text_heads=4, text_kv_heads=2, text_intermediate=192)
+
+_ARCH = Recipe(
+    name="shapes-llava",
+    seed=2024,
+    vocab_size=1000,
+    image_size=32,
+    patch_size=8,
+    vision_hidden=96,
+    vision_layers=2,
+    vision_heads=4,
+    vision_intermediate=192,
+    text_hidden=96,
+    text_layers=2,
+    text_heads=4,
+    text_kv_heads=2,
+    text_intermediate=192,
+)
 
 SHAPES_RECIPES: dict[str, TrainedRecipe] = {
     # Colour and side only; kept as it was so its shared cache stays valid (`shapes-llava-v2` is the default).
     "shapes-llava": TrainedRecipe(
-        arch=_ARCH, num_steps=400, batch_size=32, learning_rate=3e-3, warmup_steps=20, data_seed=11,
+        arch=_ARCH,
+        num_steps=400,
+        batch_size=32,
+        learning_rate=3e-3,
+        warmup_steps=20,
+        data_seed=11,
         asks=(shapes.Ask.COLOUR, shapes.Ask.SIDE),
     ),
     # Also names the shape. What `shapes-llava` lacked (the shape question sat at chance for
@@ -200,8 +224,15 @@ SHAPES_RECIPES: dict[str, TrainedRecipe] = {
     # shape-only steps first. Each alone, measured in scratch runs: shape-only at lr 1e-3
     # learns with "full" (0.88 at 300 steps); mixed at 3e-3 it was still at chance after 400.
     "shapes-llava-v2": TrainedRecipe(
-        arch=replace(_ARCH, name="shapes-llava-v2"), num_steps=900, batch_size=32, learning_rate=1e-3,
-        warmup_steps=20, data_seed=11, asks=(shapes.Ask.COLOUR, shapes.Ask.SHAPE, shapes.Ask.SIDE),
-        first_asks=(shapes.Ask.SHAPE,), first_steps=250, feature_strategy="full",
+        arch=replace(_ARCH, name="shapes-llava-v2"),
+        num_steps=900,
+        batch_size=32,
+        learning_rate=1e-3,
+        warmup_steps=20,
+        data_seed=11,
+        asks=(shapes.Ask.COLOUR, shapes.Ask.SHAPE, shapes.Ask.SIDE),
+        first_asks=(shapes.Ask.SHAPE,),
+        first_steps=250,
+        feature_strategy="full",
     ),
 }

@@ -7,6 +7,7 @@ to the commit it found; every process then resolves that same commit from its ow
 cache, downloading only where the node lacks it. A pinned commit never changes, so a cached
 snapshot of it is used without asking the Hub at all.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,7 +61,8 @@ def _not_found(location: str, revision: str | None, cache_dir: str | None, exc: 
     cache = expand(cache_dir) if cache_dir else Path(constants.HF_HUB_CACHE)
     why = "the Hub is offline (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else f"the Hub cannot be reached ({exc.__cause__ or exc})"
     at = f" at revision {revision!r}" if revision else ""
-    return (f"model.checkpoint {location!r} is not a local directory, and as a Hugging Face repo id it is not "
-            f"in the cache at {cache}{at}, and {why}; give an existing directory, fill the cache "
-            f"(`hf download {location}` where the Hub is reachable, or copy a cache)"
-            + (", or unset HF_HUB_OFFLINE" if constants.HF_HUB_OFFLINE else ""))
+    return (
+        f"model.checkpoint {location!r} is not a local directory, and as a Hugging Face repo id it is not "
+        f"in the cache at {cache}{at}, and {why}; give an existing directory, fill the cache "
+        f"(`hf download {location}` where the Hub is reachable, or copy a cache)" + (", or unset HF_HUB_OFFLINE" if constants.HF_HUB_OFFLINE else "")
+    )

@@ -10,6 +10,7 @@ mrope), generation_config.json, model.safetensors, preprocessor_config.json (Qwe
 processor reads it too: no video_preprocessor_config.json), chat_template.json, tokenizer
 files; LLaVA-NeXT adds processor_config.json (patch size, feature strategy), as its repo does.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,17 @@ from pathlib import Path
 from actors.checkpoint_qwen import _text_config
 from actors.checkpoints import SPECIAL_TOKENS, _init_weights, _mute_unprintable, greedy_generation_config, train_bpe
 
-QWEN_VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<|vision_start|>", "<|vision_end|>",
-                    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_VL_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<unk>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 
 # The published Qwen2.5-VL template's structure: a default system turn, ChatML turns, each
 # image or video as <|vision_start|><|image_pad|/|video_pad|><|vision_end|>.
@@ -124,36 +134,55 @@ def _tokenizer(recipe: VLRecipe, specials: list[str], named: dict[str, str], tem
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=train_bpe(recipe, specials), extra_special_tokens=named, chat_template=template,
-        model_max_length=recipe.max_positions, clean_up_tokenization_spaces=False, **tokens,
+        tokenizer_object=train_bpe(recipe, specials),
+        extra_special_tokens=named,
+        chat_template=template,
+        model_max_length=recipe.max_positions,
+        clean_up_tokenization_spaces=False,
+        **tokens,
     )
 
 
 def _qwen_vl(recipe: VLRecipe):
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor,
-                              Qwen2VLImageProcessor, Qwen2VLVideoProcessor)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    named = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-             "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"}
-    tokenizer = _tokenizer(recipe, QWEN_VL_SPECIALS, named, QWEN_VL_TEMPLATE,
-                           eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>")
+    named = {
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+        "vision_bos_token": "<|vision_start|>",
+        "vision_eos_token": "<|vision_end|>",
+    }
+    tokenizer = _tokenizer(recipe, QWEN_VL_SPECIALS, named, QWEN_VL_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>")
     ids = tokenizer.convert_tokens_to_ids
     head_dim = recipe.text_hidden // recipe.text_heads
     third = head_dim // 2 // 4  # mrope sections (t, h, w) over head_dim / 2 rotary frequencies
     config = Qwen2_5_VLConfig(
-        vision_config=dict(depth=recipe.vision_layers, hidden_size=recipe.vision_hidden, num_heads=recipe.vision_heads,
-                           intermediate_size=2 * recipe.vision_hidden, out_hidden_size=recipe.text_hidden,
-                           fullatt_block_indexes=[recipe.vision_layers - 1], window_size=56, tokens_per_second=2),
-        text_config=_text_config(recipe, tokenizer, rope_parameters={
-            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [head_dim // 2 - 2 * third, third, third]}),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        vision_config=dict(
+            depth=recipe.vision_layers,
+            hidden_size=recipe.vision_hidden,
+            num_heads=recipe.vision_heads,
+            intermediate_size=2 * recipe.vision_hidden,
+            out_hidden_size=recipe.text_hidden,
+            fullatt_block_indexes=[recipe.vision_layers - 1],
+            window_size=56,
+            tokens_per_second=2,
+        ),
+        text_config=_text_config(
+            recipe,
+            tokenizer,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [head_dim // 2 - 2 * third, third, third]},
+        ),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
     )
     pixels = 28 * 28
     processor = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(min_pixels=4 * pixels, max_pixels=recipe.image_max_tokens * pixels),
         video_processor=Qwen2VLVideoProcessor(min_pixels=4 * pixels, max_pixels=recipe.image_max_tokens * pixels),
-        tokenizer=tokenizer, chat_template=QWEN_VL_TEMPLATE,
+        tokenizer=tokenizer,
+        chat_template=QWEN_VL_TEMPLATE,
     )
     return Qwen2_5_VLForConditionalGeneration(config), processor, tokenizer, len(QWEN_VL_SPECIALS)
 
@@ -167,26 +196,50 @@ def _llava_next(recipe: VLRecipe):
     from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
 
-    tokenizer = _tokenizer(recipe, SPECIAL_TOKENS, {"image_token": "<image>"}, LLAVA_NEXT_TEMPLATE,
-                           bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-                           add_bos_token=False, add_eos_token=False)  # the template supplies <s>
+    tokenizer = _tokenizer(
+        recipe,
+        SPECIAL_TOKENS,
+        {"image_token": "<image>"},
+        LLAVA_NEXT_TEMPLATE,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        add_bos_token=False,
+        add_eos_token=False,
+    )  # the template supplies <s>
     pinpoints = anyres_pinpoints(recipe.tile_size)
-    vision = CLIPVisionConfig(hidden_size=recipe.vision_hidden, intermediate_size=2 * recipe.vision_hidden,
-                              num_hidden_layers=recipe.vision_layers, num_attention_heads=recipe.vision_heads,
-                              image_size=recipe.tile_size, patch_size=recipe.patch_size)
+    vision = CLIPVisionConfig(
+        hidden_size=recipe.vision_hidden,
+        intermediate_size=2 * recipe.vision_hidden,
+        num_hidden_layers=recipe.vision_layers,
+        num_attention_heads=recipe.vision_heads,
+        image_size=recipe.tile_size,
+        patch_size=recipe.patch_size,
+    )
     config = LlavaNextConfig(
-        vision_config=vision, text_config=_text_config(recipe, tokenizer, bos_token_id=tokenizer.bos_token_id, model_type="mistral"),
-        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), image_grid_pinpoints=pinpoints,
-        vision_feature_select_strategy="default", vision_feature_layer=-2,
+        vision_config=vision,
+        text_config=_text_config(recipe, tokenizer, bos_token_id=tokenizer.bos_token_id, model_type="mistral"),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-2,
         image_seq_length=(recipe.tile_size // recipe.patch_size) ** 2,
     )
     images = LlavaNextImageProcessorPil(
-        size={"shortest_edge": recipe.tile_size}, crop_size={"height": recipe.tile_size, "width": recipe.tile_size},
+        size={"shortest_edge": recipe.tile_size},
+        crop_size={"height": recipe.tile_size, "width": recipe.tile_size},
         image_grid_pinpoints=pinpoints,
     )
-    processor = LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=recipe.patch_size,
-                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                                   chat_template=LLAVA_NEXT_TEMPLATE, image_token="<image>")
+    processor = LlavaNextProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=recipe.patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=LLAVA_NEXT_TEMPLATE,
+        image_token="<image>",
+    )
     return LlavaNextForConditionalGeneration(config), processor, tokenizer, len(SPECIAL_TOKENS)
 
 

@@ -7,6 +7,7 @@
 * vision_feature_layer=-1 (random weights: no reason to prefer the penultimate layer) and
   strategy "default" (CLS dropped): an image becomes (image_size // patch_size) ** 2 tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,7 @@ from tqdm import tqdm
 
 if TYPE_CHECKING:  # heavy imports stay lazy: `train_bpe` runs without torch/transformers
     import tokenizers
-    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
-    from transformers import PreTrainedTokenizerFast
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>", "<image>", "<video>", "<audio>"]
 
@@ -76,14 +76,36 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {
     "tiny-llava": Recipe(
-        name="tiny-llava", seed=1234, vocab_size=1000, image_size=32, patch_size=8,
-        vision_hidden=64, vision_layers=2, vision_heads=4, vision_intermediate=128,
-        text_hidden=64, text_layers=2, text_heads=4, text_kv_heads=2, text_intermediate=128,
+        name="tiny-llava",
+        seed=1234,
+        vocab_size=1000,
+        image_size=32,
+        patch_size=8,
+        vision_hidden=64,
+        vision_layers=2,
+        vision_heads=4,
+        vision_intermediate=128,
+        text_hidden=64,
+        text_layers=2,
+        text_heads=4,
+        text_kv_heads=2,
+        text_intermediate=128,
     ),
     "bench-llava": Recipe(
-        name="bench-llava", seed=4321, vocab_size=4000, image_size=224, patch_size=16,
-        vision_hidden=384, vision_layers=6, vision_heads=6, vision_intermediate=1536,
-        text_hidden=512, text_layers=8, text_heads=8, text_kv_heads=4, text_intermediate=1536,
+        name="bench-llava",
+        seed=4321,
+        vocab_size=4000,
+        image_size=224,
+        patch_size=16,
+        vision_hidden=384,
+        vision_layers=6,
+        vision_heads=6,
+        vision_intermediate=1536,
+        text_hidden=512,
+        text_layers=8,
+        text_heads=8,
+        text_kv_heads=4,
+        text_intermediate=1536,
     ),
 }
 
@@ -112,8 +134,7 @@ def _lcg(x: int) -> Iterator[int]:
 def _corpus(n_sentences: int) -> list[str]:
     """Fixed English-like text: real words plus syllable pseudo-words, digits, punctuation, newlines."""
     rnd = _lcg(7)
-    pseudo = ["".join(_SYLLABLES[next(rnd) % len(_SYLLABLES)] for _ in range(2 + next(rnd) % 3))
-              for _ in range(3000)]
+    pseudo = ["".join(_SYLLABLES[next(rnd) % len(_SYLLABLES)] for _ in range(2 + next(rnd) % 3)) for _ in range(3000)]
     vocab = _WORDS * 12 + pseudo  # real words dominate, pseudo-words add merge diversity
     ends = [".", ".", ".", "?", "!", ",", ":"]
     sentences = []
@@ -125,7 +146,7 @@ def _corpus(n_sentences: int) -> list[str]:
         sentences.append(s[0].upper() + s[1:] + ends[next(rnd) % len(ends)])
     fixed = "SYSTEM: Be kind.\nUSER: What is in this image?\nASSISTANT: A lake.\ndef f(x):\n    return x\n"
     # Newline-joined "documents" so newlines and indentation get merges too.
-    return ["\n".join(sentences[i:i + 8]) for i in range(0, len(sentences), 8)] + [fixed] * 50
+    return ["\n".join(sentences[i : i + 8]) for i in range(0, len(sentences), 8)] + [fixed] * 50
 
 
 def train_bpe(recipe, specials: list[str] = SPECIAL_TOKENS) -> tokenizers.Tokenizer:
@@ -136,8 +157,11 @@ def train_bpe(recipe, specials: list[str] = SPECIAL_TOKENS) -> tokenizers.Tokeni
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=recipe.vocab_size, min_frequency=2, special_tokens=list(specials),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=recipe.vocab_size,
+        min_frequency=2,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_corpus(recipe.vocab_size * 10), trainer=trainer)
     return tok
@@ -148,10 +172,15 @@ def build_tokenizer(recipe: Recipe) -> PreTrainedTokenizerFast:
 
     return PreTrainedTokenizerFast(
         tokenizer_object=train_bpe(recipe),
-        bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
         extra_special_tokens={"image_token": "<image>", "video_token": "<video>", "audio_token": "<audio>"},
-        add_bos_token=False, add_eos_token=False,  # the chat template supplies <s>
-        chat_template=CHAT_TEMPLATE, model_max_length=recipe.max_positions,
+        add_bos_token=False,
+        add_eos_token=False,  # the chat template supplies <s>
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=recipe.max_positions,
         clean_up_tokenization_spaces=False,
     )
 
@@ -160,20 +189,33 @@ def llava_config(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> LlavaCon
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
     vision = CLIPVisionConfig(
-        hidden_size=recipe.vision_hidden, intermediate_size=recipe.vision_intermediate,
-        num_hidden_layers=recipe.vision_layers, num_attention_heads=recipe.vision_heads,
-        image_size=recipe.image_size, patch_size=recipe.patch_size,
+        hidden_size=recipe.vision_hidden,
+        intermediate_size=recipe.vision_intermediate,
+        num_hidden_layers=recipe.vision_layers,
+        num_attention_heads=recipe.vision_heads,
+        image_size=recipe.image_size,
+        patch_size=recipe.patch_size,
     )
     text = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=recipe.text_hidden, intermediate_size=recipe.text_intermediate,
-        num_hidden_layers=recipe.text_layers, num_attention_heads=recipe.text_heads,
-        num_key_value_heads=recipe.text_kv_heads, max_position_embeddings=recipe.max_positions,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.text_hidden,
+        intermediate_size=recipe.text_intermediate,
+        num_hidden_layers=recipe.text_layers,
+        num_attention_heads=recipe.text_heads,
+        num_key_value_heads=recipe.text_kv_heads,
+        max_position_embeddings=recipe.max_positions,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
     )
     return LlavaConfig(
-        vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
-        projector_hidden_act="gelu", vision_feature_select_strategy="default", vision_feature_layer=-1,
+        vision_config=vision,
+        text_config=text,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        projector_hidden_act="gelu",
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
     )
 
 
@@ -230,13 +272,19 @@ def build_processor(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> Llava
     images = CLIPImageProcessorPil(
         size={"shortest_edge": recipe.image_size},
         crop_size={"height": recipe.image_size, "width": recipe.image_size},
-        do_resize=True, do_center_crop=True, do_convert_rgb=True,
+        do_resize=True,
+        do_center_crop=True,
+        do_convert_rgb=True,
     )
     # num_additional_image_tokens=1 (CLS) minus 1 for "default" = one token per patch.
     return LlavaProcessor(
-        image_processor=images, tokenizer=tokenizer, patch_size=recipe.patch_size,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=CHAT_TEMPLATE, image_token="<image>",
+        image_processor=images,
+        tokenizer=tokenizer,
+        patch_size=recipe.patch_size,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+        image_token="<image>",
     )
 
 
@@ -244,8 +292,9 @@ def greedy_generation_config(tokenizer: PreTrainedTokenizerFast):
     """Only the special ids and greedy: nothing that would bend plain argmax decoding."""
     from transformers import GenerationConfig
 
-    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                            pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    )
 
 
 def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> LlavaForConditionalGeneration:

@@ -1,6 +1,7 @@
 """The decode worker's bookkeeping, in plain Python: which sequences wait, which run,
 and when one is finished. The KV tensors live beside it in `kv.BatchedKV`, row i of
 which always belongs to `running[i]`."""
+
 from __future__ import annotations
 
 import enum

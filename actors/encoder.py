@@ -1,4 +1,5 @@
 """Encoder worker: batches items across requests and runs the model's towers on them."""
+
 from __future__ import annotations
 
 import os
@@ -52,9 +53,15 @@ class EncoderWorker(ModelWorker):
         return WorkerLoad(queued=self.batcher.queue_depth, running=self._running)
 
     def stats(self) -> dict[str, int]:
-        return {"pid": os.getpid(), "queued": self.batcher.queue_depth, "running": self._running,
-                "num_batches": self.batcher.num_batches, "max_batch": self.batcher.max_batch_seen,
-                "cache_hits": self.cache.hits, "cache_entries": len(self.cache)}
+        return {
+            "pid": os.getpid(),
+            "queued": self.batcher.queue_depth,
+            "running": self._running,
+            "num_batches": self.batcher.num_batches,
+            "max_batch": self.batcher.max_batch_seen,
+            "cache_hits": self.cache.hits,
+            "cache_entries": len(self.cache),
+        }
 
     def cached_identifiers(self) -> frozenset[str]:
         """What this encoder holds, for the router's cluster view."""

@@ -3,6 +3,7 @@
 Plain Python over opaque values with a byte size each; least recently used entries are
 evicted once the byte budget is exceeded. `check_integrity` states the invariants.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -4,6 +4,7 @@ Hashing the decoded array (not the request bytes) makes the same picture sent as
 and as lossless WebP share one identifier; hashing the namespace (the model id) keeps
 two models from ever sharing an embedding. No torch here.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,8 +20,7 @@ def _field(value: bytes) -> bytes:
     return len(value).to_bytes(8, "little") + value
 
 
-def media_identifier(namespace: str, modality: Modality, data: np.ndarray, *,
-                     rate: float | None = None) -> str:
+def media_identifier(namespace: str, modality: Modality, data: np.ndarray, *, rate: float | None = None) -> str:
     """blake3 hex digest over namespace, modality, dtype, shape, the raw decoded bytes and,
     when given, the rate of the time axis (audio samples or video frames per second).
 

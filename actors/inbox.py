@@ -12,6 +12,7 @@ comes. Entries nobody claims still expire, as a last resort.
 Request ids start with their ingress replica's owner tag: when a replica dies, the fleet
 controller closes its whole tag here (`close_owner`), freeing what its requests held.
 """
+
 from __future__ import annotations
 
 import time

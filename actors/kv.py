@@ -5,6 +5,7 @@ so each transport moves a single buffer. Inside a decode worker the running batc
 one left-padded [batch, kv_heads, tokens, head_dim] tensor per layer and key/value plus a
 [batch, tokens] validity mask; requests join and leave by re-padding between steps.
 """
+
 from __future__ import annotations
 
 import torch
@@ -132,3 +133,11 @@ class BatchedKV:
 
     def lengths(self) -> torch.Tensor:
         return self.mask.sum(dim=1)
+
+
+def cache_of(packed: torch.Tensor) -> DynamicCache:
+    """A batch-1 cache holding `packed` (e.g. a cached prefix a prefill continues from)."""
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(unpack(packed)):
+        cache.update(k, v, i)
+    return cache

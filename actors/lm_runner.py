@@ -3,6 +3,7 @@
 The actors around this module only queue, batch and move data; everything here is plain
 torch on one device, so it can be driven directly by tests and benchmarks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,20 +45,41 @@ class LMRunner:
     ) -> tuple[Sampled | None, torch.Tensor, int]:
         """First token (None if it could not be sampled), the packed KV cache of the whole
         prompt, and the rope delta decode adds to cache lengths (0 for 1-D positions)."""
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        embeds = splice(self.adapter.embed_tokens(ids), ranges, items)
-        positions, rope_delta = self.adapter.prompt_positions(ids, ranges)
+        embeds, positions, rope_delta = self.prompt_inputs(token_ids, ranges, items)
         cache = DynamicCache()
-        for start in range(0, ids.shape[1], self.max_chunk_tokens):
-            end = start + self.max_chunk_tokens
-            hidden = self.adapter.forward(embeds[:, start:end], positions[..., start:end], cache)
-        logits = self.adapter.logits(hidden[:, -1])
-        return sample_rows(logits, [params], [ids.shape[1]], [history] if history else None)[0], kv.pack(cache), rope_delta
+        for start in range(0, embeds.shape[1], self.max_chunk_tokens):
+            hidden = self.forward_chunk(embeds, positions, cache, start, start + self.max_chunk_tokens)
+        return self.first_token(hidden, params, len(token_ids), history), kv.pack(cache), rope_delta
+
+    @torch.inference_mode()
+    def prompt_inputs(
+        self, token_ids: tuple[int, ...], ranges: tuple[PlaceholderRange, ...], items: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The prompt's input embeddings (items spliced in), its positions and rope delta."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        positions, rope_delta = self.adapter.prompt_positions(ids, ranges)
+        return splice(self.adapter.embed_tokens(ids), ranges, items), positions, rope_delta
+
+    @torch.inference_mode()
+    def forward_chunk(self, embeds: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, start: int, end: int) -> torch.Tensor:
+        """Prompt tokens [start, end) through the LM on top of `cache` (which holds [0, start))."""
+        return self.adapter.forward(embeds[:, start:end], positions[..., start:end], cache)
+
+    @torch.inference_mode()
+    def first_token(
+        self, hidden: torch.Tensor, params: SamplingParams, num_prompt_tokens: int, history: TokenHistory | None = None
+    ) -> Sampled | None:
+        return sample_rows(self.adapter.logits(hidden[:, -1]), [params], [num_prompt_tokens], [history] if history else None)[0]
 
     @torch.inference_mode()
     def decode_step(
-        self, batch: kv.BatchedKV, last_tokens: list[int], params: list[SamplingParams], positions: list[int],
-        rope_deltas: list[int] | None = None, histories: list[TokenHistory] | None = None,
+        self,
+        batch: kv.BatchedKV,
+        last_tokens: list[int],
+        params: list[SamplingParams],
+        positions: list[int],
+        rope_deltas: list[int] | None = None,
+        histories: list[TokenHistory] | None = None,
     ) -> list[Sampled | None]:
         """Feed each row its last token; the cache grows by one slot; returns the next tokens."""
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)

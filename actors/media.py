@@ -7,10 +7,12 @@ sends is untrusted: each failure becomes a MediaError that names the offending c
 part, so the HTTP layer can answer 400 instead of 500. No torch here: this runs in the
 ingress, before any model is involved.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -24,8 +26,19 @@ from actors.media_pool import decode_slot
 from actors.media_video import VideoSampling, decode_video_url
 from actors.types import MediaItem, Modality
 
-__all__ = ["DECODERS", "Decoded", "MediaError", "MediaLimits", "MediaOptions", "PixelBudget", "VideoSampling",
-           "convert_to_rgb", "decode_image_url", "decode_media", "load_media_item"]
+__all__ = [
+    "DECODERS",
+    "Decoded",
+    "MediaError",
+    "MediaLimits",
+    "MediaOptions",
+    "PixelBudget",
+    "VideoSampling",
+    "convert_to_rgb",
+    "decode_image_url",
+    "decode_media",
+    "load_media_item",
+]
 
 
 class RemoteMediaLimits(Protocol):
@@ -79,54 +92,63 @@ class _Part:
 
 # ----------------------------------------------------------------------------- dispatch
 
+
 def fetch_policy(limits: MediaLimits) -> FetchPolicy | None:
     """How http(s) media URLs may be fetched; None when no host is allowed."""
     r = limits.remote_media
     if not r.allowed_hosts:
         return None
-    return FetchPolicy.of(r.allowed_hosts, r.allowed_networks, max_bytes=r.max_bytes, timeout_s=r.timeout_s,
-                          max_redirects=r.max_redirects)
+    return FetchPolicy.of(r.allowed_hosts, r.allowed_networks, max_bytes=r.max_bytes, timeout_s=r.timeout_s, max_redirects=r.max_redirects)
 
 
 Decoder = Callable[[_Part, MediaLimits, MediaOptions, PixelBudget | None], Decoded]
 
 
-def _image_decoder(part: _Part, limits: MediaLimits, options: MediaOptions,
-                   budget: PixelBudget | None) -> Decoded:
-    return Decoded(decode_image_url(part.payload, max_pixels=limits.max_image_pixels,
-                                    remote=fetch_policy(limits), param=part.param, budget=budget))
+def _image_decoder(part: _Part, limits: MediaLimits, options: MediaOptions, budget: PixelBudget | None) -> Decoded:
+    return Decoded(decode_image_url(part.payload, max_pixels=limits.max_image_pixels, remote=fetch_policy(limits), param=part.param, budget=budget))
 
 
-def _audio_decoder(part: _Part, limits: MediaLimits, options: MediaOptions,
-                   budget: PixelBudget | None) -> Decoded:
+def _audio_decoder(part: _Part, limits: MediaLimits, options: MediaOptions, budget: PixelBudget | None) -> Decoded:
     rate_hz = options.audio_sample_rate_hz
     if part.format is None:  # an audio_url part: a data or http(s) URL whose MIME type names the format
-        samples = decode_audio_url(part.payload, remote=fetch_policy(limits), sample_rate_hz=rate_hz,
-                                   max_duration_s=limits.max_audio_s, param=part.param)
+        samples = decode_audio_url(
+            part.payload, remote=fetch_policy(limits), sample_rate_hz=rate_hz, max_duration_s=limits.max_audio_s, param=part.param
+        )
     else:
-        samples = decode_audio(part.payload, part.format, sample_rate_hz=rate_hz,
-                               max_duration_s=limits.max_audio_s, param=part.param)
+        samples = decode_audio(part.payload, part.format, sample_rate_hz=rate_hz, max_duration_s=limits.max_audio_s, param=part.param)
     return Decoded(samples, sample_rate_hz=rate_hz)
 
 
-def _video_decoder(part: _Part, limits: MediaLimits, options: MediaOptions,
-                   budget: PixelBudget | None) -> Decoded:
-    video = decode_video_url(part.payload, sampling=options.video_sampling,
-                             max_pixels=limits.max_image_pixels, max_duration_s=limits.max_video_s,
-                             max_frames=limits.max_video_frames, max_video_pixels=limits.max_video_pixels,
-                             remote=fetch_policy(limits), param=part.param, budget=budget)
+def _video_decoder(part: _Part, limits: MediaLimits, options: MediaOptions, budget: PixelBudget | None) -> Decoded:
+    video = decode_video_url(
+        part.payload,
+        sampling=options.video_sampling,
+        max_pixels=limits.max_image_pixels,
+        max_duration_s=limits.max_video_s,
+        max_frames=limits.max_video_frames,
+        max_video_pixels=limits.max_video_pixels,
+        remote=fetch_policy(limits),
+        param=part.param,
+        budget=budget,
+    )
     return Decoded(video.frames, frames_per_s=video.frames_per_s)
 
 
-DECODERS: dict[Modality, Decoder] = {
-    Modality.IMAGE: _image_decoder, Modality.AUDIO: _audio_decoder, Modality.VIDEO: _video_decoder}
+DECODERS: dict[Modality, Decoder] = {Modality.IMAGE: _image_decoder, Modality.AUDIO: _audio_decoder, Modality.VIDEO: _video_decoder}
 
 _DEFAULT_OPTIONS = MediaOptions()
 
 
-def decode_media(modality: Modality, payload: str, *, limits: MediaLimits, param: str,
-                 format: str | None = None, options: MediaOptions = _DEFAULT_OPTIONS,
-                 budget: PixelBudget | None = None) -> Decoded:
+def decode_media(
+    modality: Modality,
+    payload: str,
+    *,
+    limits: MediaLimits,
+    param: str,
+    format: str | None = None,
+    options: MediaOptions = _DEFAULT_OPTIONS,
+    budget: PixelBudget | None = None,
+) -> Decoded:
     """Decode one item of `modality`; MediaError if the modality has no decoder or the data is bad.
 
     `format` is input_audio.format (audio only); `options` the served model's input format;
@@ -138,15 +160,25 @@ def decode_media(modality: Modality, payload: str, *, limits: MediaLimits, param
     return decoder(_Part(payload, format, param), limits, options, budget)
 
 
-def load_media_item(modality: Modality, payload: str, *, namespace: str, limits: MediaLimits,
-                    param: str, format: str | None = None, options: MediaOptions = _DEFAULT_OPTIONS,
-                    budget: PixelBudget | None = None) -> MediaItem:
+def load_media_item(
+    modality: Modality,
+    payload: str,
+    *,
+    namespace: str,
+    limits: MediaLimits,
+    param: str,
+    format: str | None = None,
+    options: MediaOptions = _DEFAULT_OPTIONS,
+    budget: PixelBudget | None = None,
+) -> MediaItem:
     """Decode (in a decode slot) and fingerprint one item: what the ingress hands to the encoder stage."""
     with decode_slot(limits.max_concurrent_decodes):
-        decoded = decode_media(modality, payload, limits=limits, param=param, format=format, options=options,
-                               budget=budget)
+        decoded = decode_media(modality, payload, limits=limits, param=param, format=format, options=options, budget=budget)
     rate = decoded.sample_rate_hz if decoded.sample_rate_hz is not None else decoded.frames_per_s
-    return MediaItem(modality=modality,
-                     identifier=media_identifier(namespace, modality, decoded.data, rate=rate),
-                     data=decoded.data, sample_rate_hz=decoded.sample_rate_hz,
-                     frames_per_s=decoded.frames_per_s)
+    return MediaItem(
+        modality=modality,
+        identifier=media_identifier(namespace, modality, decoded.data, rate=rate),
+        data=decoded.data,
+        sample_rate_hz=decoded.sample_rate_hz,
+        frames_per_s=decoded.frames_per_s,
+    )

@@ -5,6 +5,7 @@ channels are averaged to mono and the result is resampled with an exact rational
 polyphase filter. The clip's length is checked from the file header before any sample
 is decoded, so a long clip is refused cheaply. No torch here.
 """
+
 from __future__ import annotations
 
 import io
@@ -19,14 +20,26 @@ from actors.media_input import MediaError, UrlKind, data_url_bytes, decode_base6
 # input_audio.format -> the libsndfile container names that format may arrive as.
 _CONTAINERS = {"wav": ("WAV", "WAVEX", "RF64"), "flac": ("FLAC",), "mp3": ("MP3",), "ogg": ("OGG",)}
 # Only what this libsndfile can read: MP3 needs libsndfile >= 1.1, and builds may leave codecs out.
-AUDIO_FORMATS: tuple[str, ...] = tuple(
-    name for name, containers in _CONTAINERS.items() if containers[0] in sf.available_formats())
+AUDIO_FORMATS: tuple[str, ...] = tuple(name for name, containers in _CONTAINERS.items() if containers[0] in sf.available_formats())
 
 # audio_url (vLLM's extension of OpenAI's content parts): the MIME type names the format.
-_FORMAT_OF_MIME = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/wave": "wav", "audio/vnd.wave": "wav",
-                   "audio/flac": "flac", "audio/x-flac": "flac", "audio/mpeg": "mp3", "audio/mp3": "mp3", "audio/ogg": "ogg"}
-AUDIO_URL = UrlKind("audio", frozenset(m for m, f in _FORMAT_OF_MIME.items() if f in AUDIO_FORMATS),
-                    "audio/wav, audio/flac, audio/mpeg or audio/ogg", "data:audio/wav;base64,...")
+_FORMAT_OF_MIME = {
+    "audio/wav": "wav",
+    "audio/x-wav": "wav",
+    "audio/wave": "wav",
+    "audio/vnd.wave": "wav",
+    "audio/flac": "flac",
+    "audio/x-flac": "flac",
+    "audio/mpeg": "mp3",
+    "audio/mp3": "mp3",
+    "audio/ogg": "ogg",
+}
+AUDIO_URL = UrlKind(
+    "audio",
+    frozenset(m for m, f in _FORMAT_OF_MIME.items() if f in AUDIO_FORMATS),
+    "audio/wav, audio/flac, audio/mpeg or audio/ogg",
+    "data:audio/wav;base64,...",
+)
 
 # Outside these a header is corrupt or hostile, not a recording worth resampling.
 MIN_SAMPLE_RATE_HZ = 1_000
@@ -36,8 +49,7 @@ MAX_CHANNELS = 32
 _BLOCK_FRAMES = 1 << 16
 
 
-def decode_audio(data_b64: str, audio_format: str | None, *, sample_rate_hz: int,
-                 max_duration_s: float, param: str) -> np.ndarray:
+def decode_audio(data_b64: str, audio_format: str | None, *, sample_rate_hz: int, max_duration_s: float, param: str) -> np.ndarray:
     """base64 audio declared as `audio_format` -> 1-D float32 mono samples at `sample_rate_hz`.
 
     Raises MediaError for an unsupported format, bad base64, data that is not audio of the
@@ -49,12 +61,10 @@ def decode_audio(data_b64: str, audio_format: str | None, *, sample_rate_hz: int
     return decode_audio_bytes(data, name, sample_rate_hz=sample_rate_hz, max_duration_s=max_duration_s, param=param)
 
 
-def decode_audio_url(url: str, *, remote: FetchPolicy | None, sample_rate_hz: int, max_duration_s: float,
-                     param: str) -> np.ndarray:
+def decode_audio_url(url: str, *, remote: FetchPolicy | None, sample_rate_hz: int, max_duration_s: float, param: str) -> np.ndarray:
     """An audio_url (a data URL, or http(s) fetched under `remote`) -> samples, as decode_audio."""
     mime, data = data_url_bytes(url, kind=AUDIO_URL, remote=remote, param=param)
-    return decode_audio_bytes(data, _FORMAT_OF_MIME[mime], sample_rate_hz=sample_rate_hz,
-                              max_duration_s=max_duration_s, param=param)
+    return decode_audio_bytes(data, _FORMAT_OF_MIME[mime], sample_rate_hz=sample_rate_hz, max_duration_s=max_duration_s, param=param)
 
 
 def decode_audio_bytes(data: bytes, name: str, *, sample_rate_hz: int, max_duration_s: float, param: str) -> np.ndarray:
@@ -84,8 +94,7 @@ def _format_name(audio_format: str | None, param: str) -> str:
     name = (audio_format or "").strip().lower()
     if name not in AUDIO_FORMATS:
         shown = f"'{audio_format}'" if audio_format else "(none)"
-        raise MediaError(f"unsupported audio format {shown}; send one of {', '.join(AUDIO_FORMATS)}",
-                         param)
+        raise MediaError(f"unsupported audio format {shown}; send one of {', '.join(AUDIO_FORMATS)}", param)
     return name
 
 
@@ -110,8 +119,7 @@ def _open(data: bytes, name: str, param: str) -> sf.SoundFile:
         raise MediaError(f"data does not decode as {name} audio: {_reason(exc)}", param) from None
     if sound.format not in _CONTAINERS[name]:
         sound.close()
-        raise MediaError(f"data is {sound.format} audio, not {name} as input_audio.format declares",
-                         param)
+        raise MediaError(f"data is {sound.format} audio, not {name} as input_audio.format declares", param)
     return sound
 
 
@@ -119,16 +127,14 @@ def _check_header(sound: sf.SoundFile, *, max_duration_s: float, param: str) -> 
     """Refuse from the header alone: nothing has been decoded yet."""
     rate, channels = sound.samplerate, sound.channels
     if not MIN_SAMPLE_RATE_HZ <= rate <= MAX_SAMPLE_RATE_HZ:
-        raise MediaError(f"audio sample rate {rate} Hz is outside the accepted "
-                         f"{MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ} Hz", param)
+        raise MediaError(f"audio sample rate {rate} Hz is outside the accepted {MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ} Hz", param)
     if not 1 <= channels <= MAX_CHANNELS:
         raise MediaError(f"audio has {channels} channels; at most {MAX_CHANNELS} are accepted", param)
     if sound.frames <= 0:
         raise MediaError("audio has no samples", param)
     duration_s = sound.frames / rate
     if duration_s > max_duration_s:
-        raise MediaError(f"audio is {duration_s:.1f} s long, over this server's limit of "
-                         f"{max_duration_s:g} s", param)
+        raise MediaError(f"audio is {duration_s:.1f} s long, over this server's limit of {max_duration_s:g} s", param)
 
 
 def _read_mono(sound: sf.SoundFile, name: str, *, max_duration_s: float, param: str) -> np.ndarray:

@@ -5,6 +5,7 @@ image's size; a video's frames x frame size) and is charged before it renders an
 a small file that declares a vast canvas or thousands of frames is refused in
 microseconds instead of after gigabytes. No torch, no Pillow here.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,8 +33,11 @@ class DecodeCost:
 def check_video_pixels(cost: DecodeCost, *, max_pixels: int | None, param: str) -> None:
     """MediaError if one video would decode more than `max_pixels` (None: no per-video limit)."""
     if max_pixels is not None and cost.num_pixels > max_pixels:
-        raise MediaError(f"video decodes to {cost.describe()}, over this server's limit of {max_pixels} "
-                         "pixels per video (max_video_pixels); send a shorter or smaller clip", param)
+        raise MediaError(
+            f"video decodes to {cost.describe()}, over this server's limit of {max_pixels} "
+            "pixels per video (max_video_pixels); send a shorter or smaller clip",
+            param,
+        )
 
 
 class PixelBudget:
@@ -51,6 +55,8 @@ class PixelBudget:
         total = self.spent_pixels + cost.num_pixels
         if total > self.max_pixels:
             others = f" (with the request's other media, {total})" if self.spent_pixels else ""
-            raise MediaError(f"{noun} decodes to {cost.describe()}{others}, over this server's limit of "
-                             f"{self.max_pixels} pixels per request (max_request_pixels)", param)
+            raise MediaError(
+                f"{noun} decodes to {cost.describe()}{others}, over this server's limit of {self.max_pixels} pixels per request (max_request_pixels)",
+                param,
+            )
         self.spent_pixels = total

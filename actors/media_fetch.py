@@ -7,6 +7,7 @@ Redirects are followed by hand, each hop checked the same way. The body is read 
 chunks under a byte limit and one deadline for the whole fetch (headers, redirects and
 body), so a slow or endless body costs at most `timeout_s`. No torch, no Ray.
 """
+
 from __future__ import annotations
 
 import http.client
@@ -32,7 +33,7 @@ class FetchPolicy:
     max_redirects: int
 
     @classmethod
-    def of(cls, hosts, networks, *, max_bytes: int, timeout_s: float, max_redirects: int) -> "FetchPolicy":
+    def of(cls, hosts, networks, *, max_bytes: int, timeout_s: float, max_redirects: int) -> FetchPolicy:
         nets = tuple(ipaddress.ip_network(n, strict=False) for n in networks)
         return cls(tuple(h.lower() for h in hosts), nets, max_bytes, timeout_s, max_redirects)
 
@@ -77,8 +78,7 @@ def _get_once(url: str, policy: FetchPolicy, deadline: float, *, noun: str, para
     conn = _connection(parts.scheme, host, address, port, _left(deadline, policy, noun, param))
     try:
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        conn.request("GET", path, headers={"Host": parts.netloc.rsplit("@", 1)[-1], "User-Agent": "epd-media-fetch",
-                                           "Accept-Encoding": "identity"})
+        conn.request("GET", path, headers={"Host": parts.netloc.rsplit("@", 1)[-1], "User-Agent": "epd-media-fetch", "Accept-Encoding": "identity"})
         sock = conn.sock  # http.client lets go of it once the response says the connection closes
         response = conn.getresponse()
         headers = {k.lower(): v for k, v in response.getheaders()}
@@ -100,8 +100,7 @@ def _checked_address(host: str, port: int, policy: FetchPolicy, *, noun: str, pa
     addresses = [info[4][0] for info in infos]
     refused = [a for a in addresses if not policy.address_allowed(a)]
     if refused:  # all or nothing: a name with one private answer is refused whole
-        raise MediaError(f"cannot fetch the {noun}: host '{host}' resolves to a private or reserved address "
-                         f"({refused[0]})", param)
+        raise MediaError(f"cannot fetch the {noun}: host '{host}' resolves to a private or reserved address ({refused[0]})", param)
     return addresses[0]
 
 

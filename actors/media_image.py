@@ -4,6 +4,7 @@ Everything a client sends is untrusted: each failure becomes a MediaError that n
 the offending content part. Also home of the RGB conversion and the pixel-count check
 that animated images in actors/media_video.py reuse. No torch here.
 """
+
 from __future__ import annotations
 
 import io
@@ -22,21 +23,26 @@ from actors.media_input import MediaError, UrlKind, data_url_bytes
 # frames, which phone cameras produce; its first frame is an ordinary JPEG.
 _PIL_FORMATS = ("PNG", "JPEG", "WEBP")
 _ACCEPTED_FORMATS = frozenset(_PIL_FORMATS) | {"MPO"}
-IMAGE_URL = UrlKind("image", frozenset({"image/png", "image/jpeg", "image/jpg", "image/webp"}),
-                     "image/png, image/jpeg or image/webp", "data:image/png;base64,...")
+IMAGE_URL = UrlKind(
+    "image", frozenset({"image/png", "image/jpeg", "image/jpg", "image/webp"}), "image/png, image/jpeg or image/webp", "data:image/png;base64,..."
+)
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # What Pillow raises on corrupt or truncated data (beyond its bomb errors).
 PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, zlib.error)
 
 # Magic numbers of formats we refuse, only so the error can name what was sent.
 _OTHER_MAGIC = (
-    (b"GIF87a", "GIF"), (b"GIF89a", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"),
-    (b"MM\x00*", "TIFF"), (b"\x00\x00\x01\x00", "ICO"), (b"8BPS", "PSD"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"\x00\x00\x01\x00", "ICO"),
+    (b"8BPS", "PSD"),
 )
 
 
-def decode_image_url(url: str, *, max_pixels: int, remote: FetchPolicy | None, param: str,
-                     budget: PixelBudget | None = None) -> np.ndarray:
+def decode_image_url(url: str, *, max_pixels: int, remote: FetchPolicy | None, param: str, budget: PixelBudget | None = None) -> np.ndarray:
     """An image URL from a request -> HxWx3 uint8 RGB, exactly as the CLIP processor converts it.
 
     Raises MediaError for remote or unknown URLs, bad base64, non-images, formats other
@@ -77,8 +83,7 @@ def check_pixels(width: int, height: int, *, max_pixels: int, param: str, noun: 
     if width <= 0 or height <= 0:
         raise MediaError(f"{noun} has zero size ({width}x{height})", param)
     if width * height > max_pixels:
-        raise MediaError(f"{noun} is {width}x{height} = {width * height} pixels, over this "
-                         f"server's limit of {max_pixels} pixels", param)
+        raise MediaError(f"{noun} is {width}x{height} = {width * height} pixels, over this server's limit of {max_pixels} pixels", param)
 
 
 def check_header_pixels(data: bytes, *, max_pixels: int, param: str, noun: str = "image") -> None:

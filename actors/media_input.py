@@ -3,6 +3,7 @@
 Shared by the image, audio and video decoders so that a bad payload reads the same way
 whatever the modality. No torch, no decoding of pixels or samples here.
 """
+
 from __future__ import annotations
 
 import base64
@@ -36,19 +37,17 @@ class UrlKind:
     example: str  # e.g. "data:image/png;base64,..."
 
 
-def data_url_bytes(url: str, *, kind: UrlKind, remote: "FetchPolicy | None", param: str) -> tuple[str, bytes]:
+def data_url_bytes(url: str, *, kind: UrlKind, remote: FetchPolicy | None, param: str) -> tuple[str, bytes]:
     """(MIME type, bytes) of a base64 `data:` URL of `kind`, or of an http(s) URL fetched
     under `remote` (None: fetching is off); other schemes are refused."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
         if remote is None:
-            raise MediaError("fetching remote media is disabled on this server; "
-                             f"send the {kind.noun} inline as a base64 data URL", param)
+            raise MediaError(f"fetching remote media is disabled on this server; send the {kind.noun} inline as a base64 data URL", param)
         return _fetched(url, kind, remote, param)
     if scheme != "data":
         shown = f"'{scheme}' URLs" if scheme else "this URL"
-        raise MediaError(f"unsupported {kind.noun} URL: {shown} cannot be used; "
-                         f"send a base64 data URL ({kind.example})", param)
+        raise MediaError(f"unsupported {kind.noun} URL: {shown} cannot be used; send a base64 data URL ({kind.example})", param)
     header, sep, payload = url[5:].partition(",")
     if not sep:
         raise MediaError("malformed data URL: no ',' between header and data", param)
@@ -61,7 +60,7 @@ def data_url_bytes(url: str, *, kind: UrlKind, remote: "FetchPolicy | None", par
     return mime, decode_base64(payload, noun=kind.noun, where="data URL", param=param)
 
 
-def _fetched(url: str, kind: UrlKind, remote: "FetchPolicy", param: str) -> tuple[str, bytes]:
+def _fetched(url: str, kind: UrlKind, remote: FetchPolicy, param: str) -> tuple[str, bytes]:
     from actors.media_fetch import fetch  # media_fetch raises this module's MediaError
 
     mime, data = fetch(url, remote, noun=kind.noun, param=param)

@@ -9,13 +9,14 @@ that heap rather than from mmap, so an ingress that once decoded a few 16 MP ima
 gigabytes it no longer used. malloc_trim(0) costs well under a millisecond when there is
 little to give back, so it runs after every decode.
 """
+
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import ctypes.util
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 _slots: dict[int, threading.BoundedSemaphore] = {}
 _slots_lock = threading.Lock()
@@ -25,7 +26,7 @@ def _load_malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim, or None where the C library has none (musl, macOS, Windows)."""
     name = ctypes.util.find_library("c")
     try:
-        return getattr(ctypes.CDLL(name), "malloc_trim") if name else None
+        return ctypes.CDLL(name).malloc_trim if name else None
     except (OSError, AttributeError):
         return None
 

@@ -7,6 +7,7 @@ gigabytes that way. These walkers read only block and chunk headers, skip image 
 and stop after `max_frames` frames (the caller knows that many already last too long), so
 their cost is bounded whatever the file declares.
 """
+
 from __future__ import annotations
 
 import struct
@@ -75,7 +76,7 @@ def _color_table_bytes(flags: int) -> int:
 
 
 def _sub_block(data: bytes, pos: int) -> bytes:
-    return data[pos + 1:pos + 1 + data[pos]]
+    return data[pos + 1 : pos + 1 + data[pos]]
 
 
 def _skip_sub_blocks(data: bytes, pos: int) -> int:
@@ -98,10 +99,10 @@ def _probe_webp(data: bytes, max_frames: int, param: str) -> AnimationHeader:
     end = min(len(data), 8 + struct.unpack_from("<I", data, 4)[0])  # libwebp ignores bytes past the RIFF size
     pos, durations = 12, []
     while pos + 8 <= end and len(durations) < max_frames:
-        fourcc, chunk_bytes = data[pos:pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
+        fourcc, chunk_bytes = data[pos : pos + 4], struct.unpack_from("<I", data, pos + 4)[0]
         if pos + 8 + chunk_bytes > end:
             raise _Truncated
         if fourcc == b"ANMF":
-            durations.append(float(int.from_bytes(data[pos + 20:pos + 23], "little")))
+            durations.append(float(int.from_bytes(data[pos + 20 : pos + 23], "little")))
         pos += 8 + chunk_bytes + (chunk_bytes & 1)  # chunks are padded to even sizes
     return AnimationHeader(*size, tuple(durations) or (None,))

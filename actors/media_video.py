@@ -6,6 +6,7 @@ is decided from headers and timestamps alone (VideoSampling), and what keeping t
 decode is charged to the per-video and per-request pixel budgets, all before any frame
 is rendered; only kept frames are converted to RGB. No torch here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,25 +14,28 @@ import io
 import math
 import struct
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from actors.media_budget import DecodeCost, PixelBudget, check_video_pixels
-from actors.media_image import (PIL_ERRORS, check_header_pixels, check_pixels, convert_to_rgb,
-                                require_strict_pillow)
 from actors.media_fetch import FetchPolicy
+from actors.media_image import PIL_ERRORS, check_header_pixels, check_pixels, convert_to_rgb, require_strict_pillow
 from actors.media_input import MediaError, UrlKind, data_url_bytes
 from actors.media_probe import probe_animation
 
-VIDEO_URL = UrlKind("video", frozenset({"video/mp4", "video/webm", "image/gif", "image/webp"}),
-                    "video/mp4, video/webm, image/gif or image/webp", "data:video/mp4;base64,...")
+VIDEO_URL = UrlKind(
+    "video",
+    frozenset({"video/mp4", "video/webm", "image/gif", "image/webp"}),
+    "video/mp4, video/webm, image/gif or image/webp",
+    "data:video/mp4;base64,...",
+)
 # MIME type -> (library, the format that library is forced to read). Forcing the demuxer
 # matters for PyAV: left to probe, FFmpeg would also open playlists that name other files.
-_READERS = {"image/gif": ("pillow", "GIF"), "image/webp": ("pillow", "WEBP"),
-            "video/mp4": ("av", "mp4"), "video/webm": ("av", "webm")}
+_READERS = {"image/gif": ("pillow", "GIF"), "image/webp": ("pillow", "WEBP"), "video/mp4": ("av", "mp4"), "video/webm": ("av", "webm")}
 
 # Animated images: browsers show a frame of <= 10 ms for 100 ms, and so do we. Hence every
 # frame lasts over 10 ms, which bounds the frame count of a clip within the limit.
@@ -54,8 +58,7 @@ class VideoSampling:
         if not (self.fps > 0 and math.isfinite(self.fps)):
             raise ValueError(f"VideoSampling.fps must be a positive number, got {self.fps}")
         if not 1 <= self.min_frames <= self.max_frames:
-            raise ValueError(f"VideoSampling needs 1 <= min_frames <= max_frames, "
-                             f"got {self.min_frames} and {self.max_frames}")
+            raise ValueError(f"VideoSampling needs 1 <= min_frames <= max_frames, got {self.min_frames} and {self.max_frames}")
 
 
 @dataclass(frozen=True)
@@ -78,9 +81,18 @@ class _Timeline:
     duration_s: float
 
 
-def decode_video_url(url: str, *, sampling: VideoSampling, max_pixels: int, max_duration_s: float,
-                     max_frames: int, remote: FetchPolicy | None, param: str, max_video_pixels: int | None = None,
-                     budget: PixelBudget | None = None) -> DecodedVideo:
+def decode_video_url(
+    url: str,
+    *,
+    sampling: VideoSampling,
+    max_pixels: int,
+    max_duration_s: float,
+    max_frames: int,
+    remote: FetchPolicy | None,
+    param: str,
+    max_video_pixels: int | None = None,
+    budget: PixelBudget | None = None,
+) -> DecodedVideo:
     """A video URL from a request -> the frames `sampling` keeps, at most `max_frames` of them.
 
     Raises MediaError for remote or unknown URLs, bad base64, unsupported MIME types, data
@@ -95,16 +107,16 @@ def decode_video_url(url: str, *, sampling: VideoSampling, max_pixels: int, max_
     clip = reader(data, fmt, max_pixels=max_pixels, param=param)
     timeline = clip.timeline(max_duration_s)
     if timeline.duration_s > max_duration_s:
-        raise MediaError(f"video is {timeline.duration_s:.1f} s long, over this server's limit of "
-                         f"{max_duration_s:g} s", param)
+        raise MediaError(f"video is {timeline.duration_s:.1f} s long, over this server's limit of {max_duration_s:g} s", param)
     indices, frames_per_s = select_frames(timeline, sampling, max_frames=max_frames)
     cost = clip.cost(indices)
     check_video_pixels(cost, max_pixels=max_video_pixels, param=param)
     if budget is not None:
         budget.charge(cost, param=param, noun="video")
     frames = clip.frames(sorted(set(indices.tolist())))
-    return DecodedVideo(np.stack([frames[i] for i in indices.tolist()]), frames_per_s,
-                        timeline.duration_s, tuple(float(timeline.starts_s[i]) for i in indices))
+    return DecodedVideo(
+        np.stack([frames[i] for i in indices.tolist()]), frames_per_s, timeline.duration_s, tuple(float(timeline.starts_s[i]) for i in indices)
+    )
 
 
 def sample_times(duration_s: float, sampling: VideoSampling, *, max_frames: int) -> np.ndarray:
@@ -119,8 +131,7 @@ def sample_times(duration_s: float, sampling: VideoSampling, *, max_frames: int)
     return np.arange(count) * (duration_s / count)
 
 
-def select_frames(timeline: _Timeline, sampling: VideoSampling, *,
-                  max_frames: int) -> tuple[np.ndarray, float]:
+def select_frames(timeline: _Timeline, sampling: VideoSampling, *, max_frames: int) -> tuple[np.ndarray, float]:
     """(index of the source frame on screen at each grid time, the grid's frames per second)."""
     times = sample_times(timeline.duration_s, sampling, max_frames=max_frames)
     indices = np.searchsorted(timeline.starts_s, times + _TIME_SLACK_S, side="right") - 1
@@ -128,6 +139,7 @@ def select_frames(timeline: _Timeline, sampling: VideoSampling, *,
 
 
 # ----------------------------------------------------------------------------- GIF, WebP (Pillow)
+
 
 class _AnimatedImage:
     """Headers first (canvas, frame durations: nothing rendered); then Pillow renders frames
@@ -147,9 +159,12 @@ class _AnimatedImage:
         too_many = max(1, math.ceil(max_duration_s * 1e3 / _SHORTEST_SHOWN_MS))
         header = probe_animation(self.data, self.fmt, max_frames=too_many, param=self.param)
         if header.num_frames >= too_many:
-            raise MediaError(f"video has {header.num_frames} frames or more, each shown over "
-                             f"{_SHORTEST_SHOWN_MS} ms, so it lasts longer than this server's limit of "
-                             f"{max_duration_s:g} s", self.param)
+            raise MediaError(
+                f"video has {header.num_frames} frames or more, each shown over "
+                f"{_SHORTEST_SHOWN_MS} ms, so it lasts longer than this server's limit of "
+                f"{max_duration_s:g} s",
+                self.param,
+            )
         self.canvas = (header.width, header.height)
         self._check_size(self.canvas)  # a GIF frame may enlarge the canvas
         ends_s = np.cumsum([_shown_ms(ms) for ms in header.durations_ms]) / 1e3
@@ -180,8 +195,11 @@ class _AnimatedImage:
     def _check_canvas(self, size: tuple[int, int]) -> None:
         """Pillow must not render more than the headers said (and the budgets paid for)."""
         if size[0] > self.canvas[0] or size[1] > self.canvas[1]:
-            raise MediaError(f"corrupt {self.fmt} data: a frame is {size[0]}x{size[1]}, larger than the "
-                             f"{self.canvas[0]}x{self.canvas[1]} canvas its headers declare", self.param)
+            raise MediaError(
+                f"corrupt {self.fmt} data: a frame is {size[0]}x{size[1]}, larger than the "
+                f"{self.canvas[0]}x{self.canvas[1]} canvas its headers declare",
+                self.param,
+            )
 
     def _pillow_errors(self, what: str) -> contextlib.AbstractContextManager[None]:
         return _pillow_errors(f"{what} {self.fmt} data", self.param)
@@ -209,6 +227,7 @@ def _shown_ms(duration: Any) -> float:
 
 # ----------------------------------------------------------------------------- MP4, WebM (PyAV)
 
+
 class _AvVideo:
     """Two passes: packet timestamps (demux only, nothing decoded), then a decode that
     converts only the kept frames, at the size the stream header declares, and stops
@@ -224,17 +243,13 @@ class _AvVideo:
         with self._open() as container:
             stream = self._stream(container)
             if container.duration is not None and container.duration / 1e6 > max_duration_s:
-                raise MediaError(f"video is {container.duration / 1e6:.1f} s long, over this "
-                                 f"server's limit of {max_duration_s:g} s", self.param)
+                raise MediaError(f"video is {container.duration / 1e6:.1f} s long, over this server's limit of {max_duration_s:g} s", self.param)
             codec = stream.codec_context
             if codec is None:  # PyAV found no decoder for it, or the header is cut short
-                raise MediaError(f"{self.fmt} video stream cannot be decoded (unknown codec or "
-                                 "corrupt header)", self.param)
+                raise MediaError(f"{self.fmt} video stream cannot be decoded (unknown codec or corrupt header)", self.param)
             if not (codec.width and codec.height):  # the budgets need it before decoding
-                raise MediaError(f"{self.fmt} video stream does not declare its frame size "
-                                 "(corrupt header)", self.param)
-            check_pixels(codec.width, codec.height, max_pixels=self.max_pixels, param=self.param,
-                         noun="video frame")
+                raise MediaError(f"{self.fmt} video stream does not declare its frame size (corrupt header)", self.param)
+            check_pixels(codec.width, codec.height, max_pixels=self.max_pixels, param=self.param, noun="video frame")
             self.frame_size = (codec.width, codec.height)
             return self._scan(container, stream, max_duration_s)
 
@@ -247,8 +262,7 @@ class _AvVideo:
                 if packet.pts is None or packet.size == 0 or getattr(packet, "is_discard", False):
                     continue  # the end-of-stream flush packet, or one the edit list drops
                 if pts and (packet.pts - pts[0]) * time_base > max_duration_s:
-                    raise MediaError(f"video is longer than this server's limit of "
-                                     f"{max_duration_s:g} s", self.param)
+                    raise MediaError(f"video is longer than this server's limit of {max_duration_s:g} s", self.param)
                 pts.append(packet.pts)
                 if latest is None or packet.pts >= latest:  # the last frame shown, for its duration
                     latest, last_ticks = packet.pts, packet.duration or 0
@@ -276,14 +290,12 @@ class _AvVideo:
                 index = wanted.get(frame.pts)
                 if index is None or index in out:
                     continue
-                check_pixels(frame.width, frame.height, max_pixels=self.max_pixels,
-                             param=self.param, noun="video frame")
+                check_pixels(frame.width, frame.height, max_pixels=self.max_pixels, param=self.param, noun="video frame")
                 out[index] = frame.to_ndarray(format="rgb24", width=width, height=height)
                 if len(out) == len(wanted):
                     break  # nothing after the last kept frame is needed
         if len(out) < len(wanted):
-            raise MediaError(f"corrupt {self.fmt} video: {len(wanted) - len(out)} of the sampled "
-                             "frames could not be decoded", self.param)
+            raise MediaError(f"corrupt {self.fmt} video: {len(wanted) - len(out)} of the sampled frames could not be decoded", self.param)
         return out
 
     def _open(self) -> Any:
@@ -315,7 +327,10 @@ def _import_av(param: str) -> Any:
     try:
         import av  # optional: the `video` extra
     except ImportError:
-        raise MediaError("MP4 and WebM video need PyAV, which this server does not have; "
-                         "install epd's optional 'video' extra (pip install 'epd[video]'), "
-                         "or send an animated GIF or WebP", param) from None
+        raise MediaError(
+            "MP4 and WebM video need PyAV, which this server does not have; "
+            "install epd's optional 'video' extra (pip install 'epd[video]'), "
+            "or send an animated GIF or WebP",
+            param,
+        ) from None
     return av

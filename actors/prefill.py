@@ -1,7 +1,10 @@
-"""Prefill worker: splices embeddings into the prompt, runs the LM over it, keeps the KV
-until the decode worker pulls it."""
+"""Prefill worker: the Ray actor around `PrefillEngine` (actors/engine_prefill.py). It keeps
+the embeddings that arrive ahead of the prefill call, and each prompt's KV until the decode
+worker pulls it."""
+
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -9,27 +12,33 @@ import ray
 import torch
 
 from actors.adapters import Part
+from actors.engine_prefill import PrefillEngine, PrefillOutput
 from actors.inbox import TensorInbox
 from actors.lm_runner import LMRunner
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
-from actors.types import EncodeStats, PrefillRequest, PrefillResult, TokenHistory, WorkerRequestError
-
-
-def history_of(request: PrefillRequest) -> TokenHistory | None:
-    """What the first token's penalties see; a resumed request's generated tokens are output."""
-    if not request.sampling.needs_history:
-        return None
-    split = len(request.prompt_token_ids) - request.num_output_tokens
-    return TokenHistory(request.prompt_token_ids[:split], request.prompt_token_ids[split:])
+from actors.types import EncodeStats, PrefillRequest, PrefillResult, WorkerRequestError
 
 
 class PrefillWorker(ModelWorker):
-    def __init__(self, spec: WorkerSpec, max_chunk_tokens: int):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        max_chunk_tokens: int,
+        prefix_block_tokens: int = 16,
+        prefix_cache_bytes: int = 0,
+        max_media_tokens_per_step: int | None = None,
+    ):
         super().__init__(spec, Part.LANGUAGE_MODEL)
-        self.runner = LMRunner(self.adapter, max_chunk_tokens)
+        self.engine = PrefillEngine(
+            LMRunner(self.adapter, max_chunk_tokens),
+            max_chunk_tokens,
+            block_size=prefix_block_tokens,
+            cache_bytes=prefix_cache_bytes,
+            max_media_tokens_per_step=max_media_tokens_per_step,
+        )
         self.embeddings = TensorInbox()  # from encoders, until the prefill call
         self.kv = TensorInbox()  # for the decode worker, until it pulls it
-        self._queued = 0
+        self._waiters: dict[str, asyncio.Future] = {}
 
     async def receive(self, request_id: str, slot: int, encoded: tuple[torch.Tensor, EncodeStats]) -> float:
         """Keep one item's embeddings for the prefill call; returns the wall clock of arrival,
@@ -39,34 +48,46 @@ class PrefillWorker(ModelWorker):
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         encoded = [self.embeddings.take(request.request_id, i) for i in range(len(request.placeholders))]
-        arrived = time.perf_counter()
-        self._queued += 1
+        done = asyncio.get_running_loop().create_future()
+        self._waiters[request.request_id] = done
+        self.engine.add(request, [embedding for embedding, _ in encoded])
+        self.drive(self.engine, self._publish, self._fail_all)
         try:
-            items = [embedding for embedding, _ in encoded]
-            token, packed, rope_delta, started = await self.run_device(self._timed_prefill, request, items)
+            out: PrefillOutput = await done
         finally:
-            self._queued -= 1
-        finished = time.perf_counter()
-        if token is None:  # nothing to hand to decode; this request alone fails
-            raise WorkerRequestError(f"the first token of request {request.request_id} could not be sampled "
-                                     "(the model gave non-finite logits)")
-        self.kv.put(request.request_id, packed)  # dropped at once if the request was closed meanwhile
+            if self._waiters.pop(request.request_id, None) is not None:
+                self.engine.abort(request.request_id)  # the caller left before the end: free its slot
+        if out.first is None:  # nothing to hand to decode; this request alone fails
+            raise WorkerRequestError(f"the first token of request {request.request_id} could not be sampled (the model gave non-finite logits)")
+        self.kv.put(request.request_id, out.packed_kv)  # dropped at once if the request was closed meanwhile
         return PrefillResult(
             request_id=request.request_id,
-            first_token_id=token.token_id,
+            first_token_id=out.first.token_id,
             num_prompt_tokens=len(request.prompt_token_ids),
-            queue_ms=(started - arrived) * 1e3,
-            prefill_ms=(finished - started) * 1e3,
+            queue_ms=out.queue_ms,
+            prefill_ms=out.prefill_ms,
             encode_stats=tuple(stats for _, stats in encoded),
-            rope_delta=rope_delta,
-            first_logprob=token.logprob,
+            rope_delta=out.rope_delta,
+            first_logprob=out.first.logprob,
+            num_cached_tokens=out.num_cached_tokens,
         )
 
-    def _timed_prefill(self, request: PrefillRequest, items: list[torch.Tensor]):
-        started = time.perf_counter()
-        token, packed, rope_delta = self.runner.prefill(request.prompt_token_ids, request.placeholders, items,
-                                                        request.sampling, history_of(request))
-        return token, packed, rope_delta, started
+    def _publish(self, outputs: list[PrefillOutput]) -> None:
+        for out in outputs:
+            self._settle(out.request_id, out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in self.engine.fail_all():
+            self._settle(request_id, exc=exc)
+
+    def _settle(self, request_id: str, out: PrefillOutput | None = None, exc: Exception | None = None) -> None:
+        done = self._waiters.pop(request_id, None)
+        if done is None or done.done():
+            return
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(out)
 
     async def pop_kv(self, request_id: str) -> torch.Tensor:
         """The request's packed KV, handed over once (the caller picks the transport)."""
@@ -76,16 +97,27 @@ class PrefillWorker(ModelWorker):
         """The request is over here: free what it holds, refuse what still arrives for it."""
         self.kv.close(request_id)
         self.embeddings.close(request_id)
+        if request_id in self._waiters:  # still prefilling: stop, and end the call waiting on it
+            self.engine.abort(request_id)
+            self._settle(request_id, exc=WorkerRequestError(f"request {request_id} was dropped during its prefill"))
+
+    def prefix_hashes(self) -> frozenset[str]:
+        """Block hashes this worker's prefix cache holds (the router's prefix index)."""
+        return self.engine.held_hashes()
 
     def drop_owner(self, prefix: str) -> int:
         """An ingress replica died: drop() all its requests (their ids start with `prefix`)."""
-        return self.kv.close_owner(prefix) + self.embeddings.close_owner(prefix)
+        mine = [request_id for request_id in self._waiters if request_id.startswith(prefix)]
+        for request_id in mine:  # still prefilling: stop, and end the calls waiting on them
+            self.drop(request_id)
+        return self.kv.close_owner(prefix) + self.embeddings.close_owner(prefix) + len(mine)
 
     def stats(self) -> dict[str, int]:
-        return {"pid": os.getpid(), "queued": self._queued, "held_kv": len(self.kv), "held_embeddings": len(self.embeddings)}
+        return {"pid": os.getpid(), **self.engine.stats(), "held_kv": len(self.kv), "held_embeddings": len(self.embeddings)}
 
     def load(self) -> WorkerLoad:
-        return WorkerLoad(queued=self._queued, running=0)
+        stats = self.engine.stats()
+        return WorkerLoad(queued=stats["queued"], running=stats["running"])
 
 
 # Tensor transport must be declared on the class: a per-handle option is not honoured.

@@ -3,6 +3,7 @@ Qwen2.5-VL): dynamic-resolution grids for images and video (2x2 patch merging, 2
 temporal patches), encoding through the checkpoint's own sub-processors, and decode-step
 3-D positions.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,7 +57,9 @@ def vision_spec_fields(processor) -> dict:
     image_size = images.get("size") or processor.image_processor.size
     video_size = videos.get("size") or video.size
     return dict(
-        patch_size=video.patch_size, merge_size=video.merge_size, temporal_patch_size=video.temporal_patch_size,
+        patch_size=video.patch_size,
+        merge_size=video.merge_size,
+        temporal_patch_size=video.temporal_patch_size,
         image_pixels=(images.get("min_pixels", image_size["shortest_edge"]), images.get("max_pixels", image_size["longest_edge"])),
         video_pixels=(video_size["shortest_edge"], video_size["longest_edge"]),
     )

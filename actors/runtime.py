@@ -1,10 +1,12 @@
 """Process set-up shared by the three worker kinds."""
+
 from __future__ import annotations
 
 import asyncio
 import os
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -51,9 +53,26 @@ class ModelWorker:
         checkpoint = resolve_checkpoint(spec.checkpoint, spec.revision, spec.hub_cache_dir)  # on this worker's node
         self.adapter: ModelAdapter = load_adapter(checkpoint, part=part, dtype=spec.dtype, device=spec.device)
         self._executor = ThreadPoolExecutor(max_workers=1)
+        self._loop_task: asyncio.Task | None = None
 
     async def run_device(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, self._stretched, fn, *args)
+
+    def drive(self, engine, publish: Callable[[list], None], fail: Callable[[Exception], None]) -> None:
+        """Run `engine.step()` on the device thread while the engine has work (started if not
+        running); each step's outputs go to `publish`, a step that raises to `fail`."""
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.create_task(self._drive(engine, publish, fail))
+
+    async def _drive(self, engine, publish, fail) -> None:
+        while engine.has_work:
+            try:
+                outputs = await self.run_device(engine.step)
+            except Exception as exc:
+                fail(exc)
+                raise
+            publish(outputs)
+            await asyncio.sleep(0)  # let callers add and leave between steps
 
     def _stretched(self, fn, *args):
         started = time.perf_counter()

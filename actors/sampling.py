@@ -9,6 +9,7 @@ rest, with the same result as if one process had done both.
 A row whose logits hold no valid distribution (NaN, +inf, or nothing left after the
 filters) gets None instead of a token: one bad row must not fail its batch neighbours.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,7 @@ def _counts(rows: list[tuple[int, ...]], vocab: int, device: torch.device) -> to
 def _penalise(logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory]) -> None:
     """Repetition (HF/vLLM: prompt + output; divide a positive logit, multiply a negative one),
     then frequency and presence (OpenAI: output only), over the rows that set any, in place."""
-    rows = [i for i, p in enumerate(params)
-            if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
     if not rows:
         return
     device, vocab = logits.device, logits.shape[-1]
@@ -63,8 +63,7 @@ def _penalise(logits: torch.Tensor, params: list[SamplingParams], histories: lis
 def process(logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory]) -> torch.Tensor:
     """The logits processors, in vLLM's order: min_tokens, logit_bias, penalties. Returns
     `logits` itself when no row sets any, else a processed copy."""
-    stops = [(row, t) for row, (p, h) in enumerate(zip(params, histories))
-             if len(h.output_ids) < p.min_tokens for t in p.stop_token_ids]
+    stops = [(row, t) for row, (p, h) in enumerate(zip(params, histories)) if len(h.output_ids) < p.min_tokens for t in p.stop_token_ids]
     biases = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
     if not stops and not biases and not any(p.needs_history for p in params):
         return logits
@@ -113,8 +112,9 @@ def _logprobs(raw: torch.Tensor, params: list[SamplingParams], tokens: list[int 
     return out
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-                histories: list[TokenHistory] | None = None) -> list[Sampled | None]:
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int], histories: list[TokenHistory] | None = None
+) -> list[Sampled | None]:
     """One token per row of `logits` [batch, vocab] (None where the row cannot be sampled);
     `positions` index each row's new token, `histories` are what its penalties see."""
     raw = logits.float()
@@ -133,7 +133,6 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: l
     return [Sampled(t, lp) if t is not None else None for t, lp in zip(tokens, logprobs)]
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
-           histories: list[TokenHistory] | None = None) -> list[int | None]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int], histories: list[TokenHistory] | None = None) -> list[int | None]:
     """Token ids only (see sample_rows)."""
     return [s.token_id if s is not None else None for s in sample_rows(logits, params, positions, histories)]

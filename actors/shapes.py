@@ -5,6 +5,7 @@ A scene is copies of one shape in one colour on a dark grey background; a pictur
 shape also has a side (left or right). Everything is drawn from a numpy Generator,
 so a seed gives the same pictures and questions on every machine.
 """
+
 from __future__ import annotations
 
 import enum
@@ -14,8 +15,12 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 30, 30), "green": (30, 190, 40), "blue": (40, 70, 230),
-    "yellow": (235, 220, 30), "white": (240, 240, 240), "purple": (150, 40, 190),
+    "red": (220, 30, 30),
+    "green": (30, 190, 40),
+    "blue": (40, 70, 230),
+    "yellow": (235, 220, 30),
+    "white": (240, 240, 240),
+    "purple": (150, 40, 190),
     "orange": (245, 140, 20),
 }
 SHAPES = ("circle", "square", "triangle", "cross")
@@ -34,8 +39,7 @@ class Ask(enum.Enum):
 
 
 QUESTIONS: dict[Ask, tuple[str, ...]] = {
-    Ask.COLOUR: ("What colour is the shape?", "What color is the shape?", "What colour is it?",
-                 "Which colour are the shapes?"),
+    Ask.COLOUR: ("What colour is the shape?", "What color is the shape?", "What colour is it?", "Which colour are the shapes?"),
     Ask.SHAPE: ("What shape is it?", "What shape is this?", "Which shape is shown?", "What shape are they?"),
     Ask.COUNT: ("How many shapes are there?", "How many shapes?", "Count the shapes."),
     Ask.SIDE: ("Is the shape on the left or the right?", "Where is the shape?", "Which side is it on?"),
@@ -125,8 +129,7 @@ def render(scene: Scene, rng: np.random.Generator, size_px: int = 64) -> Image.I
 def random_scene(rng: np.random.Generator, max_count: int = MAX_COUNT) -> Scene:
     count = int(rng.integers(1, max_count + 1))
     side = SIDES[int(rng.integers(2))] if count == 1 else None
-    return Scene(colour=list(COLOURS)[int(rng.integers(len(COLOURS)))],
-                 shape=SHAPES[int(rng.integers(len(SHAPES)))], count=count, side=side)
+    return Scene(colour=list(COLOURS)[int(rng.integers(len(COLOURS)))], shape=SHAPES[int(rng.integers(len(SHAPES)))], count=count, side=side)
 
 
 def random_sample(rng: np.random.Generator, size_px: int = 64, asks: tuple[Ask, ...] = tuple(Ask)) -> Sample:
@@ -135,8 +138,13 @@ def random_sample(rng: np.random.Generator, size_px: int = 64, asks: tuple[Ask, 
     fit = [a for a in asks if (a is not Ask.SIDE or scene.side is not None) and (a is not Ask.COUNT or MAX_COUNT > 1)]
     ask = fit[int(rng.integers(len(fit)))]
     questions = QUESTIONS[ask]
-    return Sample(image=render(scene, rng, size_px), scene=scene, ask=ask,
-                  question=questions[int(rng.integers(len(questions)))], image_first=bool(rng.integers(2)))
+    return Sample(
+        image=render(scene, rng, size_px),
+        scene=scene,
+        ask=ask,
+        question=questions[int(rng.integers(len(questions)))],
+        image_first=bool(rng.integers(2)),
+    )
 
 
 def samples(seed: int, n: int, size_px: int = 64, asks: tuple[Ask, ...] = tuple(Ask)) -> list[Sample]:

@@ -3,6 +3,7 @@
 No torch here: the ingress and the router's callers import these without a model.
 Tensors travel beside these records as separate top-level Ray arguments, never inside them.
 """
+
 from __future__ import annotations
 
 import enum
@@ -14,9 +15,9 @@ from router.types import Modality  # noqa: F401  (one spelling of the modalities
 
 
 class FinishReason(str, enum.Enum):
-    STOP = "stop"      # EOS token or a stop string
+    STOP = "stop"  # EOS token or a stop string
     LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"    # client went away or the request was cancelled
+    ABORT = "abort"  # client went away or the request was cancelled
     ERROR = "error"
 
 
@@ -95,8 +96,7 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Whether sampling looks at the tokens so far (penalties, min_tokens)."""
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0 or self.min_tokens > 0
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,8 @@ class PrefillRequest:
     placeholders: tuple[PlaceholderRange, ...]
     sampling: SamplingParams
     num_output_tokens: int = 0  # the last ones of prompt_token_ids were generated (a resumed request)
+    # Content identifier per placeholder (the prefix cache's extra key); empty: media blocks are not cached.
+    media_identifiers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,7 @@ class PrefillResult:
     encode_stats: tuple[EncodeStats, ...] = ()
     rope_delta: int = 0  # 3-D rotary models: decode position = cache length + rope_delta (travels with the KV)
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Two budgets, each per worker of the stage it protects:
 A request that would overrun either is refused at once with 429 and a Retry-After,
 right after its prompt is planned and before any worker is asked. Plain Python, no Ray.
 """
+
 from __future__ import annotations
 
 import enum
@@ -30,7 +31,7 @@ class Overloaded(Exception):
 class Ticket:
     """One admitted request's claim on the budgets; moves forward, released once."""
 
-    admission: "Admission"
+    admission: Admission
     prompt_tokens: int
     stage: Stage = Stage.WAITING
 
@@ -62,11 +63,14 @@ class Admission:
         request larger than the whole token budget is still let in when nothing waits, so
         the budget never refuses a prompt the model could take."""
         if self.waiting_tokens and self.waiting_tokens + prompt_tokens > self.max_waiting_tokens:
-            raise Overloaded(f"the cluster is at capacity: {self.waiting_tokens} prompt tokens are waiting for "
-                             f"prefill (the limit is {self.max_waiting_tokens}); retry later")
+            raise Overloaded(
+                f"the cluster is at capacity: {self.waiting_tokens} prompt tokens are waiting for "
+                f"prefill (the limit is {self.max_waiting_tokens}); retry later"
+            )
         if self.generating >= self.max_generating:
-            raise Overloaded(f"the cluster is at capacity: {self.generating} requests are generating "
-                             f"(the limit is {self.max_generating}); retry later")
+            raise Overloaded(
+                f"the cluster is at capacity: {self.generating} requests are generating (the limit is {self.max_generating}); retry later"
+            )
         self.waiting_tokens += prompt_tokens
         self.waiting += 1
         return Ticket(self, prompt_tokens)

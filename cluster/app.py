@@ -10,9 +10,9 @@ import math
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,20 +21,19 @@ from ray import serve
 from ray.exceptions import TaskCancelledError
 
 from actors.types import TokenChunk
-from cluster import responses
+from cluster import controller, responses
+from cluster.admission import Admission, Overloaded, Ticket
+from cluster.admitted import Admitted, Endpoint
 from cluster.config import REPO_ROOT, ClusterConfig, load_config
-from cluster import controller
 from cluster.fleet_client import FleetClient
 from cluster.metrics import PREFIX, Metrics
 from cluster.placement import check_placement
 from cluster.prompt_plan import PromptPlanner
-from cluster.admission import Admission, Overloaded, Ticket
 from cluster.protocol import SSE_DONE, ModelCard, ModelList, error_body, sse_event
-from cluster.admitted import Admitted, Endpoint
 from cluster.request_log import RequestLog, RequestRecord, bearer_ok
 from cluster.request_path import RETRY_AFTER_S, RequestError, RequestPath
-from cluster.supervisor import Supervisor
 from cluster.routing import LiveRouting
+from cluster.supervisor import Supervisor
 from router.router import Router
 from router.types import WorkerKind
 
@@ -53,8 +52,7 @@ async def _require_api_key(request: Request, call_next):
     /health and /metrics stay open for probes and scrapers."""
     key = getattr(request.app.state, "api_key", None)
     if key and request.url.path.startswith("/v1") and not bearer_ok(request.headers.get("authorization"), key):
-        body = error_body("a valid API key is required: send `Authorization: Bearer <key>`", type="authentication_error",
-                          code="invalid_api_key")
+        body = error_body("a valid API key is required: send `Authorization: Bearer <key>`", type="authentication_error", code="invalid_api_key")
         return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
     return await call_next(request)
 
@@ -83,16 +81,26 @@ class Ingress:
         app_name = serve.get_replica_context().app_name
         self.fleet = FleetClient(functools.partial(controller.attach, app_name, self.config, self.planner.spec.modalities), self.config)
         rc = self.config.router
-        self.router = Router(self.fleet.snapshot.infos, rc.build_priors(), rc.policy, seed=rc.seed, staleness_s=rc.staleness_s,
-                             dead_after_s=rc.dead_after_s, calibration=rc.build_calibration())
-        routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token)
+        self.router = Router(
+            self.fleet.snapshot.infos,
+            rc.build_priors(),
+            rc.policy,
+            seed=rc.seed,
+            staleness_s=rc.staleness_s,
+            dead_after_s=rc.dead_after_s,
+            calibration=rc.build_calibration(),
+        )
+        prefix_block_tokens = self.config.prefill.prefix_block_tokens if self.config.prefill.prefix_cache_mb > 0 else 0
+        routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token, prefix_block_tokens)
         self.supervisor = Supervisor(self.fleet, self.router)
         self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics, self.supervisor.handle_lost)
         limits = self.config.limits
         self._admit_pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="admit")
         share = self.config.server.num_replicas  # each replica admits its share of the cluster's budget
-        self.admission = Admission(math.ceil(limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers / share),
-                                   math.ceil(limits.max_generating_per_decode_worker * self.config.decode.num_workers / share))
+        self.admission = Admission(
+            math.ceil(limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers / share),
+            math.ceil(limits.max_generating_per_decode_worker * self.config.decode.num_workers / share),
+        )
         self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
 
     async def check_health(self) -> None:
@@ -147,8 +155,9 @@ class Ingress:
         streams = [self._guarded(first, rest) for first, rest in zip(firsts, chunks)]
         shape = responses.Shape(adm, self.planner.tokenizer)
         if adm.request.stream:
-            return StreamingResponse(self._sse(collectors, responses.stream(shape, collectors, streams, self.metrics)),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._sse(collectors, responses.stream(shape, collectors, streams, self.metrics)), media_type="text/event-stream"
+            )
         answer = await responses.complete(shape, collectors, streams, self.metrics)
         self._log_done(collectors, "ok")
         return JSONResponse(answer.model_dump())
@@ -162,8 +171,9 @@ class Ingress:
         except Overloaded as exc:
             for ticket in tickets:
                 ticket.release()
-            raise RequestError(429, exc.message, type="rate_limit_error", code="server_overloaded",
-                               retry_after_s=self.config.limits.retry_after_s) from None
+            raise RequestError(
+                429, exc.message, type="rate_limit_error", code="server_overloaded", retry_after_s=self.config.limits.retry_after_s
+            ) from None
         return tickets
 
     async def _firsts(self, chunks: list[AsyncIterator[TokenChunk]]) -> list[TokenChunk]:
@@ -230,9 +240,18 @@ class Ingress:
         first = collectors[0]
         adm, trace = first.adm, first.trace
         prompt = self.planner.tokenizer.decode(adm.plan.token_ids) if self.request_log.with_prompts else None
-        self.request_log.write(RequestRecord(
-            adm.request_id, status, len(adm.plan.token_ids), sum(c.num_tokens for c in collectors), trace.ttft_ms,
-            (time.perf_counter() - adm.arrived_s) * 1e3, first.finish_reason, prompt))
+        self.request_log.write(
+            RequestRecord(
+                adm.request_id,
+                status,
+                len(adm.plan.token_ids),
+                sum(c.num_tokens for c in collectors),
+                trace.ttft_ms,
+                (time.perf_counter() - adm.arrived_s) * 1e3,
+                first.finish_reason,
+                prompt,
+            )
+        )
 
     def _stream_error(self, exc: RequestError) -> bytes:
         self.metrics.requests.labels(str(exc.status)).inc()
@@ -247,8 +266,7 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        card = ModelCard(id=self.config.model.served_name, root=str(self.checkpoint),
-                         max_model_len=self.config.model.max_model_len)
+        card = ModelCard(id=self.config.model.served_name, root=str(self.checkpoint), max_model_len=self.config.model.max_model_len)
         return ModelList(data=[card]).model_dump()
 
     @api.get("/metrics")
@@ -268,10 +286,16 @@ class Ingress:
         body = {"status": "ok" if whole else ("degraded" if serving else "unavailable"), "healthy_workers": healthy}
         if verbose:
             body["workers"] = {kind.value: stats[kind] for kind in WorkerKind}
-            served = self.metrics.registry.get_sample_value(
-                f"{PREFIX}requests_total", {"model_name": self.config.model.served_name, "status": "ok"}) or 0
-            body["ingress"] = {"pid": os.getpid(), "config_sha1": self.config_sha1, "waiting_tokens": self.admission.waiting_tokens,
-                               "generating": self.admission.generating, "served_ok": int(served)}
+            served = (
+                self.metrics.registry.get_sample_value(f"{PREFIX}requests_total", {"model_name": self.config.model.served_name, "status": "ok"}) or 0
+            )
+            body["ingress"] = {
+                "pid": os.getpid(),
+                "config_sha1": self.config_sha1,
+                "waiting_tokens": self.admission.waiting_tokens,
+                "generating": self.admission.generating,
+                "served_ok": int(served),
+            }
             snapshot = self.fleet.snapshot
             body["fleet"] = {"generation": snapshot.generation, "actor_ids": {kind.value: list(snapshot.actor_ids[kind]) for kind in WorkerKind}}
         headers = {} if serving else {"Retry-After": str(RETRY_AFTER_S)}
@@ -286,10 +310,14 @@ class AppArgs(BaseModel):
     """The `args` of the Serve application in configs/serve.yaml (serve run / serve deploy / KubeRay)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    config: str = Field("configs/local_cpu.yaml", description="epd config file; a relative path is taken from the "
-                        "working directory if it is there, else from the epd checkout (serve deploy builds elsewhere).")
-    overrides: dict = Field(default_factory=dict, description="Sections or fields replaced in that config, e.g. "
-                            "{decode: {num_workers: 2}} (ClusterConfig.replace).")
+    config: str = Field(
+        "configs/local_cpu.yaml",
+        description="epd config file; a relative path is taken from the "
+        "working directory if it is there, else from the epd checkout (serve deploy builds elsewhere).",
+    )
+    overrides: dict = Field(
+        default_factory=dict, description="Sections or fields replaced in that config, e.g. {decode: {num_workers: 2}} (ClusterConfig.replace)."
+    )
 
 
 def app_builder(args: dict):

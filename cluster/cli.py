@@ -1,4 +1,5 @@
 """`epd` command line: build or fetch the checkpoint, serve the cluster, simulate routing."""
+
 from __future__ import annotations
 
 import argparse
@@ -104,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_p = sub.add_parser("serve", help="start the cluster and the OpenAI endpoint")
     serve_p.add_argument("--config", default=str(DEFAULT_CONFIG))
     serve_p.add_argument("--address", default=None, help="join a running Ray cluster (e.g. 'auto') instead of starting one")
-    serve_p.add_argument("--model", default=None, metavar="ID_OR_DIR",
-                         help="serve this checkpoint (a directory or a Hugging Face repo id) instead of the config's")
+    serve_p.add_argument(
+        "--model", default=None, metavar="ID_OR_DIR", help="serve this checkpoint (a directory or a Hugging Face repo id) instead of the config's"
+    )
     serve_p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
     serve_p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's server.port)")
     serve_p.set_defaults(func=_serve)

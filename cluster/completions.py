@@ -1,6 +1,7 @@
 """OpenAI's legacy text completions (/v1/completions): the request, one prompt (text or
 token ids) without a chat template, and the `text_completion` response and stream chunks.
 Sampling fields are chat's (SamplingFields). No torch here."""
+
 from __future__ import annotations
 
 import time

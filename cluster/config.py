@@ -3,6 +3,7 @@
 Every field has a description; unknown keys are errors, so a typo never silently
 falls back to a default. Cross-stage checks run here, before any actor starts.
 """
+
 from __future__ import annotations
 
 import enum
@@ -38,17 +39,26 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 class ModelConfig(Strict):
-    checkpoint: str = Field(description="Checkpoint directory loaded with from_pretrained (~ and $VARS expand), or a Hugging "
-                            "Face repo id (org/name) resolved through the Hugging Face cache: downloaded when online, "
-                            "read from the filled cache when offline (HF_HUB_OFFLINE=1).")
-    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a repo id; unset: main. "
-                                 "`epd serve` pins it to the commit it resolved, so every node loads the same files.")
-    hub_cache_dir: str | None = Field(None, description="Hugging Face hub cache for repo ids on every node; unset: "
-                                      "huggingface_hub's default (HF_HUB_CACHE, else ~/.cache/huggingface/hub).")
+    checkpoint: str = Field(
+        description="Checkpoint directory loaded with from_pretrained (~ and $VARS expand), or a Hugging "
+        "Face repo id (org/name) resolved through the Hugging Face cache: downloaded when online, "
+        "read from the filled cache when offline (HF_HUB_OFFLINE=1)."
+    )
+    revision: str | None = Field(
+        None,
+        description="Hub revision (branch, tag or commit) of a repo id; unset: main. "
+        "`epd serve` pins it to the commit it resolved, so every node loads the same files.",
+    )
+    hub_cache_dir: str | None = Field(
+        None,
+        description="Hugging Face hub cache for repo ids on every node; unset: "
+        "huggingface_hub's default (HF_HUB_CACHE, else ~/.cache/huggingface/hub).",
+    )
     builtin: str | None = Field(None, description="Recipe that builds the checkpoint locally when the directory is missing.")
     served_name: str = Field(description="Model id that clients send and GET /v1/models reports.")
-    dtype: str = Field("float32", description="Weights and activations dtype: float32, bfloat16, float16, or auto "
-                       "(bfloat16 on cuda, float32 on cpu).")
+    dtype: str = Field(
+        "float32", description="Weights and activations dtype: float32, bfloat16, float16, or auto (bfloat16 on cuda, float32 on cpu)."
+    )
     device: str = Field("cpu", description="Torch device of every worker: cpu or cuda.")
     max_model_len: int = Field(2048, gt=0, description="Upper bound on prompt plus generated tokens.")
 
@@ -81,7 +91,8 @@ class PoolConfig(Strict):
         default_factory=dict,
         description="Custom Ray resources each actor reserves, e.g. {encoder_node: 1}: pins the pool to the node types "
         "that declare them (ray start --resources, a node type's `resources` in cluster.yaml, rayStartParams in KubeRay). "
-        "Checked against the cluster before any actor starts.")
+        "Checked against the cluster before any actor starts.",
+    )
     slowdown: list[float] = Field(
         default_factory=list,
         description="Experiments only: per-worker factors (>= 1) by which each worker's device work is slowed, "
@@ -89,13 +100,13 @@ class PoolConfig(Strict):
     )
 
     @model_validator(mode="after")
-    def _slowdown_in_range(self) -> "PoolConfig":
+    def _slowdown_in_range(self) -> PoolConfig:
         if any(f < 1.0 for f in self.slowdown) or len(self.slowdown) > self.num_workers:
             raise ValueError("slowdown needs at most num_workers factors, each >= 1.0")
         return self
 
     @model_validator(mode="after")
-    def _custom_resources_only(self) -> "PoolConfig":
+    def _custom_resources_only(self) -> PoolConfig:
         if clash := {"CPU", "GPU", "memory", "object_store_memory"} & set(self.resources):
             raise ValueError(f"resources: {sorted(clash)} are set by num_cpus / num_gpus, not here")
         if any(amount <= 0 for amount in self.resources.values()):
@@ -115,12 +126,26 @@ class EncoderPoolConfig(PoolConfig):
     max_wait_ms: float = Field(5.0, ge=0, description="How long a partial batch waits for more items.")
     cache_mb: float = Field(256.0, ge=0, description="Encoder cache budget: embeddings kept by media identifier.")
     modalities: list[Modality] | None = Field(
-        None, description="Modalities this pool encodes (image, video, audio); unset: every modality the model takes. "
-        "Give `encoder` a list of pools to split encoding by modality, e.g. a vision pool and an audio pool.")
+        None,
+        description="Modalities this pool encodes (image, video, audio); unset: every modality the model takes. "
+        "Give `encoder` a list of pools to split encoding by modality, e.g. a vision pool and an audio pool.",
+    )
 
 
 class PrefillPoolConfig(PoolConfig):
-    max_chunk_tokens: int = Field(512, ge=16, description="Prompt tokens per prefill forward pass (chunked prefill).")
+    max_chunk_tokens: int = Field(
+        512, ge=16, description="Prompt tokens per prefill step, shared by the requests in the worker (chunked prefill, shortest remaining first)."
+    )
+    max_media_tokens_per_step: int = Field(
+        4096, ge=1, description="Encoder-output budget: embedding tokens one prefill step may splice in, over all its requests."
+    )
+    prefix_block_tokens: int = Field(16, ge=1, description="Tokens per prefix-cache block (the unit of KV reuse and of the router's prefix index).")
+    prefix_cache_mb: float = Field(
+        64.0,
+        ge=0,
+        description="Prefix cache budget per prefill worker: KV of finished prompts' blocks, kept by block hash "
+        "and evicted least recently used when unreferenced. 0 turns prefix caching off.",
+    )
 
 
 class DecodePoolConfig(PoolConfig):
@@ -135,17 +160,22 @@ class TransportConfig(Strict):
 class RemoteMediaConfig(Strict):
     """Fetching http(s) media URLs (image_url, video_url, audio_url). Off unless hosts are listed."""
 
-    allowed_hosts: list[str] = Field(default_factory=list, description="Hosts media URLs may name: exact names, "
-                                     "'*.example.com' for its subdomains, or '*' for any host. Empty: fetching is off.")
-    allowed_networks: list[str] = Field(default_factory=list, description="Private, loopback or link-local networks "
-                                        "(CIDR) fetching may reach anyway, e.g. an internal media store; every other "
-                                        "non-public address is refused, also after a redirect.")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Hosts media URLs may name: exact names, '*.example.com' for its subdomains, or '*' for any host. Empty: fetching is off.",
+    )
+    allowed_networks: list[str] = Field(
+        default_factory=list,
+        description="Private, loopback or link-local networks "
+        "(CIDR) fetching may reach anyway, e.g. an internal media store; every other "
+        "non-public address is refused, also after a redirect.",
+    )
     max_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest body fetched for one item.")
     timeout_s: float = Field(10.0, gt=0, description="One deadline for a whole fetch: connect, redirects and body.")
     max_redirects: int = Field(3, ge=0, description="Redirects followed, each checked like the first URL.")
 
     @model_validator(mode="after")
-    def _networks_parse(self) -> "RemoteMediaConfig":
+    def _networks_parse(self) -> RemoteMediaConfig:
         import ipaddress
 
         for net in self.allowed_networks:
@@ -163,50 +193,75 @@ class LimitsConfig(Strict):
     max_video_s: float = Field(600.0, gt=0, description="Longest video accepted, in seconds.")
     max_video_frames: int = Field(256, ge=1, description="Hard cap on the frames kept from one video, whatever media.video_max_frames says.")
     max_video_pixels: int = Field(
-        96_000_000, gt=0, description="Most pixels decoded for one video, checked from its headers before any frame is rendered: "
+        96_000_000,
+        gt=0,
+        description="Most pixels decoded for one video, checked from its headers before any frame is rendered: "
         "sampled frames x frame size, and for GIF/WebP every frame up to the last sampled one (each is rendered on the full canvas). "
-        "96 MP holds the default 32 sampled frames of 1080p (66 MP) and caps one video near 290 MB of RGB.")
+        "96 MP holds the default 32 sampled frames of 1080p (66 MP) and caps one video near 290 MB of RGB.",
+    )
     max_request_pixels: int = Field(
-        128_000_000, gt=0, description="Most decoded pixels of all images and videos in one request together (counted as for "
+        128_000_000,
+        gt=0,
+        description="Most decoded pixels of all images and videos in one request together (counted as for "
         "max_video_pixels), checked before each item is decoded: a 1080p video at the default sampling and a few photos fit; "
-        "about 384 MB of RGB arrays per request in the ingress.")
-    max_concurrent_decodes: int = Field(2, ge=1, description="Media items the ingress decodes at once (others wait): bounds the "
-                                        "CPU and transient memory decoding takes from the ingress process.")
+        "about 384 MB of RGB arrays per request in the ingress.",
+    )
+    max_concurrent_decodes: int = Field(
+        2,
+        ge=1,
+        description="Media items the ingress decodes at once (others wait): bounds the "
+        "CPU and transient memory decoding takes from the ingress process.",
+    )
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
     remote_media: RemoteMediaConfig = Field(default_factory=RemoteMediaConfig, description="Fetching http(s) media URLs.")
     default_max_tokens: int | None = Field(
-        None, ge=1, description="max_tokens when a request gives none; None: the rest of the context (max_model_len minus "
-        "the prompt), as OpenAI and vLLM do for chat (text completions default to 16, as theirs).")
+        None,
+        ge=1,
+        description="max_tokens when a request gives none; None: the rest of the context (max_model_len minus "
+        "the prompt), as OpenAI and vLLM do for chat (text completions default to 16, as theirs).",
+    )
     request_timeout_s: float = Field(120.0, gt=0, description="A request that has not finished by then fails with 504.")
     max_waiting_tokens_per_prefill_worker: int = Field(
-        16384, ge=1, description="Back-pressure: prompt tokens of requests still waiting for their first token, per prefill "
-        "worker; a request beyond it gets 429 with Retry-After.")
+        16384,
+        ge=1,
+        description="Back-pressure: prompt tokens of requests still waiting for their first token, per prefill "
+        "worker; a request beyond it gets 429 with Retry-After.",
+    )
     max_generating_per_decode_worker: int = Field(
-        256, ge=1, description="Back-pressure: requests past their first token and still generating, per decode worker; "
-        "beyond it, 429 with Retry-After.")
+        256,
+        ge=1,
+        description="Back-pressure: requests past their first token and still generating, per decode worker; beyond it, 429 with Retry-After.",
+    )
     retry_after_s: int = Field(1, ge=1, description="Seconds a 429 tells the client to wait (Retry-After).")
     max_attempts: int = Field(
-        3, ge=1, description="Times a request is run when workers die under it: each retry resumes on healthy workers "
-        "from the tokens already produced.")
+        3,
+        ge=1,
+        description="Times a request is run when workers die under it: each retry resumes on healthy workers from the tokens already produced.",
+    )
 
 
 class MediaConfig(Strict):
     """How inputs are shaped for the model (LimitsConfig says what is allowed at all)."""
 
     video_fps: float = Field(2.0, gt=0, description="Frames sampled per second of video, evenly spaced over the clip.")
-    video_max_frames: int = Field(32, ge=1, description="Most frames sampled from one video; longer clips are sampled more sparsely. At most limits.max_video_frames.")
+    video_max_frames: int = Field(
+        32, ge=1, description="Most frames sampled from one video; longer clips are sampled more sparsely. At most limits.max_video_frames."
+    )
 
 
 class RouterConfig(Strict):
     policy: str = Field("joint", description="Routing policy: joint, random, round_robin, least_loaded, affinity.")
     seed: int = Field(0, description="Seed of the randomised policies.")
     priors: dict = Field(default_factory=dict, description="Cost-model priors (router.cost_model.CostPriors fields); calibrated online.")
-    calibration: dict = Field(default_factory=dict, description="How the cost model learns online (router.calibration.CalibrationConfig fields: pool_memory, speed_rate, idle_rounds, heal_rounds, max_relative, error_memory, spread_z).")
+    calibration: dict = Field(
+        default_factory=dict,
+        description="How the cost model learns online (router.calibration.CalibrationConfig fields: pool_memory, speed_rate, idle_rounds, heal_rounds, max_relative, error_memory, spread_z).",
+    )
     staleness_s: float = Field(5.0, gt=0, description="Cache contents a worker published longer ago than this are ignored.")
     dead_after_s: float = Field(10.0, gt=0, description="A worker silent this long leaves the candidate set until it reports again.")
 
     @model_validator(mode="after")
-    def _known(self) -> "RouterConfig":
+    def _known(self) -> RouterConfig:
         from router.cost_model import CostPriors
         from router.policies import POLICIES
 
@@ -233,14 +288,23 @@ class ServerConfig(Strict):
     num_cpus_ray: int = Field(8, ge=1, description="Logical CPUs of a local Ray cluster that `epd serve` starts.")
     trace_path: str | None = Field(None, description="Append one JSONL record per finished request here (simulator replay format).")
     wait_for_nodes_s: float = Field(
-        0.0, ge=0, description="How long to wait for the nodes that pinned pools need (custom resources, GPUs) to join "
-        "before failing: worker nodes of a freshly launched cluster join after the head.")
+        0.0,
+        ge=0,
+        description="How long to wait for the nodes that pinned pools need (custom resources, GPUs) to join "
+        "before failing: worker nodes of a freshly launched cluster join after the head.",
+    )
     num_replicas: int = Field(
-        1, ge=1, description="Ingress replicas sharing the one worker fleet (owned by the fleet controller, so it outlives "
+        1,
+        ge=1,
+        description="Ingress replicas sharing the one worker fleet (owned by the fleet controller, so it outlives "
         "any replica). Each admits 1/num_replicas of the back-pressure budget and serves its own /metrics (a scrape "
-        "through the proxy sees one replica). Object-store transport only when above 1.")
-    api_key: str | None = Field(None, description="When set, /v1/* requires `Authorization: Bearer <key>` (401 otherwise); "
-                                "/health and /metrics stay open. `epd serve` fills it from $EPD_API_KEY when unset.")
+        "through the proxy sees one replica). Object-store transport only when above 1.",
+    )
+    api_key: str | None = Field(
+        None,
+        description="When set, /v1/* requires `Authorization: Bearer <key>` (401 otherwise); "
+        "/health and /metrics stay open. `epd serve` fills it from $EPD_API_KEY when unset.",
+    )
     log_requests: bool = Field(True, description="One log line per finished request: id, status, tokens, TTFT, e2e.")
     log_prompts: bool = Field(False, description="Add the prompt's text to each request's log line (off: prompts may be private).")
 
@@ -248,7 +312,8 @@ class ServerConfig(Strict):
 class ClusterConfig(Strict):
     model: ModelConfig
     encoder: EncoderPoolConfig | list[EncoderPoolConfig] = Field(
-        EncoderPoolConfig(), description="One encoder pool, or a list of pools that split the modalities between them.")
+        EncoderPoolConfig(), description="One encoder pool, or a list of pools that split the modalities between them."
+    )
     prefill: PrefillPoolConfig = PrefillPoolConfig()
     decode: DecodePoolConfig = DecodePoolConfig()
     transport: TransportConfig = TransportConfig()
@@ -258,7 +323,7 @@ class ClusterConfig(Strict):
     server: ServerConfig = ServerConfig()
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> "ClusterConfig":
+    def _cross_checks(self) -> ClusterConfig:
         uses_nccl = Transport.NCCL in (self.transport.embeddings, self.transport.kv)
         if uses_nccl and self.model.device != "cuda":
             raise ValueError("transport nccl needs model.device: cuda")
@@ -268,12 +333,15 @@ class ClusterConfig(Strict):
             raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, not {self.model.dtype!r}")
         rdt = {self.transport.embeddings, self.transport.kv} - {Transport.OBJECT_STORE}
         if rdt and self.server.num_replicas > 1:
-            raise ValueError(f"transport {rdt.pop().value} needs server.num_replicas: 1 (got {self.server.num_replicas}): "
-                             "transfers into one worker must run one at a time (gloo pairs sends and receives by order "
-                             "alone), and a replica can order only its own; use object_store to run several replicas")
+            raise ValueError(
+                f"transport {rdt.pop().value} needs server.num_replicas: 1 (got {self.server.num_replicas}): "
+                "transfers into one worker must run one at a time (gloo pairs sends and receives by order "
+                "alone), and a replica can order only its own; use object_store to run several replicas"
+            )
         if self.media.video_max_frames > self.limits.max_video_frames:
-            raise ValueError(f"media.video_max_frames ({self.media.video_max_frames}) must not exceed "
-                             f"limits.max_video_frames ({self.limits.max_video_frames})")
+            raise ValueError(
+                f"media.video_max_frames ({self.media.video_max_frames}) must not exceed limits.max_video_frames ({self.limits.max_video_frames})"
+            )
         return self
 
     @property
@@ -282,8 +350,9 @@ class ClusterConfig(Strict):
 
     def named_pools(self) -> list[tuple[str, PoolConfig]]:
         """Every pool with the name errors use: encoder (or encoder[i] in a list), prefill, decode."""
-        encoders = [("encoder", self.encoder)] if not isinstance(self.encoder, list) else [
-            (f"encoder[{i}]", pool) for i, pool in enumerate(self.encoder)]
+        encoders = (
+            [("encoder", self.encoder)] if not isinstance(self.encoder, list) else [(f"encoder[{i}]", pool) for i, pool in enumerate(self.encoder)]
+        )
         return [*encoders, ("prefill", self.prefill), ("decode", self.decode)]
 
     def encoder_modalities(self, model_modalities: frozenset[Modality]) -> list[frozenset[Modality]]:
@@ -292,18 +361,16 @@ class ClusterConfig(Strict):
         per_pool = [frozenset(p.modalities) if p.modalities is not None else model_modalities for p in self.encoder_pools]
         for pool in per_pool:
             if extra := pool - model_modalities:
-                raise ConfigError(f"an encoder pool is given {sorted(m.value for m in extra)}, which model "
-                                  f"{self.model.served_name!r} does not take")
+                raise ConfigError(f"an encoder pool is given {sorted(m.value for m in extra)}, which model {self.model.served_name!r} does not take")
         if missing := model_modalities - frozenset().union(*per_pool):
-            raise ConfigError(f"no encoder pool encodes {sorted(m.value for m in missing)}, which model "
-                              f"{self.model.served_name!r} takes")
+            raise ConfigError(f"no encoder pool encodes {sorted(m.value for m in missing)}, which model {self.model.served_name!r} takes")
         return [m for pool, m in zip(self.encoder_pools, per_pool) for _ in range(pool.num_workers)]
 
     def fingerprint(self) -> str:
         """A short hash of the whole config: tells which config a running replica serves."""
         return hashlib.sha1(self.model_dump_json().encode()).hexdigest()[:12]
 
-    def replace(self, **sections) -> "ClusterConfig":
+    def replace(self, **sections) -> ClusterConfig:
         """A copy with whole sections or fields swapped, re-validated (tests and benchmarks use it)."""
         data = self.model_dump()
         for key, value in sections.items():

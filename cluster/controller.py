@@ -15,6 +15,7 @@ Replicas register with an owner tag that starts their requests' ids; the control
 them, and when Ray says one died, the workers free whatever its requests still held
 (KV no decode will pull, embeddings no prefill will use).
 """
+
 from __future__ import annotations
 
 import logging
@@ -131,14 +132,14 @@ def attach(app_name: str, config: ClusterConfig, model_modalities: frozenset[Mod
     elif any(other != name for other in running(app_name)):
         return None
     return FleetController.options(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True).remote(
-        config.model_dump(mode="json"), sorted(m.value for m in model_modalities))
+        config.model_dump(mode="json"), sorted(m.value for m in model_modalities)
+    )
 
 
 def running(app_name: str) -> list[str]:
     """Names of the app's controllers that Ray knows of."""
     prefix = controller_prefix(app_name)
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
 
 
 def retire(app_name: str, keep: str | None = None) -> list[str]:

@@ -1,4 +1,5 @@
 """Incremental detokenization with stop strings, for streamed and whole responses."""
+
 from __future__ import annotations
 
 

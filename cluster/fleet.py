@@ -4,6 +4,7 @@ The fleet lives in the fleet controller (cluster/controller.py), which owns the 
 they outlive any ingress replica. Replicas get the handles from a controller method (so
 they keep their tensor-transport flag) and adopt its collective group (cluster/fleet_client.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,7 @@ class Fleet:
         self.rdt = _rdt_transport(config)
         m = config.model
         # The checkpoint as configured (a repo id stays one): each worker resolves it on its own node.
-        self.spec = WorkerSpec(m.checkpoint, m.resolved_dtype, m.device, 1, m.max_model_len, revision=m.revision,
-                               hub_cache_dir=m.hub_cache_dir)
+        self.spec = WorkerSpec(m.checkpoint, m.resolved_dtype, m.device, 1, m.max_model_len, revision=m.revision, hub_cache_dir=m.hub_cache_dir)
         self.pools: dict[WorkerKind, list] = {kind: [] for kind in WorkerKind}
         for kind in WorkerKind:
             self.pools[kind] = [self._start(kind, i) for i in range(self._num_workers(kind))]
@@ -74,7 +74,9 @@ class Fleet:
         if kind == WorkerKind.ENCODER:
             return EncoderActor.options(**options).remote(spec, pool.max_batch_size, pool.max_wait_ms, pool.cache_mb)
         if kind == WorkerKind.PREFILL:
-            return PrefillActor.options(**options).remote(spec, pool.max_chunk_tokens)
+            return PrefillActor.options(**options).remote(
+                spec, pool.max_chunk_tokens, pool.prefix_block_tokens, int(pool.prefix_cache_mb * 2**20), pool.max_media_tokens_per_step
+            )
         return DecodeActor.options(**options).remote(spec, pool.max_batch_size)
 
     def worker_infos(self, model_modalities: frozenset[Modality]) -> list[WorkerInfo]:
@@ -122,8 +124,13 @@ class Fleet:
 
     def snapshot(self, generation: int, infos: tuple[WorkerInfo, ...]) -> FleetSnapshot:
         group = GroupRef(self._group_name, _BACKEND[self.rdt]) if self.rdt is not None else None
-        return FleetSnapshot(generation, {kind: tuple(self.pools[kind]) for kind in WorkerKind},
-                             {kind: tuple(a._actor_id.hex() for a in self.pools[kind]) for kind in WorkerKind}, infos, group)
+        return FleetSnapshot(
+            generation,
+            {kind: tuple(self.pools[kind]) for kind in WorkerKind},
+            {kind: tuple(a._actor_id.hex() for a in self.pools[kind]) for kind in WorkerKind},
+            infos,
+            group,
+        )
 
     def shutdown(self) -> None:
         for actor in self.all_actors():

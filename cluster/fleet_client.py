@@ -6,13 +6,14 @@ process's RemoteCommunicatorManager, so registering a CommunicatorHandle for the
 (already initialised on every worker) lets this process own tensor refs that travel over
 it, without forming the group again.
 """
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import ray
 

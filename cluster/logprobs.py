@@ -2,10 +2,11 @@
 (`choices[].logprobs.content[]`: token, logprob, bytes, top_logprobs) and legacy
 completions (`tokens`, `token_logprobs`, `top_logprobs`, `text_offset`). A token's text is
 the tokenizer's decoding of that token alone, as vLLM returns it. No torch here."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
-from typing import Iterable
 
 from pydantic import BaseModel
 
@@ -50,9 +51,10 @@ class LogprobText:
         return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode("utf-8")))
 
     def chat(self, pairs: Iterable[tuple[int, TokenLogprob]]) -> ChatLogprobs:
-        content = [ChatTokenLogprob(**self._top(token_id, lp.logprob).model_dump(),
-                                    top_logprobs=[self._top(t, v) for t, v in lp.top])
-                   for token_id, lp in pairs]
+        content = [
+            ChatTokenLogprob(**self._top(token_id, lp.logprob).model_dump(), top_logprobs=[self._top(t, v) for t, v in lp.top])
+            for token_id, lp in pairs
+        ]
         return ChatLogprobs(content=content)
 
     def completion(self, pairs: Iterable[tuple[int, TokenLogprob]], text_offset: int = 0) -> CompletionLogprobs:

@@ -6,18 +6,67 @@ replacing the prefix; epd's own series (router estimate, per-stage latency, enco
 retries) sit beside them. Every series carries `model_name`. The full list is in the
 README ("Metrics"); docs/grafana/epd.json is a dashboard over them.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PREFIX = "epd:"
 # vLLM's request-latency buckets; the top ones are cut at the request timeout, which is added.
-_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                      20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
-                  0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+STEP_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -48,7 +97,9 @@ class Metrics:
         # vLLM's names
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", latency)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between two output chunks of a request.", STEP_BUCKETS_S)
-        self.tpot = self._histogram("request_time_per_output_token_seconds", "A request's mean time per output token after the first.", STEP_BUCKETS_S)
+        self.tpot = self._histogram(
+            "request_time_per_output_token_seconds", "A request's mean time per output token after the first.", STEP_BUCKETS_S
+        )
         self.e2e = self._histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.", latency)
         self.queue_time = self._histogram("request_queue_time_seconds", "Time a request waited in a prefill worker's queue.", latency)
         self.prefill_time = self._histogram("request_prefill_time_seconds", "Time a request's prefill ran.", latency)

@@ -12,11 +12,12 @@ node for the pending actor. Where that config is not published (Ray's v1 autosca
 reserve more of a resource than the live nodes and those node types (at their max count)
 offer are refused too: some of their actors would wait forever.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from cluster.config import ClusterConfig, ConfigError
 
@@ -53,8 +54,10 @@ def unplaceable(config: ClusterConfig, shapes: list[NodeShape]) -> list[str]:
     for name, pool in config.named_pools():
         bundle = pool.ray_resources()
         if missing := [r for r in bundle if not any(r in shape.resources for shape in shapes)]:
-            problems.append(f"pool {name!r} needs {missing} (each actor reserves {bundle}), which no node of the "
-                            f"cluster offers, nor any node type its autoscaler may launch; the nodes offer {offered}")
+            problems.append(
+                f"pool {name!r} needs {missing} (each actor reserves {bundle}), which no node of the "
+                f"cluster offers, nor any node type its autoscaler may launch; the nodes offer {offered}"
+            )
         elif not any(shape.holds(bundle) for shape in shapes):
             largest = [f"{s.source}: {_shown(s.resources)}" for s in shapes]
             problems.append(f"no single node can hold one actor of pool {name!r} ({bundle}); nodes: {largest}")
@@ -90,9 +93,15 @@ def autoscaler_shapes() -> list[NodeShape]:
     if published is None:
         return []
     unbounded = 1 << 20  # max_count -1: no limit
-    return [NodeShape(f"node type {group.name} (autoscaler)", {k: float(v) for k, v in group.resources.items()},
-                      group.max_count if group.max_count > 0 else unbounded)
-            for group in published.node_group_configs if group.max_count != 0]
+    return [
+        NodeShape(
+            f"node type {group.name} (autoscaler)",
+            {k: float(v) for k, v in group.resources.items()},
+            group.max_count if group.max_count > 0 else unbounded,
+        )
+        for group in published.node_group_configs
+        if group.max_count != 0
+    ]
 
 
 def check_placement(config: ClusterConfig, wait_s: float | None = None) -> None:

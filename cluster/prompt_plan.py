@@ -4,6 +4,7 @@ to the exact number of embeddings each item becomes, and the placeholder ranges 
 
 Runs on the processor and the model config only: no weights.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,8 +50,10 @@ class PromptPlanner:
         counts = tuple(layout.num_embeddings for layout in layouts)
         text = self._expand(self.render(hf_messages), items, counts)
         ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
-        ranges = tuple(PlaceholderRange(r.offset, r.length, item.modality, layout.grid_thw, layout.seconds_per_grid)
-                       for r, item, layout in zip(self._ranges(ids, items, counts), items, layouts))
+        ranges = tuple(
+            PlaceholderRange(r.offset, r.length, item.modality, layout.grid_thw, layout.seconds_per_grid)
+            for r, item, layout in zip(self._ranges(ids, items, counts), items, layouts)
+        )
         return PromptPlan(tuple(ids.tolist()), ranges, counts, tuple(items))
 
     def plan_text(self, prompt: str | list[int]) -> PromptPlan:
@@ -92,8 +95,10 @@ class PromptPlanner:
         if len(item.data) <= self.spec.audio_window_samples:
             return [item]
         namespace = item.identifier  # a window's identity derives from its clip's
-        return [MediaItem(Modality.AUDIO, media_identifier(namespace, Modality.AUDIO, part, rate=item.sample_rate_hz), part, item.sample_rate_hz)
-                for part in split_windows(item.data, self.spec.audio_window_samples)]
+        return [
+            MediaItem(Modality.AUDIO, media_identifier(namespace, Modality.AUDIO, part, rate=item.sample_rate_hz), part, item.sample_rate_hz)
+            for part in split_windows(item.data, self.spec.audio_window_samples)
+        ]
 
     def _expand(self, text: str, items: list[MediaItem], counts: tuple[int, ...]) -> str:
         """Replace the k-th placeholder of each modality by its item's run of placeholders."""

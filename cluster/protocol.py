@@ -5,6 +5,7 @@ a bare string, an echoed assistant message's null tool_calls) and strict where a
 fallback would surprise: a field this server does not honour is refused by name, as are
 out-of-range sampling values and empty messages. No torch here.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import (BaseModel, Field, ValidationError, ValidationInfo,
-                      field_validator, model_serializer, model_validator)
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from actors.types import Modality
@@ -25,10 +25,15 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 # Content-part type -> modality; a modality's value is also its HF chat-template placeholder type.
 MEDIA_PART_TYPES: dict[str, Modality] = {
-    "image_url": Modality.IMAGE, "input_audio": Modality.AUDIO, "audio_url": Modality.AUDIO, "video_url": Modality.VIDEO}
+    "image_url": Modality.IMAGE,
+    "input_audio": Modality.AUDIO,
+    "audio_url": Modality.AUDIO,
+    "video_url": Modality.VIDEO,
+}
 
 
 # ----------------------------------------------------------------------------- request
+
 
 class ImageURL(Strict):
     url: str
@@ -66,10 +71,9 @@ class ContentPart(Strict):
         return {"url": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _payload_present(self) -> "ContentPart":
+    def _payload_present(self) -> ContentPart:
         if getattr(self, self.type) is None:
-            raise PydanticCustomError("missing_payload", "content part of type '{t}' needs a '{t}' field",
-                                      {"t": self.type})
+            raise PydanticCustomError("missing_payload", "content part of type '{t}' needs a '{t}' field", {"t": self.type})
         return self
 
     @property
@@ -116,14 +120,13 @@ class ChatMessage(Strict):
         return value
 
     @model_validator(mode="after")
-    def _media_only_from_users(self) -> "ChatMessage":
+    def _media_only_from_users(self) -> ChatMessage:
         if self.role != "user":
             for index, part in enumerate(self.content or ()):
                 if part.is_media:
                     raise PydanticCustomError(
-                        "media_not_allowed",
-                        "content[{i}] is an '{t}' part, but media is only allowed in user messages",
-                        {"i": index, "t": part.type})
+                        "media_not_allowed", "content[{i}] is an '{t}' part, but media is only allowed in user messages", {"i": index, "t": part.type}
+                    )
         return self
 
     @property
@@ -156,18 +159,18 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice_none(cls, value: Any) -> Any:
-        return refuse_unless(value, ("none",), "this server does not call tools (only \"none\" is accepted)")
+        return refuse_unless(value, ("none",), 'this server does not call tools (only "none" is accepted)')
 
     @field_validator("response_format", mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
-        return refuse_unless(value, ({"type": "text"},), "only {\"type\": \"text\"} (structured output is not built)")
+        return refuse_unless(value, ({"type": "text"},), 'only {"type": "text"} (structured output is not built)')
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value and not info.data.get("logprobs"):
-            raise PydanticCustomError("top_logprobs_without_logprobs", "top_logprobs needs \"logprobs\": true")
+            raise PydanticCustomError("top_logprobs_without_logprobs", 'top_logprobs needs "logprobs": true')
         return value
 
     @property
@@ -206,6 +209,7 @@ def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:
 
 # ----------------------------------------------------------------------------- media extraction
 
+
 @dataclass(frozen=True)
 class MediaPart:
     """One media part of a validated request, in prompt order, with its JSON path for errors."""
@@ -219,8 +223,13 @@ class MediaPart:
 
 def _media_part(part: ContentPart, param: str) -> MediaPart:
     body = getattr(part, part.type)  # ImageURL, InputAudio, AudioURL or VideoURL; the validator ensured it is set
-    return MediaPart(MEDIA_PART_TYPES[part.type], body.data if part.type == "input_audio" else body.url,
-                     param, format=getattr(body, "format", None), detail=getattr(body, "detail", None))
+    return MediaPart(
+        MEDIA_PART_TYPES[part.type],
+        body.data if part.type == "input_audio" else body.url,
+        param,
+        format=getattr(body, "format", None),
+        detail=getattr(body, "detail", None),
+    )
 
 
 def to_template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[MediaPart]]:
@@ -244,6 +253,7 @@ def to_template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, An
 
 # ----------------------------------------------------------------------------- responses
 
+
 class _OmitNone(BaseModel):
     """Drops the fields named in _omit_if_none when they are None (OpenAI omits them)."""
 
@@ -261,9 +271,8 @@ class Usage(BaseModel):
     total_tokens: int
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
 class AssistantMessage(BaseModel):
@@ -327,8 +336,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
@@ -336,4 +344,4 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
 def sse_event(obj: BaseModel | dict[str, Any]) -> bytes:
     """One server-sent event: `data: {json}\\n\\n`."""
     body = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {body}\n\n".encode("utf-8")
+    return f"data: {body}\n\n".encode()

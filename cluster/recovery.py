@@ -6,6 +6,7 @@ worker's, not the request's: the request path reports the worker and resumes the
 on healthy workers. An exception raised by the worker's own code (`RayTaskError`) belongs
 to the request and is not retried.
 """
+
 from __future__ import annotations
 
 import ray.exceptions as rx
@@ -30,8 +31,7 @@ class WorkerLost(Exception):
 
 def _decision_workers(decision: RouteDecision) -> list[tuple[WorkerKind, int]]:
     encoders = {decision.encoder_for(item.modality) for item in decision.items}
-    return ([(WorkerKind.ENCODER, e) for e in sorted(encoders)]
-            + [(WorkerKind.PREFILL, decision.prefill), (WorkerKind.DECODE, decision.decode)])
+    return [(WorkerKind.ENCODER, e) for e in sorted(encoders)] + [(WorkerKind.PREFILL, decision.prefill), (WorkerKind.DECODE, decision.decode)]
 
 
 def lost_worker(exc: BaseException, fleet, decision: RouteDecision) -> WorkerLost:

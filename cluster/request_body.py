@@ -5,6 +5,7 @@ NaN and infinities, lone UTF-16 surrogates (no tokenizer can encode them), and v
 the wrong JSON type (no coercion: `"stream": "yes"` is an error, not True). Every refusal
 names the offending parameter where it has one. No torch here.
 """
+
 from __future__ import annotations
 
 import json
@@ -93,8 +94,9 @@ def _check_text(text: str, path: tuple[int | str, ...]) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         where = format_param(path) or "request"
-        raise BodyError(f"Invalid '{where}': lone UTF-16 surrogate {text[exc.start]!r} at character {exc.start} "
-                        "is not valid Unicode", format_param(path)) from None
+        raise BodyError(
+            f"Invalid '{where}': lone UTF-16 surrogate {text[exc.start]!r} at character {exc.start} is not valid Unicode", format_param(path)
+        ) from None
 
 
 def parse_request(body: bytes, model: type[Request]) -> Request:

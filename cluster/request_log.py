@@ -1,5 +1,6 @@
 """One log line per finished request (logger `ray.serve.epd.requests`): id, outcome, tokens, TTFT and
 end-to-end time, and the prompt's text only where the config asks for it."""
+
 from __future__ import annotations
 
 import hmac
@@ -23,8 +24,13 @@ class RequestRecord:
     x_request_id: str | None = field(default_factory=lambda: _serve_request_id())
 
     def line(self) -> str:
-        parts = [f"request {self.request_id}", f"x_request_id={self.x_request_id}", f"status={self.status}", f"prompt_tokens={self.prompt_tokens}",
-                 f"completion_tokens={self.completion_tokens}"]
+        parts = [
+            f"request {self.request_id}",
+            f"x_request_id={self.x_request_id}",
+            f"status={self.status}",
+            f"prompt_tokens={self.prompt_tokens}",
+            f"completion_tokens={self.completion_tokens}",
+        ]
         if self.finish_reason:
             parts.append(f"finish_reason={self.finish_reason}")
         parts += [f"{name}={value:.1f}" for name, value in (("ttft_ms", self.ttft_ms), ("e2e_ms", self.e2e_ms)) if value is not None]

@@ -4,28 +4,29 @@ admit (parse, validate, decode media, identify, plan the prompt) -> route -> enc
 -> prefill -> decode, yielding the request's tokens as TokenChunks. Tensors never come
 here: embeddings and KV move worker-to-worker as refs this module only passes along.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
 
 import ray
 
+from actors.decode_state import finish_reason_of
 from actors.media import MediaError, MediaOptions, PixelBudget, VideoSampling, load_media_item
 from actors.types import DecodeRequest, EncodeJob, FinishReason, MediaItem, PrefillRequest, PrefillResult, TokenChunk
-from actors.decode_state import finish_reason_of
+from cluster.admitted import Admitted, Endpoint, Job
 from cluster.config import ClusterConfig, Transport
 from cluster.fleet_client import FleetClient
 from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
-from cluster.admitted import Admitted, Endpoint, Job
 from cluster.protocol import ChatCompletionRequest, to_template_messages
 from cluster.recovery import RETRYABLE, WorkerLost, lost_worker
 from cluster.request_body import BodyError, parse_request
-from cluster.sampling_fields import ModelBounds, ParamError
 from cluster.routing import LiveRouting, RoutingUnavailable
+from cluster.sampling_fields import ModelBounds, ParamError
 from cluster.trace import TraceWriter
 from router.types import RequestProfile, RouteDecision, WorkerKind
 
@@ -41,6 +42,7 @@ def close_soon(stream: AsyncIterator) -> None:
     request's task, and under Serve (anyio) every later await in that task is cancelled
     too: an inline `await stream.aclose()` would stop half-way and skip the clean-up
     (freeing the request's KV) further down the chain."""
+
     async def close() -> None:
         try:
             await stream.aclose()
@@ -55,8 +57,15 @@ def close_soon(stream: AsyncIterator) -> None:
 class RequestError(Exception):
     """Ends a request with an HTTP error in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 code: str | None = None, retry_after_s: int | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
         self.retry_after_s = retry_after_s  # sent as Retry-After (429, 503)
@@ -75,8 +84,15 @@ class Trace:
 
 
 class RequestPath:
-    def __init__(self, config: ClusterConfig, fleet: FleetClient, planner: PromptPlanner, routing: LiveRouting, metrics: Metrics,
-                 on_worker_lost: Callable[[WorkerLost], Awaitable[None]]):
+    def __init__(
+        self,
+        config: ClusterConfig,
+        fleet: FleetClient,
+        planner: PromptPlanner,
+        routing: LiveRouting,
+        metrics: Metrics,
+        on_worker_lost: Callable[[WorkerLost], Awaitable[None]],
+    ):
         self.config, self.fleet, self.planner = config, fleet, planner
         self.routing, self.metrics = routing, metrics
         self.on_worker_lost = on_worker_lost  # the supervisor confirms the death and restarts the worker
@@ -89,7 +105,9 @@ class RequestPath:
         except BodyError as exc:
             raise RequestError(400, exc.message, exc.param) from None
         if request.model != self.config.model.served_name:
-            raise RequestError(404, f"model {request.model!r} does not exist; this server serves {self.config.model.served_name!r}", "model", code="model_not_found")
+            raise RequestError(
+                404, f"model {request.model!r} does not exist; this server serves {self.config.model.served_name!r}", "model", code="model_not_found"
+            )
         if isinstance(request, ChatCompletionRequest):
             hf_messages, media = to_template_messages(request.messages)
             plan = self._plan(hf_messages, tuple(self._decode_media(media)))
@@ -103,14 +121,17 @@ class RequestPath:
 
     @property
     def bounds(self) -> ModelBounds:
-        return ModelBounds(self.config.model.max_model_len, len(self.planner.tokenizer), self.planner.eos_token_ids,
-                           self.config.limits.default_max_tokens)
+        return ModelBounds(
+            self.config.model.max_model_len, len(self.planner.tokenizer), self.planner.eos_token_ids, self.config.limits.default_max_tokens
+        )
 
     def _media_options(self) -> MediaOptions:
         """The served model's input shape: its audio rate and the configured video sampling."""
         media = self.config.media
-        return MediaOptions(audio_sample_rate_hz=self.planner.spec.audio_sample_rate_hz,
-                            video_sampling=VideoSampling(fps=media.video_fps, max_frames=media.video_max_frames))
+        return MediaOptions(
+            audio_sample_rate_hz=self.planner.spec.audio_sample_rate_hz,
+            video_sampling=VideoSampling(fps=media.video_fps, max_frames=media.video_max_frames),
+        )
 
     def _decode_media(self, media) -> list[MediaItem]:
         limits, options = self.config.limits, self._media_options()
@@ -121,8 +142,18 @@ class RequestPath:
             if part.modality not in self.planner.spec.modalities:
                 raise RequestError(400, f"model {self.config.model.served_name!r} does not take {part.modality.value} input", part.param)
             try:
-                items.append(load_media_item(part.modality, part.payload, namespace=self.config.model.served_name,
-                                             limits=limits, param=part.param, format=part.format, options=options, budget=budget))
+                items.append(
+                    load_media_item(
+                        part.modality,
+                        part.payload,
+                        namespace=self.config.model.served_name,
+                        limits=limits,
+                        param=part.param,
+                        format=part.format,
+                        options=options,
+                        budget=budget,
+                    )
+                )
             except MediaError as exc:
                 raise RequestError(400, exc.message, exc.param) from None
         return items
@@ -142,14 +173,16 @@ class RequestPath:
     def _fits(self, plan: PromptPlan, param: str) -> PromptPlan:
         limit = self.config.model.max_model_len
         if len(plan.token_ids) >= limit:
-            raise RequestError(400, f"prompt is {len(plan.token_ids)} tokens; this model's context is {limit} tokens", param, code="context_length_exceeded")
+            raise RequestError(
+                400, f"prompt is {len(plan.token_ids)} tokens; this model's context is {limit} tokens", param, code="context_length_exceeded"
+            )
         return plan
 
     # -- 2. route ---------------------------------------------------------------------------
     async def route(self, job: Job, trace: Trace) -> RouteDecision:
         """Pick the workers; while a stage has no healthy worker (one is restarting), wait for
         one until the request's deadline rather than failing at once."""
-        trace.profile = self.routing.profile(job.adm.plan, len(job.token_ids), job.sampling.max_tokens)
+        trace.profile = self.routing.profile(job.adm.plan, job.token_ids, job.sampling.max_tokens)
         while True:
             try:
                 trace.route = self.routing.route(trace.profile)
@@ -183,8 +216,12 @@ class RequestPath:
             if done := self._finished_already(adm, produced):  # the worker died after the last token
                 yield done
                 return
-        raise RequestError(503, f"workers failed {self.config.limits.max_attempts} times under this request; "
-                           f"last: {failure}", type="server_error", retry_after_s=RETRY_AFTER_S)
+        raise RequestError(
+            503,
+            f"workers failed {self.config.limits.max_attempts} times under this request; last: {failure}",
+            type="server_error",
+            retry_after_s=RETRY_AFTER_S,
+        )
 
     def _finished_already(self, adm: Admitted, produced: list[int]) -> TokenChunk | None:
         """The closing chunk if the tokens produced so far already end the request."""
@@ -235,8 +272,10 @@ class RequestPath:
         encoders = self.fleet.pools[WorkerKind.ENCODER]
         option = self.fleet.transport_option(self.config.transport.embeddings)
         plan = job.adm.plan
-        return [encoders[decision.encoder_for(item.modality.value)].encode.options(**option).remote(EncodeJob(job.job_id, item, n))
-                for item, n in zip(plan.items, plan.num_embeddings)]
+        return [
+            encoders[decision.encoder_for(item.modality.value)].encode.options(**option).remote(EncodeJob(job.job_id, item, n))
+            for item, n in zip(plan.items, plan.num_embeddings)
+        ]
 
     async def deliver(self, kind: WorkerKind, index: int, request_id: str, refs: list, transport) -> list:
         """Hand tensors (as refs) to a worker's inbox, one receive call per item; they move
@@ -256,7 +295,15 @@ class RequestPath:
         received_at = None
         if encoded:
             received_at = max(await self.deliver(WorkerKind.PREFILL, decision.prefill, job.job_id, encoded, self.config.transport.embeddings))
-        request = PrefillRequest(job.job_id, job.token_ids, job.adm.plan.placeholders, job.sampling, job.num_output_tokens)
+        plan = job.adm.plan
+        request = PrefillRequest(
+            job.job_id,
+            job.token_ids,
+            plan.placeholders,
+            job.sampling,
+            job.num_output_tokens,
+            media_identifiers=tuple(item.identifier for item in plan.items),
+        )
         result = await prefill.prefill.remote(request)
         ready_at = max((s.finished_at_s for s in result.encode_stats if not s.cache_hit), default=None)
         transfer_ms = (received_at - ready_at) * 1e3 if received_at and ready_at else None
@@ -271,8 +318,7 @@ class RequestPath:
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         decoder = self.fleet.pools[WorkerKind.DECODE][decision.decode]
         kv_ref = prefill.pop_kv.options(**self.fleet.transport_option(self.config.transport.kv)).remote(job.job_id)
-        request = DecodeRequest(job.job_id, result.num_prompt_tokens, result.first_token_id, job.sampling, result.rope_delta,
-                                job.history)
+        request = DecodeRequest(job.job_id, result.num_prompt_tokens, result.first_token_id, job.sampling, result.rope_delta, job.history)
         finished = False
         try:
             await self.deliver(WorkerKind.DECODE, decision.decode, job.job_id, [kv_ref], self.config.transport.kv)
@@ -305,3 +351,5 @@ class RequestPath:
         trace.encode_ms = max((s.queue_ms + s.encode_ms for s in result.encode_stats), default=0.0)
         trace.prefill_ms, trace.prefill_queue_ms = result.prefill_ms, result.queue_ms
         self.metrics.prompt_tokens.inc(result.num_prompt_tokens)
+        self.metrics.prefix_cache_queries.inc(result.num_prompt_tokens)
+        self.metrics.prefix_cache_hits.inc(result.num_cached_tokens)

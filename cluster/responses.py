@@ -1,24 +1,33 @@
 """Turns a request's token streams (one per choice) into OpenAI responses, chat or text
 completion: SSE chunks or one JSON body, with logprobs, usage, finish reasons and timings,
 and records the request-level metrics."""
+
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from pydantic import BaseModel
 
 from actors.types import FinishReason, TokenChunk, TokenLogprob
+from cluster.admitted import Admitted
 from cluster.completions import Completion, CompletionChoice
 from cluster.detokenize import IncrementalText
 from cluster.logprobs import LogprobText
 from cluster.metrics import Metrics
 from cluster.protocol import (
-    SSE_DONE, AssistantMessage, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChunkChoice, Choice,
-    DeltaMessage, Usage, sse_event,
+    SSE_DONE,
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    DeltaMessage,
+    Usage,
+    sse_event,
 )
-from cluster.admitted import Admitted
 from cluster.request_path import Trace, close_soon
 
 
@@ -132,23 +141,37 @@ class Shape:
         """One answer from each choice's text merged into one delta."""
         base = dict(id=self.adm.request_id, model=self.adm.request.model, usage=usage, timings=timings)
         if self.is_chat:
-            return ChatCompletion(**base, choices=[
-                Choice(index=i, message=AssistantMessage(content=d.text), finish_reason=d.finish_reason, logprobs=self._logprobs(d))
-                for i, d in enumerate(deltas)])
-        return Completion(**base, choices=[
-            CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=self._logprobs(d))
-            for i, d in enumerate(deltas)])
+            return ChatCompletion(
+                **base,
+                choices=[
+                    Choice(index=i, message=AssistantMessage(content=d.text), finish_reason=d.finish_reason, logprobs=self._logprobs(d))
+                    for i, d in enumerate(deltas)
+                ],
+            )
+        return Completion(
+            **base,
+            choices=[CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=self._logprobs(d)) for i, d in enumerate(deltas)],
+        )
 
     def chunk(self, index: int, delta: Delta | None, **extra) -> bytes:
         """An SSE event of one choice's delta; `delta` None: no choices (the usage chunk)."""
         base = dict(id=self.adm.request_id, model=self.adm.request.model, **extra)
         if self.is_chat:
-            choices = [] if delta is None else [ChunkChoice(
-                index=index, delta=DeltaMessage(content=delta.text or None), finish_reason=delta.finish_reason,
-                logprobs=self._logprobs(delta))]
+            choices = (
+                []
+                if delta is None
+                else [
+                    ChunkChoice(
+                        index=index, delta=DeltaMessage(content=delta.text or None), finish_reason=delta.finish_reason, logprobs=self._logprobs(delta)
+                    )
+                ]
+            )
             return sse_event(ChatCompletionChunk(**base, choices=choices))
-        choices = [] if delta is None else [CompletionChoice(
-            index=index, text=delta.text, finish_reason=delta.finish_reason, logprobs=self._logprobs(delta))]
+        choices = (
+            []
+            if delta is None
+            else [CompletionChoice(index=index, text=delta.text, finish_reason=delta.finish_reason, logprobs=self._logprobs(delta))]
+        )
         return sse_event(Completion(**base, choices=choices))
 
     def role_chunk(self, index: int) -> bytes | None:
@@ -170,8 +193,7 @@ async def _whole_choice(collector: Collector, chunks: AsyncIterator[TokenChunk])
     return merged
 
 
-async def complete(shape: Shape, collectors: list[Collector], streams: list[AsyncIterator[TokenChunk]],
-                   metrics: Metrics) -> BaseModel:
+async def complete(shape: Shape, collectors: list[Collector], streams: list[AsyncIterator[TokenChunk]], metrics: Metrics) -> BaseModel:
     """The whole answer. Choices are read one after another: all are generating already,
     and a later one's tokens wait in its stream meanwhile."""
     try:
@@ -183,8 +205,7 @@ async def complete(shape: Shape, collectors: list[Collector], streams: list[Asyn
     return shape.whole(deltas, _usage(collectors), collectors[0].timings())
 
 
-async def stream(shape: Shape, collectors: list[Collector], streams: list[AsyncIterator[TokenChunk]],
-                 metrics: Metrics) -> AsyncIterator[bytes]:
+async def stream(shape: Shape, collectors: list[Collector], streams: list[AsyncIterator[TokenChunk]], metrics: Metrics) -> AsyncIterator[bytes]:
     """SSE events: each choice's role chunk, then each choice's deltas in turn, then usage."""
     try:
         for index in range(len(collectors)):

@@ -3,10 +3,12 @@ each request's stages in the Router, and feeds it the timings the workers report
 
 The Router itself (router/) is the same object the simulator drives.
 """
+
 from __future__ import annotations
 
 import time
 
+from actors.prefix_cache import MediaKey, block_hashes
 from actors.types import PrefillResult
 from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptPlan
@@ -20,18 +22,24 @@ class RoutingUnavailable(RuntimeError):
 
 
 class LiveRouting:
-    def __init__(self, router: Router, metrics: Metrics, embedding_bytes_per_token: int):
+    def __init__(self, router: Router, metrics: Metrics, embedding_bytes_per_token: int, prefix_block_tokens: int = 0):
         self.router, self.metrics = router, metrics
         self.embedding_bytes_per_token = embedding_bytes_per_token
+        self.prefix_block_tokens = prefix_block_tokens  # 0: the prefill workers keep no prefix cache
 
-    def profile(self, plan: PromptPlan, num_prompt_tokens: int, max_tokens: int) -> RequestProfile:
-        """What the router weighs; `num_prompt_tokens` counts the plan's prompt plus any
-        tokens a resumed request prefills again."""
+    def profile(self, plan: PromptPlan, token_ids: tuple[int, ...], max_tokens: int) -> RequestProfile:
+        """What the router weighs; `token_ids` are the plan's prompt plus any tokens a
+        resumed request prefills again."""
         jobs = tuple(
             MediaJob(item.identifier, item.modality.value, item.size / 1e6, n, n * self.embedding_bytes_per_token)
             for item, n in zip(plan.items, plan.num_embeddings)
         )
-        return RequestProfile(num_prompt_tokens, jobs, max_tokens=max_tokens)
+        if not self.prefix_block_tokens:
+            return RequestProfile(len(token_ids), jobs, max_tokens=max_tokens)
+        # The very hashes the prefill workers file their blocks under (actors/engine_prefill.py).
+        media = tuple(MediaKey(r.offset, r.length, item.identifier) for r, item in zip(plan.placeholders, plan.items))
+        hashes = tuple(block_hashes(token_ids, self.prefix_block_tokens, media))
+        return RequestProfile(len(token_ids), jobs, hashes, self.prefix_block_tokens, max_tokens)
 
     def route(self, profile: RequestProfile) -> RouteDecision:
         try:
@@ -49,7 +57,7 @@ class LiveRouting:
         for item, stats in encoded:  # a batch's time is shared by the items in it; each item on its own encoder
             self.router.observe_encode(decision.encoder_for(item.modality), item.modality, item.size, stats.encode_ms / max(stats.batch_size, 1))
         self.router.encode_done(decision, now)  # releases every encoder a split request used
-        self.router.prefill_done(decision, now, duration_ms=result.prefill_ms, uncached_tokens=result.num_prompt_tokens)
+        self.router.prefill_done(decision, now, duration_ms=result.prefill_ms, uncached_tokens=result.num_prompt_tokens - result.num_cached_tokens)
         # A request split across encoders measures parallel transfers from several places as one
         # interval: no single placement's fit should learn from it.
         if transfer_ms is not None and decision.encoder is not None and decision.items and not decision.shares:

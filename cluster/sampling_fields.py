@@ -5,6 +5,7 @@ Strict: a field no model here declares is refused by name (never silently droppe
 value that only the served model can judge (a token id, a length against the context) is
 checked in `to_sampling_params`. No torch here.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -94,16 +95,14 @@ class SamplingFields(Strict):
     def _numerically_safe_temperature(cls, value: float) -> float:
         # logits / t overflows float32 for tiny t, and one row's NaN must not reach a batch.
         if 0.0 < value < MIN_TEMPERATURE:
-            raise PydanticCustomError("temperature_too_small", "must be 0 (greedy) or at least {m}, got {t}",
-                                      {"m": MIN_TEMPERATURE, "t": value})
+            raise PydanticCustomError("temperature_too_small", "must be 0 (greedy) or at least {m}, got {t}", {"m": MIN_TEMPERATURE, "t": value})
         return value
 
     @field_validator("top_p")
     @classmethod
     def _numerically_safe_top_p(cls, value: float) -> float:
         if value < MIN_TOP_P:
-            raise PydanticCustomError("top_p_too_small", "must be in [{m}, 1] (temperature 0 for greedy), got {p}",
-                                      {"m": MIN_TOP_P, "p": value})
+            raise PydanticCustomError("top_p_too_small", "must be in [{m}, 1] (temperature 0 for greedy), got {p}", {"m": MIN_TOP_P, "p": value})
         return value
 
     @field_validator("logit_bias")
@@ -111,8 +110,7 @@ class SamplingFields(Strict):
     def _token_ids_as_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
             if not key.isdigit() or len(key) > 10:
-                raise PydanticCustomError("logit_bias_key", "keys must be token ids (non-negative integers), got '{k}'",
-                                          {"k": key[:20]})
+                raise PydanticCustomError("logit_bias_key", "keys must be token ids (non-negative integers), got '{k}'", {"k": key[:20]})
         return value
 
     @property
@@ -145,17 +143,19 @@ class SamplingFields(Strict):
         if asked is None:
             return min(self.default_max_tokens(bounds) or room, room)
         if asked > room:
-            raise ParamError(f"Invalid '{self.max_tokens_param}': the prompt is {num_prompt_tokens} tokens and "
-                             f"{self.max_tokens_param} is {asked}, more than this model's context of "
-                             f"{bounds.max_model_len} tokens", self.max_tokens_param)
+            raise ParamError(
+                f"Invalid '{self.max_tokens_param}': the prompt is {num_prompt_tokens} tokens and "
+                f"{self.max_tokens_param} is {asked}, more than this model's context of "
+                f"{bounds.max_model_len} tokens",
+                self.max_tokens_param,
+            )
         return asked
 
     def _checked_bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         bias = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
         for token_id, _ in bias:
             if token_id >= vocab_size:
-                raise ParamError(f"Invalid 'logit_bias': token id {token_id} is not in this model's vocabulary "
-                                 f"of {vocab_size} tokens", "logit_bias")
+                raise ParamError(f"Invalid 'logit_bias': token id {token_id} is not in this model's vocabulary of {vocab_size} tokens", "logit_bias")
         return bias
 
     def to_sampling_params(self, num_prompt_tokens: int, bounds: ModelBounds) -> SamplingParams:
@@ -163,19 +163,29 @@ class SamplingFields(Strict):
         reproducible); ParamError names a field the served model cannot take."""
         max_tokens = self.effective_max_tokens(num_prompt_tokens, bounds)
         if self.min_tokens > max_tokens:
-            raise ParamError(f"Invalid 'min_tokens': {self.min_tokens} is more than the {max_tokens} tokens this request "
-                             f"may generate ({self.max_tokens_param} or the rest of the context)", "min_tokens")
+            raise ParamError(
+                f"Invalid 'min_tokens': {self.min_tokens} is more than the {max_tokens} tokens this request "
+                f"may generate ({self.max_tokens_param} or the rest of the context)",
+                "min_tokens",
+            )
         if self.top_k > bounds.vocab_size:
-            raise ParamError(f"Invalid 'top_k': {self.top_k} is more than this model's vocabulary of "
-                             f"{bounds.vocab_size} tokens (-1 or 0: off)", "top_k")
+            raise ParamError(
+                f"Invalid 'top_k': {self.top_k} is more than this model's vocabulary of {bounds.vocab_size} tokens (-1 or 0: off)", "top_k"
+            )
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
             seed=self.seed if self.seed is not None else secrets.randbits(63),
             max_tokens=max_tokens,
-            stop_token_ids=() if self.ignore_eos else bounds.eos_token_ids, min_tokens=self.min_tokens,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=self._checked_bias(bounds.vocab_size),
-            num_logprobs=self.num_logprobs)
+            stop_token_ids=() if self.ignore_eos else bounds.eos_token_ids,
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self._checked_bias(bounds.vocab_size),
+            num_logprobs=self.num_logprobs,
+        )
 
 
 def refuse_unless(value: Any, allowed: tuple[Any, ...], why: str) -> Any:

@@ -5,6 +5,7 @@ flag), numbered by a generation the controller bumps whenever it replaces a work
 replica routes with the snapshot it holds and swaps it for a newer one when the
 generation moves; which workers changed is what it must reset in its routing view.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -44,8 +45,12 @@ class FleetSnapshot:
 
     def changed_since(self, older: FleetSnapshot | None) -> list[tuple[WorkerKind, int]]:
         """Workers whose actor differs from `older`'s (all of them when there is none)."""
-        return [(kind, index) for kind in WorkerKind for index, actor_id in enumerate(self.actor_ids[kind])
-                if older is None or index >= len(older.actor_ids[kind]) or older.actor_ids[kind][index] != actor_id]
+        return [
+            (kind, index)
+            for kind in WorkerKind
+            for index, actor_id in enumerate(self.actor_ids[kind])
+            if older is None or index >= len(older.actor_ids[kind]) or older.actor_ids[kind][index] != actor_id
+        ]
 
     def newer_than(self, other: FleetSnapshot | None) -> bool:
         return other is None or self.generation > other.generation

@@ -13,6 +13,7 @@ only one that stays unresponsive for HUNG_AFTER_S is restarted as hung. Requests
 see a worker fail report it here at once, so routing and /health stop using it without
 waiting for the next poll.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -74,8 +75,9 @@ class Supervisor:
                 stats[kind].append({"error": "restarting"})
                 continue
             self._judge(kind, index, outcome, report)
-            stats[kind].append(report[0] if report else {"error": f"{outcome.value} (no answer within {timeout_s} s)"
-                                                          if outcome is Poll.BUSY else outcome.value})
+            stats[kind].append(
+                report[0] if report else {"error": f"{outcome.value} (no answer within {timeout_s} s)" if outcome is Poll.BUSY else outcome.value}
+            )
         return stats
 
     def _judge(self, kind: WorkerKind, index: int, outcome: Poll, report) -> None:
@@ -97,9 +99,11 @@ class Supervisor:
         actor = self.fleet.pools[kind][index]
         try:
             stats = await asyncio.wait_for(actor.stats.remote(), timeout=timeout_s)
-            cached = None
+            cached = None  # encoders: media identifiers; prefill workers: prefix block hashes
             if kind == WorkerKind.ENCODER:
                 cached = await asyncio.wait_for(actor.cached_identifiers.remote(), timeout=timeout_s)
+            elif kind == WorkerKind.PREFILL:
+                cached = await asyncio.wait_for(actor.prefix_hashes.remote(), timeout=timeout_s)
             return Poll.ALIVE, (stats, cached)
         except asyncio.TimeoutError:
             return Poll.BUSY, None
@@ -109,7 +113,13 @@ class Supervisor:
 
     def _publish(self, kind: WorkerKind, index: int, stats: dict, cached: frozenset[str] | None) -> None:
         self.router.publish(
-            kind, index, now_s=time.monotonic(), queued=stats.get("queued"), running=stats.get("running"), cached_identifiers=cached
+            kind,
+            index,
+            now_s=time.monotonic(),
+            queued=stats.get("queued"),
+            running=stats.get("running"),
+            cached_identifiers=cached if kind == WorkerKind.ENCODER else None,
+            prefix_hashes=cached if kind == WorkerKind.PREFILL else None,
         )
 
     async def handle_lost(self, lost: WorkerLost) -> None:

@@ -1,6 +1,7 @@
 """Records the live cluster's requests as a JSONL trace the simulator replays
 (router/sim/workload.py documents the format): arrival, profile, measured TTFT, plus
 the router's estimate and the chosen workers, so simulated and measured can be compared."""
+
 from __future__ import annotations
 
 import json

@@ -17,6 +17,7 @@ onto whichever workers look fastest. So each stage (and modality) has
 A worker's estimate is t_w * (a + b * x). Each fit also tracks its own relative error (an EWMA of
 the squared log residual), which the joint policy uses to tell near-ties apart from real gaps.
 """
+
 from __future__ import annotations
 
 import math
@@ -206,7 +207,7 @@ class PoolFit:
         self.a = [prior.fixed_ms] * len(times.log)
         self.b = [prior.per_unit_ms] * len(times.log)
         self._synced = -1
-        self.err2, self._err_alpha = self.PRIOR_ERROR ** 2, 1.0 / config.error_memory
+        self.err2, self._err_alpha = self.PRIOR_ERROR**2, 1.0 / config.error_memory
         self.sync()
 
     def observe(self, worker: int, x: float, y: float) -> None:

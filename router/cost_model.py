@@ -14,6 +14,7 @@ have one `OnlineLinear` fit per placement. Observing is O(1); the routing fast p
 the per-worker coefficients from flat lists (prefill_a, encode lists per modality, ...),
 brought up to date before each read (_sync, _modality).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,8 +33,7 @@ _TIER_INDEX = {placement: i for i, placement in enumerate(_TIERS)}
 
 
 # Seed table (ViT-L/14, Whisper-small): a 0.113 MP image ~5 ms, 30 video frames ~48 ms, 30 s audio ~85 ms.
-DEFAULT_ENCODE = {Modality.IMAGE.value: LinearCost(1.0, 35.0), Modality.VIDEO.value: LinearCost(3.0, 1.5),
-                  Modality.AUDIO.value: LinearCost(1.0, 2.8)}
+DEFAULT_ENCODE = {Modality.IMAGE.value: LinearCost(1.0, 35.0), Modality.VIDEO.value: LinearCost(3.0, 1.5), Modality.AUDIO.value: LinearCost(1.0, 2.8)}
 DEFAULT_BANDWIDTH_GBPS = {Placement.SAME_PROCESS: 2000.0, Placement.SAME_NODE: 600.0, Placement.CROSS_NODE: 50.0}
 
 
@@ -57,8 +57,10 @@ class CostPriors:
             raise ValueError(f"unknown cost prior(s) {sorted(unknown)}; known: {sorted(known)}")
         encode = dict(DEFAULT_ENCODE)
         for modality, spec in dict(data.get("encode", {})).items():
-            encode[modality] = LinearCost(_non_negative(f"encode.{modality}.fixed_ms", spec.get("fixed_ms", 0.0)),
-                                          _non_negative(f"encode.{modality}.per_unit_ms", spec.get("per_unit_ms", 0.0)))
+            encode[modality] = LinearCost(
+                _non_negative(f"encode.{modality}.fixed_ms", spec.get("fixed_ms", 0.0)),
+                _non_negative(f"encode.{modality}.per_unit_ms", spec.get("per_unit_ms", 0.0)),
+            )
         bandwidth = dict(DEFAULT_BANDWIDTH_GBPS)
         for name, gbps in dict(data.get("bandwidth_gbps", {})).items():
             bandwidth[Placement(name)] = _positive(f"bandwidth_gbps.{name}", gbps)
@@ -82,8 +84,9 @@ def _positive(name: str, value: Any) -> float:
 
 
 class CostModel:
-    def __init__(self, priors: CostPriors | None = None, *, num_encoders: int = 0, num_prefill: int = 0,
-                 calibration: CalibrationConfig | None = None):
+    def __init__(
+        self, priors: CostPriors | None = None, *, num_encoders: int = 0, num_prefill: int = 0, calibration: CalibrationConfig | None = None
+    ):
         self.priors = priors or CostPriors()
         self.calibration = calibration or CalibrationConfig()
         self.num_encoders = num_encoders
@@ -222,7 +225,9 @@ class CostModel:
         self._pending = True
 
     # -- one (encoder, prefill) pair: what every policy reports ---------------------------------------
-    def evaluate(self, profile: RequestProfile, view: ClusterView, encoder: int | None, prefill: int) -> tuple[TTFTEstimate, tuple[MediaJob, ...], int]:
+    def evaluate(
+        self, profile: RequestProfile, view: ClusterView, encoder: int | None, prefill: int
+    ) -> tuple[TTFTEstimate, tuple[MediaJob, ...], int]:
         """The estimate for one pair, the items expected to miss the encoder cache, the uncached tokens."""
         if encoder is None:
             return self.pair_estimate(profile, view, None, prefill, (), [], (0.0, 0.0, 0.0))
@@ -230,8 +235,16 @@ class CostModel:
         tiers = self.transfer_tiers(embedding_bytes(profile.items))
         return self.pair_estimate(profile, view, encoder, prefill, items, view.item_holders(items), tiers)
 
-    def pair_estimate(self, profile: RequestProfile, view: ClusterView, encoder: int | None, prefill: int,
-                      items: tuple[MediaJob, ...], holders: list[int], tiers: tuple[float, float, float]) -> tuple[TTFTEstimate, tuple[MediaJob, ...], int]:
+    def pair_estimate(
+        self,
+        profile: RequestProfile,
+        view: ClusterView,
+        encoder: int | None,
+        prefill: int,
+        items: tuple[MediaJob, ...],
+        holders: list[int],
+        tiers: tuple[float, float, float],
+    ) -> tuple[TTFTEstimate, tuple[MediaJob, ...], int]:
         """evaluate(), given what depends on the request only and the joint policy has already worked
         out: the unique items, their holder bitmasks (view.item_holders) and the transfer tiers."""
         if self._pending:
@@ -333,9 +346,12 @@ class CostModel:
                 tokens[p] = uncached if uncached > 0 else 0
         # prefill_queue_ms() of each worker, inlined (this runs for every worker on every decision)
         # and without its clamp at 0, which the view's invariant service_ms <= outstanding_ms makes moot
-        costs = [(queued - (done if done < now_ms - started else now_ms - started) if now_ms > started else queued) + a + b * t
-                 for queued, started, done, a, b, t in zip(view.outstanding_ms[_P], view.service_started_ms, view.service_ms,
-                                                           self.prefill_a, self.prefill_b, tokens)]
+        costs = [
+            (queued - (done if done < now_ms - started else now_ms - started) if now_ms > started else queued) + a + b * t
+            for queued, started, done, a, b, t in zip(
+                view.outstanding_ms[_P], view.service_started_ms, view.service_ms, self.prefill_a, self.prefill_b, tokens
+            )
+        ]
         if view.num_foreign[_P]:  # other replicas' jobs queued there, each priced as this request
             costs = [c + (a + b * t) * f if f else c for c, a, b, t, f in zip(costs, self.prefill_a, self.prefill_b, tokens, view.foreign[_P])]
         return costs

@@ -5,6 +5,7 @@ error can be measured whatever the policy. `joint` minimises that estimate over 
 (encoder, prefill) pairs without scanning them (O(E + P log P), the log at C speed); the
 others are the baselines it is compared with.
 """
+
 from __future__ import annotations
 
 import abc
@@ -146,9 +147,16 @@ def _least_booked(view: ClusterView, pairs: list[tuple[float, int | None, int]],
     return e, p
 
 
-def _pair(view: ClusterView, encoders: list[int], encoders_on: dict[int, list[int]], enc_cost: list[float],
-          tiers: tuple[float, float, float], prefills: list[int], prefill_costs: list[float],
-          spread: float = 0.0) -> tuple[int, int]:
+def _pair(
+    view: ClusterView,
+    encoders: list[int],
+    encoders_on: dict[int, list[int]],
+    enc_cost: list[float],
+    tiers: tuple[float, float, float],
+    prefills: list[int],
+    prefill_costs: list[float],
+    spread: float = 0.0,
+) -> tuple[int, int]:
     """The (encoder, prefill) pair of least enc_cost + transfer + prefill_cost; ties to the lowest
     prefill index; with `spread` > 0, the near-tie of least booked work (see Joint and _least_booked).
     `encoders_on`: the candidate encoders per node id.
@@ -193,9 +201,17 @@ def _pair(view: ClusterView, encoders: list[int], encoders_on: dict[int, list[in
     return pair
 
 
-def _colocated(view: ClusterView, t_proc: float, encoders: list[int], enc_cost: list[float],
-               prefills: list[int], prefill_costs: list[float], top: float, pair: tuple[int, int],
-               seen: list[tuple[float, int, int]] | None) -> tuple[float, tuple[int, int]]:
+def _colocated(
+    view: ClusterView,
+    t_proc: float,
+    encoders: list[int],
+    enc_cost: list[float],
+    prefills: list[int],
+    prefill_costs: list[float],
+    top: float,
+    pair: tuple[int, int],
+    seen: list[tuple[float, int, int]] | None,
+) -> tuple[float, tuple[int, int]]:
     """(top, pair) with the same-process pairs considered too (added to `seen` when given)."""
     allowed = set(encoders)
     for p in prefills:

@@ -11,6 +11,7 @@ work the router booked, the compute time is what calibration learns. Of the comp
 prefill_done advances the view's clock (the next prefill job starts then); route() does before
 deciding, so encode_done and decode_done, which need no clock, leave it alone.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -25,9 +26,17 @@ _E, _P, _D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 
 
 class Router:
-    def __init__(self, workers: Iterable[WorkerInfo], priors: CostPriors | None = None, policy: str | Policy = "joint", *,
-                 seed: int = 0, staleness_s: float = 5.0, dead_after_s: float = 10.0,
-                 calibration: CalibrationConfig | None = None):
+    def __init__(
+        self,
+        workers: Iterable[WorkerInfo],
+        priors: CostPriors | None = None,
+        policy: str | Policy = "joint",
+        *,
+        seed: int = 0,
+        staleness_s: float = 5.0,
+        dead_after_s: float = 10.0,
+        calibration: CalibrationConfig | None = None,
+    ):
         self.view = ClusterView(workers, staleness_s=staleness_s, dead_after_s=dead_after_s)
         self.cost = CostModel.for_view(priors, self.view, calibration)
         self.policy = make_policy(policy, seed) if isinstance(policy, str) else policy
@@ -89,10 +98,20 @@ class Router:
     def placement(self, encoder: int, prefill: int) -> Placement:
         return self.view.placement(encoder, prefill)
 
-    def publish(self, kind: WorkerKind, index: int, *, now_s: float, queued: int | None = None, running: int | None = None,
-                cached_identifiers: frozenset[str] | None = None, prefix_hashes: frozenset[str] | None = None) -> None:
-        self.view.publish(kind, index, now_s=now_s, queued=queued, running=running,
-                          cached_identifiers=cached_identifiers, prefix_hashes=prefix_hashes)
+    def publish(
+        self,
+        kind: WorkerKind,
+        index: int,
+        *,
+        now_s: float,
+        queued: int | None = None,
+        running: int | None = None,
+        cached_identifiers: frozenset[str] | None = None,
+        prefix_hashes: frozenset[str] | None = None,
+    ) -> None:
+        self.view.publish(
+            kind, index, now_s=now_s, queued=queued, running=running, cached_identifiers=cached_identifiers, prefix_hashes=prefix_hashes
+        )
 
     def set_healthy(self, kind: WorkerKind, index: int, healthy: bool) -> None:
         self.view.set_healthy(kind, index, healthy)

@@ -10,6 +10,7 @@ The groups are encoded in parallel, so the estimate follows the group whose embe
 the prefill worker last. The decision lists one `EncoderShare` per encoder, which the view
 books and the completions release.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -32,8 +33,11 @@ def split_decision(policy: Policy, profile: RequestProfile, view: ClusterView, c
     sub = RequestProfile(profile.num_prompt_tokens, groups[main], profile.prefix_hashes, profile.block_size, profile.max_tokens)
     first = policy.decision(sub, view, cost)  # one modality, so never split again
     estimate = first.estimate
-    shares = [EncoderShare.of(first.encoder, (main,), len(groups[main]), first.encode_items, estimate.encoder_queue_ms,
-                              estimate.encode_ms, estimate.transfer_ms)]
+    shares = [
+        EncoderShare.of(
+            first.encoder, (main,), len(groups[main]), first.encode_items, estimate.encoder_queue_ms, estimate.encode_ms, estimate.transfer_ms
+        )
+    ]
     for modality in sorted(groups):
         if modality != main:
             encoder = policy.share_encoder(modality, unique[modality], hosts[modality], view, cost)
@@ -41,8 +45,7 @@ def split_decision(policy: Policy, profile: RequestProfile, view: ClusterView, c
     last = max(shares, key=lambda s: s.queue_ms + s.encode_ms + s.transfer_ms)  # the embeddings that arrive last
     estimate = TTFTEstimate.of(last.queue_ms, last.encode_ms, last.transfer_ms, estimate.prefill_queue_ms, estimate.prefill_ms)
     misses = tuple(item for share in shares for item in share.encode_items)
-    return RouteDecision.of(first.encoder, first.prefill, first.decode, estimate, profile.items, misses,
-                            first.uncached_tokens, tuple(shares))
+    return RouteDecision.of(first.encoder, first.prefill, first.decode, estimate, profile.items, misses, first.uncached_tokens, tuple(shares))
 
 
 def by_modality(items: tuple[MediaJob, ...]) -> dict[str, tuple[MediaJob, ...]]:
@@ -59,8 +62,9 @@ def least_cost_encoder(items: tuple[MediaJob, ...], encoders: list[int], view: C
     return min(encoders, key=costs.__getitem__)
 
 
-def share_on(encoder: int, modality: str, items: tuple[MediaJob, ...], unique: tuple[MediaJob, ...], prefill: int,
-             view: ClusterView, cost: CostModel) -> EncoderShare:
+def share_on(
+    encoder: int, modality: str, items: tuple[MediaJob, ...], unique: tuple[MediaJob, ...], prefill: int, view: ClusterView, cost: CostModel
+) -> EncoderShare:
     """What `encoder` takes of a split request: `items` (all of one modality, repeats included; `unique` without)."""
     misses = tuple([item for item, held in zip(unique, view.item_holders(unique)) if not held >> encoder & 1])
     queue = view.outstanding_ms[WorkerKind.ENCODER][encoder] if misses else 0.0

@@ -3,6 +3,7 @@
 The live cluster and the simulator build the same records, so every policy and the
 cost model run unchanged in both.
 """
+
 from __future__ import annotations
 
 import enum
@@ -61,8 +62,11 @@ class MediaJob:
         """MediaJob(...) with every field given, at about half the cost (see TTFTEstimate.of): the
         simulator builds one per media item, a million requests' worth."""
         record = object.__new__(cls)
-        object.__setattr__(record, "__dict__", {"identifier": identifier, "modality": modality, "size": size,
-                                                "num_embeddings": num_embeddings, "embedding_bytes": embedding_bytes})
+        object.__setattr__(
+            record,
+            "__dict__",
+            {"identifier": identifier, "modality": modality, "size": size, "num_embeddings": num_embeddings, "embedding_bytes": embedding_bytes},
+        )
         return record
 
 
@@ -77,12 +81,22 @@ class RequestProfile:
     max_tokens: int = 16
 
     @classmethod
-    def of(cls, num_prompt_tokens: int, items: tuple[MediaJob, ...], prefix_hashes: tuple[str, ...], block_size: int,
-           max_tokens: int) -> RequestProfile:
+    def of(
+        cls, num_prompt_tokens: int, items: tuple[MediaJob, ...], prefix_hashes: tuple[str, ...], block_size: int, max_tokens: int
+    ) -> RequestProfile:
         """RequestProfile(...) with every field given, at about half the cost (see MediaJob.of)."""
         record = object.__new__(cls)
-        object.__setattr__(record, "__dict__", {"num_prompt_tokens": num_prompt_tokens, "items": items, "prefix_hashes": prefix_hashes,
-                                                "block_size": block_size, "max_tokens": max_tokens})
+        object.__setattr__(
+            record,
+            "__dict__",
+            {
+                "num_prompt_tokens": num_prompt_tokens,
+                "items": items,
+                "prefix_hashes": prefix_hashes,
+                "block_size": block_size,
+                "max_tokens": max_tokens,
+            },
+        )
         return record
 
     @property
@@ -110,8 +124,17 @@ class TTFTEstimate:
         request, and a frozen dataclass's generated __init__ sets each field through
         object.__setattr__. tests/unit/test_router.py checks both build equal records."""
         record = object.__new__(cls)
-        object.__setattr__(record, "__dict__", {"encoder_queue_ms": encoder_queue_ms, "encode_ms": encode_ms, "transfer_ms": transfer_ms,
-                                                "prefill_queue_ms": prefill_queue_ms, "prefill_ms": prefill_ms})
+        object.__setattr__(
+            record,
+            "__dict__",
+            {
+                "encoder_queue_ms": encoder_queue_ms,
+                "encode_ms": encode_ms,
+                "transfer_ms": transfer_ms,
+                "prefill_queue_ms": prefill_queue_ms,
+                "prefill_ms": prefill_ms,
+            },
+        )
         return record
 
     @property
@@ -135,13 +158,31 @@ class EncoderShare:
     transfer_ms: float  # its embeddings to the chosen prefill worker
 
     @classmethod
-    def of(cls, encoder: int, modalities: tuple[str, ...], num_items: int, encode_items: tuple[MediaJob, ...],
-           queue_ms: float, encode_ms: float, transfer_ms: float) -> EncoderShare:
+    def of(
+        cls,
+        encoder: int,
+        modalities: tuple[str, ...],
+        num_items: int,
+        encode_items: tuple[MediaJob, ...],
+        queue_ms: float,
+        encode_ms: float,
+        transfer_ms: float,
+    ) -> EncoderShare:
         """EncoderShare(...) with every field given, at about half the cost (see TTFTEstimate.of)."""
         record = object.__new__(cls)
-        object.__setattr__(record, "__dict__", {"encoder": encoder, "modalities": modalities, "num_items": num_items,
-                                                "encode_items": encode_items, "queue_ms": queue_ms, "encode_ms": encode_ms,
-                                                "transfer_ms": transfer_ms})
+        object.__setattr__(
+            record,
+            "__dict__",
+            {
+                "encoder": encoder,
+                "modalities": modalities,
+                "num_items": num_items,
+                "encode_items": encode_items,
+                "queue_ms": queue_ms,
+                "encode_ms": encode_ms,
+                "transfer_ms": transfer_ms,
+            },
+        )
         return record
 
 
@@ -166,13 +207,33 @@ class RouteDecision:
     shares: tuple[EncoderShare, ...] = ()  # empty unless the request is split across encoders by modality
 
     @classmethod
-    def of(cls, encoder: int | None, prefill: int, decode: int, estimate: TTFTEstimate, items: tuple[MediaJob, ...],
-           encode_items: tuple[MediaJob, ...], uncached_tokens: int, shares: tuple[EncoderShare, ...] = ()) -> RouteDecision:
+    def of(
+        cls,
+        encoder: int | None,
+        prefill: int,
+        decode: int,
+        estimate: TTFTEstimate,
+        items: tuple[MediaJob, ...],
+        encode_items: tuple[MediaJob, ...],
+        uncached_tokens: int,
+        shares: tuple[EncoderShare, ...] = (),
+    ) -> RouteDecision:
         """RouteDecision(...) with every field given, at about half the cost (see TTFTEstimate.of)."""
         record = object.__new__(cls)
-        object.__setattr__(record, "__dict__", {"encoder": encoder, "prefill": prefill, "decode": decode, "estimate": estimate,
-                                                "items": items, "encode_items": encode_items, "uncached_tokens": uncached_tokens,
-                                                "shares": shares})
+        object.__setattr__(
+            record,
+            "__dict__",
+            {
+                "encoder": encoder,
+                "prefill": prefill,
+                "decode": decode,
+                "estimate": estimate,
+                "items": items,
+                "encode_items": encode_items,
+                "uncached_tokens": uncached_tokens,
+                "shares": shares,
+            },
+        )
         return record
 
     @property

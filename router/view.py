@@ -16,6 +16,7 @@ Time is always passed in (`now_s`), so the simulator and the live ingress drive 
 code. Cache contents are bitmasks of worker indices per key, so "which encoders hold this
 image" or "how far does each prefill worker match this prompt" costs a few dict lookups.
 """
+
 from __future__ import annotations
 
 import math
@@ -300,8 +301,17 @@ class ClusterView:
         self.healthy[kind][index] = healthy
         self._dirty = True
 
-    def publish(self, kind: WorkerKind, index: int, *, now_s: float, queued: int | None = None, running: int | None = None,
-                cached_identifiers: frozenset[str] | None = None, prefix_hashes: frozenset[str] | None = None) -> None:
+    def publish(
+        self,
+        kind: WorkerKind,
+        index: int,
+        *,
+        now_s: float,
+        queued: int | None = None,
+        running: int | None = None,
+        cached_identifiers: frozenset[str] | None = None,
+        prefix_hashes: frozenset[str] | None = None,
+    ) -> None:
         """A worker's report (also its heartbeat); None fields leave what the router knew."""
         self.now_s = max(self.now_s, now_s)
         was_silent = self.state(kind, index) is WorkerState.SILENT

@@ -7,6 +7,7 @@ against the cluster (streaming SSE) and against one process running
 measures idle single-image TTFT. Prints a table and writes JSON (docs/BENCHMARKS.md).
 TTFT counts from a request's scheduled arrival, so queueing in either system is in it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cluster.config import REPO_ROOT, load_config  # noqa: E402
 
 SUBJECTS = "a red car|the old bridge|two cats|a quiet lake|the tall tree|a small boat|the city at night|a green field".split("|")
-ASKS = ["Describe {s}.", "What is near {s}?", "Write one sentence about {s}.", "Tell me a story about {s}.",
-        "What color is {s}?", "Why would someone paint {s}?"]
+ASKS = [
+    "Describe {s}.",
+    "What is near {s}?",
+    "Write one sentence about {s}.",
+    "Tell me a story about {s}.",
+    "What color is {s}?",
+    "Why would someone paint {s}?",
+]
 
 
 @dataclass
@@ -53,6 +60,7 @@ class Result:
 
 
 # ----------------------------------------------------------------------------- workload
+
 
 def make_png(rng: random.Random) -> bytes:
     """Random noise or a colour gradient, 128..512 px a side."""
@@ -81,6 +89,7 @@ def make_workload(n: int, rate: float, image_fraction: float, seed: int) -> list
 
 # ----------------------------------------------------------------------------- measuring
 
+
 def pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
@@ -89,9 +98,14 @@ def summarize(results: list[Result], wall_s: float) -> dict:
     ttft, tpot = [r.ttft_s * 1e3 for r in results], [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
     out = {f"ttft_p{q}_ms": pct(ttft, q) for q in (50, 90, 99)} | {f"tpot_p{q}_ms": pct(tpot, q) for q in (50, 90, 99)}
     tokens = sum(r.tokens for r in results)
-    return out | {"requests": len(results), "completion_tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s,
-                  "requests_per_s": len(results) / wall_s,
-                  "decode_concurrency_mean": sum(r.done_s - r.first_s for r in results) / wall_s}
+    return out | {
+        "requests": len(results),
+        "completion_tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s,
+        "requests_per_s": len(results) / wall_s,
+        "decode_concurrency_mean": sum(r.done_s - r.first_s for r in results) / wall_s,
+    }
 
 
 def procs() -> dict[int, tuple[str, int, float]]:
@@ -142,13 +156,22 @@ class CpuWatch:
 
 # ----------------------------------------------------------------------------- cluster
 
+
 def chat_body(req: Req, model: str, max_tokens: int) -> bytes:
     content = [{"type": "text", "text": req.prompt}]
     if req.png is not None:
         url = "data:image/png;base64," + base64.b64encode(req.png).decode()
         content.insert(0, {"type": "image_url", "image_url": {"url": url}})
-    return json.dumps({"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0,
-                       "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
 
 
 async def stream_one(client, url: str, body: bytes, arrival: float, t0: float) -> Result:
@@ -192,8 +215,9 @@ async def replay_cluster(url: str, reqs: list[Req], model: str, args) -> tuple[l
 async def sequential_cluster(url: str, reqs: list[Req], model: str, args, desc: str) -> list[Result]:
     """One request at a time, nothing else in flight (warm-up and idle TTFT)."""
     async with httpx.AsyncClient(timeout=300) as client:
-        return [await stream_one(client, url, chat_body(r, model, args.max_tokens), 0.0, time.perf_counter())
-                for r in tqdm(reqs, desc=desc, unit="req")]
+        return [
+            await stream_one(client, url, chat_body(r, model, args.max_tokens), 0.0, time.perf_counter()) for r in tqdm(reqs, desc=desc, unit="req")
+        ]
 
 
 def server_profile(results: list[Result]) -> dict:
@@ -226,11 +250,15 @@ def run_cluster(args, reqs: list[Req], idle: list[Req], warmup: list[Req]) -> di
         ray.shutdown()
     return summarize(results, wall) | {
         "idle_ttft_p50_ms": pct([r.ttft_s * 1e3 for r in idle_res], 50),
-        "other_cpu_s": watch.other_cpu_s + idle_watch.other_cpu_s, "cpu_s_by_process_load": watch.by_process,
-        "server_profile_load": server_profile(results), "server_profile_idle": server_profile(idle_res)}
+        "other_cpu_s": watch.other_cpu_s + idle_watch.other_cpu_s,
+        "cpu_s_by_process_load": watch.by_process,
+        "server_profile_load": server_profile(results),
+        "server_profile_idle": server_profile(idle_res),
+    }
 
 
 # ----------------------------------------------------------------------------- baseline
+
 
 class Baseline:
     """One process, one request at a time: PNG decode, preprocessing, `generate`."""
@@ -289,36 +317,50 @@ def run_baselines(args, reqs: list[Req], idle: list[Req], warmup: list[Req]) -> 
         with CpuWatch() as watch:
             idle_ms = [(ts[0] - t) * 1e3 for t, ts in map(base.serve, tqdm(idle, desc=f"baseline {threads}t idle"))]
             results, wall = base.replay(reqs, f"baseline {threads}t load")
-        out[f"baseline_{threads}t"] = summarize(results, wall) | {
-            "idle_ttft_p50_ms": pct(idle_ms, 50), "other_cpu_s": watch.other_cpu_s}
+        out[f"baseline_{threads}t"] = summarize(results, wall) | {"idle_ttft_p50_ms": pct(idle_ms, 50), "other_cpu_s": watch.other_cpu_s}
     return out
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def ratios(report: dict) -> dict:
     """Against the faster baseline: by throughput for the load figures, by idle TTFT for idle."""
     c, names = report["cluster"], [k for k in report if k.startswith("baseline_")]
     load = max(names, key=lambda k: report[k]["tokens_per_s"])
     idle = min(names, key=lambda k: report[k]["idle_ttft_p50_ms"])
-    r = {"load_baseline": load, "idle_baseline": idle,
-         "throughput_ratio": c["tokens_per_s"] / report[load]["tokens_per_s"],
-         "p50_ttft_ratio": c["ttft_p50_ms"] / report[load]["ttft_p50_ms"],
-         "idle_ttft_ratio": c["idle_ttft_p50_ms"] / report[idle]["idle_ttft_p50_ms"]}
+    r = {
+        "load_baseline": load,
+        "idle_baseline": idle,
+        "throughput_ratio": c["tokens_per_s"] / report[load]["tokens_per_s"],
+        "p50_ttft_ratio": c["ttft_p50_ms"] / report[load]["ttft_p50_ms"],
+        "idle_ttft_ratio": c["idle_ttft_p50_ms"] / report[idle]["idle_ttft_p50_ms"],
+    }
     r["idle_ttft_ratio_vs_load_baseline"] = c["idle_ttft_p50_ms"] / report[load]["idle_ttft_p50_ms"]
-    return r | {"target_throughput_met": r["throughput_ratio"] >= 1.5 and r["p50_ttft_ratio"] <= 1.0,
-                "target_idle_ttft_met": r["idle_ttft_ratio"] <= 1.25,
-                "host_quiet": all(report[k]["other_cpu_s"] < 3.0 for k in names + ["cluster"])}
+    return r | {
+        "target_throughput_met": r["throughput_ratio"] >= 1.5 and r["p50_ttft_ratio"] <= 1.0,
+        "target_idle_ttft_met": r["idle_ttft_ratio"] <= 1.25,
+        "host_quiet": all(report[k]["other_cpu_s"] < 3.0 for k in names + ["cluster"]),
+    }
 
 
 def print_table(report: dict) -> None:
-    cols = [("ttft_p50_ms", "TTFT p50"), ("ttft_p90_ms", "p90"), ("ttft_p99_ms", "p99"), ("tpot_p50_ms", "TPOT p50"),
-            ("tpot_p90_ms", "p90"), ("tpot_p99_ms", "p99"), ("tokens_per_s", "tok/s"), ("requests_per_s", "req/s"),
-            ("idle_ttft_p50_ms", "idle TTFT"), ("wall_s", "wall s"), ("other_cpu_s", "other CPU")]
+    cols = [
+        ("ttft_p50_ms", "TTFT p50"),
+        ("ttft_p90_ms", "p90"),
+        ("ttft_p99_ms", "p99"),
+        ("tpot_p50_ms", "TPOT p50"),
+        ("tpot_p90_ms", "p90"),
+        ("tpot_p99_ms", "p99"),
+        ("tokens_per_s", "tok/s"),
+        ("requests_per_s", "req/s"),
+        ("idle_ttft_p50_ms", "idle TTFT"),
+        ("wall_s", "wall s"),
+        ("other_cpu_s", "other CPU"),
+    ]
     print("\n" + f"{'system':<12}" + "".join(f"{h:>10}" for _, h in cols) + "   (ms; tok/s, req/s, s)")
     for name in [k for k in report if k == "cluster" or k.startswith("baseline_")]:
-        print(f"{name:<12}" + "".join(f"{report[name][k]:>10.1f}" if report[name].get(k) is not None else f"{'-':>10}"
-                                      for k, _ in cols))
+        print(f"{name:<12}" + "".join(f"{report[name][k]:>10.1f}" if report[name].get(k) is not None else f"{'-':>10}" for k, _ in cols))
     print("\nratios:", json.dumps(report.get("ratios", {}), indent=1))
     print("cluster, server-side under load:", json.dumps(report["cluster"]["server_profile_load"]))
     print("cluster, server-side idle:", json.dumps(report["cluster"]["server_profile_idle"]))
@@ -347,8 +389,10 @@ def main(argv=None) -> int:
     reqs = make_workload(args.num_requests, args.rate, args.image_fraction, args.seed)
     idle = make_workload(args.idle_requests, 0.0, 1.0, args.seed + 1)
     warmup = make_workload(args.warmup, 0.0, 1.0, args.seed + 2)  # own images: the encoder caches by content
-    report = {"args": vars(args), "workload": {"requests": len(reqs), "images": sum(r.png is not None for r in reqs),
-                                                "arrival_span_s": reqs[-1].arrival_s}}
+    report = {
+        "args": vars(args),
+        "workload": {"requests": len(reqs), "images": sum(r.png is not None for r in reqs), "arrival_span_s": reqs[-1].arrival_s},
+    }
     report["cluster"] = run_cluster(args, reqs, idle, warmup)
     if not args.skip_baseline:
         report |= run_baselines(args, reqs, idle, warmup)

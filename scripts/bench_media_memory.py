@@ -9,6 +9,7 @@ as before this change (unbounded, no trim) and once through the ingress's own pa
 neither inherits the other's heap.
 Usage: scripts/bench_media_memory.py [--rounds 3] [--requests 3] [--images 4] [--megapixels 16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,7 @@ class PeakRss:
         while not self._stop.wait(0.002):
             self.peak = max(self.peak, self.process.memory_info().rss)
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self.peak = self.process.memory_info().rss
         self._thread.start()
         return self
@@ -103,11 +104,30 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return
-    common = [str(a) for a in ("--rounds", args.rounds, "--requests", args.requests, "--images", args.images,
-                               "--megapixels", args.megapixels, "--format", args.format, "--slots", args.slots)]
+    common = [
+        str(a)
+        for a in (
+            "--rounds",
+            args.rounds,
+            "--requests",
+            args.requests,
+            "--images",
+            args.images,
+            "--megapixels",
+            args.megapixels,
+            "--format",
+            args.format,
+            "--slots",
+            args.slots,
+        )
+    ]
     for pool in (False, True):
-        print(f"{args.rounds} rounds of {args.requests} requests x {args.images} x {args.megapixels:g} MP "
-              f"{args.format}, {'through the decode slots' if pool else 'unbounded'} ...", file=sys.stderr, flush=True)
+        print(
+            f"{args.rounds} rounds of {args.requests} requests x {args.images} x {args.megapixels:g} MP "
+            f"{args.format}, {'through the decode slots' if pool else 'unbounded'} ...",
+            file=sys.stderr,
+            flush=True,
+        )
         command = [sys.executable, __file__, "--child", *common] + (["--pool"] if pool else [])
         print(subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip(), flush=True)
 

@@ -9,8 +9,12 @@ In one run, on one deployment:
    router.sim.workload.DEFAULT_MIX): TTFT per request class.
 3. Encoder throughput, items/s, per modality: one encoder actor at batch size 1 against
    one at the configured batch size, the same items submitted at once to each.
+4. Multi-turn with the same image: turn 2 repeats turn 1's prompt and image, adds a reply
+   and a question; TTFT of each turn (one conversation at a time) and the prefill
+   workers' prefix hit rate over turn 2 (from /metrics).
 Writes JSON (docs/BENCHMARKS.md has the procedure and figures).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,6 +36,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_load import CpuWatch, pct, procs, stream_one  # noqa: E402
+
 from cluster.config import REPO_ROOT, load_config  # noqa: E402
 from router.sim.workload import DEFAULT_MIX  # noqa: E402
 
@@ -39,6 +44,7 @@ VIDEO_FRAMES, VIDEO_FPS, AUDIO_S, IMAGE_SIDE = 30, 3, 30.0, 336
 
 
 # ----------------------------------------------------------------------------- media
+
 
 def image_part(rng: np.random.Generator) -> dict:
     buf = io.BytesIO()
@@ -61,11 +67,24 @@ def audio_part(rng: np.random.Generator) -> dict:
 
 
 def request_body(kind: str, rng: np.random.Generator, model: str, max_tokens: int) -> bytes:
-    media = {"text": [], "image": [image_part(rng)], "images4": [image_part(rng) for _ in range(4)],
-             "video": [video_part(rng)], "audio": [audio_part(rng)]}[kind]
+    media = {
+        "text": [],
+        "image": [image_part(rng)],
+        "images4": [image_part(rng) for _ in range(4)],
+        "video": [video_part(rng)],
+        "audio": [audio_part(rng)],
+    }[kind]
     content = media + [{"type": "text", "text": f"Describe what you see and hear, case {rng.integers(1e6)}."}]
-    return json.dumps({"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0,
-                       "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
 
 
 def workload(kinds: list[str], rate_rps: float, seed: int, model: str, max_tokens: int) -> list[tuple[str, float, bytes]]:
@@ -99,6 +118,7 @@ async def replay(url: str, reqs: list[tuple[str, float, bytes]], desc: str) -> d
 
 # ----------------------------------------------------------------------------- phases
 
+
 def text_vs_video(url: str, model: str, args) -> dict:
     """Text TTFT alone vs with 20% video requests, alternating rounds on the same server."""
     rounds = []
@@ -107,8 +127,7 @@ def text_vs_video(url: str, model: str, args) -> dict:
         mixed = texts + ["video"] * (args.text_requests // 4)  # video = 20% of all requests
         random.Random(r).shuffle(mixed)
         alone = asyncio.run(replay(url, workload(texts, args.text_rate, 100 + r, model, args.max_tokens), f"round {r}: text only"))
-        with_video = asyncio.run(replay(url, workload(mixed, args.text_rate * 1.25, 100 + r, model, args.max_tokens),
-                                        f"round {r}: text + 20% video"))
+        with_video = asyncio.run(replay(url, workload(mixed, args.text_rate * 1.25, 100 + r, model, args.max_tokens), f"round {r}: text + 20% video"))
         rounds.append({"text_alone_ms": alone["text"], "text_with_video_ms": with_video["text"], "video_ms": with_video.get("video", [])})
     stat = lambda key, q: float(np.median([pct(rd[key], q) for rd in rounds]))
     out = {f"{key}_p{q}": stat(key, q) for key in ("text_alone_ms", "text_with_video_ms", "video_ms") for q in (50, 99)}
@@ -162,17 +181,74 @@ def sample_items(planner, args) -> dict:
 
     rng, limits = np.random.default_rng(3), LimitsConfig()
     options = MediaOptions(audio_sample_rate_hz=planner.spec.audio_sample_rate_hz, video_sampling=VideoSampling(fps=VIDEO_FPS, max_frames=32))
-    make = {Modality.IMAGE: (image_part, "image_url", 16), Modality.VIDEO: (video_part, "video_url", 4),
-            Modality.AUDIO: (audio_part, "input_audio", 8)}
+    make = {
+        Modality.IMAGE: (image_part, "image_url", 16),
+        Modality.VIDEO: (video_part, "video_url", 4),
+        Modality.AUDIO: (audio_part, "input_audio", 8),
+    }
     items = {}
     for modality, (part, key, n) in make.items():
         payloads = [part(rng)[key] for _ in range(n)]
-        items[modality.value] = [load_media_item(modality, p.get("url") or p["data"], namespace="bench", limits=limits, param="x",
-                                                 format=p.get("format"), options=options) for p in payloads]
+        items[modality.value] = [
+            load_media_item(modality, p.get("url") or p["data"], namespace="bench", limits=limits, param="x", format=p.get("format"), options=options)
+            for p in payloads
+        ]
     return items
 
 
+def prefix_tokens(base_url: str) -> dict[str, float]:
+    """Prompt tokens found in the prefix cache (hit) and computed (miss), from the ingress's /metrics."""
+    text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+    total = lambda name: sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    hits, queries = total("epd:prefix_cache_hits_total"), total("epd:prefix_cache_queries_total")
+    return {"hit": hits, "miss": queries - hits}
+
+
+def multi_turn(url: str, model: str, args) -> dict:
+    """Turn-2 TTFT vs turn 1 on the same image, and turn 2's prefix hit rate."""
+    rng, base = np.random.default_rng(11), url.removesuffix("/chat/completions")
+    body = lambda messages: json.dumps(
+        {
+            "model": model,
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": args.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+
+    async def run() -> tuple[list[float], list[float], dict]:
+        turn1, turn2, hits = [], [], {"hit": 0.0, "miss": 0.0}
+        async with httpx.AsyncClient(timeout=600) as client:
+            for i in tqdm(range(args.conversations), desc="multi-turn", unit="conv"):
+                first = [{"role": "user", "content": [image_part(rng), {"type": "text", "text": f"What is in this picture, case {i}?"}]}]
+                turn1.append((await stream_one(client, url, body(first), 0.0, time.perf_counter())).ttft_s * 1e3)
+                # A fixed reply stands in for the answer: the prefix turn 2 shares is turn 1's whole prompt either way.
+                second = first + [
+                    {"role": "assistant", "content": "A picture of coloured noise."},
+                    {"role": "user", "content": [{"type": "text", "text": "Which colour is most common?"}]},
+                ]
+                before = prefix_tokens(base)
+                turn2.append((await stream_one(client, url, body(second), 0.0, time.perf_counter())).ttft_s * 1e3)
+                after = prefix_tokens(base)
+                for r in hits:
+                    hits[r] += after[r] - before[r]
+        return turn1, turn2, hits
+
+    turn1, turn2, hits = asyncio.run(run())
+    return {
+        "turn1_ttft_p50_ms": pct(turn1, 50),
+        "turn2_ttft_p50_ms": pct(turn2, 50),
+        "ratio_p50": pct(turn2, 50) / pct(turn1, 50),
+        "turn2_prefix_hit_rate": hits["hit"] / max(hits["hit"] + hits["miss"], 1.0),
+        "turn1_ms": [round(x, 1) for x in turn1],
+        "turn2_ms": [round(x, 1) for x in turn2],
+    }
+
+
 # ----------------------------------------------------------------------------- main
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -183,7 +259,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mix-requests", type=int, default=40)
     p.add_argument("--mix-rate", type=float, default=0.5)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--skip", nargs="*", default=[], choices=["text_vs_video", "seed_mix", "encoder_throughput"])
+    p.add_argument("--conversations", type=int, default=10, help="multi-turn: conversations, one at a time")
+    p.add_argument("--skip", nargs="*", default=[], choices=["text_vs_video", "seed_mix", "encoder_throughput", "multi_turn"])
     p.add_argument("--out", default="/tmp/bench_modalities.json")
     return p.parse_args(argv)
 
@@ -202,9 +279,12 @@ def main(argv=None) -> int:
     url, report = f"{start(cfg)}/chat/completions", {"config": args.config, "args": vars(args)}
     try:
         asyncio.run(replay(url, workload(["text", "image", "video", "audio"], 100.0, 1, cfg.model.served_name, 4), "warm-up"))
-        phases = {"text_vs_video": lambda: text_vs_video(url, cfg.model.served_name, args),
-                   "seed_mix": lambda: seed_mix(url, cfg.model.served_name, args),
-                   "encoder_throughput": lambda: encoder_throughput(cfg, args)}
+        phases = {
+            "text_vs_video": lambda: text_vs_video(url, cfg.model.served_name, args),
+            "seed_mix": lambda: seed_mix(url, cfg.model.served_name, args),
+            "encoder_throughput": lambda: encoder_throughput(cfg, args),
+            "multi_turn": lambda: multi_turn(url, cfg.model.served_name, args),
+        }
         for name, phase in phases.items():
             if name in args.skip:
                 continue

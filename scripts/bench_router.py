@@ -10,6 +10,7 @@ and shared system prompts); workers publish their caches every 500 requests, com
 come back in FIFO order with timings that calibrate the cost model, so the view, the caches
 and the fits are all live while route() is timed. Only route() itself is inside the timer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,13 @@ E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 
 PER_NODE = 2  # workers of each kind per node
 # (modality, size, embeddings, how many) per request class, and the class mix
-CLASSES = {"text": (None, 0, 0, 0), "image": ("image", 0.113, 576, 1), "images4": ("image", 0.113, 576, 4),
-           "video": ("video", 30, 17_280, 1), "audio": ("audio", 30, 1_500, 1)}
+CLASSES = {
+    "text": (None, 0, 0, 0),
+    "image": ("image", 0.113, 576, 1),
+    "images4": ("image", 0.113, 576, 4),
+    "video": ("video", 30, 17_280, 1),
+    "audio": ("audio", 30, 1_500, 1),
+}
 MIX = {"text": 0.3, "image": 0.4, "images4": 0.1, "video": 0.1, "audio": 0.1}
 SPLIT_MIX = {"text": 0.3, "image": 0.3, "images4": 0.1, "video": 0.1, "audio": 0.1, "image+audio": 0.1}
 BYTES_PER_EMBEDDING = 4096 * 2
@@ -148,8 +154,9 @@ def main() -> None:
     parser.add_argument("--decisions", type=int, default=20_000, help="timed decisions per (shape, policy)")
     parser.add_argument("--warmup", type=int, default=2_000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--split", action="store_true",
-                        help="encoders split by tower (every 4th audio only, the rest image + video) and 10%% image + audio requests")
+    parser.add_argument(
+        "--split", action="store_true", help="encoders split by tower (every 4th audio only, the rest image + video) and 10%% image + audio requests"
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     rows = []
@@ -158,10 +165,19 @@ def main() -> None:
         for n in args.shapes:
             for policy in args.policies:
                 wall, cpu = bench(n, policy, args.decisions, args.warmup, args.seed, bar, args.split)
-                rows.append({"shape": f"{n}x{n}x{n}" + ("-split" if args.split else ""), "policy": policy, "decisions": len(wall),
-                             "p50_us": round(percentile(wall, 0.5), 1), "p99_us": round(percentile(wall, 0.99), 1),
-                             "mean_us": round(statistics.fmean(wall), 1), "max_us": round(max(wall), 1),
-                             "cpu_p50_us": round(percentile(cpu, 0.5), 1), "cpu_p99_us": round(percentile(cpu, 0.99), 1)})
+                rows.append(
+                    {
+                        "shape": f"{n}x{n}x{n}" + ("-split" if args.split else ""),
+                        "policy": policy,
+                        "decisions": len(wall),
+                        "p50_us": round(percentile(wall, 0.5), 1),
+                        "p99_us": round(percentile(wall, 0.99), 1),
+                        "mean_us": round(statistics.fmean(wall), 1),
+                        "max_us": round(max(wall), 1),
+                        "cpu_p50_us": round(percentile(cpu, 0.5), 1),
+                        "cpu_p99_us": round(percentile(cpu, 0.99), 1),
+                    }
+                )
     columns = {"p50_us": "p50 us", "p99_us": "p99 us", "mean_us": "mean us", "max_us": "max us", "cpu_p50_us": "cpu p50", "cpu_p99_us": "cpu p99"}
     print(f"\n{'shape':<18}{'policy':<14}" + "".join(f"{title:>9}" for title in columns.values()))
     for row in rows:

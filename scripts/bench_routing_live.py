@@ -26,13 +26,14 @@ calibrated from that run's trace.
    the mean overhead added) and a diagnostic replay with each request's measured prefill time.
 3. Writes summary.json (and per-run records) to --out-dir and prints tables.
 """
+
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import re
 import random
+import re
 import socket
 import statistics
 import sys
@@ -47,10 +48,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_load as bl  # noqa: E402  (scripts/bench_load.py: workload, SSE client, CpuWatch)
+
 from cluster.config import builtin_model, load_config  # noqa: E402
 
-FILLER = ("context note detail river mountain window garden music paper story light street "
-          "morning winter colour market table simple quiet bright").split()
+FILLER = (
+    "context note detail river mountain window garden music paper story light street morning winter colour market table simple quiet bright"
+).split()
 POLICIES = ("least_loaded", "joint")
 MODELS = ("variable", "measured host", "deterministic")  # simulator calibrations compared (see calibrate)
 
@@ -61,15 +64,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default=None, help="base config (default: local_cpu.yaml with the random-weight tiny-llava)")
     p.add_argument("--prefill-workers", type=int, default=2, help="prefill workers; the last one is the slowed one")
     p.add_argument("--slowdown", type=float, default=4.0, help="the last prefill worker's slowdown factor S")
-    p.add_argument("--stretch", type=float, default=1.0,
-                   help="every prefill worker's device time x this (sleep: emulates accelerators, whose work "
-                        "dominates the serving overhead and is not shared between workers)")
+    p.add_argument(
+        "--stretch",
+        type=float,
+        default=1.0,
+        help="every prefill worker's device time x this (sleep: emulates accelerators, whose work "
+        "dominates the serving overhead and is not shared between workers)",
+    )
     p.add_argument("--num-requests", type=int, default=300)
     p.add_argument("--rate", type=float, default=7.0, help="req/s to offer; 0: --load x the first fleet's measured capacity")
     p.add_argument("--load", type=float, default=0.75, help="with --rate 0: fraction of the measured capacity to offer")
     p.add_argument("--image-fraction", type=float, default=0.5)
-    p.add_argument("--words", type=lambda s: tuple(int(x) for x in s.split(",")), default=(40, 550),
-                   help="filler words per prompt, MIN,MAX (~2.1 tokens each: prefill dominates the stage costs)")
+    p.add_argument(
+        "--words",
+        type=lambda s: tuple(int(x) for x in s.split(",")),
+        default=(40, 550),
+        help="filler words per prompt, MIN,MAX (~2.1 tokens each: prefill dominates the stage costs)",
+    )
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=64, help="most requests in flight (bench_load's cap)")
     p.add_argument("--probe-requests", type=int, default=60)
@@ -83,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- live cluster
+
 
 def make_requests(n: int, rate: float, image_fraction: float, seed: int, words: tuple[int, int]) -> list[bl.Req]:
     """bench_load's Poisson workload, each prompt lengthened by a seeded number of filler words."""
@@ -104,8 +116,12 @@ def base_config(args):
 
 def cluster_config(args, policy: str, trace: Path):
     return base_config(args).replace(
-        encoder={"num_workers": 2}, prefill={"num_workers": args.prefill_workers, "slowdown": slowdowns(args)},
-        decode={"num_workers": 1}, router={"policy": policy}, server={"port": args.port, "trace_path": str(trace)})
+        encoder={"num_workers": 2},
+        prefill={"num_workers": args.prefill_workers, "slowdown": slowdowns(args)},
+        decode={"num_workers": 1},
+        router={"policy": policy},
+        server={"port": args.port, "trace_path": str(trace)},
+    )
 
 
 def metrics_snapshot(root: str) -> dict[str, float]:
@@ -115,7 +131,7 @@ def metrics_snapshot(root: str) -> dict[str, float]:
 
 
 def stage_mean_ms(before: dict, after: dict, stage: str) -> float | None:
-    key = 'epd:stage_latency_seconds_{}{{stage="%s"}}' % stage
+    key = "epd:stage_latency_seconds_{}" + f'{{{{stage="{stage}"}}}}'
     n = after.get(key.format("count"), 0) - before.get(key.format("count"), 0)
     return (after[key.format("sum")] - before.get(key.format("sum"), 0)) / n * 1e3 if n else None
 
@@ -124,10 +140,12 @@ async def closed_loop(url: str, reqs: list[bl.Req], model: str, args) -> float:
     """Requests/s with --probe-concurrency clients each sending back to back."""
     queue, bar = list(reversed(reqs)), tqdm(total=len(reqs), desc="capacity probe", unit="req")
     async with httpx.AsyncClient(timeout=300) as client:
+
         async def worker():
             while queue:
                 await bl.stream_one(client, url, bl.chat_body(queue.pop(), model, args.max_tokens), 0.0, time.perf_counter())
                 bar.update()
+
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.probe_concurrency)))
     bar.close()
@@ -139,8 +157,7 @@ async def warm_up(url: str, reqs: list[bl.Req], model: str, args) -> list[bl.Res
     out = await bl.sequential_cluster(url, reqs[:3], model, args, "warm-up")
     async with httpx.AsyncClient(timeout=300) as client:
         t0 = time.perf_counter()
-        return out + list(await asyncio.gather(*(bl.stream_one(client, url, bl.chat_body(r, model, args.max_tokens), 0.0, t0)
-                                                 for r in reqs[3:])))
+        return out + list(await asyncio.gather(*(bl.stream_one(client, url, bl.chat_body(r, model, args.max_tokens), 0.0, t0) for r in reqs[3:])))
 
 
 def run_policy(args, policy: str, tag: str, reqs: list[bl.Req], warm: list[bl.Req], probe: list[bl.Req]) -> dict:
@@ -170,9 +187,18 @@ def run_policy(args, policy: str, tag: str, reqs: list[bl.Req], warm: list[bl.Re
         serve.delete("epd")
         retire("epd")  # its fleet controller and workers too: the next fleet starts on a quiet host
     records = [{"image": r.png is not None, "client_ttft_ms": res.ttft_s * 1e3, **res.timings} for r, res in zip(reqs, results)]
-    run = {"policy": policy, "tag": tag, "trace": str(trace), "slow_prefill": args.prefill_workers - 1, "records": records, "wall_s": wall, "capacity_rps": capacity,
-           "other_cpu_s": watch.other_cpu_s, "warm_timings": [w.timings for w in warm_res[3:]],
-           "stage_ms": {s: stage_mean_ms(before, after, s) for s in ("encode", "encode_queue", "prefill", "prefill_queue", "decode_step")}}
+    run = {
+        "policy": policy,
+        "tag": tag,
+        "trace": str(trace),
+        "slow_prefill": args.prefill_workers - 1,
+        "records": records,
+        "wall_s": wall,
+        "capacity_rps": capacity,
+        "other_cpu_s": watch.other_cpu_s,
+        "warm_timings": [w.timings for w in warm_res[3:]],
+        "stage_ms": {s: stage_mean_ms(before, after, s) for s in ("encode", "encode_queue", "prefill", "prefill_queue", "decode_step")},
+    }
     (out_dir / f"run_{tag}.json").write_text(json.dumps(run))
     return run
 
@@ -197,13 +223,19 @@ def live_summary(run: dict) -> dict:
     recs = run["records"]
     pairs, slow = join(read_trace(run["trace"]), recs), run.get("slow_prefill", 1)
     fast = [m["prefill_ms"] / t["num_prompt_tokens"] * 1e3 for t, m in pairs if t["route"][1] == 0]  # how slow the host was
-    return {"fast_prefill_ms_per_1k_tokens": round(float(np.median(fast)), 1) if fast else None,
-            "client_ttft_ms": pcts([r["client_ttft_ms"] for r in recs]), "server_ttft_ms": pcts([r["ttft_ms"] for r in recs]),
-            "estimate_abs_error_ms": round(float(np.mean([abs(r["estimated_ttft_ms"] - r["ttft_ms"]) for r in recs])), 2),
-            "estimate_signed_error_ms": round(float(np.mean([r["estimated_ttft_ms"] - r["ttft_ms"] for r in recs])), 2),
-            "share_on_slow_prefill": round(float(np.mean([t["route"][1] == slow for t, _ in pairs])), 3),
-            "wall_s": round(run["wall_s"], 1), "capacity_rps": round(run["capacity_rps"], 2), "other_cpu_s": round(run["other_cpu_s"], 1), "stage_ms": run["stage_ms"],
-            "prefill_estimates": prefill_estimates(pairs)}
+    return {
+        "fast_prefill_ms_per_1k_tokens": round(float(np.median(fast)), 1) if fast else None,
+        "client_ttft_ms": pcts([r["client_ttft_ms"] for r in recs]),
+        "server_ttft_ms": pcts([r["ttft_ms"] for r in recs]),
+        "estimate_abs_error_ms": round(float(np.mean([abs(r["estimated_ttft_ms"] - r["ttft_ms"]) for r in recs])), 2),
+        "estimate_signed_error_ms": round(float(np.mean([r["estimated_ttft_ms"] - r["ttft_ms"] for r in recs])), 2),
+        "share_on_slow_prefill": round(float(np.mean([t["route"][1] == slow for t, _ in pairs])), 3),
+        "wall_s": round(run["wall_s"], 1),
+        "capacity_rps": round(run["capacity_rps"], 2),
+        "other_cpu_s": round(run["other_cpu_s"], 1),
+        "stage_ms": run["stage_ms"],
+        "prefill_estimates": prefill_estimates(pairs),
+    }
 
 
 def prefill_estimates(pairs) -> dict | None:
@@ -212,13 +244,19 @@ def prefill_estimates(pairs) -> dict | None:
     pairs = sorted([(t, m) for t, m in pairs if "estimate_ms" in t], key=lambda p: p[1]["client_ttft_ms"])
     if not pairs:
         return None  # a trace written before the estimate's parts were recorded
+
     def means(sel):
-        return {f"{k}_{side}": round(float(np.mean([t["estimate_ms"][k] if side == "est" else t[k] for t, _ in sel])), 1)
-                for k in ("prefill_queue_ms", "prefill_ms") for side in ("est", "measured")}
-    return {"all": means(pairs), "slowest_5pct": means(pairs[-max(1, len(pairs) // 20):])}
+        return {
+            f"{k}_{side}": round(float(np.mean([t["estimate_ms"][k] if side == "est" else t[k] for t, _ in sel])), 1)
+            for k in ("prefill_queue_ms", "prefill_ms")
+            for side in ("est", "measured")
+        }
+
+    return {"all": means(pairs), "slowest_5pct": means(pairs[-max(1, len(pairs) // 20) :])}
 
 
 # ----------------------------------------------------------------------------- simulator
+
 
 def timed_trace(run: dict) -> list[dict]:
     """The run's trace, every record with its measured stage times (a trace written before the
@@ -246,20 +284,36 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
     encode_ms = (run["stage_ms"]["encode"] or 0.0) / crowd  # the load phase's mean, less the slowdown its batches met
     # relative to worker 0; a worker with under 3 requests in the trace: its configured factor
     speeds = [1.0] + [fit.speeds.get(i, args.stretch / f) for i, f in enumerate(slowdowns(args)) if i]
-    costs = SimCosts(encode={**SimCosts().encode, "image": EncodeCost(encode_ms, 0.0, 1.0)},
-                     encode_max_batch=cfg.encoder.max_batch_size, prefill_fixed_ms=pf.fixed_ms,
-                     prefill_tokens_per_ms=1.0 / max(pf.per_unit_ms, 1e-6),
-                     decode_step_ms=run["stage_ms"]["decode_step"] or 1.0, decode_step_per_seq_ms=0.0,
-                     decode_max_batch=cfg.decode.max_batch_size, ingress_ms=ingress[0],
-                     ingress_media_ms=ingress[1] + cfg.encoder.max_wait_ms,  # the batcher's wait: not simulated
-                     variability=Variability() if model == "deterministic" else fit.variability(args.seed, model == "measured host"))
+    costs = SimCosts(
+        encode={**SimCosts().encode, "image": EncodeCost(encode_ms, 0.0, 1.0)},
+        encode_max_batch=cfg.encoder.max_batch_size,
+        prefill_fixed_ms=pf.fixed_ms,
+        prefill_tokens_per_ms=1.0 / max(pf.per_unit_ms, 1e-6),
+        decode_step_ms=run["stage_ms"]["decode_step"] or 1.0,
+        decode_step_per_seq_ms=0.0,
+        decode_max_batch=cfg.decode.max_batch_size,
+        ingress_ms=ingress[0],
+        ingress_media_ms=ingress[1] + cfg.encoder.max_wait_ms,  # the batcher's wait: not simulated
+        variability=Variability() if model == "deterministic" else fit.variability(args.seed, model == "measured host"),
+    )
     cluster = SimCluster.build(2, len(speeds), 1, prefill_speeds=speeds, costs=costs, name="live-calibrated")
     v = costs.variability
-    doc = {"prefill_fixed_ms": round(pf.fixed_ms, 3), "prefill_ms_per_token": round(pf.per_unit_ms, 5),
-           "prefill_speeds": [round(x, 3) for x in speeds], "contention_per_request": round(v.contention, 3), "max_others": fit.max_others,
-           "service_sigma": round(v.sigma, 3), "host_sigma": round(v.host_sigma, 3), "host_tau_s": round(v.host_tau_s, 3),
-           "ingress_ms": round(ingress[0], 2), "ingress_media_ms": round(costs.ingress_media_ms, 2), "ingress_sigma": round(v.ingress_sigma, 3),
-           "encode_ms_per_batch": round(encode_ms, 3), "decode_step_ms": round(costs.decode_step_ms, 3), "fitted_requests": pf.samples}
+    doc = {
+        "prefill_fixed_ms": round(pf.fixed_ms, 3),
+        "prefill_ms_per_token": round(pf.per_unit_ms, 5),
+        "prefill_speeds": [round(x, 3) for x in speeds],
+        "contention_per_request": round(v.contention, 3),
+        "max_others": fit.max_others,
+        "service_sigma": round(v.sigma, 3),
+        "host_sigma": round(v.host_sigma, 3),
+        "host_tau_s": round(v.host_tau_s, 3),
+        "ingress_ms": round(ingress[0], 2),
+        "ingress_media_ms": round(costs.ingress_media_ms, 2),
+        "ingress_sigma": round(v.ingress_sigma, 3),
+        "encode_ms_per_batch": round(encode_ms, 3),
+        "decode_step_ms": round(costs.decode_step_ms, 3),
+        "fitted_requests": pf.samples,
+    }
     return cluster, doc
 
 
@@ -275,7 +329,11 @@ def model_parts(fit, model: str, trace: list[dict], image_arrivals: list[float])
         m = fit.measured
         knots = [t for t, _ in m.profile], [x for _, x in m.profile]
         host = np.exp([interpolate(*knots, t) for t in at])
-        return m.prefill, (m.ingress_ms, m.ingress_media_ms, m.ingress_sigma), float(np.mean((1 + m.prefill.contention * others) * host)) if len(at) else 1.0
+        return (
+            m.prefill,
+            (m.ingress_ms, m.ingress_media_ms, m.ingress_sigma),
+            float(np.mean((1 + m.prefill.contention * others) * host)) if len(at) else 1.0,
+        )
     crowd = float(np.mean(1 + fit.prefill.contention * others)) if len(at) else 1.0
     return fit.prefill, (fit.ingress_ms, fit.ingress_media_ms, fit.ingress_sigma), crowd
 
@@ -296,15 +354,19 @@ def compare(pairs, sims: list[dict[int, float]], http_ms: float) -> dict:
     """Measured vs simulated load-phase TTFT, server and client side; over several noise seeds
     the simulated mean and p90 are the seeds' averages (their p90 errors' range is given too)."""
     out = {}
-    for side, measured, hop in (("server", [m["ttft_ms"] for _, m in pairs], 0.0),
-                                ("client", [m["client_ttft_ms"] for _, m in pairs], http_ms)):
+    for side, measured, hop in (("server", [m["ttft_ms"] for _, m in pairs], 0.0), ("client", [m["client_ttft_ms"] for _, m in pairs], http_ms)):
         meas = pcts(measured)
         per_seed = [pcts([sim[id(t)] + hop for t, _ in pairs]) for sim in sims]
         simd = {k: round(float(np.mean([s[k] for s in per_seed])), 2) for k in meas}
         err = {k: round((simd[k] - meas[k]) / meas[k], 3) for k in ("mean", "p90")}
         p90s = [(s["p90"] - meas["p90"]) / meas["p90"] for s in per_seed]
-        out[side] = {"measured": meas, "simulated": simd, "rel_error": err, "p90_error_range": [round(min(p90s), 3), round(max(p90s), 3)],
-                     "within_20pct": all(abs(e) <= 0.2 for e in err.values())}
+        out[side] = {
+            "measured": meas,
+            "simulated": simd,
+            "rel_error": err,
+            "p90_error_range": [round(min(p90s), 3), round(max(p90s), 3)],
+            "within_20pct": all(abs(e) <= 0.2 for e in err.values()),
+        }
     return out
 
 
@@ -328,21 +390,29 @@ def validate_sim(run: dict, args) -> dict:
     # so that its simulated prefill takes what the live one measured
     ratio = service_ratios(pairs, cluster)
     varied = [rec | {"num_prompt_tokens": max(1, round(rec["num_prompt_tokens"] * ratio.get(id(rec), 1.0)))} for rec in trace]
-    sims = [{id(rec): v for rec, v in zip(trace, sim.values())}
-            for sim in replay(cluster, varied, out_dir / f"sim_trace_{tag}_measured_service.jsonl", args, 1)]
+    sims = [
+        {id(rec): v for rec, v in zip(trace, sim.values())}
+        for sim in replay(cluster, varied, out_dir / f"sim_trace_{tag}_measured_service.jsonl", args, 1)
+    ]
     r = np.array(list(ratio.values()))
-    return out | {"measured_service_variant": {"service_ratio": pcts(r) | {"cv": round(float(r.std() / r.mean()), 3)},
-                                               **compare(pairs, sims, http_ms)}}
+    return out | {
+        "measured_service_variant": {"service_ratio": pcts(r) | {"cv": round(float(r.std() / r.mean()), 3)}, **compare(pairs, sims, http_ms)}
+    }
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def round_summary(runs: dict[str, dict], args) -> dict:
     live = {pol: live_summary(run) for pol, run in runs.items()}
     ll, jt = live["least_loaded"]["client_ttft_ms"], live["joint"]["client_ttft_ms"]
     ratios = {k: round(jt[k] / ll[k], 3) for k in ("p50", "p90", "p99")}
-    return {"order": list(runs), "live": live, "ratios": ratios | {"target_met": ratios["p99"] <= 0.70},
-            "simulator": validate_sim(runs["joint"], args)}
+    return {
+        "order": list(runs),
+        "live": live,
+        "ratios": ratios | {"target_met": ratios["p99"] <= 0.70},
+        "simulator": validate_sim(runs["joint"], args),
+    }
 
 
 def print_round(k: int, s: dict) -> None:
@@ -350,29 +420,41 @@ def print_round(k: int, s: dict) -> None:
     print(f"{'TTFT ms (client)':<22}{'p50':>8}{'p90':>8}{'p99':>8}{'mean':>8}   server p99  |est-meas|  on slow  other CPU-s  fast ms/1k tok")
     for pol in POLICIES:
         c, l = s["live"][pol]["client_ttft_ms"], s["live"][pol]
-        print(f"{pol:<22}{c['p50']:>8.1f}{c['p90']:>8.1f}{c['p99']:>8.1f}{c['mean']:>8.1f}   {l['server_ttft_ms']['p99']:>10.1f}"
-              f"{l['estimate_abs_error_ms']:>11.1f}{l['share_on_slow_prefill']:>9.0%}{l['other_cpu_s']:>11.1f}"
-              f"{l['fast_prefill_ms_per_1k_tokens'] or float('nan'):>15.1f}")
+        print(
+            f"{pol:<22}{c['p50']:>8.1f}{c['p90']:>8.1f}{c['p99']:>8.1f}{c['mean']:>8.1f}   {l['server_ttft_ms']['p99']:>10.1f}"
+            f"{l['estimate_abs_error_ms']:>11.1f}{l['share_on_slow_prefill']:>9.0%}{l['other_cpu_s']:>11.1f}"
+            f"{l['fast_prefill_ms_per_1k_tokens'] or float('nan'):>15.1f}"
+        )
     r = s["ratios"]
-    print(f"joint / least_loaded: p50 {r['p50']:.2f}  p90 {r['p90']:.2f}  p99 {r['p99']:.2f}   "
-          f"(target p99 <= 0.70: {'met' if r['target_met'] else 'NOT met'})")
+    print(
+        f"joint / least_loaded: p50 {r['p50']:.2f}  p90 {r['p90']:.2f}  p99 {r['p99']:.2f}   "
+        f"(target p99 <= 0.70: {'met' if r['target_met'] else 'NOT met'})"
+    )
     v = s["simulator"]
     print(f"{'simulator vs measured':<22}{'mean':>8}{'p90':>8}   rel. error mean / p90   ({v['requests_compared']} requests)")
     for side in ("server", "client"):
         m = v["variable"][side]["measured"]
         print(f"{'measured ' + side:<22}{m['mean']:>8.1f}{m['p90']:>8.1f}")
-        for name, x in (("  variable model", v["variable"][side]), ("  + measured host", v["measured host"][side]),
-                        ("  deterministic", v["deterministic"][side]), ("  measured service", v["measured_service_variant"][side])):
+        for name, x in (
+            ("  variable model", v["variable"][side]),
+            ("  + measured host", v["measured host"][side]),
+            ("  deterministic", v["deterministic"][side]),
+            ("  measured service", v["measured_service_variant"][side]),
+        ):
             sim, e = x["simulated"], x["rel_error"]
-            print(f"{name:<22}{sim['mean']:>8.1f}{sim['p90']:>8.1f}   {e['mean']:+.1%} / {e['p90']:+.1%}"
-                  f"   ({'within' if x['within_20pct'] else 'NOT within'} 20%)")
+            print(
+                f"{name:<22}{sim['mean']:>8.1f}{sim['p90']:>8.1f}   {e['mean']:+.1%} / {e['p90']:+.1%}"
+                f"   ({'within' if x['within_20pct'] else 'NOT within'} 20%)"
+            )
     print("variable model calibration:", json.dumps(v["variable"]["calibration"]))
 
 
 def print_overall(rounds: list[dict]) -> None:
     p99 = [r["ratios"]["p99"] for r in rounds]
-    print(f"\njoint / least_loaded client p99 per round: {', '.join(f'{x:.2f}' for x in p99)}; "
-          f"median {statistics.median(p99):.2f} (target <= 0.70: met in {sum(x <= 0.70 for x in p99)} of {len(p99)})")
+    print(
+        f"\njoint / least_loaded client p99 per round: {', '.join(f'{x:.2f}' for x in p99)}; "
+        f"median {statistics.median(p99):.2f} (target <= 0.70: met in {sum(x <= 0.70 for x in p99)} of {len(p99)})"
+    )
     for model in MODELS[:2]:
         for side in ("server", "client"):
             errs = [r["simulator"][model][side]["rel_error"] for r in rounds]
@@ -423,8 +505,7 @@ def main(argv=None) -> int:
     rounds = saved_rounds(args) if args.analyze else live_rounds(args)
     summaries = [round_summary(runs, args) for runs in rounds]
     p99 = [r["ratios"]["p99"] for r in summaries]
-    summary = {"args": vars(args), "offered_rps": round(args.rate, 3), "rounds": summaries,
-               "p99_ratio_median": round(statistics.median(p99), 3)}
+    summary = {"args": vars(args), "offered_rps": round(args.rate, 3), "rounds": summaries, "p99_ratio_median": round(statistics.median(p99), 3)}
     (Path(args.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     for k, s in enumerate(summaries):
         print_round(k, s)

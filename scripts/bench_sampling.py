@@ -4,6 +4,7 @@ with logprobs, in the same run. CPU, float32; prints ms per call and the ratio t
 
     python scripts/bench_sampling.py --batch 32 --vocab 32000 --prompt 1000 --output 200
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,17 +36,16 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(args.batch, args.vocab, generator=gen)
     ids = torch.randint(0, args.vocab, (args.batch, args.prompt + args.output), generator=gen).tolist()
-    histories = [TokenHistory(tuple(r[:args.prompt]), tuple(r[args.prompt:])) for r in ids]
+    histories = [TokenHistory(tuple(r[: args.prompt]), tuple(r[args.prompt :])) for r in ids]
     positions = [args.prompt + args.output] * args.batch
     cases = {
         "greedy, no processor": [SamplingParams(temperature=0.0)] * args.batch,
-        "greedy, all penalties": [SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5,
-                                                 frequency_penalty=0.5)] * args.batch,
+        "greedy, all penalties": [SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5)] * args.batch,
         "greedy, top_logprobs 5": [SamplingParams(temperature=0.0, num_logprobs=5)] * args.batch,
     }
     base = None
     for name, params in cases.items():
-        ms = per_call_ms(lambda: sample_rows(logits, params, positions, histories), args.repeats)
+        ms = per_call_ms(lambda params=params: sample_rows(logits, params, positions, histories), args.repeats)
         base = base or ms
         print(f"{name:26s} {ms:8.3f} ms/step  x{ms / base:.2f}")
 

@@ -3,6 +3,7 @@
 
     .venv/bin/python scripts/bench_spread.py --requests 30000 --seed 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ def main() -> None:
         wl = make_workload("poisson", args.requests, seed=args.seed)
         wl = wl.at_rate(args.load * capacity_rps(cluster, wl))
         for label, policy, z in RUNS:
-            ttft = simulate(cluster, wl, policy, seed=args.seed, progress=True,
-                            router_kwargs={"calibration": CalibrationConfig(spread_z=z)}).summary()["ttft_ms"]
+            ttft = simulate(
+                cluster, wl, policy, seed=args.seed, progress=True, router_kwargs={"calibration": CalibrationConfig(spread_z=z)}
+            ).summary()["ttft_ms"]
             print(f"{shape:<18}{label:<14}{ttft['p50']:>9.1f}{ttft['p90']:>9.1f}{ttft['p99']:>9.1f}", flush=True)
 
 

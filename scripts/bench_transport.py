@@ -5,6 +5,7 @@ Moves tensors of KV-cache sizes from a sender actor to a receiver actor through 
 transport and reports bandwidth and latency, so the default per placement is chosen by
 measurement. Usage: scripts/bench_transport.py [--sizes-mib 1 16 128] [--repeats 5]
 """
+
 from __future__ import annotations
 
 import argparse

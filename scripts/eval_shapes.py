@@ -5,6 +5,7 @@
 The reference for the HTTP figure of tests/integration/test_default_model.py: the same
 prompts and greedy decoding, without the cluster.
 """
+
 from __future__ import annotations
 
 import argparse

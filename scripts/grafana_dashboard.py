@@ -3,6 +3,7 @@ source chosen at import). Run after changing the panels:
 
     .venv/bin/python scripts/grafana_dashboard.py
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,15 @@ def _ratio(hits: str, queries: str) -> str:
 # (title, unit, [(legend, PromQL)])
 PANELS = [
     ("Time to first token", "s", [("p50", _q("epd:time_to_first_token_seconds", 0.5)), ("p99", _q("epd:time_to_first_token_seconds", 0.99))]),
-    ("Estimated vs measured TTFT (p50)", "s", [("measured", _q("epd:time_to_first_token_seconds", 0.5)),
-                                               ("router estimate", _q("epd:estimated_ttft_seconds", 0.5)),
-                                               ("|error| p90", _q("epd:ttft_estimate_abs_error_seconds", 0.9))]),
+    (
+        "Estimated vs measured TTFT (p50)",
+        "s",
+        [
+            ("measured", _q("epd:time_to_first_token_seconds", 0.5)),
+            ("router estimate", _q("epd:estimated_ttft_seconds", 0.5)),
+            ("|error| p90", _q("epd:ttft_estimate_abs_error_seconds", 0.9)),
+        ],
+    ),
     ("Inter-token latency", "s", [("p50", _q("epd:inter_token_latency_seconds", 0.5)), ("p99", _q("epd:inter_token_latency_seconds", 0.99))]),
     ("End-to-end latency", "s", [("p50", _q("epd:e2e_request_latency_seconds", 0.5)), ("p99", _q("epd:e2e_request_latency_seconds", 0.99))]),
     ("Requests by outcome", "reqps", [("{{status}}", _rate("epd:requests_total", "status"))]),
@@ -41,9 +48,15 @@ PANELS = [
     ("Prefix cache hit rate", "percentunit", [("tokens", _ratio("epd:prefix_cache_hits_total", "epd:prefix_cache_queries_total"))]),
     ("Encoder cache hit rate", "percentunit", [("items", _ratio("epd:mm_cache_hits_total", "epd:mm_cache_queries_total"))]),
     ("Stage latency p99", "s", [("{{stage}}", _q("epd:stage_latency_seconds", 0.99, "le, stage"))]),
-    ("Queue and prefill time p90", "s", [("queue", _q("epd:request_queue_time_seconds", 0.9)),
-                                         ("prefill", _q("epd:request_prefill_time_seconds", 0.9)),
-                                         ("decode", _q("epd:request_decode_time_seconds", 0.9))]),
+    (
+        "Queue and prefill time p90",
+        "s",
+        [
+            ("queue", _q("epd:request_queue_time_seconds", 0.9)),
+            ("prefill", _q("epd:request_prefill_time_seconds", 0.9)),
+            ("decode", _q("epd:request_decode_time_seconds", 0.9)),
+        ],
+    ),
     ("Encoder batch size (mean)", "short", [("items", f"{_rate('epd:encoder_batch_size_sum')} / {_rate('epd:encoder_batch_size_count')}")]),
     ("Outstanding jobs per worker kind", "short", [("{{kind}}", f"sum by(kind) (epd:queue_depth{SEL})")]),
     ("Retries after a worker failed", "reqps", [("{{kind}}", _rate("epd:retries_total", "kind"))]),
@@ -52,7 +65,10 @@ PANELS = [
 
 def _panel(index: int, title: str, unit: str, targets: list[tuple[str, str]]) -> dict:
     return {
-        "id": index + 1, "type": "timeseries", "title": title, "datasource": {"type": "prometheus", "uid": "${datasource}"},
+        "id": index + 1,
+        "type": "timeseries",
+        "title": title,
+        "datasource": {"type": "prometheus", "uid": "${datasource}"},
         "gridPos": {"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)},
         "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
         "targets": [{"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend} for i, (legend, expr) in enumerate(targets)],
@@ -62,12 +78,23 @@ def _panel(index: int, title: str, unit: str, targets: list[tuple[str, str]]) ->
 def dashboard() -> dict:
     variables = [
         {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source"},
-        {"name": "model_name", "type": "query", "label": "Model", "datasource": {"type": "prometheus", "uid": "${datasource}"},
-         "query": "label_values(epd:requests_total, model_name)", "refresh": 2},
+        {
+            "name": "model_name",
+            "type": "query",
+            "label": "Model",
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "query": "label_values(epd:requests_total, model_name)",
+            "refresh": 2,
+        },
     ]
     return {
-        "title": "epd: disaggregated E/P/D serving", "uid": "epd-serving", "schemaVersion": 39, "version": 1,
-        "time": {"from": "now-1h", "to": "now"}, "refresh": "10s", "tags": ["epd", "llm"],
+        "title": "epd: disaggregated E/P/D serving",
+        "uid": "epd-serving",
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "10s",
+        "tags": ["epd", "llm"],
         "templating": {"list": variables},
         "panels": [_panel(i, *p) for i, p in enumerate(PANELS)],
     }

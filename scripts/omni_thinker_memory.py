@@ -5,6 +5,7 @@ growth while loading (after a warm-up load, so lazy imports do not count).
 
     python scripts/omni_thinker_memory.py [CHECKPOINT_DIR]   # default: builds tiny-qwen2.5-omni
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,14 @@ print(json.dumps({"param_mib": sum(p.nbytes for p in model.parameters()) / 2**20
 
 
 def probe(checkpoint: Path, which: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", _PROBE, str(checkpoint), which], cwd=REPO, capture_output=True,
-                         text=True, check=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(checkpoint), which],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -38,8 +45,9 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from actors.checkpoints import ensure_checkpoint
 
-    checkpoint = Path(sys.argv[1]) if len(sys.argv) > 1 else ensure_checkpoint(
-        Path("~/.cache/epd/models/tiny-qwen2.5-omni").expanduser(), "tiny-qwen2.5-omni")
+    checkpoint = (
+        Path(sys.argv[1]) if len(sys.argv) > 1 else ensure_checkpoint(Path("~/.cache/epd/models/tiny-qwen2.5-omni").expanduser(), "tiny-qwen2.5-omni")
+    )
     thinker, whole = probe(checkpoint, "thinker"), probe(checkpoint, "whole")
     print(f"checkpoint {checkpoint}")
     for name, row in (("thinker only (epd)", thinker), ("whole model (baseline)", whole)):

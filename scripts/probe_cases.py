@@ -4,6 +4,7 @@ Every case is a raw request body (bytes), so it can be exactly the defect it nam
 library or Pillow would refuse to write most of them. Media that must lie about itself
 (a PNG header claiming 20000x20000 pixels, a GIF with a 4000x4000 canvas) is built by hand.
 """
+
 from __future__ import annotations
 
 import base64
@@ -30,11 +31,11 @@ class Case:
 
 # ----------------------------------------------------------------------------- request bodies
 
+
 def chat(model: str, content=None, **extra) -> dict:
     """A small, valid, greedy chat request; `extra` overrides or adds fields."""
     content = "Say hi." if content is None else content
-    return {"model": model, "messages": [{"role": "user", "content": content}],
-            "temperature": 0, "max_tokens": 4, **extra}
+    return {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 4, **extra}
 
 
 def enc(obj) -> bytes:
@@ -62,6 +63,7 @@ def data_url(data: bytes, mime: str) -> str:
 
 
 # ----------------------------------------------------------------------------- media
+
 
 def png(width: int, height: int, seed: int = 0) -> bytes:
     """Noise, so that no two seeds share an encoder cache entry."""
@@ -108,7 +110,7 @@ def _lzw_zeros(count: int) -> bytes:
         bits |= code << nbits
         nbits += 3
     data = bits.to_bytes((nbits + 7) // 8, "little")
-    blocks = b"".join(bytes([len(data[i:i + 255])]) + data[i:i + 255] for i in range(0, len(data), 255))
+    blocks = b"".join(bytes([len(data[i : i + 255])]) + data[i : i + 255] for i in range(0, len(data), 255))
     return b"\x02" + blocks + b"\x00"
 
 
@@ -122,12 +124,15 @@ def wav(seconds: float = 0.5, rate: int = 16000) -> bytes:
 
 def valid_media_cases(model: str) -> dict[str, bytes]:
     """One well-formed request per modality: a 200 means the served model takes it."""
-    return {"image": media_chat(model, image_part(png(32, 32, seed=1))),
-            "video": media_chat(model, video_part(gif(16, 16, frames=2, delay_cs=25))),
-            "audio": media_chat(model, audio_part(base64.b64encode(wav()).decode()))}
+    return {
+        "image": media_chat(model, image_part(png(32, 32, seed=1))),
+        "video": media_chat(model, video_part(gif(16, 16, frames=2, delay_cs=25))),
+        "audio": media_chat(model, audio_part(base64.b64encode(wav()).decode())),
+    }
 
 
 # ----------------------------------------------------------------------------- the cases
+
 
 def _raw(model: str, tail: bytes) -> bytes:
     """A request whose last field is written by hand (JSON a serializer would not emit)."""
@@ -157,15 +162,26 @@ def parsing_cases(model: str) -> list[Case]:
 
 
 def sampling_cases(model: str) -> list[Case]:
-    fields = [("temperature_1e-38", {"temperature": 1e-38}), ("temperature_1e-45", {"temperature": 1e-45}),
-              ("temperature_-1", {"temperature": -1}), ("temperature_3", {"temperature": 3}),
-              ("top_p_0", {"top_p": 0}), ("top_p_1e-45", {"top_p": 1e-45, "temperature": 1}),
-              ("top_k_1e12", {"top_k": 10**12, "temperature": 1}), ("seed_2^70", {"seed": 2**70, "temperature": 1}),
-              ("max_tokens_0", {"max_tokens": 0}), ("max_tokens_1e12", {"max_tokens": 10**12}),
-              ("stream_'yes'", {"stream": "yes"}), ("max_tokens_'16'", {"max_tokens": "16"}),
-              ("temperature_'hot'", {"temperature": "hot"}), ("n_2", {"n": 2}),
-              ("stop_5_items", {"stop": ["a", "b", "c", "d", "e"]}), ("stop_empty_string", {"stop": [""]}),
-              ("stop_not_string", {"stop": [1]}), ("stop_100k_chars", {"stop": "x" * 100_000})]
+    fields = [
+        ("temperature_1e-38", {"temperature": 1e-38}),
+        ("temperature_1e-45", {"temperature": 1e-45}),
+        ("temperature_-1", {"temperature": -1}),
+        ("temperature_3", {"temperature": 3}),
+        ("top_p_0", {"top_p": 0}),
+        ("top_p_1e-45", {"top_p": 1e-45, "temperature": 1}),
+        ("top_k_1e12", {"top_k": 10**12, "temperature": 1}),
+        ("seed_2^70", {"seed": 2**70, "temperature": 1}),
+        ("max_tokens_0", {"max_tokens": 0}),
+        ("max_tokens_1e12", {"max_tokens": 10**12}),
+        ("stream_'yes'", {"stream": "yes"}),
+        ("max_tokens_'16'", {"max_tokens": "16"}),
+        ("temperature_'hot'", {"temperature": "hot"}),
+        ("n_2", {"n": 2}),
+        ("stop_5_items", {"stop": ["a", "b", "c", "d", "e"]}),
+        ("stop_empty_string", {"stop": [""]}),
+        ("stop_not_string", {"stop": [1]}),
+        ("stop_100k_chars", {"stop": "x" * 100_000}),
+    ]
     return [Case(name, enc(chat(model, **extra))) for name, extra in fields]
 
 
@@ -190,8 +206,7 @@ def message_cases(model: str) -> list[Case]:
 def media_cases(model: str) -> list[Case]:
     small = png(8, 8)
     audio = base64.b64encode(wav()).decode()
-    assistant_image = {**chat(model), "messages": [{"role": "assistant", "content": [image_part(small)]},
-                                                   {"role": "user", "content": "hi"}]}
+    assistant_image = {**chat(model), "messages": [{"role": "assistant", "content": [image_part(small)]}, {"role": "user", "content": "hi"}]}
     url = lambda u: {"type": "image_url", "image_url": {"url": u}}  # noqa: E731
     return [
         Case("image_not_an_image", media_chat(model, image_part(b"hello, not a png")), modality="image"),
@@ -204,8 +219,9 @@ def media_cases(model: str) -> list[Case]:
         Case("image_too_many", media_chat(model, *[image_part(png(8, 8, seed=s)) for s in range(9)]), modality="image"),
         Case("image_in_assistant_msg", enc(assistant_image), modality="image"),
         Case("video_1x1_gif", media_chat(model, video_part(gif(1, 1, frames=1, delay_cs=10))), modality="video"),
-        Case("video_gif_4000x4000_canvas_20s",
-             media_chat(model, video_part(gif(1, 1, frames=2, delay_cs=1000, canvas=(4000, 4000)))), modality="video"),
+        Case(
+            "video_gif_4000x4000_canvas_20s", media_chat(model, video_part(gif(1, 1, frames=2, delay_cs=1000, canvas=(4000, 4000)))), modality="video"
+        ),
         Case("audio_not_base64", media_chat(model, audio_part("%%% not base64 %%%")), modality="audio"),
         Case("audio_wrong_format", media_chat(model, audio_part(audio, "aiff")), modality="audio"),
         Case("audio_png_as_wav", media_chat(model, audio_part(base64.b64encode(small).decode())), modality="audio"),

@@ -1,6 +1,7 @@
 """One chat request as a client sees it, for scripts/probe_server.py: sent over httpx,
 streamed or not, and classified (ok, lost before its first token, broken mid-stream,
 hung), so every phase counts failures the same way."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,6 @@ import time
 from dataclasses import dataclass
 
 import httpx
-
 import probe_cases as pc
 
 PROMPT_WORDS = "the quick brown fox jumps over a lazy dog near an old stone bridge".split()
@@ -18,6 +18,7 @@ PROMPT_WORDS = "the quick brown fox jumps over a lazy dog near an old stone brid
 @dataclass
 class Outcome:
     """One chat request as the client saw it."""
+
     status: int | None = None
     ok: bool = False
     lost: bool = False  # failed before its first token
@@ -37,8 +38,7 @@ def is_openai_error(text: str) -> bool:
     return isinstance(err, dict) and {"message", "type", "param", "code"} <= err.keys()
 
 
-def chat_body(model: str, words: int = 8, max_tokens: int = 16, stream: bool = False, image: bytes | None = None,
-              seed: int = 0) -> dict:
+def chat_body(model: str, words: int = 8, max_tokens: int = 16, stream: bool = False, image: bytes | None = None, seed: int = 0) -> dict:
     text = " ".join(PROMPT_WORDS[(seed + i) % len(PROMPT_WORDS)] for i in range(words))
     content = [pc.image_part(image), {"type": "text", "text": text}] if image else text
     return pc.chat(model, content, max_tokens=max_tokens, stream=stream)
@@ -90,5 +90,3 @@ async def _read_sse(resp: httpx.Response, out: Outcome, stop_after: int) -> None
             out.ok = True  # the client chose to leave; the server did nothing wrong
             return
     out.lost, out.broken = out.tokens == 0, out.tokens > 0  # stream ended without [DONE]
-
-

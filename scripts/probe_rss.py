@@ -4,6 +4,7 @@ Worker pids come from the server itself (`GET /health?verbose=1`), so only this 
 processes are ever sampled or killed. The ingress replica's pid comes from the health body
 when it carries one, else from a process scan narrowed to the workers' Ray node.
 """
+
 from __future__ import annotations
 
 import threading

@@ -12,6 +12,7 @@ every 0.2 s throughout. Only the given (loopback) URL is contacted; every loop i
 Helpers: probe_cases.py (the bad-input bodies), probe_client.py (one request, classified),
 probe_rss.py (pids and RSS).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,6 +76,7 @@ def count(result: PhaseResult, outcomes: list[Outcome]) -> None:
 
 # ----------------------------------------------------------------------------- phases
 
+
 async def phase_bad(ctx) -> PhaseResult:
     result, takes = PhaseResult("bad"), await detect_modalities(ctx)
     canaries, harmed = 0, []
@@ -91,9 +93,11 @@ async def phase_bad(ctx) -> PhaseResult:
     result.n2xx, result.n4xx = sum(200 <= s < 300 for s in statuses), sum(400 <= s < 500 for s in statuses)
     result.n5xx = sum(s >= 500 for s in statuses)
     names = lambda pred: ", ".join(r.case for r in result.rows if pred(r)) or "none"  # noqa: E731
-    result.note = (f"model takes {','.join(sorted(takes))}; canaries failed {len(harmed)}/{canaries} "
-                   f"(after: {', '.join(harmed) or 'none'}); 5xx/hang: {names(lambda r: (r.status or 500) >= 500)}; "
-                   f"not OpenAI-shaped: {names(lambda r: (r.status or 0) >= 400 and not r.openai_shape)}")
+    result.note = (
+        f"model takes {','.join(sorted(takes))}; canaries failed {len(harmed)}/{canaries} "
+        f"(after: {', '.join(harmed) or 'none'}); 5xx/hang: {names(lambda r: (r.status or 500) >= 500)}; "
+        f"not OpenAI-shaped: {names(lambda r: (r.status or 0) >= 400 and not r.openai_shape)}"
+    )
     return result
 
 
@@ -108,8 +112,7 @@ async def detect_modalities(ctx) -> set[str]:
 async def send_case(ctx, case: pc.Case) -> BadRow:
     t0 = time.perf_counter()
     try:
-        resp = await ctx.client.post(f"{ctx.url}/v1/chat/completions", content=case.body,
-                                     headers={"content-type": case.content_type})
+        resp = await ctx.client.post(f"{ctx.url}/v1/chat/completions", content=case.body, headers={"content-type": case.content_type})
         status, text = resp.status_code, resp.text
     except httpx.TimeoutException:
         status, text = None, "HANG: no answer within --timeout"
@@ -130,10 +133,18 @@ async def phase_burst(ctx) -> PhaseResult:
     lat = sorted(o.latency_s for o in outcomes if o.ok)
     by = lambda pred: sum(1 for o in outcomes if pred(o))  # noqa: E731
     p50, p99 = (lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]) if lat else (None, None)
-    result.rows = [{"200": by(lambda o: o.status == 200), "429": by(lambda o: o.status == 429),
-                    "429_with_retry_after": by(lambda o: o.status == 429 and o.retry_after),
-                    "503": by(lambda o: o.status == 503), "other_5xx": by(lambda o: (o.status or 0) >= 500 and o.status != 503),
-                    "hangs": by(lambda o: o.hang), "p50_s": p50, "p99_s": p99}]
+    result.rows = [
+        {
+            "200": by(lambda o: o.status == 200),
+            "429": by(lambda o: o.status == 429),
+            "429_with_retry_after": by(lambda o: o.status == 429 and o.retry_after),
+            "503": by(lambda o: o.status == 503),
+            "other_5xx": by(lambda o: (o.status or 0) >= 500 and o.status != 503),
+            "hangs": by(lambda o: o.hang),
+            "p50_s": p50,
+            "p99_s": p99,
+        }
+    ]
     result.note = " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.rows[0].items())
     return result
 
@@ -146,6 +157,7 @@ async def gather_bar(coros, desc: str) -> list:
             return await c
         finally:
             bar.update()
+
     try:
         return await asyncio.gather(*[one(c) for c in coros])
     finally:
@@ -154,17 +166,14 @@ async def gather_bar(coros, desc: str) -> list:
 
 async def phase_kill(ctx, kind: str) -> PhaseResult:
     result = PhaseResult(f"kill:{kind}")
-    pids = [await asyncio.to_thread(ingress_pid, ctx.url)] if kind == "ingress" else \
-        (await asyncio.to_thread(worker_pids, ctx.url)).get(kind, [])
+    pids = [await asyncio.to_thread(ingress_pid, ctx.url)] if kind == "ingress" else (await asyncio.to_thread(worker_pids, ctx.url)).get(kind, [])
     pid = next((p for p in pids if p), None)
     if pid is None:
         result.note = f"no {kind} pid found; skipped"
         return result
     images = [pc.png(96, 96, seed=1000 + i) for i in range(20)] if kind == "encoder" else [None] * 20
-    bodies = [chat_body(ctx.model, words=24, max_tokens=32, stream=i % 2 == 0, image=img, seed=i)
-              for i, img in enumerate(images)]
-    requests = [asyncio.ensure_future(staggered(ctx, b, i * ctx.args.kill_spread / len(bodies)))
-                for i, b in enumerate(bodies)]
+    bodies = [chat_body(ctx.model, words=24, max_tokens=32, stream=i % 2 == 0, image=img, seed=i) for i, img in enumerate(images)]
+    requests = [asyncio.ensure_future(staggered(ctx, b, i * ctx.args.kill_spread / len(bodies))) for i, b in enumerate(bodies)]
     await asyncio.sleep(ctx.args.kill_delay)
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -173,8 +182,10 @@ async def phase_kill(ctx, kind: str) -> PhaseResult:
     count(result, outcomes)
     result.recover_s, result.rows = await recovery, [asdict(o) for o in outcomes]
     broken = [o for o in outcomes if o.broken]
-    result.note = (f"killed pid {pid}; ok={sum(o.ok for o in outcomes)} lost={result.lost} broken_mid_stream={len(broken)} "
-                   f"(clean error event {sum(o.clean_error for o in broken)}) hung={result.hangs}")
+    result.note = (
+        f"killed pid {pid}; ok={sum(o.ok for o in outcomes)} lost={result.lost} broken_mid_stream={len(broken)} "
+        f"(clean error event {sum(o.clean_error for o in broken)}) hung={result.hangs}"
+    )
     return result
 
 
@@ -212,6 +223,7 @@ async def phase_disconnect(ctx) -> PhaseResult:
     async def drop(body, n):  # own client per stream: closing it surely closes the socket
         async with httpx.AsyncClient(timeout=ctx.timeout) as client:
             return await run_chat(client, ctx.url, body, ctx.timeout, stop_after=n)
+
     outcomes = await gather_bar([drop(b, 1 + i % 2) for i, b in enumerate(bodies)], "disconnect")
     count(result, outcomes)
     closed_at = time.monotonic()
@@ -228,8 +240,7 @@ async def wait_drained(ctx, deadline: float) -> tuple[list, float | None]:
         try:
             resp = await ctx.client.get(f"{ctx.url}/health", params={"verbose": 1}, timeout=5)
             workers = resp.json().get("workers") or {}
-            leaked = [(f"{kind}{i}", f, w[f]) for kind, ws in workers.items() for i, w in enumerate(ws)
-                      for f in DRAIN_FIELDS if w.get(f)]
+            leaked = [(f"{kind}{i}", f, w[f]) for kind, ws in workers.items() for i, w in enumerate(ws) for f in DRAIN_FIELDS if w.get(f)]
             if resp.status_code == 200 and not leaked:
                 return [], time.monotonic()
         except (httpx.HTTPError, ValueError):
@@ -241,6 +252,7 @@ async def wait_drained(ctx, deadline: float) -> tuple[list, float | None]:
 
 # ----------------------------------------------------------------------------- output
 
+
 def table(headers: list[str], rows: list[list]) -> str:
     cells = [[("-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)) for v in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
@@ -251,9 +263,23 @@ def table(headers: list[str], rows: list[list]) -> str:
 def print_phase(result: PhaseResult) -> None:
     print(f"\n== {result.phase}: {result.note}")
     if result.phase == "bad":
-        print(table(["case", "media", "applies", "status", "openai_shape", "ms", "message"],
-                    [[r.case, r.modality or "", r.applies, r.status if r.status else "HANG/ERR",
-                      r.openai_shape if (r.status or 0) >= 400 else "", r.latency_ms, r.message] for r in result.rows]))
+        print(
+            table(
+                ["case", "media", "applies", "status", "openai_shape", "ms", "message"],
+                [
+                    [
+                        r.case,
+                        r.modality or "",
+                        r.applies,
+                        r.status if r.status else "HANG/ERR",
+                        r.openai_shape if (r.status or 0) >= 400 else "",
+                        r.latency_ms,
+                        r.message,
+                    ]
+                    for r in result.rows
+                ],
+            )
+        )
     print(table(["process", "RSS MB before", "peak", "after"], [[g, *result.rss.get(g, [None] * 3)] for g in GROUPS]))
 
 
@@ -261,14 +287,15 @@ def print_summary(results: list[PhaseResult]) -> None:
     def mb(r, groups):
         vals = [r.rss.get(g) for g in groups if r.rss.get(g)]
         return "/".join(f"{sum(v[i] for v in vals):.0f}" for i in range(3)) if vals else "-"
-    rows = [[r.phase, r.cases, r.n2xx, r.n4xx, r.n5xx, r.hangs, r.lost, r.recover_s,
-             mb(r, ["ingress"]), mb(r, KINDS)] for r in results]
+
+    rows = [[r.phase, r.cases, r.n2xx, r.n4xx, r.n5xx, r.hangs, r.lost, r.recover_s, mb(r, ["ingress"]), mb(r, KINDS)] for r in results]
     print("\n== summary (RSS in MB: before/peak/after; workers summed)")
     print(table(["phase", "cases", "2xx", "4xx", "5xx", "hangs", "lost", "recover_s", "ingress RSS", "worker RSS"], rows))
     print("\n".join(f"  {r.phase}: {r.note}" for r in results))
 
 
 # ----------------------------------------------------------------------------- main
+
 
 @dataclass
 class Ctx:

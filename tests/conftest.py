@@ -1,4 +1,5 @@
 """Suite-wide hooks: GPU-only tests are skipped where torch sees no CUDA device."""
+
 from __future__ import annotations
 
 import pytest

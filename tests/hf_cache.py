@@ -1,6 +1,7 @@
 """Fill a Hugging Face hub cache by hand, in the layout huggingface_hub itself writes
 (`models--org--name/blobs/<hash>`, `snapshots/<commit>/<file>` symlinks, `refs/main`), so
 tests can resolve a repo id offline without the Hub."""
+
 from __future__ import annotations
 
 import hashlib

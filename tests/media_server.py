@@ -1,6 +1,7 @@
 """A local HTTP server of media files and misbehaving endpoints, for the fetching tests
 (unit and integration): images, audio and video as a real server would send them, plus an
 oversize body, a slow body, redirects, and a redirect to a private address."""
+
 from __future__ import annotations
 
 import io
@@ -38,8 +39,12 @@ def gif_bytes(num_frames: int = 4, size: int = 32) -> bytes:
     return buf.getvalue()
 
 
-FILES = {"/cat.png": ("image/png", png_bytes()), "/tone.wav": ("audio/wav", wav_bytes()),
-         "/clip.gif": ("image/gif", gif_bytes()), "/page.html": ("text/html", b"<html></html>")}
+FILES = {
+    "/cat.png": ("image/png", png_bytes()),
+    "/tone.wav": ("audio/wav", wav_bytes()),
+    "/clip.gif": ("image/gif", gif_bytes()),
+    "/page.html": ("text/html", b"<html></html>"),
+}
 
 
 class MediaServer:
@@ -55,7 +60,7 @@ class MediaServer:
     def url(self, path: str, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{self.port}{path}"
 
-    def __enter__(self) -> "MediaServer":
+    def __enter__(self) -> MediaServer:
         self.thread.start()
         return self
 

@@ -13,6 +13,7 @@ nothing here imports torch or ray (matplotlib is imported lazily, for plots only
 
 `epd simulate --help` (router/sim/cli.py) is the command-line front end.
 """
+
 from __future__ import annotations
 
 from router.sim.cluster_model import ClusterShapeError, EncodeCost, SimCluster, SimCosts, SimWorker, capacity_rps

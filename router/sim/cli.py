@@ -17,6 +17,7 @@ Exit status 2 with a message naming the problem for bad input: unknown policy, a
 cluster shape that does not parse or cannot serve the workload (e.g. no encoder hosts
 a modality the workload needs), a workload file that does not parse.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,10 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default="16x16x16", help="ExPxD, ExPxD-hetero, ExPxD-split, or a cluster YAML (default 16x16x16)")
     p.add_argument("--policy", default="joint", help="a routing policy, a comma list, or 'all' (default joint)")
     p.add_argument("--workload", default="poisson", help="poisson | bursty | PATH.jsonl (default poisson)")
-    p.add_argument("--requests", type=int, default=None,
-                   help="requests to simulate (default 100000; a trace: all of it unless given)")
-    p.add_argument("--load", type=float, default=None,
-                   help="offered load as a fraction of capacity (default 0.8; a trace: its own pace)")
+    p.add_argument("--requests", type=int, default=None, help="requests to simulate (default 100000; a trace: all of it unless given)")
+    p.add_argument("--load", type=float, default=None, help="offered load as a fraction of capacity (default 0.8; a trace: its own pace)")
     p.add_argument("--sweep", default=None, help="comma-separated loads to run instead of --load")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ms", type=float, default=2000.0, help="TTFT SLO for goodput (default 2000)")
@@ -112,8 +111,9 @@ def run(args: argparse.Namespace, out=None) -> int:
 
     kind = args.workload
     if kind in ("poisson", "bursty"):
-        workload = make_workload(kind, args.requests or 100_000, mix=_mix(args.mix), seed=args.seed,
-                                 repeat_rate=args.repeat_rate, prefix_share=args.prefix_share)
+        workload = make_workload(
+            kind, args.requests or 100_000, mix=_mix(args.mix), seed=args.seed, repeat_rate=args.repeat_rate, prefix_share=args.prefix_share
+        )
         default_load: float | None = 0.8
     else:
         if not Path(kind).exists():
@@ -134,11 +134,14 @@ def run(args: argparse.Namespace, out=None) -> int:
         wl = workload if load is None else workload.at_rate(load * capacity)
         actual_load = wl.rate_rps / capacity
         if not args.json:
-            print(f"{cluster.describe()}\nworkload {wl.name}: {len(wl)} requests at {wl.rate_rps:.2f} req/s "
-                  f"= {actual_load:.2f} x capacity ({capacity:.2f} req/s); SLO {args.slo_ms:g} ms", file=out, flush=True)
+            print(
+                f"{cluster.describe()}\nworkload {wl.name}: {len(wl)} requests at {wl.rate_rps:.2f} req/s "
+                f"= {actual_load:.2f} x capacity ({capacity:.2f} req/s); SLO {args.slo_ms:g} ms",
+                file=out,
+                flush=True,
+            )
         for policy in policies:
-            runs[policy].append(simulate(cluster, wl, policy, seed=args.seed, slo_ms=args.slo_ms,
-                                         progress=progress, load=actual_load))
+            runs[policy].append(simulate(cluster, wl, policy, seed=args.seed, slo_ms=args.slo_ms, progress=progress, load=actual_load))
         if not args.json:
             print(format_table([runs[p][-1].summary() for p in policies]), file=out, flush=True)
 
@@ -155,8 +158,7 @@ def run(args: argparse.Namespace, out=None) -> int:
         if not args.json:
             print("plots: " + ", ".join(str(w) for w in written), file=out)
     if args.json:
-        doc = {"cluster": cluster.describe(), "capacity_rps": round(capacity, 4), "workload": workload.name,
-               "seed": args.seed}
+        doc = {"cluster": cluster.describe(), "capacity_rps": round(capacity, 4), "workload": workload.name, "seed": args.seed}
         if args.sweep:
             doc["sweep"] = summaries
         else:

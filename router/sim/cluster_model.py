@@ -40,6 +40,7 @@ both is split across them, see router/split.py; combines with -hetero), or a YAM
 Workers without a `node` are spread over nodes of `gpus_per_node` GPUs, round-robin
 per pool, so every node holds a share of each pool.
 """
+
 from __future__ import annotations
 
 import math
@@ -141,10 +142,20 @@ class SimCluster:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def build(cls, num_encoders: int, num_prefill: int, num_decode: int, *, gpus_per_node: int = 8,
-              encoder_speeds: Sequence[float] | None = None, prefill_speeds: Sequence[float] | None = None,
-              decode_speeds: Sequence[float] | None = None, costs: SimCosts | None = None,
-              name: str | None = None, encoder_modalities: Sequence[frozenset[str]] | None = None) -> SimCluster:
+    def build(
+        cls,
+        num_encoders: int,
+        num_prefill: int,
+        num_decode: int,
+        *,
+        gpus_per_node: int = 8,
+        encoder_speeds: Sequence[float] | None = None,
+        prefill_speeds: Sequence[float] | None = None,
+        decode_speeds: Sequence[float] | None = None,
+        costs: SimCosts | None = None,
+        name: str | None = None,
+        encoder_modalities: Sequence[frozenset[str]] | None = None,
+    ) -> SimCluster:
         """Pools spread round-robin over ceil(total / gpus_per_node) nodes; encoders host every
         modality unless `encoder_modalities` (one set per encoder) says otherwise."""
         total = num_encoders + num_prefill + num_decode
@@ -161,8 +172,13 @@ class SimCluster:
             if len(encoder_modalities) != num_encoders:
                 raise ClusterShapeError(f"{len(encoder_modalities)} modality sets given for {num_encoders} encoders")
             encoders = tuple(replace(w, modalities=frozenset(m)) for w, m in zip(encoders, encoder_modalities))
-        c = cls(encoders, pool(num_prefill, prefill_speeds), pool(num_decode, decode_speeds), costs or SimCosts(),
-                name or f"{num_encoders}x{num_prefill}x{num_decode}")
+        c = cls(
+            encoders,
+            pool(num_prefill, prefill_speeds),
+            pool(num_decode, decode_speeds),
+            costs or SimCosts(),
+            name or f"{num_encoders}x{num_prefill}x{num_decode}",
+        )
         c.validate()
         return c
 
@@ -185,8 +201,15 @@ class SimCluster:
         e, p, d = (int(g) for g in m.groups()[:3])
         half = lambda n: [1.0 if i < (n + 1) // 2 else 0.5 for i in range(n)]  # noqa: E731
         hetero = "hetero" in suffixes
-        return cls.build(e, p, d, encoder_speeds=half(e) if hetero else None, prefill_speeds=half(p) if hetero else None,
-                         encoder_modalities=split_towers(e, spec) if "split" in suffixes else None, name=spec)
+        return cls.build(
+            e,
+            p,
+            d,
+            encoder_speeds=half(e) if hetero else None,
+            prefill_speeds=half(p) if hetero else None,
+            encoder_modalities=split_towers(e, spec) if "split" in suffixes else None,
+            name=spec,
+        )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SimCluster:
@@ -233,8 +256,7 @@ class SimCluster:
                     if pool != "encoders":
                         raise ClusterShapeError(f"{path}: {pool}[{k}]: only encoders host modalities")
                     if not isinstance(mods, list) or not set(mods) <= ALL_MODALITIES:
-                        raise ClusterShapeError(
-                            f"{path}: {pool}[{k}].modalities must be a list drawn from {sorted(ALL_MODALITIES)}")
+                        raise ClusterShapeError(f"{path}: {pool}[{k}].modalities must be a list drawn from {sorted(ALL_MODALITIES)}")
             groups[pool] = entries
 
         total = sum(g.get("count", 1) for es in groups.values() for g in es)
@@ -282,18 +304,15 @@ class SimCluster:
         missing = sorted(needed - self.hosted_modalities())
         if missing:
             if not self.encoders:
-                raise ClusterShapeError(
-                    f"cluster {self.name!r} has no encoder, but the workload has {', '.join(missing)} items")
-            raise ClusterShapeError(
-                f"cluster {self.name!r} cannot serve the workload: no encoder hosts {', '.join(missing)}")
+                raise ClusterShapeError(f"cluster {self.name!r} has no encoder, but the workload has {', '.join(missing)} items")
+            raise ClusterShapeError(f"cluster {self.name!r} cannot serve the workload: no encoder hosts {', '.join(missing)}")
         unknown = sorted(needed - set(self.costs.encode))
         if unknown:
             raise ClusterShapeError(f"no encode cost defined for modality {', '.join(unknown)}")
 
     def worker_infos(self) -> list[WorkerInfo]:
         out = []
-        for kind, pool in ((WorkerKind.ENCODER, self.encoders), (WorkerKind.PREFILL, self.prefill),
-                           (WorkerKind.DECODE, self.decode)):
+        for kind, pool in ((WorkerKind.ENCODER, self.encoders), (WorkerKind.PREFILL, self.prefill), (WorkerKind.DECODE, self.decode)):
             for i, w in enumerate(pool):
                 out.append(WorkerInfo(kind, i, w.node, w.modalities if kind is WorkerKind.ENCODER else frozenset()))
         return out
@@ -311,9 +330,9 @@ class SimCluster:
             for w in ws:
                 speeds[w.speed] = speeds.get(w.speed, 0) + 1
             return "+".join(f"{n}@{s:g}x" for s, n in sorted(speeds.items(), reverse=True)) or "0"
+
         nodes = len({w.node for w in (*self.encoders, *self.prefill, *self.decode)})
-        return (f"{self.name}: encoders {pool(self.encoders)}, prefill {pool(self.prefill)}, "
-                f"decode {pool(self.decode)} on {nodes} node(s)")
+        return f"{self.name}: encoders {pool(self.encoders)}, prefill {pool(self.prefill)}, decode {pool(self.decode)} on {nodes} node(s)"
 
 
 VISION, AUDIO = frozenset({Modality.IMAGE.value, Modality.VIDEO.value}), frozenset({Modality.AUDIO.value})
@@ -413,8 +432,7 @@ def capacity_rps(cluster: SimCluster, workload_or_profiles) -> float:
     else:
         profiles = workload_or_profiles
     demand = pool_demand_ms(cluster, profiles)
-    per_req_ms = [demand["prefill"] / sum(w.speed for w in cluster.prefill),
-                  demand["decode"] / sum(w.speed for w in cluster.decode)]
+    per_req_ms = [demand["prefill"] / sum(w.speed for w in cluster.prefill), demand["decode"] / sum(w.speed for w in cluster.decode)]
     if demand["encoder"] > 0:
         if not cluster.encoders:
             return 0.0

@@ -30,6 +30,7 @@ Hot path: events are plain tuples (time_s, type, a, b) on a heapq (ties broken b
 type then ints, so runs are deterministic); arrivals stream from the workload and
 never touch the heap.
 """
+
 from __future__ import annotations
 
 import math
@@ -85,13 +86,22 @@ def default_priors(cluster: SimCluster):
 def make_router(cluster: SimCluster, policy: str, *, seed: int, priors=None, **kwargs):
     from router.router import Router
 
-    return Router(cluster.worker_infos(), priors if priors is not None else default_priors(cluster), policy,
-                  seed=seed, **kwargs)
+    return Router(cluster.worker_infos(), priors if priors is not None else default_priors(cluster), policy, seed=seed, **kwargs)
 
 
-def simulate(cluster: SimCluster, workload: Workload, policy: str, *, seed: int = 0, slo_ms: float = 1000.0,
-             priors=None, progress: bool = False, record_decisions: bool = False, load: float | None = None,
-             router_kwargs: dict | None = None) -> SimResult:
+def simulate(
+    cluster: SimCluster,
+    workload: Workload,
+    policy: str,
+    *,
+    seed: int = 0,
+    slo_ms: float = 1000.0,
+    priors=None,
+    progress: bool = False,
+    record_decisions: bool = False,
+    load: float | None = None,
+    router_kwargs: dict | None = None,
+) -> SimResult:
     """Play `workload` through `cluster`, every request routed by a fresh
     `Router(cluster.worker_infos(), priors, policy, seed=seed)`; `priors` default to
     the cost model's own (`CostPriors()`), which the router then calibrates online.
@@ -105,12 +115,12 @@ def simulate(cluster: SimCluster, workload: Workload, policy: str, *, seed: int 
             load = workload.rate_rps / cap if cap > 0 and math.isfinite(workload.rate_rps) else None
         except ValueError:
             load = None
-    return _run(cluster, workload, router, policy, slo_ms=slo_ms, progress=progress,
-                record_decisions=record_decisions, load=load)
+    return _run(cluster, workload, router, policy, slo_ms=slo_ms, progress=progress, record_decisions=record_decisions, load=load)
 
 
-def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms: float, progress: bool,
-         record_decisions: bool, load: float | None) -> SimResult:
+def _run(
+    cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms: float, progress: bool, record_decisions: bool, load: float | None
+) -> SimResult:
     """Play `workload` through `cluster` with an existing router (simulate() builds one)."""
     wall0 = time.perf_counter()
     engine = Engine(cluster, workload, router, record_decisions=record_decisions)
@@ -124,12 +134,24 @@ def _run(cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms
         "decode": engine.decode.slot_ms / (span_ms * n_dec * costs.decode_max_batch),
     }
     return SimResult(
-        policy=policy, cluster=cluster.name, workload=workload.name, slo_ms=slo_ms,
-        offered_rps=workload.rate_rps, load=load, arrival_s=np.asarray(engine.arrivals),
-        ttft_ms=np.asarray(engine.ttft), estimate_ms=np.asarray(engine.estimate), service_ms=np.asarray(engine.service),
-        span_s=span_s, utilisation=util, wall_s=time.perf_counter() - wall0, cache_hits=engine.encoders.cache_hits,
-        media_items=engine.media_items, completed=engine.completed,
-        measured_ttft_ms=workload.measured_ttft_ms, decisions=engine.decisions,
+        policy=policy,
+        cluster=cluster.name,
+        workload=workload.name,
+        slo_ms=slo_ms,
+        offered_rps=workload.rate_rps,
+        load=load,
+        arrival_s=np.asarray(engine.arrivals),
+        ttft_ms=np.asarray(engine.ttft),
+        estimate_ms=np.asarray(engine.estimate),
+        service_ms=np.asarray(engine.service),
+        span_s=span_s,
+        utilisation=util,
+        wall_s=time.perf_counter() - wall0,
+        cache_hits=engine.encoders.cache_hits,
+        media_items=engine.media_items,
+        completed=engine.completed,
+        measured_ttft_ms=workload.measured_ttft_ms,
+        decisions=engine.decisions,
     )
 
 
@@ -169,8 +191,14 @@ class Engine:
         arrivals, heap, n = self.arrivals, self.heap, len(self.arrivals)
         if not n:
             return
-        handlers = (self._encode_done, self._prefill_done, self._decode_done, self._prefill_arrive,
-                    self._publish, self._admit)  # indexed by event type
+        handlers = (
+            self._encode_done,
+            self._prefill_done,
+            self._decode_done,
+            self._prefill_arrive,
+            self._publish,
+            self._admit,
+        )  # indexed by event type
         delayed = self.ingress_ms > 0 or self.ingress_media_ms > 0  # routed once their ingress overhead is over
         self._publish(arrivals[0], 0, 0)
         profiles, arrive, i, tick, next_arrival = iter(self.workload.profiles), self._route, 0, 0, arrivals[0]
@@ -266,8 +294,7 @@ class Engine:
         if prof.prefix_hashes:
             self.prefill.remember(p, prof.prefix_hashes)
         d = decision.decode
-        _, kv_ms = self.network.send_ms(self.prefill.workers[p].node, self.decode.node[d],
-                                        prof.num_prompt_tokens * self.kv_bytes_per_token)
+        _, kv_ms = self.network.send_ms(self.prefill.workers[p].node, self.decode.node[d], prof.num_prompt_tokens * self.kv_bytes_per_token)
         self.decode.submit(d, r, prof.max_tokens, now + kv_ms * 1e-3)
         self.prefill.start_next(p, now)
 

@@ -8,6 +8,7 @@ objects, so a pool's code reads `worker.queue` rather than `queue[index]`.
 Ground truth is `cluster_model.SimCosts`; with variability on, each encode batch and prefill
 draws a multiplier (`Multipliers.service`) at its start, in the order the engine starts them.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -147,7 +148,7 @@ class EncoderPool:
             total = 0.0
             for it in items:
                 total += it[2]
-            scale = k ** exponent
+            scale = k**exponent
         if not q:
             del queues[best]
         worker.queued -= k
@@ -198,8 +199,14 @@ class EncoderPool:
 
     def publish(self, publish, now: float) -> None:
         for e, w in enumerate(self.workers):
-            publish(WorkerKind.ENCODER, e, now_s=now, queued=w.queued, running=0 if w.batch is None else len(w.batch[0]),
-                    cached_identifiers=w.snap.frozen())
+            publish(
+                WorkerKind.ENCODER,
+                e,
+                now_s=now,
+                queued=w.queued,
+                running=0 if w.batch is None else len(w.batch[0]),
+                cached_identifiers=w.snap.frozen(),
+            )
 
     def busy_ms(self) -> float:
         return sum(w.busy_ms for w in self.workers)
@@ -281,8 +288,7 @@ class PrefillPool:
 
     def publish(self, publish, now: float) -> None:
         for p, w in enumerate(self.workers):
-            publish(WorkerKind.PREFILL, p, now_s=now, queued=len(w.queue), running=0 if w.current is None else 1,
-                    prefix_hashes=w.snap.frozen())
+            publish(WorkerKind.PREFILL, p, now_s=now, queued=len(w.queue), running=0 if w.current is None else 1, prefix_hashes=w.snap.frozen())
 
     def busy_ms(self) -> float:
         return sum(w.busy_ms for w in self.workers)

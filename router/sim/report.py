@@ -14,6 +14,7 @@
 
 Plots use matplotlib with the Agg backend, imported only when a plot is asked for.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,11 +53,12 @@ def summarize(result) -> dict:
         "load": None if result.load is None else round(result.load, 4),
         "ttft_ms": _pcts(ttft),
         "throughput_rps": round(n / span, 4),
-        "goodput": {"slo_ms": result.slo_ms, "fraction": round(ok / n, 6) if n else math.nan,
-                    "rps": round(ok / span, 4)},
+        "goodput": {"slo_ms": result.slo_ms, "fraction": round(ok / n, 6) if n else math.nan, "rps": round(ok / span, 4)},
         "utilisation": {k: round(v, 4) for k, v in result.utilisation.items()},
-        "estimate_error_ms": {"mean_abs": round(float(np.abs(err).mean()), 3) if n else math.nan,
-                              "mean_signed": round(float(err.mean()), 3) if n else math.nan},
+        "estimate_error_ms": {
+            "mean_abs": round(float(np.abs(err).mean()), 3) if n else math.nan,
+            "mean_signed": round(float(err.mean()), 3) if n else math.nan,
+        },
         "encoder_cache_hit_rate": round(result.cache_hits / result.media_items, 4) if result.media_items else None,
         "sim_seconds": round(result.span_s, 3),
         "wall_seconds": round(result.wall_s, 3),
@@ -65,23 +67,23 @@ def summarize(result) -> dict:
     if m is not None:
         have = ~np.isnan(m)
         if have.any():
-            out["measured"] = {"ttft_ms": _pcts(m[have]),
-                               "mean_abs_sim_error_ms": round(float(np.abs(ttft[have] - m[have]).mean()), 3)}
+            out["measured"] = {"ttft_ms": _pcts(m[have]), "mean_abs_sim_error_ms": round(float(np.abs(ttft[have] - m[have]).mean()), 3)}
     return out
 
 
 def format_table(summaries: Sequence[Mapping]) -> str:
     """A plain-text comparison table, one row per summary."""
-    head = f"{'policy':<14}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}{'tput/s':>10}{'good%':>8}" \
-           f"{'|err|':>9}{'util E/P/D':>17}{'wall s':>8}"
+    head = f"{'policy':<14}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}{'tput/s':>10}{'good%':>8}{'|err|':>9}{'util E/P/D':>17}{'wall s':>8}"
     lines = [head, "-" * len(head)]
     for s in summaries:
         t = s["ttft_ms"]
         u = s["utilisation"]
         util = f"{u.get('encoder', 0):.2f}/{u.get('prefill', 0):.2f}/{u.get('decode', 0):.2f}"
-        lines.append(f"{s['policy']:<14}{t['p50']:>10.1f}{t['p90']:>10.1f}{t['p99']:>10.1f}{t['mean']:>10.1f}"
-                     f"{s['throughput_rps']:>10.2f}{100 * s['goodput']['fraction']:>7.1f}%"
-                     f"{s['estimate_error_ms']['mean_abs']:>9.1f}{util:>17}{s['wall_seconds']:>8.1f}")
+        lines.append(
+            f"{s['policy']:<14}{t['p50']:>10.1f}{t['p90']:>10.1f}{t['p99']:>10.1f}{t['mean']:>10.1f}"
+            f"{s['throughput_rps']:>10.2f}{100 * s['goodput']['fraction']:>7.1f}%"
+            f"{s['estimate_error_ms']['mean_abs']:>9.1f}{util:>17}{s['wall_seconds']:>8.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -105,8 +107,7 @@ def plot_ttft_cdf(results: Sequence, path: str | Path, *, title: str | None = No
     for r in results:
         x = np.sort(r.ttft_ms)
         if len(x) > 20_000:  # thin for plotting; keep the tail exact
-            idx = np.unique(np.concatenate([np.linspace(0, len(x) - 1, 10_000).astype(int),
-                                            np.arange(int(len(x) * 0.99), len(x))]))
+            idx = np.unique(np.concatenate([np.linspace(0, len(x) - 1, 10_000).astype(int), np.arange(int(len(x) * 0.99), len(x))]))
             xs, ys = x[idx], (idx + 1) / len(x)
         else:
             xs, ys = x, np.arange(1, len(x) + 1) / len(x)

@@ -30,6 +30,7 @@ grid search, and the fixed + per-token cost of the service free of contention, b
 `fit_host` splits the residual's variance into the host's (correlated in time) and the
 service's own, from how the residuals of services close in time correlate.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -137,8 +138,7 @@ def covering(starts: np.ndarray, ends: np.ndarray, at_s: np.ndarray) -> np.ndarr
     return np.searchsorted(np.sort(starts), at, side="right") - np.searchsorted(np.sort(ends), at, side="right")
 
 
-def busy(arrival_s: np.ndarray, ttft_ms: np.ndarray, prefill_ms: np.ndarray, prefill_queue_ms: np.ndarray,
-         at_s: np.ndarray) -> np.ndarray:
+def busy(arrival_s: np.ndarray, ttft_ms: np.ndarray, prefill_ms: np.ndarray, prefill_queue_ms: np.ndarray, at_s: np.ndarray) -> np.ndarray:
     """For each time in `at_s`: requests in flight then, less those waiting in a prefill queue
     (which ends when the prefill starts, prefill_ms before the first token)."""
     arrival_s = np.asarray(arrival_s, dtype=float)
@@ -174,8 +174,7 @@ def linear_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return float(np.mean(y)), 0.0
 
 
-def fit_service(x: np.ndarray, measured_ms: np.ndarray, others: np.ndarray,
-                grid: np.ndarray | None = None) -> ServiceFit:
+def fit_service(x: np.ndarray, measured_ms: np.ndarray, others: np.ndarray, grid: np.ndarray | None = None) -> ServiceFit:
     """Fit measured service times of one worker (x: the cost unit, e.g. prompt tokens; others:
     requests in flight besides this one when its service started). For each contention c on
     the grid, the service free of contention (measured / (1 + c n)) is fitted linearly in x,
@@ -186,7 +185,7 @@ def fit_service(x: np.ndarray, measured_ms: np.ndarray, others: np.ndarray,
     if len(y) < 3:
         raise ValueError(f"need at least 3 positive service times to fit variability, got {len(y)}")
     best = None
-    for c in (np.arange(0.0, 2.0001, 0.01) if grid is None else grid):
+    for c in np.arange(0.0, 2.0001, 0.01) if grid is None else grid:
         factor = 1.0 + c * n
         a, b = linear_fit(x, y / factor)
         resid = np.log(y / (factor * np.maximum(a + b * x, 1e-9)))
@@ -205,9 +204,9 @@ def fit_host(times_s: np.ndarray, log_resid: np.ndarray, max_lag_s: float = 5.0)
     r = (r - r.mean()) / (r.std() or 1.0)
     lags, products = [], []
     for i in range(len(t) - 1):
-        j = i + 1 + np.searchsorted(t[i + 1:], t[i] + max_lag_s)
-        lags.append(t[i + 1:j] - t[i])
-        products.append(r[i] * r[i + 1:j])
+        j = i + 1 + np.searchsorted(t[i + 1 :], t[i] + max_lag_s)
+        lags.append(t[i + 1 : j] - t[i])
+        products.append(r[i] * r[i + 1 : j])
     if not lags or not sum(len(x) for x in lags):
         return 0.0, 1.0
     lag, prod = np.concatenate(lags), np.concatenate(products)
@@ -295,9 +294,16 @@ class TraceFit:
         if measured_host:
             m = self.measured
             return Variability(m.prefill.contention, m.prefill.sigma, m.ingress_sigma, seed, self.max_others, host_profile=m.profile)
-        host_var = self.host_share * self.prefill.sigma ** 2
-        return Variability(self.prefill.contention, own_sigma(self.prefill.sigma, host_var), own_sigma(self.ingress_sigma, host_var),
-                           seed, self.max_others, math.sqrt(host_var), self.host_tau_s)
+        host_var = self.host_share * self.prefill.sigma**2
+        return Variability(
+            self.prefill.contention,
+            own_sigma(self.prefill.sigma, host_var),
+            own_sigma(self.ingress_sigma, host_var),
+            seed,
+            self.max_others,
+            math.sqrt(host_var),
+            self.host_tau_s,
+        )
 
 
 def own_sigma(sigma: float, host_var: float) -> float:
@@ -341,8 +347,15 @@ def fit_trace(records: list[dict], reference: int = 0, grid: np.ndarray | None =
     measured = fit_measured_host(tokens[ref], col["prefill_ms"][ref], at_prefill[ref], start)
     knots = [t for t, _ in measured.profile], [v for _, v in measured.profile]
     host = np.exp([interpolate(*knots, t) for t in col["arrival_s"]])
-    measured = replace(measured, **dict(zip(("ingress_ms", "ingress_media_ms", "ingress_sigma"),
-                                            fit_ingress(overhead, media, (1 + measured.prefill.contention * at_arrival) * host))))
+    measured = replace(
+        measured,
+        **dict(
+            zip(
+                ("ingress_ms", "ingress_media_ms", "ingress_sigma"),
+                fit_ingress(overhead, media, (1 + measured.prefill.contention * at_arrival) * host),
+            )
+        ),
+    )
     return TraceFit(fit, reference, speeds, *ingress, int(at_prefill.max()), share, tau, measured)
 
 

@@ -49,6 +49,7 @@ Unknown keys are ignored (so the live cluster may log more: `estimated_ttft_ms`,
 stage in `estimate_ms`, and the chosen workers in `route`); a line that is not valid
 JSON or lacks / mistypes a field raises `WorkloadError` naming the file and line.
 """
+
 from __future__ import annotations
 
 import json
@@ -124,8 +125,7 @@ class BurstSpec:
             raise WorkloadError(f"bad burst spec {self}: need on_s, off_s > 0 and on_mult >= 1")
         if self.on_fraction * self.on_mult > 1.0 + 1e-12:
             raise WorkloadError(
-                f"bad burst spec {self}: ON periods alone exceed the mean rate "
-                f"(on_mult x on fraction = {self.on_fraction * self.on_mult:.2f} > 1)"
+                f"bad burst spec {self}: ON periods alone exceed the mean rate (on_mult x on fraction = {self.on_fraction * self.on_mult:.2f} > 1)"
             )
 
 
@@ -135,9 +135,19 @@ class BurstSpec:
 class SyntheticProfiles(Sequence):
     """Lazily built profiles of a synthetic workload (index -> RequestProfile)."""
 
-    def __init__(self, classes: list[RequestClass], cls_idx: np.ndarray, media_id: np.ndarray,
-                 max_tokens: np.ndarray, prefix_idx: np.ndarray, prefixes: list[tuple[str, ...]],
-                 *, tag: str, embedding_bytes: int, block_size: int):
+    def __init__(
+        self,
+        classes: list[RequestClass],
+        cls_idx: np.ndarray,
+        media_id: np.ndarray,
+        max_tokens: np.ndarray,
+        prefix_idx: np.ndarray,
+        prefixes: list[tuple[str, ...]],
+        *,
+        tag: str,
+        embedding_bytes: int,
+        block_size: int,
+    ):
         self.classes = classes
         self.cls_idx = cls_idx
         self.media_id = media_id
@@ -163,9 +173,17 @@ class SyntheticProfiles(Sequence):
 
     def take(self, indices: np.ndarray) -> SyntheticProfiles:
         """The profiles at `indices` (an index array), still lazy."""
-        return SyntheticProfiles(self.classes, self.cls_idx[indices], self.media_id[indices],
-                                 self.max_tokens[indices], self.prefix_idx[indices], self.prefixes,
-                                 tag=self.tag, embedding_bytes=self.embedding_bytes, block_size=self.block_size)
+        return SyntheticProfiles(
+            self.classes,
+            self.cls_idx[indices],
+            self.media_id[indices],
+            self.max_tokens[indices],
+            self.prefix_idx[indices],
+            self.prefixes,
+            tag=self.tag,
+            embedding_bytes=self.embedding_bytes,
+            block_size=self.block_size,
+        )
 
     def iter_range(self, start: int, stop: int) -> Iterator[RequestProfile]:
         """The fast path the engine uses: one profile per request, built on the fly."""
@@ -182,8 +200,12 @@ class SyntheticProfiles(Sequence):
         empty: tuple[MediaJob, ...] = ()
         no_prefix: tuple[str, ...] = ()
         RP, MJ = RequestProfile.of, MediaJob.of
-        for c, mid, mt, px in zip(self.cls_idx[start:stop].tolist(), self.media_id[start:stop].tolist(),
-                                   self.max_tokens[start:stop].tolist(), self.prefix_idx[start:stop].tolist()):
+        for c, mid, mt, px in zip(
+            self.cls_idx[start:stop].tolist(),
+            self.media_id[start:stop].tolist(),
+            self.max_tokens[start:stop].tolist(),
+            self.prefix_idx[start:stop].tolist(),
+        ):
             k = nitems[c]
             if k == 0:
                 items = empty
@@ -201,10 +223,19 @@ class SyntheticProfiles(Sequence):
 class Workload:
     """Requests in arrival order: `arrival_s[i]` and `profiles[i]`."""
 
-    def __init__(self, name: str, profiles: Sequence[RequestProfile], arrival_s: np.ndarray, *,
-                 measured_ttft_ms: np.ndarray | None = None, units: np.ndarray | None = None,
-                 burst: BurstSpec | None = None, burst_seed: int = 0, rate_rps: float | None = None,
-                 mix: dict[str, float] | None = None):
+    def __init__(
+        self,
+        name: str,
+        profiles: Sequence[RequestProfile],
+        arrival_s: np.ndarray,
+        *,
+        measured_ttft_ms: np.ndarray | None = None,
+        units: np.ndarray | None = None,
+        burst: BurstSpec | None = None,
+        burst_seed: int = 0,
+        rate_rps: float | None = None,
+        mix: dict[str, float] | None = None,
+    ):
         if len(profiles) != len(arrival_s):
             raise WorkloadError(f"{name}: {len(profiles)} profiles but {len(arrival_s)} arrival times")
         self.name = name
@@ -243,17 +274,33 @@ class Workload:
                 t0 = self.arrival_s[0] if len(self) else 0.0
                 arrival = (self.arrival_s - t0) * (native / rps)
         # measured TTFTs only describe the recorded pace: drop them once the trace is retimed
-        return Workload(self.name, self.profiles, arrival, measured_ttft_ms=None, units=self._units,
-                        burst=self._burst, burst_seed=self._burst_seed, rate_rps=rps, mix=self.mix)
+        return Workload(
+            self.name,
+            self.profiles,
+            arrival,
+            measured_ttft_ms=None,
+            units=self._units,
+            burst=self._burst,
+            burst_seed=self._burst_seed,
+            rate_rps=rps,
+            mix=self.mix,
+        )
 
     def head(self, n: int) -> Workload:
         """The first n requests (for quick runs)."""
         n = min(n, len(self))
         sub = _head_profiles(self.profiles, n)
-        return Workload(self.name, sub, self.arrival_s[:n],
-                        measured_ttft_ms=None if self.measured_ttft_ms is None else self.measured_ttft_ms[:n],
-                        units=None if self._units is None else self._units[:n], burst=self._burst,
-                        burst_seed=self._burst_seed, rate_rps=self._rate, mix=self.mix)
+        return Workload(
+            self.name,
+            sub,
+            self.arrival_s[:n],
+            measured_ttft_ms=None if self.measured_ttft_ms is None else self.measured_ttft_ms[:n],
+            units=None if self._units is None else self._units[:n],
+            burst=self._burst,
+            burst_seed=self._burst_seed,
+            rate_rps=self._rate,
+            mix=self.mix,
+        )
 
     def iter_requests(self) -> Iterator[tuple[float, RequestProfile]]:
         return zip(self.arrival_s.tolist(), iter(self.profiles))
@@ -318,11 +365,23 @@ def _retime(units: np.ndarray, rps: float, burst: BurstSpec | None, seed: int) -
     return t_start + (units - lam_start) / (mult[k] * rps)
 
 
-def make_workload(kind: str, n: int, *, rate_rps: float = 1.0, mix: dict[str, float] | None = None,
-                  seed: int = 0, repeat_rate: float = 0.2, repeat_pool: int = 256,
-                  max_tokens: tuple[int, int] = (32, 256), prefix_share: float = 0.0,
-                  num_prefixes: int = 8, prefix_tokens: int = 512, block_size: int = 16,
-                  burst: BurstSpec | None = None, embedding_bytes: int = DEFAULT_EMBEDDING_BYTES) -> Workload:
+def make_workload(
+    kind: str,
+    n: int,
+    *,
+    rate_rps: float = 1.0,
+    mix: dict[str, float] | None = None,
+    seed: int = 0,
+    repeat_rate: float = 0.2,
+    repeat_pool: int = 256,
+    max_tokens: tuple[int, int] = (32, 256),
+    prefix_share: float = 0.0,
+    num_prefixes: int = 8,
+    prefix_tokens: int = 512,
+    block_size: int = 16,
+    burst: BurstSpec | None = None,
+    embedding_bytes: int = DEFAULT_EMBEDDING_BYTES,
+) -> Workload:
     """A synthetic workload of `n` requests: `kind` is "poisson" or "bursty" (on/off
     modulated Poisson, `burst` or BurstSpec() by default), offered at `rate_rps`
     (change with `.at_rate`). `mix` weighs REQUEST_CLASSES (normalised)."""
@@ -382,18 +441,17 @@ def make_workload(kind: str, n: int, *, rate_rps: float = 1.0, mix: dict[str, fl
     tag = f"s{seed}-"
     blocks = max(1, prefix_tokens // block_size)
     prefixes = [tuple(f"p{seed}.{j}.{b}" for b in range(blocks)) for j in range(num_prefixes)] if prefix_share > 0 else []
-    profiles = SyntheticProfiles(classes, cls_idx, media_id, mt, prefix_idx, prefixes, tag=tag,
-                                 embedding_bytes=embedding_bytes, block_size=block_size)
+    profiles = SyntheticProfiles(
+        classes, cls_idx, media_id, mt, prefix_idx, prefixes, tag=tag, embedding_bytes=embedding_bytes, block_size=block_size
+    )
     arrival = _retime(units, rate_rps, burst, seed)
     norm_mix = {k: float(w) for k, w in zip(names, weights)}
-    return Workload(kind, profiles, arrival, units=units, burst=burst, burst_seed=seed, rate_rps=rate_rps,
-                    mix=norm_mix)
+    return Workload(kind, profiles, arrival, units=units, burst=burst, burst_seed=seed, rate_rps=rate_rps, mix=norm_mix)
 
 
 # ----------------------------------------------------------------------------- traces
 
-_ITEM_FIELDS = {"identifier": str, "modality": str, "size": (int, float), "num_embeddings": int,
-                "embedding_bytes": int}
+_ITEM_FIELDS = {"identifier": str, "modality": str, "size": (int, float), "num_embeddings": int, "embedding_bytes": int}
 
 
 def _fail(path, lineno: int, msg: str) -> WorkloadError:
@@ -441,8 +499,7 @@ def parse_trace_line(line: str, path="<trace>", lineno: int = 1) -> tuple[float,
             raise _fail(path, lineno, f"items[{k}].modality {it['modality']!r} is not one of {list(MODALITIES)}")
         if it["size"] < 0 or it["num_embeddings"] < 0 or it["embedding_bytes"] < 0:
             raise _fail(path, lineno, f"items[{k}] has a negative size, num_embeddings or embedding_bytes")
-        items.append(MediaJob(it["identifier"], it["modality"], float(it["size"]), it["num_embeddings"],
-                              it["embedding_bytes"]))
+        items.append(MediaJob(it["identifier"], it["modality"], float(it["size"]), it["num_embeddings"], it["embedding_bytes"]))
     prefix = obj.get("prefix_hashes", [])
     if not isinstance(prefix, list) or not all(isinstance(h, str) for h in prefix):
         raise _fail(path, lineno, "field 'prefix_hashes' must be a list of strings")
@@ -477,17 +534,23 @@ def load_trace(path: str | Path) -> Workload:
 MEASURED_STAGES = ("encode_ms", "prefill_queue_ms", "prefill_ms")  # optional measured timings of a trace record
 
 
-def profile_to_record(arrival_s: float, profile: RequestProfile, ttft_ms: float | None = None,
-                      measured: dict[str, float] | None = None) -> dict:
+def profile_to_record(arrival_s: float, profile: RequestProfile, ttft_ms: float | None = None, measured: dict[str, float] | None = None) -> dict:
     """The trace record of one request (what the live cluster should write per line);
     `measured`: its stage timings (MEASURED_STAGES), which variability fits need."""
     rec = {
         "arrival_s": round(float(arrival_s), 6),
         "num_prompt_tokens": profile.num_prompt_tokens,
         "max_tokens": profile.max_tokens,
-        "items": [{"identifier": it.identifier, "modality": it.modality, "size": it.size,
-                   "num_embeddings": it.num_embeddings, "embedding_bytes": it.embedding_bytes}
-                  for it in profile.items],
+        "items": [
+            {
+                "identifier": it.identifier,
+                "modality": it.modality,
+                "size": it.size,
+                "num_embeddings": it.num_embeddings,
+                "embedding_bytes": it.embedding_bytes,
+            }
+            for it in profile.items
+        ],
     }
     if profile.prefix_hashes:
         rec["prefix_hashes"] = list(profile.prefix_hashes)

@@ -3,13 +3,14 @@
 One Ray instance per session; the Serve app is redeployed when a test needs another
 configuration (e.g. another transport), which tears the previous fleet down with it.
 """
+
 from __future__ import annotations
 
 import base64
+import io
 import os
 import tempfile
 from pathlib import Path
-import io
 
 import httpx
 import numpy as np
@@ -32,7 +33,10 @@ def tiny_config() -> ClusterConfig:
 
 
 def cluster_config(**sections) -> ClusterConfig:
-    base = tiny_config().replace(server={"port": TEST_PORT, "trace_path": str(TRACE_PATH)}, encoder={"num_workers": 2, "max_wait_ms": 20, "cache_mb": float(os.environ.get("EPD_TEST_CACHE_MB", 256))})
+    base = tiny_config().replace(
+        server={"port": TEST_PORT, "trace_path": str(TRACE_PATH)},
+        encoder={"num_workers": 2, "max_wait_ms": 20, "cache_mb": float(os.environ.get("EPD_TEST_CACHE_MB", 256))},
+    )
     return base.replace(**sections) if sections else base
 
 
@@ -67,7 +71,11 @@ class Deployed:
             time.sleep(0.2)
 
     def chat(self, messages=None, **params) -> httpx.Response:
-        body = {"model": self.config.model.served_name, "messages": messages, **params} if messages else {"model": self.config.model.served_name, **params}
+        body = (
+            {"model": self.config.model.served_name, "messages": messages, **params}
+            if messages
+            else {"model": self.config.model.served_name, **params}
+        )
         return self.http.post("/v1/chat/completions", json=body)
 
 

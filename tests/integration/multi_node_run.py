@@ -10,6 +10,7 @@ share theirs) and checks the answers against `generate`.
 
     python -m tests.integration.multi_node_run PORT
 """
+
 from __future__ import annotations
 
 import base64
@@ -20,8 +21,7 @@ import sys
 import numpy as np
 from PIL import Image
 
-NODE_TYPES = {"encoder_node": {"num_cpus": 2, "resources": {"encoder_node": 2}},
-              "llm_node": {"num_cpus": 3, "resources": {"llm_node": 2}}}
+NODE_TYPES = {"encoder_node": {"num_cpus": 2, "resources": {"encoder_node": 2}}, "llm_node": {"num_cpus": 3, "resources": {"llm_node": 2}}}
 MAX_TOKENS = 16
 
 
@@ -47,8 +47,7 @@ def _placements() -> list[dict]:
 
     custom = {n["NodeID"]: sorted(set(n["Resources"]) & set(NODE_TYPES)) or ["head"] for n in ray.nodes() if n["Alive"]}
     actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
-    return [{"actor": a["ActorClassName"], "node": a["Address"]["NodeID"], "node_type": custom.get(a["Address"]["NodeID"])}
-            for a in actors]
+    return [{"actor": a["ActorClassName"], "node": a["Address"]["NodeID"], "node_type": custom.get(a["Address"]["NodeID"])} for a in actors]
 
 
 def main(port: int) -> None:
@@ -76,9 +75,12 @@ def main(port: int) -> None:
             refusal = str(exc)
         root = start(config, address=cluster.address).removesuffix("/v1")
         with httpx.Client(base_url=root, timeout=300) as http:
-            answers = [http.post("/v1/chat/completions", json={
-                "model": config.model.served_name, "messages": m, "temperature": 0, "max_tokens": MAX_TOKENS}).json()
-                for m in conversations()]
+            answers = [
+                http.post(
+                    "/v1/chat/completions", json={"model": config.model.served_name, "messages": m, "temperature": 0, "max_tokens": MAX_TOKENS}
+                ).json()
+                for m in conversations()
+            ]
         print(json.dumps({"answers": answers, "placements": _placements(), "refusal": refusal}), flush=True)
     finally:
         serve.shutdown()

@@ -7,6 +7,7 @@ Pillow, WAV with soundfile (tests send 16 kHz mono, the models' rate, so no resa
 Audio longer than the model's window is split by the product's documented rule
 (`split_windows`), each window an audio part of its own, as the server does.
 """
+
 from __future__ import annotations
 
 import base64
@@ -36,12 +37,14 @@ class TextOnly:
 def _model_class(model_type: str):
     import transformers
 
-    return {"llava": transformers.LlavaForConditionalGeneration,
-            "qwen2_audio": transformers.Qwen2AudioForConditionalGeneration,
-            "qwen2_5_omni_thinker": transformers.Qwen2_5OmniThinkerForConditionalGeneration,
-            "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
-            "llava_next": transformers.LlavaNextForConditionalGeneration,
-            "qwen2_5_omni": transformers.Qwen2_5OmniForConditionalGeneration}[model_type]
+    return {
+        "llava": transformers.LlavaForConditionalGeneration,
+        "qwen2_audio": transformers.Qwen2AudioForConditionalGeneration,
+        "qwen2_5_omni_thinker": transformers.Qwen2_5OmniThinkerForConditionalGeneration,
+        "qwen2_5_vl": transformers.Qwen2_5_VLForConditionalGeneration,
+        "llava_next": transformers.LlavaNextForConditionalGeneration,
+        "qwen2_5_omni": transformers.Qwen2_5OmniForConditionalGeneration,
+    }[model_type]
 
 
 @lru_cache(maxsize=3)
@@ -100,8 +103,15 @@ def _to_hf(messages: list[dict], media: _Media) -> list[dict]:
 
 
 @torch.inference_mode()
-def reference_generate(checkpoint: str, messages: list[dict], max_new_tokens: int, device: str = "cpu",
-                       video_fps: float = 2.0, dtype: torch.dtype = torch.float32, **generate_kwargs) -> tuple[list[int], str, str]:
+def reference_generate(
+    checkpoint: str,
+    messages: list[dict],
+    max_new_tokens: int,
+    device: str = "cpu",
+    video_fps: float = 2.0,
+    dtype: torch.dtype = torch.float32,
+    **generate_kwargs,
+) -> tuple[list[int], str, str]:
     """(new token ids, their text, OpenAI finish reason); `generate_kwargs` go to `generate`
     (repetition_penalty, min_new_tokens, ...)."""
     processor, model = _load(checkpoint, device, dtype)
@@ -112,7 +122,7 @@ def reference_generate(checkpoint: str, messages: list[dict], max_new_tokens: in
     inputs = processor(text=text, return_tensors="pt", **media.kwargs(video_fps)).to(device)
     inputs = inputs.to(dtype)  # floating inputs (pixels, features) in the model's dtype; ids stay integers
     out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
-    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
     finish = "stop" if new[-1] == processor.tokenizer.eos_token_id else "length"
     return new, processor.tokenizer.decode(new, skip_special_tokens=True), finish
 
@@ -122,6 +132,5 @@ def reference_generate_ids(checkpoint: str, prompt_ids: list[int], max_new_token
     """New token ids `generate` gives after a raw prompt (no chat template): /v1/completions."""
     _, model = _load(checkpoint)
     ids = torch.tensor([prompt_ids])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, **generate_kwargs)
-    return out[0, ids.shape[1]:].tolist()
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
+    return out[0, ids.shape[1] :].tolist()

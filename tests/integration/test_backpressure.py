@@ -1,6 +1,7 @@
 """Back-pressure and time-outs on a deliberately tight cluster: a burst beyond the admission
 budget gets 429 with Retry-After at once (nothing queues without bound), and a request that
 times out before its first token leaves nothing held in any worker."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,7 @@ from tests.integration.test_worker_failures import _requests_total, held, wait_u
 @pytest.fixture(scope="module")
 def tight(ray_session):
     # One request may wait for prefill at a time; prefill is 30x slower; 1 s to the first token.
-    app = deploy(cluster_config(prefill={"slowdown": [30.0]},
-                                limits={"max_waiting_tokens_per_prefill_worker": 1, "request_timeout_s": 1.0}))
+    app = deploy(cluster_config(prefill={"slowdown": [30.0]}, limits={"max_waiting_tokens_per_prefill_worker": 1, "request_timeout_s": 1.0}))
     # A cold first forward, 30x slowed, can outlast the 1 s limit: warm every stage up first.
     for _ in range(2):
         app.chat([{"role": "user", "content": "warm up"}], temperature=0, max_tokens=4)
@@ -29,8 +29,12 @@ def test_a_burst_beyond_the_budget_gets_429_with_retry_after(tight):
 
     async def burst():
         async with httpx.AsyncClient(base_url=tight.root, timeout=60) as client:
-            body = {"model": tight.config.model.served_name, "messages": [{"role": "user", "content": "hello there"}],
-                    "temperature": 0, "max_tokens": 4}
+            body = {
+                "model": tight.config.model.served_name,
+                "messages": [{"role": "user", "content": "hello there"}],
+                "temperature": 0,
+                "max_tokens": 4,
+            }
             return await asyncio.gather(*[client.post("/v1/chat/completions", json=body) for _ in range(8)])
 
     responses = asyncio.run(burst())

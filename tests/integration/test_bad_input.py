@@ -1,5 +1,6 @@
 """Bad input gets a 4xx in OpenAI's error shape naming the problem, and harms nothing
 else: good requests sent at the same time finish correctly and no memory is held."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,20 +47,44 @@ CASES = [
     ("unknown model", {"model": "gpt-17"}, 404, "gpt-17", "model"),
     ("no content", {"messages": [{"role": "user"}]}, 400, "content", "messages[0]"),
     ("empty content", {"messages": [{"role": "user", "content": []}]}, 400, "content", "messages[0]"),
-    ("not an image", {"messages": _user(TEXT, _image_part("data:image/png;base64," + base64.b64encode(b"hello world").decode()))}, 400, "image", "messages[0].content[1]"),
+    (
+        "not an image",
+        {"messages": _user(TEXT, _image_part("data:image/png;base64," + base64.b64encode(b"hello world").decode()))},
+        400,
+        "image",
+        "messages[0].content[1]",
+    ),
     ("truncated image", {"messages": _user(_image_part(_truncated_png()))}, 400, "truncated", "messages[0].content[0]"),
     ("decompression bomb", {"messages": _user(_image_part(_huge_png_header(100_000, 100_000)))}, 400, "pixels", "messages[0].content[0]"),
     ("over pixel limit", {"messages": _user(_image_part(png_data_url(Image.new("RGB", (4100, 4000)))))}, 400, "limit", "messages[0].content[0]"),
     ("too many images", {"messages": _user(*[OK_IMAGE] * 5)}, 400, "limit is 4", "messages"),
     ("remote url", {"messages": _user(_image_part("https://example.com/cat.png"))}, 400, "remote", "messages[0].content[0]"),
-    ("audio to vision model", {"messages": _user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})}, 400, "audio", "messages[0].content[0]"),
-    ("video to vision model", {"messages": _user({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}})}, 400, "video", "messages[0].content[0]"),
+    (
+        "audio to vision model",
+        {"messages": _user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})},
+        400,
+        "audio",
+        "messages[0].content[0]",
+    ),
+    (
+        "video to vision model",
+        {"messages": _user({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}})},
+        400,
+        "video",
+        "messages[0].content[0]",
+    ),
     ("temperature", {"temperature": 7}, 400, "temperature", "temperature"),
     ("top_p", {"top_p": 0}, 400, "top_p", "top_p"),
     ("max_tokens", {"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     ("n", {"n": 17}, 400, "n", "n"),
     # Each of these was a 200 before (#12): a 400 naming the field now.
-    ("duplicate key", b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "top_p": 0.5, "top_p": 1}', 400, "more than once", "top_p"),
+    (
+        "duplicate key",
+        b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "top_p": 0.5, "top_p": 1}',
+        400,
+        "more than once",
+        "top_p",
+    ),
     ("top_p 1e-45", {"top_p": 1e-45}, 400, "1e-05", "top_p"),
     ("top_k 1e12", {"top_k": 10**12}, 400, "vocabulary", "top_k"),
     ("max_tokens 1e12", {"max_tokens": 10**12}, 400, "context", "max_tokens"),
@@ -68,7 +93,13 @@ CASES = [
     ("reserved token in text", {"messages": _user({"type": "text", "text": "look <image> here"})}, 400, "<image>", "messages"),
     # Each of these was a plain-text 500 before: now a 400 in OpenAI's shape, naming the problem.
     ("json nested 100,000 deep", b'{"model": "tiny-llava", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply", None),
-    ("max_tokens of 5,000 digits", b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}", 400, "5000 digits", "max_tokens"),
+    (
+        "max_tokens of 5,000 digits",
+        b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}",
+        400,
+        "5000 digits",
+        "max_tokens",
+    ),
     ("lone surrogate", b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "surrogate", "messages[0].content"),
     ("temperature 1e-45", {"temperature": 1e-45, "seed": 1}, 400, "at least 0.01", "temperature"),
     ("temperature 1e-38", {"temperature": 1e-38, "seed": 1}, 400, "at least 0.01", "temperature"),

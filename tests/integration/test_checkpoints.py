@@ -2,9 +2,9 @@
 against the model's own `generate`: Qwen2.5-Omni in the published layout (thinker served,
 talker ignored), and a Hub repo id resolved offline from a Hugging Face cache filled here,
 served in bfloat16 on CPU (against `generate` in bfloat16, single requests)."""
+
 from __future__ import annotations
 
-import pytest
 import torch
 from huggingface_hub import constants
 
@@ -48,8 +48,11 @@ def test_hub_repo_id_served_offline_from_a_filled_cache_in_bfloat16(ray_session,
     bfloat16 (single requests)."""
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # this process; the workers read a pinned commit from the cache
     snapshot = fill_hf_cache(tmp_path / "hub", REPO_ID, cluster_config().model.checkpoint_path)
-    config = ensure_model(cluster_config(model={"checkpoint": REPO_ID, "hub_cache_dir": str(tmp_path / "hub"), "builtin": None,
-                                                "served_name": REPO_ID, "dtype": "bfloat16"}))
+    config = ensure_model(
+        cluster_config(
+            model={"checkpoint": REPO_ID, "hub_cache_dir": str(tmp_path / "hub"), "builtin": None, "served_name": REPO_ID, "dtype": "bfloat16"}
+        )
+    )
     assert config.model.revision == snapshot.name
     app = deploy(config)
     assert app.http.get("/v1/models").json()["data"][0]["root"] == str(snapshot)

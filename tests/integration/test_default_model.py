@@ -3,6 +3,7 @@
 pictures it never saw (a held-out seed), greedy, with all requests in flight at once.
 Concurrency also catches cross-request mix-ups (another request's picture or KV would
 give another answer), which token-exactness on random weights can miss."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,10 +32,18 @@ def default_app(ray_session):
 
 async def _ask_all(app, held_out: list[shapes.Sample]) -> list[str]:
     async with httpx.AsyncClient(base_url=app.root, timeout=300) as client:
-        calls = [client.post("/v1/chat/completions", json={
-            "model": app.config.model.served_name, "temperature": 0, "max_tokens": 8,
-            "messages": s.messages({"type": "image_url", "image_url": {"url": png_data_url(s.image)}}),
-        }) for s in held_out]
+        calls = [
+            client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": app.config.model.served_name,
+                    "temperature": 0,
+                    "max_tokens": 8,
+                    "messages": s.messages({"type": "image_url", "image_url": {"url": png_data_url(s.image)}}),
+                },
+            )
+            for s in held_out
+        ]
         responses = await asyncio.gather(*calls)
     for r in responses:
         assert r.status_code == 200, r.text

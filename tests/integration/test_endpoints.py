@@ -1,5 +1,6 @@
 """The endpoints a user and their monitoring meet: the official openai client, model list,
 health, a real Prometheus scrape, and recovery from a worker that dies."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,6 @@ import time
 
 import openai
 import pytest
-import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import png_data_url, random_image
@@ -27,8 +27,12 @@ def test_openai_client_whole_and_streamed(app, client):
     assert whole.usage.prompt_tokens > 16 and whole.usage.completion_tokens == 10 or whole.choices[0].finish_reason == "stop"
     chunks = list(
         client.chat.completions.create(
-            model=app.config.model.served_name, messages=MESSAGES, temperature=0, max_tokens=10,
-            stream=True, stream_options={"include_usage": True},
+            model=app.config.model.served_name,
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -62,8 +66,14 @@ def test_metrics_scrape(app):
     assert grew(("epd:requests_total", (("status", "ok"),))) == 1
     assert grew(("epd:requests_total", (("status", "400"),))) == 1
     assert grew(("epd:request_success_total", (("finished_reason", "length"),))) == 1
-    for name in ("time_to_first_token", "request_time_per_output_token", "e2e_request_latency", "request_queue_time",
-                 "request_prefill_time", "request_decode_time"):
+    for name in (
+        "time_to_first_token",
+        "request_time_per_output_token",
+        "e2e_request_latency",
+        "request_queue_time",
+        "request_prefill_time",
+        "request_decode_time",
+    ):
         assert grew((f"epd:{name}_seconds_count", ())) == 1, name
     assert grew(("epd:inter_token_latency_seconds_count", ())) >= 1
     assert grew(("epd:request_generation_tokens_sum", ())) == 6
@@ -88,7 +98,8 @@ def test_health(app):
 def test_dead_worker_is_replaced_and_service_resumes(app):
     workers = app.http.get("/health", params={"verbose": 1}).json()
     pid = _decode_pid(app)
-    import os, signal
+    import os
+    import signal
 
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 90
@@ -121,7 +132,7 @@ def test_repeated_image_hits_the_encoder_cache(app):
 
 
 def test_estimated_ttft_is_reported_and_requests_are_traced(app):
-    from router.sim.workload import load_trace
+    from router.sim.workload import load_trace, parse_trace_line
     from tests.integration.conftest import TRACE_PATH
 
     image = {"type": "image_url", "image_url": {"url": png_data_url(random_image(505, 40, 40))}}
@@ -130,7 +141,11 @@ def test_estimated_ttft_is_reported_and_requests_are_traced(app):
     assert timings["estimated_ttft_ms"] > 0 and timings["ttft_ms"] > 0
     assert _scrape(app)[("epd:estimated_ttft_seconds_count", ())] >= 1
     workload = load_trace(TRACE_PATH)  # the simulator's own loader reads what the cluster wrote
-    last = workload.profiles[len(workload) - 1]
+    assert len(workload) >= 1
+    # The file's last line is this request; the loader orders by arrival, and each app
+    # deployed in this session counts arrivals from its own start, so its last may be older.
+    lines = TRACE_PATH.read_text().splitlines()
+    last = parse_trace_line(lines[-1], TRACE_PATH, len(lines))[1]
     assert last.items and last.items[0].modality == "image" and last.items[0].num_embeddings == 16
     assert last.num_prompt_tokens == body["usage"]["prompt_tokens"]
     record = json.loads(TRACE_PATH.read_text().splitlines()[-1])  # the estimate's parts, per stage

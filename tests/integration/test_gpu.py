@@ -1,5 +1,6 @@
 """On a CUDA machine: CUDA towers and LM, NCCL between the actors, token-exact against the
 checkpoint's own `generate` on the same GPU (float32)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,9 +16,7 @@ pytestmark = pytest.mark.gpu
 
 def test_cuda_nccl_cluster_equals_generate(ray_session):
     gpu = {"num_gpus": 0.25}
-    config = cluster_config(
-        model={"device": "cuda"}, encoder=gpu, prefill=gpu, decode=gpu, transport={"embeddings": "nccl", "kv": "nccl"}
-    )
+    config = cluster_config(model={"device": "cuda"}, encoder=gpu, prefill=gpu, decode=gpu, transport={"embeddings": "nccl", "kv": "nccl"})
     app = deploy(config)
     requests = varied_requests()
     refs = [reference_generate(str(config.model.checkpoint_path), m, MAX_TOKENS, device="cuda") for m in requests]

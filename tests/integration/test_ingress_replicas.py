@@ -1,6 +1,7 @@
 """Two ingress replicas share one fleet, owned by the fleet controller: both serve exact
 answers; killing one with requests in flight rebuilds no worker, loses nothing that had not
 started on it and leaks nothing; a redeploy with another config gets a fleet of its own."""
+
 from __future__ import annotations
 
 import asyncio
@@ -70,8 +71,11 @@ def test_both_replicas_serve_exact_answers(pair):
 
 def _serve_replica_actors() -> dict[int, object]:
     """pid -> handle of each live ingress replica actor."""
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == "serve" and "Ingress" in a["name"] and a["name"].startswith("SERVE_REPLICA")]
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and "Ingress" in a["name"] and a["name"].startswith("SERVE_REPLICA")
+    ]
     handles = [ray.get_actor(n, namespace="serve") for n in names]
     return {ray.get(h.__ray_call__.remote(lambda self: os.getpid()), timeout=10): h for h in handles}
 
@@ -95,8 +99,10 @@ def test_killing_one_replica_rebuilds_nothing_and_loses_nothing_new(pair):
 
     results, after, first_s, all_s = asyncio.run(under_fire())
     lost = [s for s, (status, _) in zip(seeds, results) if status != 200]
-    print(f"\nkill one of 2 replicas: {len(seeds)} in flight, {len(lost)} lost (on the killed replica), "
-          f"first new request answered {first_s:.2f} s after the kill, 6 in {all_s:.2f} s")
+    print(
+        f"\nkill one of 2 replicas: {len(seeds)} in flight, {len(lost)} lost (on the killed replica), "
+        f"first new request answered {first_s:.2f} s after the kill, 6 in {all_s:.2f} s"
+    )
     assert len(lost) < len(seeds), "no request survived on the other replica"
     assert all(text == expected[s] for s, (status, text) in zip(seeds, results) if status == 200)
     assert [(status, text) for status, text in after] == [(200, expected[s]) for s in seeds[:6]]  # none lost, at once

@@ -3,6 +3,7 @@ and the all-modality family (Qwen2.5-Omni thinker, encoders split into a vision 
 pool): greedy output equals the model's own `generate`, with many mixed requests in flight;
 bad audio/video gets a 4xx naming the problem while other requests finish; a long video's
 encoding does not hold up text-only requests."""
+
 from __future__ import annotations
 
 import asyncio
@@ -68,11 +69,11 @@ def user(*parts) -> list[dict]:
 
 
 OMNI_REQUESTS = [
-    user(audio(1.5, 440, 1), text("What do you hear?")),                                 # audio only
-    user(text("Watch:"), video(4, 40, 56, 2)),                                            # video only
+    user(audio(1.5, 440, 1), text("What do you hear?")),  # audio only
+    user(text("Watch:"), video(4, 40, 56, 2)),  # video only
     user(text("See"), image(3, 50, 40), text("and hear"), audio(2.0, 880, 3), text("now.")),  # interleaved
-    user(video(4, 30, 30, 4), text("versus"), video(6, 56, 40, 5)),                       # two videos
-    user(text("Long clip:"), audio(9.0, 330, 6)),                                         # longer than one window
+    user(video(4, 30, 30, 4), text("versus"), video(6, 56, 40, 5)),  # two videos
+    user(text("Long clip:"), audio(9.0, 330, 6)),  # longer than one window
     [{"role": "user", "content": "Just text, no media at all."}],
 ]
 AUDIO_REQUESTS = [
@@ -103,8 +104,15 @@ def check_token_exact(app, requests: list[list[dict]], copies: int = 3) -> None:
 
 
 # Media URLs on the local test server may be fetched; 127.0.0.2 is an allowed name whose address is not.
-FETCH_LIMITS = {"remote_media": {"allowed_hosts": ["127.0.0.1", "127.0.0.2"], "allowed_networks": ["127.0.0.1/32"], "max_bytes": 1 << 20,
-                                 "timeout_s": 2.0, "max_redirects": 2}}
+FETCH_LIMITS = {
+    "remote_media": {
+        "allowed_hosts": ["127.0.0.1", "127.0.0.2"],
+        "allowed_networks": ["127.0.0.1/32"],
+        "max_bytes": 1 << 20,
+        "timeout_s": 2.0,
+        "max_redirects": 2,
+    }
+}
 
 
 @pytest.fixture
@@ -131,8 +139,12 @@ def _pcm_wav(seconds: float, rate: int = 8000) -> bytes:
 
 
 # A 4000x4000 canvas with two 1x1 frames of 10 s each: 66 bytes that would decode to 1.5 GB.
-_GIF_BOMB = (b"GIF89a\xa0\x0f\xa0\x0f\x80\x00\x00" + b"\x00\x00\x00\xff\xff\xff"
-             + b"\x21\xf9\x04\x00\xe8\x03\x00\x00\x2c\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02\x44\x01\x00" * 2 + b"\x3b")
+_GIF_BOMB = (
+    b"GIF89a\xa0\x0f\xa0\x0f\x80\x00\x00"
+    + b"\x00\x00\x00\xff\xff\xff"
+    + b"\x21\xf9\x04\x00\xe8\x03\x00\x00\x2c\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02\x44\x01\x00" * 2
+    + b"\x3b"
+)
 
 # (name, content parts, words the message must contain, param prefix)
 BAD_MEDIA = [
@@ -140,13 +152,35 @@ BAD_MEDIA = [
     ("unsupported audio format", [_audio_bytes(_pcm_wav(1.0), "aac")], "aac", "messages[0].content[0]"),
     ("zero-length audio", [_audio_bytes(_pcm_wav(0.0))], "no samples", "messages[0].content[0]"),
     ("audio over the duration limit", [_audio_bytes(_pcm_wav(601.0))], "600", "messages[0].content[0]"),
-    ("video that does not decode", [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"\x00\x00\x00\x18ftypmp42" + b"junk" * 50).decode()}}],
-     "video", "messages[0].content[0]"),
-    ("video over the duration limit", [{"type": "video_url", "video_url": {"url": gif_url(11, 8, 8, 0, frame_ms=60_000)}}], "600", "messages[0].content[0]"),
-    ("gif of zero size", [{"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(b"GIF89a" + b"\x00" * 20).decode()}}],
-     "zero size", "messages[0].content[0]"),
-    ("gif declaring a vast canvas", [{"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(_GIF_BOMB).decode()}}],
-     "max_video_pixels", "messages[0].content[0]"),
+    (
+        "video that does not decode",
+        [
+            {
+                "type": "video_url",
+                "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"\x00\x00\x00\x18ftypmp42" + b"junk" * 50).decode()},
+            }
+        ],
+        "video",
+        "messages[0].content[0]",
+    ),
+    (
+        "video over the duration limit",
+        [{"type": "video_url", "video_url": {"url": gif_url(11, 8, 8, 0, frame_ms=60_000)}}],
+        "600",
+        "messages[0].content[0]",
+    ),
+    (
+        "gif of zero size",
+        [{"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(b"GIF89a" + b"\x00" * 20).decode()}}],
+        "zero size",
+        "messages[0].content[0]",
+    ),
+    (
+        "gif declaring a vast canvas",
+        [{"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(_GIF_BOMB).decode()}}],
+        "max_video_pixels",
+        "messages[0].content[0]",
+    ),
 ]
 
 
@@ -191,8 +225,9 @@ def test_long_video_encoding_does_not_hold_up_text(ray_session):
             body = lambda msgs: {"model": app.config.model.served_name, "messages": msgs, "temperature": 0, "max_tokens": 8}
             slow = asyncio.create_task(client.post("/v1/chat/completions", json=body(user(video(8, 160, 120, 9), text("What happens?")))))
             await asyncio.sleep(0.3)
-            fast = [await client.post("/v1/chat/completions", json=body(m))
-                    for m in ([{"role": "user", "content": f"Question {i}?"}] for i in range(3))]
+            fast = [
+                await client.post("/v1/chat/completions", json=body(m)) for m in ([{"role": "user", "content": f"Question {i}?"}] for i in range(3))
+            ]
             fast.append(await client.post("/v1/chat/completions", json=body(user(audio(1.0, 500, 9)))))
             done_before_video = not slow.done()
             return fast, await slow, done_before_video
@@ -226,21 +261,30 @@ def test_omni_fetches_image_audio_and_video_urls_and_refuses_bad_ones(omni):
         return f"data:{mime};base64," + base64.b64encode(data).decode()
 
     def parts(url) -> list[dict]:
-        return user(text("Look"), {"type": "image_url", "image_url": {"url": url("/cat.png")}},
-                    {"type": "audio_url", "audio_url": {"url": url("/tone.wav")}},
-                    {"type": "video_url", "video_url": {"url": url("/clip.gif")}}, text("now."))
+        return user(
+            text("Look"),
+            {"type": "image_url", "image_url": {"url": url("/cat.png")}},
+            {"type": "audio_url", "audio_url": {"url": url("/tone.wav")}},
+            {"type": "video_url", "video_url": {"url": url("/clip.gif")}},
+            text("now."),
+        )
 
     with MediaServer() as server:
         by_url = omni.chat(parts(server.url), temperature=0, max_tokens=MAX_TOKENS)
         by_value = omni.chat(parts(inline), temperature=0, max_tokens=MAX_TOKENS)
         assert by_url.status_code == 200, by_url.text
         assert by_url.json()["choices"][0]["message"] == by_value.json()["choices"][0]["message"]
-        bad = {"/cat.png?x": (server.url("/cat.png", host="127.0.0.2"), "private or reserved address"),
-               "/private": (server.url("/private"), "private or reserved address"),
-               "/big": (server.url("/big"), "the limit is 1048576"),
-               "/slow": (server.url("/slow"), "took longer than 2 s")}
-        bystander = asyncio.run(_chat_beside(omni, [user(text("Fine"), image(9, 20, 20))] + [
-            user({"type": "image_url", "image_url": {"url": url}}) for url, _ in bad.values()]))
+        bad = {
+            "/cat.png?x": (server.url("/cat.png", host="127.0.0.2"), "private or reserved address"),
+            "/private": (server.url("/private"), "private or reserved address"),
+            "/big": (server.url("/big"), "the limit is 1048576"),
+            "/slow": (server.url("/slow"), "took longer than 2 s"),
+        }
+        bystander = asyncio.run(
+            _chat_beside(
+                omni, [user(text("Fine"), image(9, 20, 20))] + [user({"type": "image_url", "image_url": {"url": url}}) for url, _ in bad.values()]
+            )
+        )
         assert bystander[0].status_code == 200, bystander[0].text
         for response, (name, (_, fragment)) in zip(bystander[1:], bad.items()):
             assert response.status_code == 400, (name, response.text)

@@ -1,6 +1,7 @@
 """Multi-node on one machine: pools pinned to node types land on those nodes, and the
 answer across nodes is token-exact. The cluster runs in a process of its own
 (multi_node_run.py), so this module never touches the shared `ray_session`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -30,14 +31,25 @@ def private_ray_env() -> dict:
     `ray.init()` / `address='auto'` elsewhere on this machine never finds it; one auth mode
     for all its processes (`ray start` turns token auth on when ~/.ray/auth_token exists,
     a client of `serve run` does not)."""
-    return {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="epd-ray-", dir="/tmp"), "RAY_AUTH_MODE": "disabled",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    return {
+        **os.environ,
+        "RAY_TMPDIR": tempfile.mkdtemp(prefix="epd-ray-", dir="/tmp"),
+        "RAY_AUTH_MODE": "disabled",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
 
 
 @pytest.fixture(scope="module")
 def outcome() -> dict:
-    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.multi_node_run", str(free_port())], cwd=REPO_ROOT,
-                            env=private_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.multi_node_run", str(free_port())],
+        cwd=REPO_ROOT,
+        env=private_ray_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=400)
     finally:  # whatever happened, none of its raylets outlives it

@@ -3,6 +3,7 @@ Serve app: logprobs shapes, n choices with derived seeds, penalties, logit_bias,
 min_tokens / ignore_eos, /v1/completions, the default max_tokens, and every field the
 server does not honour refused with a 400 that names it. Token-exact against HF
 `generate` where `generate` has the same option."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,7 @@ def tokenizer(checkpoint):
 
 
 def test_chat_logprobs_shape_whole_and_streamed(client, model):
-    whole = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6,
-                                           logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens == 6
     for entry in content:
@@ -49,8 +49,9 @@ def test_chat_logprobs_shape_whole_and_streamed(client, model):
         values = [t.logprob for t in entry.top_logprobs]
         assert values == sorted(values, reverse=True)
         assert entry.top_logprobs[0].token == entry.token and entry.logprob == pytest.approx(values[0])  # greedy
-    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6,
-                                                 logprobs=True, top_logprobs=3, stream=True))
+    chunks = list(
+        client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+    )
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     plain = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6)
@@ -68,10 +69,12 @@ def test_n_choices_and_derived_seeds(client, model):
     for i in (0, 1):  # choice i samples as a single request with seed + i (vLLM's rule)
         alone = client.chat.completions.create(model=model, messages=MESSAGES, temperature=1.0, max_tokens=12, seed=40 + i)
         assert alone.choices[0].message.content == texts[i]
-    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, temperature=1.0, max_tokens=12, n=3,
-                                                 seed=40, stream=True, stream_options={"include_usage": True}))
-    per_choice = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
-                  for i in range(3)]
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=MESSAGES, temperature=1.0, max_tokens=12, n=3, seed=40, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    per_choice = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
     assert per_choice == texts
     assert chunks[-1].usage.completion_tokens == sampled.usage.completion_tokens
 
@@ -88,8 +91,9 @@ def test_penalties_and_logit_bias_change_greedy_output(client, model, checkpoint
         if list(field.values())[0] < 0:  # encouraged to repeat: it does, more than without
             assert len(other_tokens) - len(set(other_tokens)) > repeats, field
     [first_id], _, _ = reference_generate(checkpoint, MESSAGES, 1)
-    banned = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=3, logprobs=True,
-                                            logit_bias={str(first_id): -100})
+    banned = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=3, logprobs=True, logit_bias={str(first_id): -100}
+    )
     assert banned.choices[0].logprobs.content[0].token != tokens[0]
 
 
@@ -97,8 +101,9 @@ def test_repetition_penalty_is_token_exact_against_generate(client, model, check
     want, _, _ = reference_generate(checkpoint, MESSAGES, 16, repetition_penalty=1.8)
     plain, _, _ = reference_generate(checkpoint, MESSAGES, 16)
     assert want != plain, "the penalty changes generate's own output"
-    got = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=16,
-                                         extra_body={"repetition_penalty": 1.8})  # vLLM's field
+    got = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=16, extra_body={"repetition_penalty": 1.8}
+    )  # vLLM's field
     assert got.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
 
 
@@ -108,19 +113,22 @@ def test_min_tokens_and_logit_bias_are_token_exact_against_generate(client, mode
     eos = tokenizer.eos_token_id
     want, text, finish = reference_generate(checkpoint, MESSAGES, 20, min_new_tokens=5, sequence_bias={(eos,): 100.0})
     assert len(want) == 6 and want[-1] == eos and finish == "stop"
-    got = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=20,
-                                         extra_body={"min_tokens": 5}, logit_bias={str(eos): 100})
+    got = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=20, extra_body={"min_tokens": 5}, logit_bias={str(eos): 100}
+    )
     assert (got.choices[0].message.content, got.usage.completion_tokens, got.choices[0].finish_reason) == (text, 6, "stop")
     base = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12, logprobs=True)
     greedy, stop = base.choices[0].message.content, base.choices[0].logprobs.content[1].token
     early = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12, stop=[stop])
     assert early.choices[0].message.content == greedy[: greedy.find(stop)]
-    late = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12, stop=[stop],
-                                          extra_body={"min_tokens": 6})  # vLLM: no stop string before min_tokens
+    late = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=12, stop=[stop], extra_body={"min_tokens": 6}
+    )  # vLLM: no stop string before min_tokens
     assert greedy.startswith(late.choices[0].message.content)
     assert len(late.choices[0].message.content) > len(early.choices[0].message.content)
-    ignored = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=5,
-                                             extra_body={"ignore_eos": True}, logit_bias={str(eos): 100})
+    ignored = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=5, extra_body={"ignore_eos": True}, logit_bias={str(eos): 100}
+    )
     assert (ignored.usage.completion_tokens, ignored.choices[0].finish_reason) == (5, "length")
 
 
@@ -133,8 +141,9 @@ def test_completions_whole_and_streamed_token_exact(client, model, checkpoint, t
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(want)
     assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
-    chunks = list(client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=10, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=10, stream=True, stream_options={"include_usage": True})
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     as_ids = client.completions.create(model=model, prompt=tokenizer(PROMPT)["input_ids"], temperature=0, max_tokens=10)
@@ -147,8 +156,13 @@ def test_default_max_tokens_is_the_rest_of_the_context(app, client, model, token
     prompt = tokenizer(PROMPT)["input_ids"] * (limit // 8)
     prompt = prompt[: limit - 5]  # room for 5 tokens
     eos = str(tokenizer.eos_token_id)
-    capped = client.completions.create(model=model, prompt=prompt, temperature=0,  # completions default 16, capped by the room
-                                       extra_body={"ignore_eos": True}, logit_bias={eos: -100})
+    capped = client.completions.create(
+        model=model,
+        prompt=prompt,
+        temperature=0,  # completions default 16, capped by the room
+        extra_body={"ignore_eos": True},
+        logit_bias={eos: -100},
+    )
     assert (capped.usage.completion_tokens, capped.choices[0].finish_reason) == (5, "length")
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=model, prompt=prompt, max_tokens=6)
@@ -211,9 +225,14 @@ def test_duplicate_keys_and_completions_fields_refused(app, model):
     raw = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_tokens": 3}' % model.encode()
     response = app.http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
-    for fields, param in (({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
-                          ({"prompt": ["a", "b"]}, "prompt"), ({"messages": MESSAGES}, "messages"),
-                          ({"prompt": [10**9]}, "prompt")):
+    for fields, param in (
+        ({"echo": True}, "echo"),
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"messages": MESSAGES}, "messages"),
+        ({"prompt": [10**9]}, "prompt"),
+    ):
         body = {"model": model, "prompt": PROMPT, **fields}
         response = app.http.post("/v1/completions", content=json.dumps(body))
         assert response.status_code == 400, (fields, response.text)

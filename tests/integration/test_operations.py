@@ -1,5 +1,6 @@
 """What an operator sets up around the endpoint: an API key on /v1 (probes and scrapes stay
 open), and one log line per request that names its id, outcome, tokens and times."""
+
 from __future__ import annotations
 
 import glob
@@ -36,8 +37,7 @@ def test_api_key_guards_v1_only(keyed):
 
 def test_one_log_line_per_request(keyed):
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = {"model": keyed.config.model.served_name, "messages": [{"role": "user", "content": "log me please"}],
-            "max_tokens": 3, "temperature": 0}
+    body = {"model": keyed.config.model.served_name, "messages": [{"role": "user", "content": "log me please"}], "max_tokens": 3, "temperature": 0}
     ok = keyed.http.post("/v1/chat/completions", json=body, headers=headers)
     bad = keyed.http.post("/v1/chat/completions", json={**body, "temperature": 9}, headers=headers)
     assert "," not in ok.headers["x-request-id"]  # one id, Serve's

@@ -1,6 +1,7 @@
 """Serve's own conventions: the real `serve run configs/serve.yaml` (the app builder behind
 `import_path`) serves and answers over HTTP, then stops cleanly. It runs against a Ray of
 its own, in subprocesses, beside the shared `ray_session` of the other integration tests."""
+
 from __future__ import annotations
 
 import contextlib
@@ -30,9 +31,24 @@ def ray_head(tmp_path_factory):
     """`ray start --head --block`, stopped by signalling the process we started (never `ray stop`)."""
     env = private_ray_env()
     port = free_port()
-    head = subprocess.Popen([RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
-                             f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    head = subprocess.Popen(
+        [
+            RAY,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--num-cpus=4",
+            "--include-dashboard=false",
+            f"--ray-client-server-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not _accepts(port):  # the GCS listens: the head is up
@@ -93,8 +109,14 @@ def test_serve_run_serves_the_serve_config(ray_head, tmp_path):
     address, env = ray_head
     http_port = free_port()
     log = tmp_path / "serve_run.log"
-    proc = subprocess.Popen([SERVE, "run", "--address", address, str(_serve_yaml(tmp_path, http_port))],
-                            cwd=REPO_ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [SERVE, "run", "--address", address, str(_serve_yaml(tmp_path, http_port))],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     root = f"http://127.0.0.1:{http_port}"
     try:
         _wait_ready(root, proc, log)
@@ -102,8 +124,9 @@ def test_serve_run_serves_the_serve_config(ray_head, tmp_path):
         assert httpx.get(f"{root}/v1/models").json()["data"][0]["id"] == served
         sample = shapes.samples(31337, 1, asks=(shapes.Ask.COLOUR,))[0]  # the default model is taught colours
         image = {"type": "image_url", "image_url": {"url": png_data_url(sample.image)}}
-        reply = httpx.post(f"{root}/v1/chat/completions", timeout=120, json={
-            "model": served, "messages": sample.messages(image), "temperature": 0, "max_tokens": 8})
+        reply = httpx.post(
+            f"{root}/v1/chat/completions", timeout=120, json={"model": served, "messages": sample.messages(image), "temperature": 0, "max_tokens": 8}
+        )
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"].strip() == sample.answer
     finally:

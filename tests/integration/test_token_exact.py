@@ -1,5 +1,6 @@
 """Greedy output of the cluster equals the checkpoint's own `generate`, token for token,
 through HTTP, with many requests in flight at once, for each transport."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from tests.integration.conftest import deploy, png_data_url, random_image, cluster_config
+from tests.integration.conftest import cluster_config, deploy, png_data_url, random_image
 from tests.integration.reference import reference_generate
 
 MAX_TOKENS = 20
@@ -74,12 +75,15 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport):
     app = deploy(cluster_config(transport={"embeddings": transport, "kv": transport}))
     copies = 3  # 36 requests in flight: encoder batches and decode batches form
     got = asyncio.run(_send_all(app, varied_requests(), copies))
-    for i, response in enumerate(got):
+    again = asyncio.run(_send_all(app, varied_requests(), 1))  # the same prompts once more: the prefix cache is warm
+    for i, response in enumerate(got + again):
         ids, text, finish = references[i % len(references)]
         assert response["choices"][0]["message"]["content"] == text, f"request {i % len(references)}"
         assert response["usage"]["completion_tokens"] == len(ids)
         assert response["choices"][0]["finish_reason"] == finish
     workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]
+    assert sum(w["prefix_hit_blocks"] for w in workers["prefill"]) > 0, workers  # warm prefixes really were reused
+    assert all(w["prefix_referenced_blocks"] == 0 for w in workers["prefill"]), workers  # idle: nothing pinned
     assert max(w["max_batch"] for w in workers["encoder"]) > 1, workers  # batching really happened
     assert max(w["max_batch"] for w in workers["decode"]) > 1, workers
     assert all(w["rows"] == 0 for w in workers["decode"]) and all(w["held_kv"] == 0 for w in workers["prefill"]), workers
@@ -88,9 +92,16 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport):
 def test_streaming_equals_whole_response(app, references):
     messages = varied_requests()[4]
     with app.http.stream(
-        "POST", "/v1/chat/completions",
-        json={"model": app.config.model.served_name, "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS,
-              "stream": True, "stream_options": {"include_usage": True}},
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": app.config.model.served_name,
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
     ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")

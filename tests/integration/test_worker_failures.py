@@ -1,6 +1,7 @@
 """Nothing is lost and nothing leaks when requests end early or workers die: a stop on the
 first token, a client that leaves mid-stream, and a worker of each kind killed with
 requests in flight (they resume on healthy workers and answer as if nothing happened)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import png_data_url, random_image
 
-HELD = {"prefill": ("held_kv", "held_embeddings", "queued"), "decode": ("rows", "held_kv", "running", "queued"),
-        "encoder": ("queued", "running")}
+HELD = {"prefill": ("held_kv", "held_embeddings", "queued", "running"), "decode": ("rows", "held_kv", "running", "queued"), "encoder": ("queued", "running")}
 
 
 def _messages(seed: int, text: str = "Describe") -> list[dict]:
@@ -54,8 +54,7 @@ def test_stop_on_the_first_token_frees_the_kv_at_once(app):
 
 def test_clients_that_leave_mid_stream_leave_nothing_behind(app):
     async def leave_after_first_chunk(client: httpx.AsyncClient, seed: int):
-        body = {"model": app.config.model.served_name, "messages": _messages(seed, "long " * 300),
-                "temperature": 0, "max_tokens": 64, "stream": True}
+        body = {"model": app.config.model.served_name, "messages": _messages(seed, "long " * 300), "temperature": 0, "max_tokens": 64, "stream": True}
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {") and '"content"' in line:

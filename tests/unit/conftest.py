@@ -1,4 +1,5 @@
 """Shared unit-test fixtures: one torch thread, one tiny checkpoint per session."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -69,8 +70,11 @@ def audio(identifier: str) -> MediaJob:
 
 def fleet(e: int = 3, p: int = 3, d: int = 3, **encoder_mods: frozenset[str]) -> list[WorkerInfo]:
     """e encoders (all modalities unless e.g. e1=AUDIO), p prefill and d decode workers, on one node."""
-    return ([WorkerInfo(E, i, modalities=encoder_mods.get(f"e{i}", ALL_MODALITIES)) for i in range(e)]
-            + [WorkerInfo(P, i) for i in range(p)] + [WorkerInfo(D, i) for i in range(d)])
+    return (
+        [WorkerInfo(E, i, modalities=encoder_mods.get(f"e{i}", ALL_MODALITIES)) for i in range(e)]
+        + [WorkerInfo(P, i) for i in range(p)]
+        + [WorkerInfo(D, i) for i in range(d)]
+    )
 
 
 def split_fleet() -> list[WorkerInfo]:

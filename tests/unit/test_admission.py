@@ -1,5 +1,6 @@
 """Bounded admission (cluster/admission.py): budgets fill, refuse with Overloaded, and every
 ticket gives back exactly what it took, however the request ends."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Unit tests for actors.batching.MicroBatcher (plain asyncio, no Ray, no torch)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -66,6 +67,18 @@ def test_never_exceeds_max_batch_size():
     assert mb.queue_depth == 0
 
 
+def test_a_lone_job_on_an_idle_batcher_runs_at_once():
+    async def main():
+        run = Recorder()
+        mb = MicroBatcher(run, max_batch_size=8, max_wait_s=5.0, key=_key_of)
+        started = time.monotonic()
+        first = await mb.submit(1)
+        return run, first, time.monotonic() - started
+
+    run, first, elapsed = asyncio.run(main())
+    assert run.batches == [[1]] and elapsed < 1.0, "no max_wait_s for a lone job"
+
+
 def test_partial_batch_leaves_after_max_wait():
     async def main():
         run = Recorder()
@@ -86,15 +99,18 @@ def test_partial_batch_leaves_after_max_wait():
 
 def test_late_job_joins_waiting_partial_batch():
     async def main():
-        run = Recorder()
-        mb = MicroBatcher(run, max_batch_size=8, max_wait_s=0.1, key=_key_of)
-        first = asyncio.create_task(mb.submit("a"))
-        await asyncio.sleep(0.02)
+        run = Recorder(delay_s=0.05)
+        mb = MicroBatcher(run, max_batch_size=8, max_wait_s=0.4, key=_key_of)
+        busy = asyncio.create_task(mb.submit("busy"))  # a lone job on an idle batcher: runs at once
+        await asyncio.sleep(0.005)
+        first = asyncio.create_task(mb.submit("a"))  # the batcher is busy now: "a" waits for company
+        await asyncio.sleep(0.15)
         second = asyncio.create_task(mb.submit("b"))
+        await busy
         return run, await first, await second
 
     run, first, second = asyncio.run(main())
-    assert run.batches == [["a", "b"]]
+    assert run.batches == [["busy"], ["a", "b"]]
     assert first[2] == second[2] == 2
     assert first[1] > second[1], "the earlier job queued longer"
 

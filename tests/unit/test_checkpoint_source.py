@@ -1,6 +1,7 @@
 """Checkpoint locations: a local directory or a Hub repo id resolved through a Hugging Face
 cache filled by hand (offline), pinned to a commit; the startup checks (`ensure_model`,
 `epd serve --model`) that fail before any actor starts, naming the problem."""
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,20 @@ def hub_cache(tmp_path, ckpt) -> Path:
     return tmp_path / "hub"
 
 
-@pytest.mark.parametrize("location,repo", [
-    ("Qwen/Qwen2.5-VL-3B-Instruct", True), ("gpt2", True), ("org/name.v2-x_y", True),
-    ("~/models/x", False), ("/abs/dir", False), ("./rel", False), ("a/b/c", False), ("$HOME/m", False), ("../up", False),
-])
+@pytest.mark.parametrize(
+    "location,repo",
+    [
+        ("Qwen/Qwen2.5-VL-3B-Instruct", True),
+        ("gpt2", True),
+        ("org/name.v2-x_y", True),
+        ("~/models/x", False),
+        ("/abs/dir", False),
+        ("./rel", False),
+        ("a/b/c", False),
+        ("$HOME/m", False),
+        ("../up", False),
+    ],
+)
 def test_repo_ids_and_paths_are_told_apart(location, repo):
     assert is_repo_id(location) is repo
 
@@ -112,8 +123,14 @@ def test_model_flag_overrides_the_checkpoint_and_names_the_model():
 def test_epd_serve_with_an_unknown_repo_offline_exits_before_starting_anything(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", "no-such-org/no-such-model"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "serve", "--model", "no-such-org/no-such-model"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert "no-such-org/no-such-model" in out.stderr and "HF_HUB_OFFLINE" in out.stderr
     assert "Traceback" not in out.stderr and "Ray" not in out.stderr + out.stdout  # no cluster was started

@@ -1,4 +1,5 @@
 """Unit tests for actors.checkpoints: the locally built tiny LLaVA checkpoint (no Ray)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,7 @@ from actors import checkpoints as ck  # noqa: E402
 
 TINY = ck.RECIPES["tiny-llava"]
 REPO = Path(__file__).resolve().parents[2]
-FILES = ["config.json", "generation_config.json", "processor_config.json", "tokenizer.json",
-         "tokenizer_config.json", "chat_template.jinja"]
+FILES = ["config.json", "generation_config.json", "processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def _greedy(processor, model, text: str, image: Image.Image) -> tuple[int, ...]:
     inputs = processor(text=_prompt(processor, text), images=[image], return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    return tuple(out[0, inputs["input_ids"].shape[1]:].tolist())
+    return tuple(out[0, inputs["input_ids"].shape[1] :].tolist())
 
 
 def test_loads_with_auto_classes(processor, model):
@@ -100,10 +100,7 @@ def test_chat_template(processor):
         {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "And?"}]},
     ]
     rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
-    assert rendered == (
-        "<s>SYSTEM: Be brief.\nUSER: <image>What?<video>\nASSISTANT: A cat.</s>\n"
-        "USER: <audio>And?\nASSISTANT:"
-    )
+    assert rendered == ("<s>SYSTEM: Be brief.\nUSER: <image>What?<video>\nASSISTANT: A cat.</s>\nUSER: <audio>And?\nASSISTANT:")
     without_prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False)
     assert without_prompt == rendered.removesuffix("\nASSISTANT:")
 

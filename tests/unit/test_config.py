@@ -1,14 +1,15 @@
 """Unit tests for cluster.config: loading and validating the cluster YAML."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from cluster.config import (
     DEFAULT_CONFIG,
-    REPO_ROOT,
     ClusterConfig,
     ConfigError,
     Modality,
@@ -119,9 +120,15 @@ def test_invalid_values_are_rejected(tmp_path, data, needle):
         load_config(write(tmp_path, data))
 
 
-@pytest.mark.parametrize("dtype, device, num_gpus, resolved", [
-    ("auto", "cpu", 0, "float32"), ("auto", "cuda", 1, "bfloat16"), ("bfloat16", "cpu", 0, "bfloat16"), ("float16", "cuda", 1, "float16"),
-])
+@pytest.mark.parametrize(
+    "dtype, device, num_gpus, resolved",
+    [
+        ("auto", "cpu", 0, "float32"),
+        ("auto", "cuda", 1, "bfloat16"),
+        ("bfloat16", "cpu", 0, "bfloat16"),
+        ("float16", "cuda", 1, "float16"),
+    ],
+)
 def test_dtype_auto_is_bfloat16_on_gpu_and_float32_on_cpu(tmp_path, dtype, device, num_gpus, resolved):
     pools = {kind: {"num_gpus": num_gpus} for kind in ("encoder", "prefill", "decode")}
     config = load_config(write(tmp_path, {"model": {**MINIMAL["model"], "dtype": dtype, "device": device}, **pools}))
@@ -149,7 +156,7 @@ def test_empty_file_is_an_error_not_a_crash(tmp_path):
 
 def test_config_is_frozen():
     config = load_config()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         config.model.device = "cuda"  # type: ignore[misc]
 
 

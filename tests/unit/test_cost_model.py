@@ -1,4 +1,5 @@
 """Unit tests for router/cost_model.py: each TTFT term by hand, cache hits, prefixes, calibration."""
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,12 @@ E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 IMG = frozenset({"image"})
 
 # Round numbers so every term can be checked by hand.
-PRIORS = CostPriors(encode={"image": LinearCost(2.0, 10.0)}, prefill_tokens_per_ms=10.0, prefill_fixed_ms=1.0,
-                    bandwidth_gbps={Placement.SAME_PROCESS: 4.0, Placement.SAME_NODE: 1.0, Placement.CROSS_NODE: 0.5})
+PRIORS = CostPriors(
+    encode={"image": LinearCost(2.0, 10.0)},
+    prefill_tokens_per_ms=10.0,
+    prefill_fixed_ms=1.0,
+    bandwidth_gbps={Placement.SAME_PROCESS: 4.0, Placement.SAME_NODE: 1.0, Placement.CROSS_NODE: 0.5},
+)
 A = MediaJob("img-a", "image", 0.5, 100, 1_000_000)  # 2 + 5 = 7 ms
 B = MediaJob("img-b", "image", 1.0, 100, 1_000_000)  # 2 + 10 = 12 ms
 HASHES = tuple(f"h{i}" for i in range(10))
@@ -87,10 +92,16 @@ def test_an_identifier_twice_in_one_request_is_encoded_once():
     assert est.encode_ms == pytest.approx(7.0) and est.transfer_ms == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize(("held", "blocks"), [
-    (HASHES[:3], 3), (HASHES, 10), ((), 0), (HASHES[1:], 0),  # a hole at the start matches nothing
-    (HASHES[:2] + HASHES[3:], 2),  # a hole in the middle ends the run
-])
+@pytest.mark.parametrize(
+    ("held", "blocks"),
+    [
+        (HASHES[:3], 3),
+        (HASHES, 10),
+        ((), 0),
+        (HASHES[1:], 0),  # a hole at the start matches nothing
+        (HASHES[:2] + HASHES[3:], 2),  # a hole in the middle ends the run
+    ],
+)
 def test_longest_leading_run_of_prefix_blocks(held, blocks):
     view, cost = setup()
     view.prefix_cache.publish(1, frozenset(held), 0.0)
@@ -139,8 +150,9 @@ def test_calibration_moves_the_estimate_toward_observations():
     assert cost.prefill_ms(1, 1000) > 300 and cost.prefill_ms(0, 1000) > 250
 
 
-def _drive(cost: CostModel, rng: random.Random, workers: list[int], slowness: list[float], rounds: int, host: float = 1.0,
-           sigma: float = 0.3) -> None:
+def _drive(
+    cost: CostModel, rng: random.Random, workers: list[int], slowness: list[float], rounds: int, host: float = 1.0, sigma: float = 0.3
+) -> None:
     """Prefill observations on `workers` (each `slowness` x the truth, x `host`, x lognormal noise)."""
     for _ in range(rounds):
         for p in workers:
@@ -190,9 +202,19 @@ def test_encoders_share_relative_times_across_modalities():
     assert cost.encode_ms(1, "audio", 30) / cost.encode_ms(0, "audio", 30) == pytest.approx(2.0, rel=0.15)  # never seen
 
 
-@pytest.mark.parametrize(("setting", "value"), [("pool_memory", 0), ("error_memory", 0.5), ("speed_rate", 0),
-                                                ("speed_rate", 1.5), ("heal_rounds", -1), ("spread_z", -1),
-                                                ("max_relative", 1.0), ("pool_memory", math.nan)])
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [
+        ("pool_memory", 0),
+        ("error_memory", 0.5),
+        ("speed_rate", 0),
+        ("speed_rate", 1.5),
+        ("heal_rounds", -1),
+        ("spread_z", -1),
+        ("max_relative", 1.0),
+        ("pool_memory", math.nan),
+    ],
+)
 def test_a_calibration_that_cannot_hold_is_refused_by_name(setting, value):
     with pytest.raises(ValueError, match=setting):
         CalibrationConfig.from_dict({setting: value})
@@ -254,8 +276,13 @@ def test_transfer_calibration_and_monotone_placements():
 
 
 def test_priors_from_dict():
-    priors = CostPriors.from_dict({"encode": {"image": {"fixed_ms": 1, "per_unit_ms": 2}, "depth": {"fixed_ms": 9}},
-                                   "prefill_tokens_per_ms": 5, "bandwidth_gbps": {"cross_node": 10}})
+    priors = CostPriors.from_dict(
+        {
+            "encode": {"image": {"fixed_ms": 1, "per_unit_ms": 2}, "depth": {"fixed_ms": 9}},
+            "prefill_tokens_per_ms": 5,
+            "bandwidth_gbps": {"cross_node": 10},
+        }
+    )
     assert priors.encode["image"] == LinearCost(1.0, 2.0) and priors.encode["depth"] == LinearCost(9.0, 0.0)
     assert priors.encode["video"] == CostPriors().encode["video"]  # the rest keep their defaults
     assert priors.prefill_tokens_per_ms == 5.0 and priors.bandwidth_gbps[Placement.CROSS_NODE] == 10.0

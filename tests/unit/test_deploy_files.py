@@ -2,6 +2,7 @@
 and cluster/cluster_local.yaml pass Ray's own cluster-launcher schema and offer the node
 types the pinned pools need; configs/serve.yaml and the KubeRay RayService pass Serve's own
 config schema and carry the same application."""
+
 from __future__ import annotations
 
 import json
@@ -72,8 +73,10 @@ def test_local_cluster_yaml_offers_what_multi_node_cpu_pins():
     assert raw["provider"] == {"type": "local", "head_ip": "127.0.0.1", "worker_ips": ["127.0.0.2"]}
     assert ".venv" in raw["rsync_exclude"] and any("./scripts/setup" in c for c in raw["setup_commands"])
     assert not any("ray stop" in c for c in raw["worker_start_ray_commands"])  # one host: it would stop the head too
-    nodes = [NodeShape("head", {"CPU": 2, **_start_resources(raw["head_start_ray_commands"])}),
-             NodeShape("worker", {"CPU": 3, **_start_resources(raw["worker_start_ray_commands"])})]
+    nodes = [
+        NodeShape("head", {"CPU": 2, **_start_resources(raw["head_start_ray_commands"])}),
+        NodeShape("worker", {"CPU": 3, **_start_resources(raw["worker_start_ray_commands"])}),
+    ]
     assert unplaceable(load_config(REPO_ROOT / "configs" / "multi_node_cpu.yaml"), nodes) == []
 
 
@@ -115,6 +118,9 @@ def test_rayservice_worker_groups_hold_the_pinned_pools():
     for group in cluster["workerGroupSpecs"]:
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
         custom = json.loads(json.loads(group["rayStartParams"]["resources"]))  # KubeRay's quoted JSON string
-        shapes.append(NodeShape(group["groupName"], {"CPU": float(limits["cpu"]), "GPU": float(limits.get("nvidia.com/gpu", 0)), **custom},
-                                group["minReplicas"]))
+        shapes.append(
+            NodeShape(
+                group["groupName"], {"CPU": float(limits["cpu"]), "GPU": float(limits.get("nvidia.com/gpu", 0)), **custom}, group["minReplicas"]
+            )
+        )
     assert unplaceable(load_config(REPO_ROOT / v2["applications"][0]["args"]["config"]), shapes) == []

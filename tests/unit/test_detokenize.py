@@ -1,4 +1,5 @@
 """Unit tests for cluster.detokenize.IncrementalText with the tiny checkpoint's tokenizer."""
+
 from __future__ import annotations
 
 import random
@@ -60,7 +61,7 @@ def reference_emitted(text: str, stops: tuple[str, ...]) -> str:
 
 @pytest.mark.parametrize(
     "text",
-    [SAMPLE, "def hello(name):\n    return f\"Hello, {name}!\"\n", "héllo 世界 ok 😀!", "a  b\n\n c 1234."],
+    [SAMPLE, 'def hello(name):\n    return f"Hello, {name}!"\n', "héllo 世界 ok 😀!", "a  b\n\n c 1234."],
 )
 def test_token_by_token_deltas_concatenate_to_decode(tok, text):
     ids = encode(tok, text)

@@ -1,4 +1,5 @@
 """Encoder cache: LRU by identifier within a byte budget; invariants hold after every step."""
+
 from __future__ import annotations
 
 import random

@@ -1,6 +1,7 @@
 """Audio and all-modality families without Ray: the ingress's plan equals the model's own
 processor token for token, and encoder adapter + LMRunner (splice, 3-D positions, rope delta
 carried to decode, batched decode) give exactly the greedy tokens of the model's `generate`."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -27,8 +28,7 @@ def tone(seconds: float, hz: float, rate: int = 16000) -> np.ndarray:
 
 
 def item(modality: Modality, data: np.ndarray, fps: float | None = None) -> MediaItem:
-    return MediaItem(modality, media_identifier("test", modality, data), data,
-                     16000 if modality == Modality.AUDIO else None, fps)
+    return MediaItem(modality, media_identifier("test", modality, data), data, 16000 if modality == Modality.AUDIO else None, fps)
 
 
 def image(h: int, w: int) -> MediaItem:
@@ -57,15 +57,17 @@ def reference(model, processor, messages: list[dict], items: list[MediaItem], ma
     if by[Modality.VIDEO]:
         kwargs["videos"] = [i.data for i in by[Modality.VIDEO]]
         # fps for the Omni processor, per-video metadata for Qwen2.5-VL's (which else assumes 24 fps)
-        kwargs["videos_kwargs"] = {"fps": by[Modality.VIDEO][0].frames_per_s, "video_metadata": [
-            {"total_num_frames": len(i.data), "fps": i.frames_per_s} for i in by[Modality.VIDEO]]}
+        kwargs["videos_kwargs"] = {
+            "fps": by[Modality.VIDEO][0].frames_per_s,
+            "video_metadata": [{"total_num_frames": len(i.data), "fps": i.frames_per_s} for i in by[Modality.VIDEO]],
+        }
     if by[Modality.AUDIO]:
         kwargs["audio"] = [i.data for i in by[Modality.AUDIO]]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=[text], return_tensors="pt", **kwargs)
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
-    return inputs["input_ids"][0].tolist(), out[0, inputs["input_ids"].shape[1]:].tolist()
+    return inputs["input_ids"][0].tolist(), out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def served(encoder, runner: LMRunner, plan, max_new_tokens: int) -> list[int]:
@@ -80,9 +82,13 @@ def served(encoder, runner: LMRunner, plan, max_new_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def omni(omni_ckpt):
-    return (Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(omni_ckpt).eval(), AutoProcessor.from_pretrained(omni_ckpt),
-            PromptPlanner(omni_ckpt), load_adapter(omni_ckpt, part=Part.ENCODER, dtype="float32", device="cpu"),
-            LMRunner(load_adapter(omni_ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64))
+    return (
+        Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(omni_ckpt).eval(),
+        AutoProcessor.from_pretrained(omni_ckpt),
+        PromptPlanner(omni_ckpt),
+        load_adapter(omni_ckpt, part=Part.ENCODER, dtype="float32", device="cpu"),
+        LMRunner(load_adapter(omni_ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64),
+    )
 
 
 OMNI_CASES = {
@@ -127,8 +133,10 @@ def generate_batched(family, cases: list[list], num_tokens: int) -> tuple[list[l
     own rope delta; (served tokens, each case's own generate, the rope deltas)."""
     model, processor, planner, encoder, runner = family
     plans = [planner.plan(message(*parts), media(parts)) for parts in cases]
-    wants = [reference(model, processor, planner.window_audio(message(*parts), media(parts))[0], list(plan.items), num_tokens)[1]
-             for parts, plan in zip(cases, plans)]
+    wants = [
+        reference(model, processor, planner.window_audio(message(*parts), media(parts))[0], list(plan.items), num_tokens)[1]
+        for parts, plan in zip(cases, plans)
+    ]
     batch, tokens, deltas = kv.BatchedKV(), [], []
     for plan, embeddings in zip(plans, encode_batched(encoder, plans)):
         first, packed, delta = runner.prefill(plan.token_ids, plan.placeholders, embeddings, GREEDY)
@@ -136,8 +144,7 @@ def generate_batched(family, cases: list[list], num_tokens: int) -> tuple[list[l
         tokens.append([first.token_id])
         deltas.append(delta)
     for step in range(num_tokens - 1):
-        nxt = runner.decode_step(batch, [t[-1] for t in tokens], [GREEDY] * len(plans),
-                                 [len(p.token_ids) + step for p in plans], deltas)
+        nxt = runner.decode_step(batch, [t[-1] for t in tokens], [GREEDY] * len(plans), [len(p.token_ids) + step for p in plans], deltas)
         for t, token in zip(tokens, nxt):
             t.append(token.token_id)
     return tokens, wants, deltas
@@ -178,10 +185,13 @@ def test_long_audio_is_split_into_windows(omni):
 
 @pytest.fixture(scope="module")
 def qwen2_audio(audio_ckpt):
-    return (_audio_model(audio_ckpt),
-            AutoProcessor.from_pretrained(audio_ckpt), PromptPlanner(audio_ckpt),
-            load_adapter(audio_ckpt, part=Part.ENCODER, dtype="float32", device="cpu"),
-            LMRunner(load_adapter(audio_ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64))
+    return (
+        _audio_model(audio_ckpt),
+        AutoProcessor.from_pretrained(audio_ckpt),
+        PromptPlanner(audio_ckpt),
+        load_adapter(audio_ckpt, part=Part.ENCODER, dtype="float32", device="cpu"),
+        LMRunner(load_adapter(audio_ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64),
+    )
 
 
 def _audio_model(path):

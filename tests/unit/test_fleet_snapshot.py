@@ -1,6 +1,7 @@
 """The fleet controller's snapshot bookkeeping (cluster/snapshot.py) and a replica's adoption
 of it (cluster/fleet_client.py), without Ray: stale death reports, generations, which workers
 changed, the collective group's registration swapped in this process."""
+
 from __future__ import annotations
 
 from ray.experimental.collective.collective import RemoteCommunicatorManager

@@ -1,4 +1,5 @@
 """actors/identifiers.py: identifiers follow the decoded content, the model and the layout."""
+
 from __future__ import annotations
 
 import base64

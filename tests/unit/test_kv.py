@@ -1,4 +1,5 @@
 """Unit tests for actors.kv: packing one request's cache and the left-padded decode batch."""
+
 from __future__ import annotations
 
 import random

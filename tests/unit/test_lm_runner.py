@@ -4,10 +4,10 @@ The reference is Hugging Face's own `generate` on the whole LlavaForConditionalG
 chunked prefill, KV packing, the left-padded decode batch with requests joining and
 leaving between steps, and splicing encoder embeddings must give exactly its greedy tokens.
 """
+
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,13 +17,13 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 from transformers import AutoProcessor, LlavaForConditionalGeneration  # noqa: E402
 
-from actors import kv  # noqa: E402
 from actors.adapter_llava import LlavaAdapter
 from actors.adapters import Part  # noqa: E402
-from actors.checkpoints import SPECIAL_TOKENS, build_checkpoint  # noqa: E402
-from actors.decode_state import DecodeScheduler, Sequence  # noqa: E402
+from actors.checkpoints import SPECIAL_TOKENS  # noqa: E402
+from actors.engine_decode import DecodeEngine  # noqa: E402
+from actors.engine_prefill import PrefillEngine  # noqa: E402
 from actors.lm_runner import LMRunner, splice  # noqa: E402
-from actors.types import DecodeRequest, MediaItem, Modality, PlaceholderRange, SamplingParams  # noqa: E402
+from actors.types import DecodeRequest, MediaItem, Modality, PlaceholderRange, PrefillRequest, SamplingParams  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -57,57 +57,53 @@ def hf_greedy(model, max_new_tokens: int, **inputs) -> list[int]:
     return new
 
 
-def run_continuous_batching(
-    runner: LMRunner,
+def run_engines(
     prompts: list[tuple[tuple[int, ...], tuple[PlaceholderRange, ...], list[torch.Tensor], int]],
     arrivals: list[int],
-    max_batch_size: int,
-) -> dict[str, list[int]]:
-    """Drive prefill + decode steps the way the decode worker does: prompt i arrives
-    before step arrivals[i], joins when the batch has room, leaves when done."""
-    sched = DecodeScheduler(max_batch_size=max_batch_size, max_model_len=10_000)
-    batch = kv.BatchedKV()
-    finished: dict[str, list[int]] = {}
+    prefill: PrefillEngine,
+    decode: DecodeEngine,
+    identifiers: list[tuple[str, ...]] | None = None,
+    expect_batching: bool = True,
+) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Drive the workers' real loops: prompt i reaches the prefill engine before step
+    arrivals[i]; its first token and KV go to the decode engine, which batches continuously.
+    Returns each request's tokens and how many prompt tokens came from the prefix cache."""
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
     step, pending = 0, sorted(range(len(prompts)), key=lambda i: arrivals[i])
     max_rows, events = 0, set()
-    while pending or sched.num_active:
+    while pending or prefill.has_work or decode.has_work:
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
-            token_ids, ranges, items, max_tokens = prompts[i]
-            sampled, packed, _ = runner.prefill(token_ids, ranges, items, GREEDY)
-            first = sampled.token_id
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens)  # no stop ids: run to max_tokens
-            sched.add(Sequence(DecodeRequest(f"r{i}", len(token_ids), first, params), packed))
-        joining = sched.admit()
-        if joining and batch.num_rows:
-            events.add("joined mid-flight")
-        for seq in joining:
-            batch.join(seq.kv)
-            seq.kv = None
-        done = sched.sweep()
-        if done:
-            finished.update({s.request_id: s.token_ids for s in done})
-            batch.keep(sched.remove_finished())
-        if sched.running:
-            assert batch.num_rows == len(sched.running)
-            max_rows = max(max_rows, batch.num_rows)
-            running = sched.running
-            tokens = runner.decode_step(
-                batch,
-                [s.token_ids[-1] for s in running],
-                [s.request.sampling for s in running],
-                [s.next_position for s in running],
-            )
-            done = sched.record([t.token_id for t in tokens])
-            finished.update({s.request_id: s.token_ids for s in done})
-            batch.keep(sched.remove_finished())
-            if done and batch.num_rows:
+            token_ids, ranges, items, _ = prompts[i]
+            prefill.add(PrefillRequest(f"r{i}", token_ids, ranges, GREEDY, media_identifiers=identifiers[i] if identifiers else ()), items)
+        for out in prefill.step():
+            i = int(out.request_id[1:])
+            params = SamplingParams(temperature=0.0, max_tokens=prompts[i][3])  # no stop ids: run to max_tokens
+            first = out.first.token_id
+            tokens[out.request_id], cached[out.request_id] = [first], out.num_cached_tokens
+            decode.add(DecodeRequest(out.request_id, len(prompts[i][0]), first, params, out.rope_delta), out.packed_kv)
+        rows_before = decode.batch.num_rows
+        for out in decode.step():
+            tokens[out.request_id] += out.chunk.token_ids
+            if out.chunk.finished and decode.scheduler.running:
                 events.add("left mid-flight")
+        if rows_before and decode.batch.num_rows > rows_before:
+            events.add("joined mid-flight")
+        max_rows = max(max_rows, decode.batch.num_rows)
         step += 1
-    assert batch.num_rows == 0, "finished requests leaked their rows"
-    assert max_rows > 1, "the test never batched"
-    assert events == {"joined mid-flight", "left mid-flight"}, events
-    return finished
+    assert decode.batch.num_rows == 0, "finished requests leaked their rows"
+    assert not prefill.jobs and prefill.pool.num_referenced() == 0, "finished prefills still hold blocks"
+    prefill.pool.check_integrity()
+    if expect_batching:
+        assert max_rows > 1, "the test never batched"
+        assert events == {"joined mid-flight", "left mid-flight"}, events
+    return tokens, cached
+
+
+def engines(lm, token_budget: int, cache_bytes: int = 0, block_size: int = 4) -> tuple[PrefillEngine, DecodeEngine]:
+    prefill = PrefillEngine(LMRunner(lm), token_budget, block_size=block_size, cache_bytes=cache_bytes)
+    return prefill, DecodeEngine(LMRunner(lm), max_batch_size=4, max_model_len=10_000)
 
 
 @pytest.mark.parametrize("max_chunk_tokens", [4, 512])
@@ -124,8 +120,7 @@ def test_text_only_continuous_batching_matches_hf_generate(lm, hf_model, max_chu
     prompts[1] = (tuple(rnd.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(40)), (), [], 1)  # prefill only
     arrivals[0] = 0
 
-    runner = LMRunner(lm, max_chunk_tokens=max_chunk_tokens)
-    got = run_continuous_batching(runner, prompts, arrivals, max_batch_size=4)
+    got, _ = run_engines(prompts, arrivals, *engines(lm, max_chunk_tokens))
 
     for i, (token_ids, _, _, max_tokens) in enumerate(prompts):
         want = hf_greedy(hf_model, max_tokens, input_ids=torch.tensor([token_ids]))
@@ -186,9 +181,7 @@ def test_image_prompt_matches_hf_generate(lm, encoder, hf_model, processor, max_
         inputs = processor(text=text, images=[Image.fromarray(array)], return_tensors="pt")
         token_ids = inputs["input_ids"][0].tolist()
         ranges = placeholder_ranges(token_ids, image_id)
-        assert len(ranges) == 1 and ranges[0].length == encoder.config.vision_config.image_size ** 2 // (
-            encoder.config.vision_config.patch_size ** 2
-        )
+        assert len(ranges) == 1 and ranges[0].length == encoder.config.vision_config.image_size**2 // (encoder.config.vision_config.patch_size**2)
         [embeddings] = encoder.encode([MediaItem(Modality.IMAGE, f"img{n}", data=array)])
         assert embeddings.shape == (ranges[0].length, lm.config.text_config.hidden_size)
         max_tokens = 10 + 3 * n
@@ -199,8 +192,7 @@ def test_image_prompt_matches_hf_generate(lm, encoder, hf_model, processor, max_
     prompts.append(((11, 12, 13, 14, 15), (), [], 8))
     refs.append(hf_greedy(hf_model, 8, input_ids=torch.tensor([[11, 12, 13, 14, 15]])))
 
-    runner = LMRunner(lm, max_chunk_tokens=max_chunk_tokens)
-    got = run_continuous_batching(runner, prompts, arrivals=[0, 2, 1], max_batch_size=4)
+    got, _ = run_engines(prompts, [0, 2, 1], *engines(lm, max_chunk_tokens))
     for i, want in enumerate(refs):
         assert got[f"r{i}"] == want, f"prompt {i}"
 

@@ -1,4 +1,5 @@
 """actors/media.py and media_image.py: every rejection names the problem and the part; RGB matches transformers."""
+
 from __future__ import annotations
 
 import base64
@@ -55,8 +56,7 @@ def png_chunk(kind: bytes, body: bytes) -> bytes:
 def png_declaring(width: int, height: int) -> bytes:
     """A tiny, valid-looking PNG whose IHDR declares width x height RGB pixels."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr)
-            + png_chunk(b"IDAT", zlib.compress(b"\0" * 64)) + png_chunk(b"IEND", b""))
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", zlib.compress(b"\0" * 64)) + png_chunk(b"IEND", b"")
 
 
 def webp_vp8x_declaring(width: int, height: int) -> bytes:
@@ -67,10 +67,14 @@ def webp_vp8x_declaring(width: int, height: int) -> bytes:
 
 # ----------------------------------------------------------------------------- accepted inputs
 
-@pytest.mark.parametrize("fmt,mime,kwargs", [
-    ("PNG", "image/png", {}),
-    ("WEBP", "image/webp", {"lossless": True}),
-])
+
+@pytest.mark.parametrize(
+    "fmt,mime,kwargs",
+    [
+        ("PNG", "image/png", {}),
+        ("WEBP", "image/webp", {"lossless": True}),
+    ],
+)
 def test_lossless_formats_round_trip_exactly(fmt: str, mime: str, kwargs: dict) -> None:
     array = pixels()
     out = decode(data_url(encode(Image.fromarray(array), fmt, **kwargs), mime))
@@ -86,12 +90,13 @@ def test_jpeg_decodes(mime: str) -> None:
 
 def test_wrapped_base64_and_mismatched_but_allowed_mime_are_accepted() -> None:
     raw = base64.b64encode(encode(Image.fromarray(pixels()), "PNG")).decode()
-    wrapped = "\n".join(raw[i:i + 76] for i in range(0, len(raw), 76))
+    wrapped = "\n".join(raw[i : i + 76] for i in range(0, len(raw), 76))
     out = decode(f"data:image/jpeg;base64,{wrapped}")  # declared JPEG, actually PNG
     np.testing.assert_array_equal(out, pixels())
 
 
 # ----------------------------------------------------------------------------- URL and payload rejections
+
 
 def test_remote_urls_are_refused() -> None:
     rejects("https://example.com/cat.png", "fetching remote media is disabled")
@@ -142,6 +147,7 @@ def test_load_truncated_images_flag_is_refused(monkeypatch: pytest.MonkeyPatch) 
 
 # ----------------------------------------------------------------------------- size limits
 
+
 def test_png_bomb_is_rejected_from_the_header_without_opening(monkeypatch: pytest.MonkeyPatch) -> None:
     def never(*args, **kwargs):
         raise AssertionError("Pillow must not see a bomb")
@@ -168,8 +174,7 @@ def test_jpeg_over_the_limit_is_rejected_before_decoding(monkeypatch: pytest.Mon
     from PIL import JpegImagePlugin
 
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "load", lambda self: pytest.fail("decoded pixels"))
-    rejects(data_url(encode(Image.fromarray(pixels(40, 50)), "JPEG"), "image/jpeg"), "over this server's limit",
-            max_pixels=100)
+    rejects(data_url(encode(Image.fromarray(pixels(40, 50)), "JPEG"), "image/jpeg"), "over this server's limit", max_pixels=100)
 
 
 def test_zero_size_is_rejected() -> None:
@@ -184,6 +189,7 @@ def test_pillow_bomb_guard_becomes_media_error(monkeypatch: pytest.MonkeyPatch, 
 
 
 # ----------------------------------------------------------------------------- RGB conversion = transformers'
+
 
 def _images() -> dict[str, tuple[bytes, str]]:
     rgba = Image.fromarray(pixels(24, 40, 4, seed=1), "RGBA")
@@ -231,6 +237,7 @@ def test_rgb_conversion_matches_transformers_convert_to_rgb(name: str) -> None:
 
 # ----------------------------------------------------------------------------- dispatch
 
+
 def Limits(**overrides) -> LimitsConfig:
     """The real limits config, with this module's pixel limit."""
     return LimitsConfig(**{"max_image_pixels": LIMIT, **overrides})
@@ -242,8 +249,7 @@ def test_dispatch_by_modality(monkeypatch: pytest.MonkeyPatch) -> None:
     np.testing.assert_array_equal(decoded.data, pixels())
     assert decoded.sample_rate_hz is None and decoded.frames_per_s is None
     with pytest.raises(MediaError, match="unsupported audio format 'aiff'") as info:
-        decode_media(Modality.AUDIO, "AAAA", limits=Limits(), param="messages[0].content[0].input_audio",
-                     format="aiff")
+        decode_media(Modality.AUDIO, "AAAA", limits=Limits(), param="messages[0].content[0].input_audio", format="aiff")
     assert info.value.param == "messages[0].content[0].input_audio"
     monkeypatch.delitem(media.DECODERS, Modality.AUDIO)
     with pytest.raises(MediaError, match="audio input is not supported"):
@@ -258,12 +264,11 @@ def test_load_media_item_fingerprints_the_decoded_pixels() -> None:
     assert isinstance(item, MediaItem) and item.modality == Modality.IMAGE and item.size == 600
     assert item.duration_s == 0.0 and item.sample_rate_hz is None and item.frames_per_s is None
     webp = data_url(encode(Image.fromarray(pixels()), "WEBP", lossless=True), "image/webp")
-    assert load_media_item(Modality.IMAGE, webp, namespace="model-a", limits=Limits(),
-                           param=PARAM).identifier == item.identifier
+    assert load_media_item(Modality.IMAGE, webp, namespace="model-a", limits=Limits(), param=PARAM).identifier == item.identifier
 
 
 def test_limits_config_satisfies_media_limits() -> None:
-    
+
     url = data_url(encode(Image.fromarray(pixels()), "PNG"))
     assert decode_media(Modality.IMAGE, url, limits=LimitsConfig(), param=PARAM).data.shape == (20, 30, 3)
     with pytest.raises(MediaError, match="remote media is disabled"):

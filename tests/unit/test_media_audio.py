@@ -1,4 +1,5 @@
 """actors/media_audio.py: any accepted format -> mono float32 at the model's rate; bad input names itself."""
+
 from __future__ import annotations
 
 import base64
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from actors.media import MediaError, MediaOptions, load_media_item
 from actors import media_audio
+from actors.media import MediaError, MediaOptions, load_media_item
 from actors.media_audio import AUDIO_FORMATS, decode_audio, resample
 from actors.types import Modality
 from cluster.config import LimitsConfig
@@ -70,15 +71,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("name,fmt,subtype,rate_hz", CASES, ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in CASES])
-def test_formats_decode_to_mono_float32_at_the_target_rate(name: str, fmt: str, subtype: str,
-                                                          rate_hz: int) -> None:
+def test_formats_decode_to_mono_float32_at_the_target_rate(name: str, fmt: str, subtype: str, rate_hz: int) -> None:
     if name not in AUDIO_FORMATS:
         pytest.skip(f"this libsndfile cannot read {name}")
     out = decode(encode(sine(rate_hz), rate_hz, fmt, subtype), name)
     assert out.dtype == np.float32 and out.ndim == 1 and out.flags.c_contiguous
     assert abs(len(out) - 2 * TARGET_HZ) <= 1, len(out)
     assert abs(dominant_hz(out, TARGET_HZ) - 440.0) <= 1.0
-    assert 0.4 < np.abs(out[len(out) // 4:]).max() < 0.6  # the amplitude survives
+    assert 0.4 < np.abs(out[len(out) // 4 :]).max() < 0.6  # the amplitude survives
 
 
 def test_other_target_rates() -> None:
@@ -112,13 +112,14 @@ def test_stereo_is_downmixed_to_the_channel_mean() -> None:
 def test_multichannel_and_wrapped_base64_and_data_urls() -> None:
     wav = encode(sine(8_000, channels=6), 8_000, subtype="PCM_16")
     raw = b64(wav)
-    wrapped = "\n".join(raw[i:i + 76] for i in range(0, len(raw), 76))
+    wrapped = "\n".join(raw[i : i + 76] for i in range(0, len(raw), 76))
     np.testing.assert_array_equal(decode(wrapped), decode(wav))
     np.testing.assert_array_equal(decode(f"data:audio/wav;base64,{raw}"), decode(wav))
     assert decode(wav, "WAV").shape == decode(wav).shape  # the format name is case-insensitive
 
 
 # ----------------------------------------------------------------------------- rejections
+
 
 def test_bad_base64_and_empty_data() -> None:
     rejects("@@@not*base64", "wav", "invalid base64 in input_audio data")
@@ -133,8 +134,7 @@ def test_unsupported_format_names_the_accepted_ones(fmt: str | None, shown: str)
 
 
 def test_data_that_is_not_audio_of_the_declared_format() -> None:
-    rejects(b"hello, this is not audio at all" * 10, "wav", "does not decode as wav audio",
-            "Format not recognised")
+    rejects(b"hello, this is not audio at all" * 10, "wav", "does not decode as wav audio", "Format not recognised")
     flac = encode(sine(8_000), 8_000, "FLAC")
     rejects(flac, "wav", "data is FLAC audio, not wav as input_audio.format declares")
     rejects(encode(sine(8_000), 8_000), "flac", "data is WAV audio, not flac")
@@ -191,14 +191,22 @@ def test_bad_target_rate_is_a_server_bug_not_a_media_error() -> None:
 
 # ----------------------------------------------------------------------------- through the front door
 
+
 def Limits(**overrides) -> LimitsConfig:
     """The real limits config (every field decoding reads), with overrides."""
     return LimitsConfig(**{"max_image_pixels": 1_000_000, **overrides})
 
 
 def load(data: bytes, fmt: str, namespace: str = "model-a", rate_hz: int = TARGET_HZ, max_s: float = 600.0):
-    return load_media_item(Modality.AUDIO, b64(data), namespace=namespace, limits=Limits(max_audio_s=max_s),
-                           param=PARAM, format=fmt, options=MediaOptions(audio_sample_rate_hz=rate_hz))
+    return load_media_item(
+        Modality.AUDIO,
+        b64(data),
+        namespace=namespace,
+        limits=Limits(max_audio_s=max_s),
+        param=PARAM,
+        format=fmt,
+        options=MediaOptions(audio_sample_rate_hz=rate_hz),
+    )
 
 
 def test_load_media_item_carries_rate_duration_and_a_content_identifier() -> None:
@@ -220,6 +228,5 @@ def test_load_media_item_uses_the_audio_limit() -> None:
 
 
 def test_limits_config_satisfies_media_limits() -> None:
-    item = load_media_item(Modality.AUDIO, b64(encode(sine(8_000), 8_000)), namespace="m",
-                           limits=LimitsConfig(), param=PARAM, format="wav")
+    item = load_media_item(Modality.AUDIO, b64(encode(sine(8_000), 8_000)), namespace="m", limits=LimitsConfig(), param=PARAM, format="wav")
     assert item.sample_rate_hz == 16_000 and len(item.data) == 32_000

@@ -1,6 +1,7 @@
 """Pixel budgets and header probes (actors/media_budget.py, media_probe.py): media that would
 decode too much is refused from its headers, before any frame is rendered, with a 400
 naming the limit and the part."""
+
 from __future__ import annotations
 
 import base64
@@ -30,17 +31,27 @@ def gif(canvas: tuple[int, int], frames: list[tuple[int, int, int]]) -> bytes:
     """A GIF written by hand: a two-colour `canvas` and 1x1 frames at (left, top), each
     shown `delay_cs` centiseconds. Pillow will not write a canvas larger than its frames."""
     head = b"GIF89a" + struct.pack("<HHBBB", *canvas, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff"
-    body = b"".join(b"\x21\xf9\x04\x00" + struct.pack("<H", delay_cs) + b"\x00\x00"  # graphic control
-                    + b"\x2c" + struct.pack("<HHHHB", left, top, 1, 1, 0)  # image descriptor
-                    + b"\x02\x02\x44\x01\x00"  # LZW data of one pixel
-                    for left, top, delay_cs in frames)
+    body = b"".join(
+        b"\x21\xf9\x04\x00"
+        + struct.pack("<H", delay_cs)
+        + b"\x00\x00"  # graphic control
+        + b"\x2c"
+        + struct.pack("<HHHHB", left, top, 1, 1, 0)  # image descriptor
+        + b"\x02\x02\x44\x01\x00"  # LZW data of one pixel
+        for left, top, delay_cs in frames
+    )
     return head + body + b"\x3b"
 
 
-def load(url: str, *, limits: LimitsConfig = LimitsConfig(), modality: Modality = Modality.VIDEO,
-         sampling: VideoSampling = VideoSampling(), budget: PixelBudget | None = None):
-    return load_media_item(modality, url, namespace="m", limits=limits, param=PARAM, budget=budget,
-                           options=MediaOptions(video_sampling=sampling))
+def load(
+    url: str,
+    *,
+    limits: LimitsConfig = LimitsConfig(),
+    modality: Modality = Modality.VIDEO,
+    sampling: VideoSampling = VideoSampling(),
+    budget: PixelBudget | None = None,
+):
+    return load_media_item(modality, url, namespace="m", limits=limits, param=PARAM, budget=budget, options=MediaOptions(video_sampling=sampling))
 
 
 def refused(url: str, *fragments: str, **kwargs) -> MediaError:
@@ -59,6 +70,7 @@ def png(width: int, height: int) -> str:
 
 
 # ----------------------------------------------------------------------------- per video
+
 
 def test_66_byte_gif_bomb_is_refused_from_its_headers(monkeypatch: pytest.MonkeyPatch) -> None:
     """4000x4000 canvas, two 1x1 frames of 10 s: 32 sampled frames would be 1.5 GB of RGB."""
@@ -109,6 +121,7 @@ def test_a_gif_frame_past_the_declared_canvas_is_counted_and_still_decodes() -> 
 
 # ----------------------------------------------------------------------------- per request
 
+
 def test_large_images_together_are_refused_by_the_request_budget() -> None:
     rp = path()
     rp.config = rp.config.replace(limits={"max_request_pixels": 2_500_000, "max_audio_s": 5})
@@ -134,10 +147,10 @@ def test_images_and_video_share_the_request_budget() -> None:
 
 # ----------------------------------------------------------------------------- header probes
 
+
 @pytest.mark.parametrize("fmt", ["GIF", "WEBP"])
 def test_probe_reads_what_pillow_shows(fmt: str) -> None:
-    data = (gif_with_partial_frames() if fmt == "GIF"
-            else animated(red_frames(5), "WEBP", [100, 250, 0, 40, 7], lossless=True))
+    data = gif_with_partial_frames() if fmt == "GIF" else animated(red_frames(5), "WEBP", [100, 250, 0, 40, 7], lossless=True)
     header = probe_animation(data, fmt, max_frames=1000, param=PARAM)
     image = Image.open(io.BytesIO(data))
     assert (header.width, header.height) == image.size

@@ -1,4 +1,5 @@
 """Fetching http(s) media under the allow-list, against a real local HTTP server."""
+
 from __future__ import annotations
 
 import time
@@ -33,8 +34,9 @@ def test_allowed_host_serves_image_audio_and_video(server):
     assert image.shape == (40, 40, 3)
     audio = decode_audio_url(server.url("/tone.wav"), remote=LOCAL, sample_rate_hz=16000, max_duration_s=10, param="p")
     assert audio.shape == (8000,)
-    video = decode_video_url(server.url("/clip.gif"), sampling=VideoSampling(), max_pixels=10**6, max_duration_s=10,
-                             max_frames=8, remote=LOCAL, param="p")
+    video = decode_video_url(
+        server.url("/clip.gif"), sampling=VideoSampling(), max_pixels=10**6, max_duration_s=10, max_frames=8, remote=LOCAL, param="p"
+    )
     assert video.frames.shape[1:] == (32, 32, 3)
 
 

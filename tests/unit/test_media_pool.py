@@ -1,4 +1,5 @@
 """actors/media_pool.py: a few decodes at once, and freed memory handed back to the OS."""
+
 from __future__ import annotations
 
 import threading

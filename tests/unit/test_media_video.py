@@ -1,4 +1,5 @@
 """actors/media_video.py: frames sampled on a time grid, from GIF, WebP, MP4 and WebM; limits hold."""
+
 from __future__ import annotations
 
 import base64
@@ -26,10 +27,8 @@ def data_url(data: bytes, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def decode(url: str, sampling: VideoSampling = VideoSampling(), *, max_pixels: int = LIMIT,
-           max_s: float = 600.0, max_frames: int = 256, remote=None):
-    return decode_video_url(url, sampling=sampling, max_pixels=max_pixels, max_duration_s=max_s,
-                            max_frames=max_frames, remote=remote, param=PARAM)
+def decode(url: str, sampling: VideoSampling = VideoSampling(), *, max_pixels: int = LIMIT, max_s: float = 600.0, max_frames: int = 256, remote=None):
+    return decode_video_url(url, sampling=sampling, max_pixels=max_pixels, max_duration_s=max_s, max_frames=max_frames, remote=remote, param=PARAM)
 
 
 def rejects(url: str, *fragments: str, **kwargs) -> MediaError:
@@ -51,7 +50,7 @@ def stripes(index: int, height: int, width: int) -> np.ndarray:
     stripe = width // BITS
     for bit in range(BITS):
         if index >> bit & 1:
-            rgb[:, bit * stripe:(bit + 1) * stripe] = 255
+            rgb[:, bit * stripe : (bit + 1) * stripe] = 255
     return rgb
 
 
@@ -64,6 +63,7 @@ def stripe_index(frames: np.ndarray) -> list[int]:
 
 # ----------------------------------------------------------------------------- inputs built here
 
+
 def _codec(fmt: str) -> str:
     av = pytest.importorskip("av")
     wanted = ("mpeg4", "libx264", "h264") if fmt == "mp4" else ("libvpx", "libvpx-vp9")
@@ -73,8 +73,7 @@ def _codec(fmt: str) -> str:
     pytest.skip(f"no {fmt} encoder in this PyAV build")
 
 
-def encoded_video(fmt: str = "mp4", *, codec: str | None = None, num_frames: int = 20, fps: int = 10,
-                  width: int = 48, height: int = 32) -> bytes:
+def encoded_video(fmt: str = "mp4", *, codec: str | None = None, num_frames: int = 20, fps: int = 10, width: int = 48, height: int = 32) -> bytes:
     """width x height yuv420p, `fps` frames per second; frame i shows stripes(i)."""
     av = pytest.importorskip("av")
     buf = io.BytesIO()
@@ -103,19 +102,19 @@ def gif_with_partial_frames() -> bytes:
     frames = []
     for i in range(6):
         rgb = np.full((20, 30, 3), (10, 20, 30), np.uint8)
-        rgb[2 + i:6 + i, 3 * i:3 * i + 5] = (200, 40 * i, 0)
+        rgb[2 + i : 6 + i, 3 * i : 3 * i + 5] = (200, 40 * i, 0)
         frames.append(Image.fromarray(rgb))
     return animated(frames, "GIF", [100, 200, 300, 400, 100, 100], disposal=[0, 1, 2, 1, 2, 0])
 
 
 # ----------------------------------------------------------------------------- the sampling grid
 
+
 def test_sampling_grid() -> None:
     np.testing.assert_allclose(sample_times(2.0, VideoSampling(fps=2), max_frames=256), [0, 0.5, 1, 1.5])
     np.testing.assert_allclose(sample_times(2.1, VideoSampling(fps=2), max_frames=256), np.arange(4) * 2.1 / 4)
     # over max_frames: max_frames evenly over the whole clip, from either cap
-    np.testing.assert_allclose(sample_times(10.0, VideoSampling(fps=2, max_frames=4), max_frames=256),
-                               [0, 2.5, 5, 7.5])
+    np.testing.assert_allclose(sample_times(10.0, VideoSampling(fps=2, max_frames=4), max_frames=256), [0, 2.5, 5, 7.5])
     assert len(sample_times(10.0, VideoSampling(fps=2, max_frames=32), max_frames=3)) == 3
     # under min_frames, and never fewer than one
     assert len(sample_times(1.0, VideoSampling(fps=1, min_frames=3, max_frames=8), max_frames=256)) == 3
@@ -133,14 +132,14 @@ def test_select_frames_picks_the_frame_on_screen() -> None:
     assert indices.tolist() == list(range(10))
 
 
-@pytest.mark.parametrize("kwargs", [{"fps": 0}, {"fps": float("nan")}, {"min_frames": 0},
-                                    {"min_frames": 5, "max_frames": 4}])
+@pytest.mark.parametrize("kwargs", [{"fps": 0}, {"fps": float("nan")}, {"min_frames": 0}, {"min_frames": 5, "max_frames": 4}])
 def test_sampling_policy_is_validated(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="VideoSampling"):
         VideoSampling(**kwargs)
 
 
 # ----------------------------------------------------------------------------- MP4 / WebM (PyAV)
+
 
 def test_mp4_fps_sampling() -> None:
     video = decode(data_url(encoded_video(), "video/mp4"), VideoSampling(fps=2))
@@ -216,11 +215,12 @@ def test_missing_pyav_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ----------------------------------------------------------------------------- GIF / WebP (Pillow)
 
+
 def test_gif_frames_equal_what_pillow_shows_and_follow_durations() -> None:
     gif = gif_with_partial_frames()
     video = decode(data_url(gif, "image/gif"), VideoSampling(fps=10, max_frames=100))
     assert video.duration_s == pytest.approx(1.2) and video.frames_per_s == 10.0
-    assert video.timestamps_s == pytest.approx((0, .1, .1, .3, .3, .3, .6, .6, .6, .6, 1.0, 1.1))
+    assert video.timestamps_s == pytest.approx((0, 0.1, 0.1, 0.3, 0.3, 0.3, 0.6, 0.6, 0.6, 0.6, 1.0, 1.1))
     shown = [np.array(f.convert("RGB")) for f in ImageSequence.Iterator(Image.open(io.BytesIO(gif)))]
     for frame, index in zip(video.frames, [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 5]):
         np.testing.assert_array_equal(frame, shown[index])
@@ -242,8 +242,7 @@ def test_gif_transparency_is_composited_on_white_like_images() -> None:
 
 
 def test_animated_webp_lossless_is_exact() -> None:
-    frames = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (20, 30, 3), dtype=np.uint8))
-              for i in range(4)]
+    frames = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (20, 30, 3), dtype=np.uint8)) for i in range(4)]
     webp = animated(frames, "WEBP", [100, 200, 300, 400], lossless=True)
     video = decode(data_url(webp, "image/webp"), VideoSampling(fps=4))
     assert video.timestamps_s == pytest.approx((0.0, 0.1, 0.3, 0.6)) and video.duration_s == pytest.approx(1.0)
@@ -286,19 +285,20 @@ def test_animated_image_undecodable_data() -> None:
 
 # ----------------------------------------------------------------------------- URLs
 
+
 def test_url_rejections() -> None:
     rejects("https://example.com/clip.mp4", "fetching remote media is disabled", "send the video inline")
     others_only = FetchPolicy.of(["media.internal"], [], max_bytes=1000, timeout_s=1, max_redirects=0)
     rejects("https://example.com/clip.mp4", "host 'example.com' is not allowed", remote=others_only)
     rejects("file:///etc/passwd", "unsupported video URL")
-    rejects(data_url(b"x", "video/quicktime"), "unsupported video type 'video/quicktime'",
-            "video/mp4, video/webm, image/gif or image/webp")
+    rejects(data_url(b"x", "video/quicktime"), "unsupported video type 'video/quicktime'", "video/mp4, video/webm, image/gif or image/webp")
     rejects("data:video/mp4,abc", "only base64 data URLs")
     rejects("data:video/mp4;base64,@@", "invalid base64")
     rejects("data:video/mp4;base64,", "empty video data")
 
 
 # ----------------------------------------------------------------------------- through the front door
+
 
 def Limits(**overrides) -> LimitsConfig:
     """The real limits config, with this module's pixel limit."""
@@ -309,8 +309,9 @@ def test_load_media_item_video() -> None:
     url = data_url(animated(red_frames(10), "GIF", 100), "image/gif")
 
     def load(fps: float, limits: Limits = Limits()):
-        return load_media_item(Modality.VIDEO, url, namespace="m", limits=limits, param=PARAM,
-                               options=MediaOptions(video_sampling=VideoSampling(fps=fps)))
+        return load_media_item(
+            Modality.VIDEO, url, namespace="m", limits=limits, param=PARAM, options=MediaOptions(video_sampling=VideoSampling(fps=fps))
+        )
 
     item = load(5)
     assert item.modality == Modality.VIDEO and item.data.shape == (5, 20, 30, 3)

@@ -1,4 +1,5 @@
 """The metric names a dashboard relies on, and the Grafana dashboard over them."""
+
 from __future__ import annotations
 
 import json

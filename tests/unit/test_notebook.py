@@ -4,6 +4,7 @@ The run uses fast mode (EPD_NOTEBOOK_FAST=1) on a temporary copy, in an ipykerne
 started with this interpreter (sys.executable), so it sees the same packages as the tests.
 Needs nbclient, nbformat and ipykernel (the test extra).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,7 @@ POLICIES = ("joint", "least_loaded", "affinity", "round_robin", "random")
 def test_committed_notebook_has_no_outputs():
     nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
     assert nb["cells"], "empty notebook"
-    dirty = [i for i, c in enumerate(nb["cells"])
-             if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
+    dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
     assert not dirty, f"cells {dirty} carry outputs or execution counts: strip them before committing"
     assert nb["metadata"].get("kernelspec", {}).get("name") == "python3"
     first = next(c for c in nb["cells"] if c["cell_type"] == "code")
@@ -39,11 +39,16 @@ def _kernel_manager(tmp_path: Path):
 
     spec = tmp_path / "kernels" / "python3"
     spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3 (epd tests)",
-        "language": "python",
-    }), encoding="utf-8")
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "Python 3 (epd tests)",
+                "language": "python",
+            }
+        ),
+        encoding="utf-8",
+    )
     ksm = KernelSpecManager(kernel_dirs=[str(spec.parent)], ensure_native_kernel=False)
     return KernelManager(kernel_name="python3", kernel_spec_manager=ksm)
 
@@ -75,8 +80,9 @@ def test_notebook_runs_in_fast_mode(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     monkeypatch.delenv("MPLBACKEND", raising=False)
 
-    client = nbclient.NotebookClient(nb, km=_kernel_manager(tmp_path), kernel_name="python3", timeout=300,
-                                     resources={"metadata": {"path": str(work)}})
+    client = nbclient.NotebookClient(
+        nb, km=_kernel_manager(tmp_path), kernel_name="python3", timeout=300, resources={"metadata": {"path": str(work)}}
+    )
     t0 = time.perf_counter()
     client.execute()  # raises CellExecutionError on the first failing cell
     elapsed = time.perf_counter() - t0
@@ -88,8 +94,7 @@ def test_notebook_runs_in_fast_mode(tmp_path, monkeypatch):
     assert all(c.execution_count is not None for c in code_cells), "a code cell did not run"
     assert "FAST=True" in _texts(code_cells[0]), "the notebook did not pick up EPD_NOTEBOOK_FAST=1"
 
-    images = [o for c in code_cells for o in c.outputs
-              if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {})]
+    images = [o for c in code_cells for o in c.outputs if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {})]
     assert len(images) >= 4, f"expected the sweep, CDF, goodput and cache plots, got {len(images)} image(s)"
 
     text = "\n".join(_texts(c) for c in code_cells)

@@ -1,4 +1,5 @@
 """Pools pinned to node types: the check that runs before any actor starts."""
+
 from __future__ import annotations
 
 import pytest

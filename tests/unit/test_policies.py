@@ -1,5 +1,6 @@
 """Unit tests for router/policies.py: the joint fast path against brute force, and what
 defines each baseline."""
+
 from __future__ import annotations
 
 import random
@@ -9,7 +10,7 @@ import pytest
 from router.calibration import CalibrationConfig
 from router.cost_model import CostModel, CostPriors
 from router.policies import POLICIES, Affinity, Joint, LeastLoaded, make_policy
-from router.types import MediaJob, Placement, RequestProfile, WorkerInfo, WorkerKind
+from router.types import Placement, RequestProfile, WorkerInfo, WorkerKind
 from router.view import ClusterView, NoWorkerError
 from tests.unit.conftest import fleet, media
 
@@ -63,7 +64,9 @@ def random_instance(rng: random.Random, spread_z: float = 0.0) -> tuple[ClusterV
     if rng.random() < 0.5:
         cost.observe_transfer(Placement.SAME_PROCESS, 10**6, rng.uniform(0.0, 5.0))
     modality = rng.choice(["image", "image", "video", "audio"])
-    items = tuple(media(rng.choice(ids), rng.choice(["image", modality]), rng.uniform(0.05, 30), rng.randint(1, 3000)) for _ in range(rng.randint(0, 4)))
+    items = tuple(
+        media(rng.choice(ids), rng.choice(["image", modality]), rng.uniform(0.05, 30), rng.randint(1, 3000)) for _ in range(rng.randint(0, 4))
+    )
     profile = RequestProfile(rng.randint(1, 4000), items, hashes[: rng.randint(0, 12)])
     view.refresh(now)
     return view, cost, profile
@@ -120,11 +123,11 @@ def test_joint_spread_by_hand():
     view, cost = setup(fleet(1, 2, 1))
     view.begin(P, 0, 2, ms=5.0)  # worker 0: 2 jobs, 5 ms booked; worker 1: 3 jobs, 3 ms: the argmin
     view.begin(P, 1, 3, ms=3.0)
-    cost.prefill_fit.err2 = 0.3 ** 2  # the fit has seen 30% error
+    cost.prefill_fit.err2 = 0.3**2  # the fit has seen 30% error
     assert Joint().decision(TEXT, view, cost).prefill == 0  # 5 + 7 vs 3 + 7 ms: within 30%, fewer jobs
-    cost.prefill_fit.err2 = 0.01 ** 2  # an exact fit: the argmin
+    cost.prefill_fit.err2 = 0.01**2  # an exact fit: the argmin
     assert Joint().decision(TEXT, view, cost).prefill == 1
-    cost.prefill_fit.err2 = 0.3 ** 2
+    cost.prefill_fit.err2 = 0.3**2
     assert Joint().decision(TEXT, view, CostModel.for_view(None, view, CalibrationConfig(spread_z=0))).prefill == 1
 
 

@@ -1,6 +1,7 @@
 """Qwen2.5-Omni in the published layout (`qwen2_5_omni`: thinker + talker + token2wav in one
 repo): the files and config nesting of the published repo; the workers load the thinker's
 weights only; the served path equals the whole published model's own (text) generate."""
+
 from __future__ import annotations
 
 import json
@@ -18,17 +19,29 @@ from cluster.prompt_plan import PromptPlanner  # noqa: E402
 from tests.integration.reference import TextOnly  # noqa: E402
 from tests.unit.test_families import OMNI_CASES, check_matches_generate  # noqa: E402
 
-PUBLISHED_FILES = {"config.json", "generation_config.json", "model.safetensors.index.json", "spk_dict.pt",
-                   "preprocessor_config.json", "chat_template.json", "tokenizer.json", "tokenizer_config.json"}
+PUBLISHED_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "spk_dict.pt",
+    "preprocessor_config.json",
+    "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
 
 
 @pytest.fixture(scope="module")
 def published(published_omni_ckpt):
     whole = Qwen2_5OmniForConditionalGeneration.from_pretrained(published_omni_ckpt).eval()
     ckpt = published_omni_ckpt
-    return (TextOnly(whole), AutoProcessor.from_pretrained(ckpt), PromptPlanner(ckpt),
-            load_adapter(ckpt, part=Part.ENCODER, dtype="float32", device="cpu"),
-            LMRunner(load_adapter(ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64))
+    return (
+        TextOnly(whole),
+        AutoProcessor.from_pretrained(ckpt),
+        PromptPlanner(ckpt),
+        load_adapter(ckpt, part=Part.ENCODER, dtype="float32", device="cpu"),
+        LMRunner(load_adapter(ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64),
+    )
 
 
 def _tensor_bytes(ckpt) -> dict[str, int]:

@@ -1,4 +1,5 @@
 """cluster/request_path.py: the ingress decodes each media part with the config's limits and the model's options."""
+
 from __future__ import annotations
 
 import base64
@@ -17,9 +18,10 @@ from cluster.protocol import MediaPart
 request_path = pytest.importorskip("cluster.request_path")  # imports ray (no cluster is started)
 
 
-def path(modalities=(Modality.IMAGE, Modality.AUDIO, Modality.VIDEO), **spec) -> "request_path.RequestPath":
-    config = ClusterConfig.model_validate({"model": {"checkpoint": "/tmp/x", "served_name": "m"},
-                                           "limits": {"max_audio_s": 5}, "media": {"video_fps": 4}})
+def path(modalities=(Modality.IMAGE, Modality.AUDIO, Modality.VIDEO), **spec) -> request_path.RequestPath:
+    config = ClusterConfig.model_validate(
+        {"model": {"checkpoint": "/tmp/x", "served_name": "m"}, "limits": {"max_audio_s": 5}, "media": {"video_fps": 4}}
+    )
     rp = object.__new__(request_path.RequestPath)  # only config and planner are used to decode
     spec = {"audio_sample_rate_hz": 16_000, **spec}
     rp.config, rp.planner = config, SimpleNamespace(spec=SimpleNamespace(modalities=set(modalities), **spec))
@@ -40,8 +42,10 @@ def gif() -> str:
 
 
 def test_audio_and_video_parts_decode_with_the_model_rate_and_the_sampling_config() -> None:
-    parts = [MediaPart(Modality.AUDIO, wav(), "messages[0].content[0].input_audio", format="wav"),
-             MediaPart(Modality.VIDEO, gif(), "messages[0].content[1].video_url")]
+    parts = [
+        MediaPart(Modality.AUDIO, wav(), "messages[0].content[0].input_audio", format="wav"),
+        MediaPart(Modality.VIDEO, gif(), "messages[0].content[1].video_url"),
+    ]
     audio, video = path()._decode_media(parts)
     assert audio.sample_rate_hz == 16_000 and len(audio.data) == 16_000  # the model's rate
     assert video.frames_per_s == 4.0 and video.data.shape == (2, 8, 8, 3)  # 0.5 s at media.video_fps 4

@@ -1,6 +1,7 @@
 """Unit tests for router/view.py and the Router facade (no torch, no Ray): liveness,
 staleness, dispatch bookkeeping, calibration through completions, and the stand-in API
 the ingress still uses."""
+
 from __future__ import annotations
 
 import subprocess
@@ -252,7 +253,6 @@ def test_decode_loads_kept_incrementally_equal_the_definition():
             v.begin_route(RouteDecision(None, 0, d), 0)
         v.refresh(now)
         limit = v.now_s - v.staleness_s
-        expected = [o if r is None or r.running is None or r.at_s < limit else max(o, r.running)
-                    for o, r in zip(v.outstanding[D], v.reports[D])]
+        expected = [o if r is None or r.running is None or r.at_s < limit else max(o, r.running) for o, r in zip(v.outstanding[D], v.reports[D])]
         assert v.decode_loads() == expected, step
         assert LeastLoaded().pick(TEXT, v, None, now).decode in range(5)

@@ -1,5 +1,6 @@
 """One bad row never fails its batch: the real prefill and decode worker classes (without
 Ray) on the tiny checkpoint, with a row whose sampling overflows beside greedy rows."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,5 @@
 """Unit tests for actors.sampling: greedy, seeded sampling, top-k and top-p."""
+
 from __future__ import annotations
 
 import pytest
@@ -116,8 +117,7 @@ def test_a_row_that_cannot_be_sampled_fails_alone(temperature):
     """Dividing by a denormal temperature overflows to inf: that row gets None, its
     neighbours (greedy and sampled) are untouched."""
     x = logits(3, seed=12, scale=3.0)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=temperature, seed=1),
-              SamplingParams(temperature=1.0, seed=2)]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=temperature, seed=1), SamplingParams(temperature=1.0, seed=2)]
     alone = sample(x[2:], params[2:], [5])[0]
     tokens = sample(x, params, [5, 5, 5])
     assert tokens == [int(x[0].argmax()), None, alone]

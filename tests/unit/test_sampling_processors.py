@@ -1,12 +1,12 @@
 """Unit tests for the logits processors and logprobs in actors/sampling.py, against HF's
 own processors where HF has the option, without Ray."""
+
 from __future__ import annotations
 
 import pytest
 
 torch = pytest.importorskip("torch")
-from transformers.generation.logits_process import (  # noqa: E402
-    MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor)
+from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor  # noqa: E402
 
 from actors.sampling import process, sample, sample_rows  # noqa: E402
 from actors.types import SamplingParams, TokenHistory  # noqa: E402
@@ -76,12 +76,15 @@ def test_penalties_change_greedy_output():
 
 def test_mixed_batch_rows_match_each_row_alone():
     x, histories = logits(5, seed=7), [history(10 + s, output=s) for s in range(5)]
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1, repetition_penalty=1.5),
-              SamplingParams(temperature=0.0, presence_penalty=1.0, logit_bias=((4, 5.0),)),
-              SamplingParams(temperature=1.0, seed=2, min_tokens=9, stop_token_ids=(EOS,), num_logprobs=3),
-              SamplingParams(temperature=0.0, frequency_penalty=-1.0, num_logprobs=0)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, seed=1, repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, presence_penalty=1.0, logit_bias=((4, 5.0),)),
+        SamplingParams(temperature=1.0, seed=2, min_tokens=9, stop_token_ids=(EOS,), num_logprobs=3),
+        SamplingParams(temperature=0.0, frequency_penalty=-1.0, num_logprobs=0),
+    ]
     together = sample_rows(x, params, [9] * 5, histories)
-    alone = [sample_rows(x[i:i + 1], params[i:i + 1], [9], histories[i:i + 1])[0] for i in range(5)]
+    alone = [sample_rows(x[i : i + 1], params[i : i + 1], [9], histories[i : i + 1])[0] for i in range(5)]
     assert together == alone
 
 

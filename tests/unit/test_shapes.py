@@ -1,6 +1,7 @@
 """The synthetic shapes data and the trained `shapes-llava` checkpoint: pictures are seeded and
 show what their scene says; training batches score the answer tokens only; training is
 deterministic; the trained checkpoint answers held-out questions through plain HF `generate`."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -63,8 +64,8 @@ def test_batches_score_only_the_answer_and_match_the_served_prompt():
         served = processor(text=text, images=[s.image], return_tensors="pt")
         prompt = served["input_ids"][0].tolist()
         scored = batch.labels[row] != IGNORE
-        assert batch.input_ids[row, :len(prompt)].tolist() == prompt
-        assert not scored[:len(prompt)].any()
+        assert batch.input_ids[row, : len(prompt)].tolist() == prompt
+        assert not scored[: len(prompt)].any()
         assert tok.decode(batch.labels[row][scored]) == " " + s.answer + tok.eos_token
         assert torch.equal(batch.pixel_values[row], served["pixel_values"][0])
 
@@ -85,9 +86,7 @@ def trained():
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     from actors.checkpoints import ensure_checkpoint
-    from cluster.config import builtin_model
-
-    from cluster.config import load_config
+    from cluster.config import builtin_model, load_config
 
     name = load_config().model.builtin
     path = ensure_checkpoint(builtin_model(name)["checkpoint"], name)

@@ -1,6 +1,7 @@
 """Several ingress replicas share one fleet, each with its own router: what a worker reports
 beyond a router's own bookings is other replicas' work, and routing steers around it
 (router/view.py `foreign`, priced by the cost model). No torch, no Ray."""
+
 from __future__ import annotations
 
 from router.router import Router

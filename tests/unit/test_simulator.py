@@ -1,4 +1,5 @@
 """Unit tests for router/sim: the discrete-event simulator around the real Router."""
+
 from __future__ import annotations
 
 import json
@@ -114,7 +115,8 @@ def test_router_calibrates_toward_simulated_speeds():
     cluster = SimCluster.parse("2x2x2-hetero")
     wl = make_workload("poisson", 3000, seed=5, mix={"text": 1.0})
     wl = wl.at_rate(0.5 * capacity_rps(cluster, wl))
-    from router.sim.engine import make_router, _run as run_engine
+    from router.sim.engine import _run as run_engine
+    from router.sim.engine import make_router
 
     router = make_router(cluster, "joint", seed=5)
     run_engine(cluster, wl, router, "joint", slo_ms=1000, progress=False, record_decisions=False, load=0.5)
@@ -184,9 +186,18 @@ def test_malformed_trace_line_is_named(tmp_path):
     path.write_text(good + "\n" + '{"arrival_s": 1.0, "num_prompt_tokens": 10,\n' + good + "\n")
     with pytest.raises(WorkloadError, match=r"bad\.jsonl:2: not valid JSON"):
         load_trace(path)
-    path.write_text(good + "\n\n" + json.dumps({"arrival_s": 1.0, "num_prompt_tokens": 5, "max_tokens": 4,
-                                                  "items": [{"identifier": "x", "modality": "smell", "size": 1,
-                                                             "num_embeddings": 1, "embedding_bytes": 1}]}))
+    path.write_text(
+        good
+        + "\n\n"
+        + json.dumps(
+            {
+                "arrival_s": 1.0,
+                "num_prompt_tokens": 5,
+                "max_tokens": 4,
+                "items": [{"identifier": "x", "modality": "smell", "size": 1, "num_embeddings": 1, "embedding_bytes": 1}],
+            }
+        )
+    )
     with pytest.raises(WorkloadError, match=r"bad\.jsonl:3: items\[0\]\.modality 'smell'"):
         load_trace(path)
     path.write_text(json.dumps({"arrival_s": 1.0, "max_tokens": 4}))
@@ -244,8 +255,7 @@ def test_cli_json_compares_policies(capsys):
 def test_cli_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "cdf.png"
-    assert cli_main(["--cluster", "2x2x2", "--policy", "joint,random", "--requests", "300", "--sweep", "0.5,0.8",
-                     "--plot", str(out), "--json"]) == 0
+    assert cli_main(["--cluster", "2x2x2", "--policy", "joint,random", "--requests", "300", "--sweep", "0.5,0.8", "--plot", str(out), "--json"]) == 0
     assert out.stat().st_size > 1000 and (tmp_path / "cdf_load.png").stat().st_size > 1000
 
 

@@ -1,6 +1,7 @@
 """Encoder pools split by modality (router/split.py): a request whose modalities no single
 encoder hosts is encoded across several, booked and released on each, in the router, the
 live cluster's routing glue and the simulator."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -115,8 +116,7 @@ def test_simulator_splits_mixed_requests_and_releases_every_encoder(policy):
     decisions = []
     route = router.route
     router.route = lambda profile, now_s: decisions.append(route(profile, now_s)) or decisions[-1]
-    result = run_engine(cluster, mixed_workload(400), router, policy, slo_ms=1000, progress=False,
-                        record_decisions=False, load=None)
+    result = run_engine(cluster, mixed_workload(400), router, policy, slo_ms=1000, progress=False, record_decisions=False, load=None)
     assert result.completed == 400 and np.all(result.ttft_ms >= result.service_ms - 1e-6)
     split = [d for d in decisions if d.shares]
     assert len(split) == 100  # every image + audio request

@@ -2,6 +2,7 @@
 times out keeps the worker in routing (a heartbeat), Ray's word that the actor died takes
 it out and restarts it, and only a worker silent for HUNG_AFTER_S is restarted as hung.
 The fleet is a stand-in whose actors answer slowly, die or answer; the router is real."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,7 @@ E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 
 
 class _Method:
-    def __init__(self, actor: "_Actor", value):
+    def __init__(self, actor: _Actor, value):
         self.actor, self.value = actor, value
 
     def remote(self):
@@ -28,6 +29,7 @@ class _Actor:
         self.mode = mode
         self.stats = _Method(self, {"queued": 0, "running": 0})
         self.cached_identifiers = _Method(self, frozenset())
+        self.prefix_hashes = _Method(self, frozenset({"block-0"}))
 
     async def answer(self, value):
         if self.mode == "dead":
@@ -66,6 +68,13 @@ def test_a_busy_worker_stays_in_routing_and_is_not_restarted(monkeypatch):
     stats, candidates = asyncio.run(run())
     assert candidates == [0] and fleet.replaced == []
     assert "busy" in stats[D][0]["error"] and stats[P][0] == {"queued": 0, "running": 0}
+
+
+def test_prefill_workers_fill_the_routers_prefix_index(monkeypatch):
+    fleet, router, supervisor = _setup(monkeypatch)
+    asyncio.run(supervisor.check(0.05))
+    assert router.view.prefix_matches(("block-0", "block-1")) == {0: 1}
+    assert router.view.prefix_matches(("block-1",)) == {}
 
 
 def test_a_dead_worker_leaves_routing_at_once_and_is_replaced(monkeypatch):

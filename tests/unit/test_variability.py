@@ -1,5 +1,6 @@
 """Service-time variability in the simulator (router/sim/variability.py): contention, noise,
 the ingress overhead, and fitting them back from a trace."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,7 @@ FREE = {pl: 0.0 for pl in Placement}
 
 
 def text_cluster(prefill: int = 2, **costs) -> SimCluster:
-    base = SimCosts(prefill_fixed_ms=5.0, prefill_tokens_per_ms=10.0, transfer_latency_ms=FREE,
-                    bandwidth_bytes_per_ms={pl: 1e12 for pl in Placement})
+    base = SimCosts(prefill_fixed_ms=5.0, prefill_tokens_per_ms=10.0, transfer_latency_ms=FREE, bandwidth_bytes_per_ms={pl: 1e12 for pl in Placement})
     return SimCluster.build(1, prefill, 1, costs=SimCosts(**{**base.__dict__, **costs}), name="hand")
 
 
@@ -94,9 +94,19 @@ def test_fit_trace_on_a_simulated_trace():
     sim = _run(cluster, wl, router, "round_robin", slo_ms=1e3, progress=False, record_decisions=False, load=None)
     # what the live cluster writes: arrival, TTFT, stage times (a text request's service is its prefill,
     # the rest of its TTFT the prefill queue), route
-    records = [{"arrival_s": a, "ttft_ms": t, "num_prompt_tokens": p.num_prompt_tokens, "items": [], "route": [None, d.prefill, 0],
-                "encode_ms": 0.0, "prefill_ms": s, "prefill_queue_ms": t - s}
-               for a, t, p, d, s in zip(wl.arrival_s, sim.ttft_ms, wl.profiles, decisions, sim.service_ms)]
+    records = [
+        {
+            "arrival_s": a,
+            "ttft_ms": t,
+            "num_prompt_tokens": p.num_prompt_tokens,
+            "items": [],
+            "route": [None, d.prefill, 0],
+            "encode_ms": 0.0,
+            "prefill_ms": s,
+            "prefill_queue_ms": t - s,
+        }
+        for a, t, p, d, s in zip(wl.arrival_s, sim.ttft_ms, wl.profiles, decisions, sim.service_ms)
+    ]
     fit = fit_trace(records)
     assert fit.prefill.contention == pytest.approx(0.2, abs=0.05) and fit.prefill.sigma == pytest.approx(0.25, abs=0.05)
     assert fit.prefill.base_ms(1000) == pytest.approx(5 + 1000 / 10, rel=0.1)

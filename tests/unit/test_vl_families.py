@@ -2,6 +2,7 @@
 layout; the ingress's placeholder counts equal the HF processor's own (odd sizes, frame
 counts) and the tower's real output; encoder adapter + LMRunner give exactly the greedy
 tokens of the model's `generate`, one request at a time and batched."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from PIL import Image  # noqa: E402
-from transformers import (AutoProcessor, LlavaNextForConditionalGeneration,  # noqa: E402
-                          Qwen2_5_VLForConditionalGeneration)
+from transformers import AutoProcessor, LlavaNextForConditionalGeneration, Qwen2_5_VLForConditionalGeneration  # noqa: E402
 
 from actors.adapters import Part, load_adapter  # noqa: E402
 from actors.lm_runner import LMRunner  # noqa: E402
@@ -36,9 +36,13 @@ def llava_next_ckpt(tmp_path_factory):
 
 
 def _family(model_class, path):
-    return (model_class.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path), PromptPlanner(path),
-            load_adapter(path, part=Part.ENCODER, dtype="float32", device="cpu"),
-            LMRunner(load_adapter(path, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64))
+    return (
+        model_class.from_pretrained(path).eval(),
+        AutoProcessor.from_pretrained(path),
+        PromptPlanner(path),
+        load_adapter(path, part=Part.ENCODER, dtype="float32", device="cpu"),
+        LMRunner(load_adapter(path, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +55,15 @@ def llava_next(llava_next_ckpt):
     return _family(LlavaNextForConditionalGeneration, llava_next_ckpt)
 
 
-COMMON_FILES = {"config.json", "generation_config.json", "model.safetensors", "preprocessor_config.json",
-                "chat_template.json", "tokenizer.json", "tokenizer_config.json"}
+COMMON_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "preprocessor_config.json",
+    "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
 
 
 def test_qwen_vl_checkpoint_has_the_published_layout(qwen_vl_ckpt):

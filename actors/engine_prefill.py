@@ -1,0 +1,208 @@
+"""The prefill loop as a plain object: a step-wise scheduler over the requests in the
+worker, with a prefix cache. No Ray and no asyncio, so tests drive the very loop the
+worker runs.
+
+Each `step()` starts newly added requests (splice their embeddings, take the longest
+cached prefix), lets `plan_step` share the step's token budget among them, runs each
+chunk on top of its request's cache and returns the requests that finished: their first
+token and packed KV. Finished prompts leave their full blocks in the prefix cache.
+`add` / `abort` may come from another thread than `step`: they only fill intakes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from actors import kv
+from actors.lm_runner import LMRunner
+from actors.prefill_schedule import Order, PrefillState, Span, plan_step
+from actors.prefix_cache import BlockPool, MediaKey, block_hashes
+from actors.sampling import Sampled
+from actors.types import PrefillRequest, TokenHistory
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    request_id: str
+    first: Sampled | None  # None: it could not be sampled (non-finite logits)
+    packed_kv: torch.Tensor
+    rope_delta: int
+    num_cached_tokens: int
+    queue_ms: float  # added -> first chunk
+    prefill_ms: float  # first chunk -> done
+
+
+@dataclass
+class _Job:
+    request: PrefillRequest
+    items: list[torch.Tensor]
+    arrival: int
+    added_s: float
+    embeds: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    rope_delta: int = 0
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    hashes: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)  # blocks referenced while this job runs
+    num_cached: int = 0
+    num_computed: int = 0
+    started_s: float | None = None
+    hidden: torch.Tensor | None = None
+
+    def state(self) -> PrefillState:
+        spans = tuple(Span(r.offset, r.length) for r in self.request.placeholders)
+        return PrefillState(self.request.request_id, len(self.request.prompt_token_ids), self.num_computed, spans, self.arrival)
+
+
+def history_of(request: PrefillRequest) -> TokenHistory | None:
+    """What the first token's penalties see; a resumed request's generated tokens are output."""
+    if not request.sampling.needs_history:
+        return None
+    split = len(request.prompt_token_ids) - request.num_output_tokens
+    return TokenHistory(request.prompt_token_ids[:split], request.prompt_token_ids[split:])
+
+
+def media_keys(request: PrefillRequest) -> tuple[MediaKey, ...]:
+    ids = request.media_identifiers if len(request.media_identifiers) == len(request.placeholders) else None
+    return tuple(MediaKey(r.offset, r.length, ids[i] if ids else None) for i, r in enumerate(request.placeholders))
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        runner: LMRunner,
+        token_budget: int,
+        *,
+        block_size: int = 16,
+        cache_bytes: int = 0,
+        max_media_tokens_per_step: int | None = None,
+        order: Order = Order.SHORTEST_REMAINING,
+    ):
+        self.runner, self.token_budget, self.block_size, self.order = runner, token_budget, block_size, order
+        self.max_media_tokens_per_step = max_media_tokens_per_step
+        self.pool = BlockPool(cache_bytes)
+        self.jobs: dict[str, _Job] = {}
+        self._intake: deque[_Job | str] = deque()  # new jobs and aborted ids, in the order they came
+        self._arrivals = itertools.count()
+        self._held_version = -1
+        self._snapshot()
+
+    def add(self, request: PrefillRequest, items: list[torch.Tensor]) -> None:
+        self._intake.append(_Job(request, items, next(self._arrivals), time.perf_counter()))
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request at the next step (no-op for one not added yet or already done)."""
+        self._intake.append(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._intake or self.jobs)
+
+    def step(self) -> list[PrefillOutput]:
+        try:
+            return self._step()
+        finally:
+            self._snapshot()
+
+    def _step(self) -> list[PrefillOutput]:
+        self._apply_intake()
+        if not self.jobs:
+            return []
+        chunks = plan_step([job.state() for job in self.jobs.values()], self.token_budget, self.max_media_tokens_per_step, self.order)
+        now = time.perf_counter()
+        for chunk in chunks:
+            job = self.jobs[chunk.request_id]
+            job.started_s = job.started_s or now
+            job.hidden = self.runner.forward_chunk(job.embeds, job.positions, job.cache, chunk.start, chunk.end)
+            job.num_computed = chunk.end
+        done = [job for job in self.jobs.values() if job.num_computed == len(job.request.prompt_token_ids)]
+        return [self._finish(job) for job in done]
+
+    def fail_all(self) -> list[str]:
+        """After a step raised: every request in the worker is dropped; their ids."""
+        self._apply_intake()
+        ids = list(self.jobs)
+        for request_id in ids:
+            self._drop(request_id)
+        self._snapshot()
+        return ids
+
+    def _apply_intake(self) -> None:
+        while self._intake:
+            job = self._intake.popleft()
+            if isinstance(job, str):
+                self._drop(job)
+            else:
+                self.jobs[job.request.request_id] = job
+                self._start(job)
+
+    def _start(self, job: _Job) -> None:
+        """Splice the prompt's inputs and continue from the longest cached prefix."""
+        req = job.request
+        job.embeds, job.positions, job.rope_delta = self.runner.prompt_inputs(req.prompt_token_ids, req.placeholders, job.items)
+        job.items = []  # spliced: the embeddings are not needed any more
+        if self.pool.capacity_bytes <= 0:
+            return
+        job.hashes = block_hashes(req.prompt_token_ids, self.block_size, media_keys(req))
+        # At least the last prompt token is computed: its hidden state gives the first token.
+        usable = job.hashes[: (len(req.prompt_token_ids) - 1) // self.block_size]
+        payloads = self.pool.acquire(usable)
+        job.held = usable[: len(payloads)]
+        if payloads:
+            job.cache = kv.cache_of(torch.cat(payloads, dim=3).to(self.runner.device))
+            job.num_cached = job.num_computed = len(payloads) * self.block_size
+
+    def _finish(self, job: _Job) -> PrefillOutput:
+        req = job.request
+        first = self.runner.first_token(job.hidden, req.sampling, len(req.prompt_token_ids), history_of(req))
+        packed = kv.pack(job.cache)
+        self._keep_blocks(job, packed)
+        self._drop(req.request_id)
+        done = time.perf_counter()
+        return PrefillOutput(
+            req.request_id, first, packed, job.rope_delta, job.num_cached, (job.started_s - job.added_s) * 1e3, (done - job.started_s) * 1e3
+        )
+
+    def _keep_blocks(self, job: _Job, packed: torch.Tensor) -> None:
+        bs = self.block_size
+        for i, block_hash in enumerate(job.hashes):
+            if block_hash not in self.pool.blocks:
+                block = packed[:, :, :, i * bs : (i + 1) * bs].clone()  # its own storage: the packed KV leaves
+                if not self.pool.insert(block_hash, block, block.numel() * block.element_size()):
+                    break  # no room even after evicting: the later blocks would be orphans
+        self.pool.touch(job.hashes)
+
+    def _drop(self, request_id: str) -> None:
+        job = self.jobs.pop(request_id, None)
+        if job is not None:
+            self.pool.release(job.held)
+            job.held = []
+
+    def held_hashes(self) -> frozenset[str]:
+        """As of the end of the last step (safe to read from another thread than `step`)."""
+        return self._held
+
+    def stats(self) -> dict[str, int]:
+        """As of the end of the last step, plus requests added since."""
+        return {**self._stats, "queued": self._stats["queued"] + sum(1 for j in list(self._intake) if not isinstance(j, str))}
+
+    def _snapshot(self) -> None:
+        s, jobs = self.pool.stats, list(self.jobs.values())
+        if self._held_version != self.pool.version:  # one frozenset per change, not per step: the router compares by identity
+            self._held, self._held_version = self.pool.held(), self.pool.version
+        self._stats = {
+            "queued": sum(1 for j in jobs if j.started_s is None),
+            "running": sum(1 for j in jobs if j.started_s is not None),
+            "prefix_hit_blocks": s.hit_blocks,
+            "prefix_miss_blocks": s.miss_blocks,
+            "prefix_evictions": s.evictions,
+            "prefix_bytes": self.pool.num_bytes,
+            "prefix_blocks": len(self.pool.blocks),
+            "prefix_referenced_blocks": self.pool.num_referenced(),
+        }

@@ -1,0 +1,110 @@
+"""Which prompt tokens a prefill worker computes in its next step. Plain Python, no torch.
+
+Every step shares one token budget among the requests in the worker, shortest remaining
+first (ties: the earlier arrival): a 40-token question is not stuck behind a 2,000-token
+video prompt, which advances by whatever budget the short ones leave. A long prompt is
+only held back while shorter ones fill the whole budget, i.e. when the worker is over
+capacity anyway.
+
+A chunk never ends inside a media item's placeholder span unless that item's embeddings
+have all arrived (until then the span's inputs are unknown); and the embedding tokens a
+step splices in are capped by `max_media_tokens_per_step`, so a burst of media prompts
+cannot build a step's whole input out of embeddings at once.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Order(str, enum.Enum):
+    SHORTEST_REMAINING = "shortest_remaining"  # what workers run
+    ARRIVAL = "arrival"  # a queue: the baseline scripts/bench_prefill_schedule.py compares with
+
+
+@dataclass(frozen=True)
+class Span:
+    """One media item's placeholder run in the prompt, and whether its embeddings are here."""
+
+    offset: int
+    length: int
+    ready: bool = True
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass(frozen=True)
+class PrefillState:
+    """What the scheduler needs of one request: how far it is and where its media sits."""
+
+    request_id: str
+    num_tokens: int
+    num_computed: int
+    spans: tuple[Span, ...] = ()
+    arrival: int = 0  # order of arrival in the worker (tie-break)
+
+    @property
+    def remaining(self) -> int:
+        return self.num_tokens - self.num_computed
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request_id: str
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def clamp_end(state: PrefillState, start: int, end: int) -> int:
+    """Pull `end` back to the start of the first not-ready span it would enter; `start` if
+    the chunk cannot advance at all."""
+    for span in state.spans:
+        if not span.ready and span.offset < end and span.end > start:
+            return max(start, span.offset)
+    return end
+
+
+def media_tokens(state: PrefillState, start: int, end: int) -> int:
+    return sum(max(0, min(end, s.end) - max(start, s.offset)) for s in state.spans)
+
+
+def plan_step(
+    states: list[PrefillState], token_budget: int, max_media_tokens: int | None = None, order: Order = Order.SHORTEST_REMAINING
+) -> list[Chunk]:
+    """The chunks of the next step, at most `token_budget` tokens together (each request at
+    most one chunk), shortest remaining first."""
+    chunks: list[Chunk] = []
+    budget, media_budget = token_budget, max_media_tokens
+    key = (lambda s: (s.remaining, s.arrival)) if order is Order.SHORTEST_REMAINING else (lambda s: s.arrival)
+    for state in sorted(states, key=key):
+        if budget <= 0:
+            break
+        start = state.num_computed
+        end = clamp_end(state, start, start + min(budget, state.remaining))
+        if media_budget is not None:
+            end = _cap_media(state, start, end, media_budget)
+            media_budget -= media_tokens(state, start, end)
+        if end > start:
+            chunks.append(Chunk(state.request_id, start, end))
+            budget -= end - start
+    return chunks
+
+
+def _cap_media(state: PrefillState, start: int, end: int, media_budget: int) -> int:
+    """Shorten a chunk so the embeddings it splices fit the step's media budget (a chunk
+    may always take the text before its next span)."""
+    for span in state.spans:
+        lo, hi = max(start, span.offset), min(end, span.end)
+        if hi <= lo:
+            continue
+        if hi - lo > media_budget:
+            return lo + max(media_budget, 0)
+        media_budget -= hi - lo
+    return end

@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""The prefill engine alone (actors/engine_prefill.py, no Ray), on the bench-llava LM, in
+one process, each figure against its baseline in the same run:
+
+1. Multi-turn with the same image: turn 2 repeats turn 1's prompt and image, adds a reply
+   and a question. Prefill ms of turn 1 (cold), of turn 2 with the prefix cache, and of
+   turn 2 on an engine without one; the prefix hit rate of turn 2's prompt tokens.
+2. Short prompts behind a long one: one long prompt and `--shorts` short ones reach the
+   worker together; ms until each short one has its first token, shortest-remaining-first
+   against a queue (arrival order), same budget per step.
+
+Stage timings only (no encode, transfer or decode): the live figures come from
+scripts/bench_modalities.py (phase multi_turn) on a quiet host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from actors.adapters import Part, load_adapter  # noqa: E402
+from actors.engine_prefill import PrefillEngine  # noqa: E402
+from actors.identifiers import media_identifier  # noqa: E402
+from actors.lm_runner import LMRunner  # noqa: E402
+from actors.prefill_schedule import Order  # noqa: E402
+from actors.types import MediaItem, Modality, PrefillRequest, SamplingParams  # noqa: E402
+from cluster.cli import ensure_model  # noqa: E402
+from cluster.config import REPO_ROOT, load_config  # noqa: E402
+from cluster.prompt_plan import PromptPlanner  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+
+
+def run(engine: PrefillEngine, requests: list[tuple[PrefillRequest, list[torch.Tensor]]]) -> dict[str, tuple[float, int]]:
+    """Add all at once, step to the end: per request (ms from the add to its first token, cached tokens)."""
+    started, out = time.perf_counter(), {}
+    for request, items in requests:
+        engine.add(request, items)
+    while engine.has_work:
+        for o in engine.step():
+            out[o.request_id] = ((time.perf_counter() - started) * 1e3, o.num_cached_tokens)
+    return out
+
+
+def request(planner, name: str, messages: list[dict], items: list[MediaItem]) -> PrefillRequest:
+    plan = planner.plan(messages, items)
+    return PrefillRequest(name, plan.token_ids, plan.placeholders, GREEDY, media_identifiers=tuple(i.identifier for i in plan.items))
+
+
+def multi_turn(planner, lm, encoder, args) -> dict:
+    rng, budget = np.random.default_rng(11), args.budget
+    warm = PrefillEngine(LMRunner(lm), budget, block_size=args.block, cache_bytes=256 << 20)
+    cold = PrefillEngine(LMRunner(lm), budget, block_size=args.block)
+    t1, t2, t2_cold, hit, total = [], [], [], 0, 0
+    for i in range(args.conversations):
+        array = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        item = MediaItem(Modality.IMAGE, media_identifier("bench", Modality.IMAGE, array), data=array)
+        [emb] = encoder.encode([item])
+        first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is in this picture, case {i}?"}]}]
+        second = first + [
+            {"role": "assistant", "content": "A picture of coloured noise."},
+            {"role": "user", "content": [{"type": "text", "text": "Which colour is most common?"}]},
+        ]
+        r1, r2 = request(planner, f"a{i}", first, [item]), request(planner, f"b{i}", second, [item])
+        t1.append(run(warm, [(r1, [emb])])[r1.request_id][0])
+        ms, cached = run(warm, [(r2, [emb])])[r2.request_id]
+        t2.append(ms)
+        hit, total = hit + cached, total + len(r2.prompt_token_ids)
+        t2_cold.append(run(cold, [(r2, [emb])])[r2.request_id][0])
+    warm.pool.check_integrity()
+    med = statistics.median
+    return {
+        "turn1_prefill_ms_p50": med(t1),
+        "turn2_prefill_ms_p50": med(t2),
+        "turn2_no_prefix_cache_ms_p50": med(t2_cold),
+        "ratio_turn2_vs_turn1": med(t2) / med(t1),
+        "ratio_turn2_cache_vs_none": med(t2) / med(t2_cold),
+        "turn2_prefix_hit_rate": hit / total,
+        "turn2_prompt_tokens": total // args.conversations,
+    }
+
+
+def short_behind_long(lm, args) -> dict:
+    rng = np.random.default_rng(5)
+    long = PrefillRequest("long", tuple(int(t) for t in rng.integers(10, 1000, args.long_tokens)), (), GREEDY)
+    shorts = [PrefillRequest(f"s{i}", tuple(int(t) for t in rng.integers(10, 1000, 40)), (), GREEDY) for i in range(args.shorts)]
+    out = {}
+    for order in (Order.ARRIVAL, Order.SHORTEST_REMAINING, Order.ARRIVAL, Order.SHORTEST_REMAINING):  # twice each: this host is noisy
+        got = run(PrefillEngine(LMRunner(lm), args.budget, order=order), [(r, []) for r in [long, *shorts]])
+        row = out.setdefault(order.value, {"short_ms": [], "long_ms": []})
+        row["short_ms"].append(statistics.median(got[r.request_id][0] for r in shorts))
+        row["long_ms"].append(got["long"][0])
+    summary = {order: {k: min(v) for k, v in row.items()} for order, row in out.items()}
+    srf, queue = summary[Order.SHORTEST_REMAINING.value], summary[Order.ARRIVAL.value]
+    return {**summary, "short_ratio_srf_vs_queue": srf["short_ms"] / queue["short_ms"], "long_ratio_srf_vs_queue": srf["long_ms"] / queue["long_ms"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(REPO_ROOT / "configs" / "bench_cpu.yaml"))
+    p.add_argument("--conversations", type=int, default=5)
+    p.add_argument("--budget", type=int, default=512, help="tokens per prefill step")
+    p.add_argument("--block", type=int, default=16, help="prefix block tokens")
+    p.add_argument("--long-tokens", type=int, default=2000)
+    p.add_argument("--shorts", type=int, default=4)
+    p.add_argument("--out", default="/tmp/bench_prefill_engine.json")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config)
+    ensure_model(cfg)
+    torch.set_num_threads(1)  # as the workers run
+    ckpt = cfg.model.checkpoint_path
+    lm = load_adapter(ckpt, part=Part.LANGUAGE_MODEL, dtype=cfg.model.dtype, device=cfg.model.device)
+    encoder = load_adapter(ckpt, part=Part.ENCODER, dtype=cfg.model.dtype, device=cfg.model.device)
+    report = {
+        "config": args.config,
+        "args": vars(args),
+        "multi_turn": multi_turn(PromptPlanner(ckpt), lm, encoder, args),
+        "short_behind_long": short_behind_long(lm, args),
+    }
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
