@@ -16,7 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import png_data_url, random_image
 
-HELD = {"prefill": ("held_kv", "held_embeddings", "queued", "running"), "decode": ("rows", "held_kv", "running", "queued"), "encoder": ("queued", "running")}
+HELD = {
+    "prefill": ("held_kv", "held_embeddings", "queued", "running"),
+    "decode": ("rows", "held_kv", "running", "queued"),
+    "encoder": ("queued", "running"),
+}
 
 
 def _messages(seed: int, text: str = "Describe") -> list[dict]:
