@@ -2,7 +2,7 @@
 
 Dispatches a content part to the image, audio or video decoder with the cluster's
 limits, the request's pixel budget and the model's input options, in one of a few
-decode slots (actors/media_pool.py), and fingerprints the result. Everything a client
+capped decoding processes (actors/media_procs.py), and fingerprints the result. Everything a client
 sends is untrusted: each failure becomes a MediaError that names the offending content
 part, so the HTTP layer can answer 400 instead of 500. No torch here: this runs in the
 ingress, before any model is involved.
@@ -61,7 +61,43 @@ class MediaLimits(Protocol):
     max_video_frames: int  # hard cap on the frames kept from one video
     max_video_pixels: int  # decoded pixels of one video
     max_request_pixels: int  # decoded pixels of one request: the size of its PixelBudget
-    max_concurrent_decodes: int
+    max_concurrent_decodes: int  # also the number of decoding processes
+    max_decode_memory_mb: int  # each decoding process's address-space cap
+    max_decodes_per_process: int  # then it is replaced
+    decode_in_process: bool  # debugging: decode in this process's threads instead
+
+
+@dataclass(frozen=True)
+class _RemoteSnapshot:
+    allowed_hosts: list[str]
+    allowed_networks: list[str]
+    max_bytes: int
+    timeout_s: float
+    max_redirects: int
+
+
+@dataclass(frozen=True)
+class _LimitsSnapshot:
+    """The MediaLimits a decoding process needs, as plain data (whatever class the caller's limits are)."""
+
+    max_image_pixels: int
+    remote_media: _RemoteSnapshot
+    max_audio_s: float
+    max_video_s: float
+    max_video_frames: int
+    max_video_pixels: int
+
+    @classmethod
+    def of(cls, limits: MediaLimits) -> _LimitsSnapshot:
+        r = limits.remote_media
+        return cls(
+            limits.max_image_pixels,
+            _RemoteSnapshot(list(r.allowed_hosts), list(r.allowed_networks), r.max_bytes, r.timeout_s, r.max_redirects),
+            limits.max_audio_s,
+            limits.max_video_s,
+            limits.max_video_frames,
+            limits.max_video_pixels,
+        )
 
 
 @dataclass(frozen=True)
@@ -171,9 +207,13 @@ def load_media_item(
     options: MediaOptions = _DEFAULT_OPTIONS,
     budget: PixelBudget | None = None,
 ) -> MediaItem:
-    """Decode (in a decode slot) and fingerprint one item: what the ingress hands to the encoder stage."""
-    with decode_slot(limits.max_concurrent_decodes):
-        decoded = decode_media(modality, payload, limits=limits, param=param, format=format, options=options, budget=budget)
+    """Decode (in a decoding process, or a decode slot here when limits.decode_in_process) and
+    fingerprint one item: what the ingress hands to the encoder stage."""
+    if limits.decode_in_process:
+        with decode_slot(limits.max_concurrent_decodes):
+            decoded = decode_media(modality, payload, limits=limits, param=param, format=format, options=options, budget=budget)
+    else:
+        decoded = _decode_in_child(modality, payload, limits=limits, param=param, format=format, options=options, budget=budget)
     rate = decoded.sample_rate_hz if decoded.sample_rate_hz is not None else decoded.frames_per_s
     return MediaItem(
         modality=modality,
@@ -182,3 +222,27 @@ def load_media_item(
         sample_rate_hz=decoded.sample_rate_hz,
         frames_per_s=decoded.frames_per_s,
     )
+
+
+def _decode_in_child(
+    modality: Modality, payload: str, *, limits: MediaLimits, param: str, format: str | None, options: MediaOptions, budget: PixelBudget | None
+) -> Decoded:
+    """decode_media in one of this process's decoding processes; the request's budget is charged here as there."""
+    from actors.media_procs import PoolShape, decode_pool
+    from actors.media_worker import DecodeTask
+
+    shape = PoolShape(limits.max_concurrent_decodes, limits.max_decode_memory_mb, limits.max_decodes_per_process)
+    task = DecodeTask(
+        modality,
+        payload,
+        _LimitsSnapshot.of(limits),
+        param,
+        format,
+        options,
+        budget.max_pixels if budget is not None else None,
+        budget.spent_pixels if budget is not None else 0,
+    )
+    reply, data = decode_pool(shape).decode(task)
+    if budget is not None:
+        budget.spent_pixels = reply.spent_pixels
+    return Decoded(data, sample_rate_hz=reply.sample_rate_hz, frames_per_s=reply.frames_per_s)

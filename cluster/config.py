@@ -210,7 +210,24 @@ class LimitsConfig(Strict):
         2,
         ge=1,
         description="Media items the ingress decodes at once (others wait): bounds the "
-        "CPU and transient memory decoding takes from the ingress process.",
+        "CPU and memory decoding takes: it is also the number of decoding processes.",
+    )
+    max_decode_memory_mb: int = Field(
+        3072,
+        ge=256,
+        description="Address-space cap (RLIMIT_AS) of each media decoding process: a decode that needs more "
+        "fails with a 400 naming this limit, and the process is replaced. The default holds the largest video "
+        "max_video_pixels allows (about 290 MB of RGB, plus its decoder's buffers) with room to spare.",
+    )
+    max_decodes_per_process: int = Field(
+        32,
+        ge=1,
+        description="Media items one decoding process decodes before it exits and is replaced, so that no heap grows with what it has decoded.",
+    )
+    decode_in_process: bool = Field(
+        False,
+        description="Decode media in the ingress process itself (threads, no memory cap): for debugging only, "
+        "its memory does not come back after large items.",
     )
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
     remote_media: RemoteMediaConfig = Field(default_factory=RemoteMediaConfig, description="Fetching http(s) media URLs.")

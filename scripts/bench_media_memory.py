@@ -4,9 +4,10 @@
 Sends `--rounds` rounds of `--requests` concurrent requests, each of `--images` images of
 `--megapixels`, through a thread pool as the ingress admits requests (asyncio.to_thread),
 and reports this process's RSS before, at its peak and after each round, once decoding
-as before this change (unbounded, no trim) and once through the ingress's own path
-(load_media_item: `--slots` decode slots, then malloc_trim); each in a fresh subprocess so
-neither inherits the other's heap.
+as before any bound (unbounded, no trim), once through decode slots in this process
+(limits.decode_in_process: `--slots` slots, then malloc_trim) and once through the
+ingress's own path (load_media_item: `--slots` capped decoding processes; their RSS is
+reported apart); each in a fresh subprocess so none inherits another's heap.
 Usage: scripts/bench_media_memory.py [--rounds 3] [--requests 3] [--images 4] [--megapixels 16]
 """
 
@@ -45,11 +46,13 @@ class PeakRss:
 
     def __init__(self) -> None:
         self.process, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+        self.children_peak = 0  # the decoding processes', summed
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(0.002):
             self.peak = max(self.peak, self.process.memory_info().rss)
+            self.children_peak = max(self.children_peak, children_rss(self.process))
 
     def __enter__(self) -> PeakRss:
         self.peak = self.process.memory_info().rss
@@ -61,6 +64,19 @@ class PeakRss:
         self._thread.join()
 
 
+def children_rss(process: psutil.Process) -> int:
+    total = 0
+    for child in process.children():
+        try:
+            total += child.memory_info().rss
+        except psutil.Error:  # recycled meanwhile
+            pass
+    return total
+
+
+MODES = {"unbounded": "unbounded, no trim", "slots": "decode slots in-process + malloc_trim", "procs": "capped decoding processes"}
+
+
 def child(args: argparse.Namespace) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -68,26 +84,36 @@ def child(args: argparse.Namespace) -> dict:
     from actors.types import Modality
     from cluster.config import LimitsConfig
 
-    limits = LimitsConfig(max_request_pixels=10**10, max_concurrent_decodes=args.slots)  # memory, not budgets
+    limits = LimitsConfig(
+        max_request_pixels=10**10,
+        max_concurrent_decodes=args.slots,  # memory, not budgets
+        decode_in_process=args.mode == "slots",
+    )
     urls = [image_url(args.megapixels, args.format, seed) for seed in range(args.images)]
     rss = lambda: psutil.Process().memory_info().rss // MIB
 
     def request(_) -> int:  # one request's items, held until all are decoded
-        if args.pool:
+        if args.mode != "unbounded":
             items = [load_media_item(Modality.IMAGE, u, namespace="m", limits=limits, param="p").data for u in urls]
         else:
             items = [decode_media(Modality.IMAGE, u, limits=limits, param="p").data for u in urls]
         return sum(i.nbytes for i in items)
 
     time.sleep(0.2)  # let the payloads' making settle
-    out = {"mode": f"{args.slots} slots + malloc_trim" if args.pool else "unbounded, no trim", "before_mib": rss()}
+    out = {"mode": f"{MODES[args.mode]} ({args.slots})", "before_mib": rss()}
     started = time.perf_counter()
     with PeakRss() as peak, ThreadPoolExecutor(args.requests) as threads:
         for round_ in range(args.rounds):
             list(threads.map(request, range(args.requests)))
             time.sleep(0.2)
             out[f"after_round_{round_ + 1}_mib"] = rss()
-    return {**out, "peak_mib": peak.peak // MIB, "decode_s": round(time.perf_counter() - started, 1)}
+    return {
+        **out,
+        "peak_mib": peak.peak // MIB,
+        "decode_s": round(time.perf_counter() - started, 1),
+        "children_peak_mib": peak.children_peak // MIB,
+        "children_after_mib": children_rss(psutil.Process()) // MIB,
+    }
 
 
 def main() -> None:
@@ -99,7 +125,8 @@ def main() -> None:
     parser.add_argument("--format", choices=["png", "jpeg"], default="png")
     parser.add_argument("--slots", type=int, default=2, help="limits.max_concurrent_decodes for the ingress path")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--pool", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=list(MODES), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default=",".join(MODES), help="which of unbounded, slots, procs to run, in order")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args)), flush=True)
@@ -121,14 +148,13 @@ def main() -> None:
             args.slots,
         )
     ]
-    for pool in (False, True):
+    for mode in args.modes.split(","):
         print(
-            f"{args.rounds} rounds of {args.requests} requests x {args.images} x {args.megapixels:g} MP "
-            f"{args.format}, {'through the decode slots' if pool else 'unbounded'} ...",
+            f"{args.rounds} rounds of {args.requests} requests x {args.images} x {args.megapixels:g} MP {args.format}, {MODES[mode]} ...",
             file=sys.stderr,
             flush=True,
         )
-        command = [sys.executable, __file__, "--child", *common] + (["--pool"] if pool else [])
+        command = [sys.executable, __file__, "--child", *common, "--mode", mode]
         print(subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip(), flush=True)
 
 

@@ -73,6 +73,17 @@ def png(width: int, height: int, seed: int = 0) -> bytes:
     return out.getvalue()
 
 
+def photo_jpeg(megapixels: float, seed: int = 0) -> bytes:
+    """A large photo-like JPEG (smooth ramps plus noise): megabytes to send, tens of MB to decode."""
+    side = int((megapixels * 1e6) ** 0.5)
+    ramp = np.linspace(0, 255, side, dtype=np.float32)
+    noise = np.random.default_rng(seed).integers(0, 16, (side, side), dtype=np.uint8)
+    channel = (ramp[None, :] * 0.5 + ramp[:, None] * 0.5).astype(np.uint8) + noise
+    out = io.BytesIO()
+    Image.fromarray(np.dstack([channel, channel[::-1], channel.T])).save(out, format="JPEG", quality=85)
+    return out.getvalue()
+
+
 def _png_chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 

@@ -5,7 +5,8 @@ bounded media memory, nothing leaks, back-pressure, retries instead of lost requ
     python scripts/probe_server.py --url http://127.0.0.1:8000 [--phases bad,burst,kill,disconnect]
         [--burst 200] [--timeout 30] [--kill-kinds encoder,prefill,decode] [--kill-ingress] [--json out.json]
 
-Phases: bad (raw bad-input cases), burst (N concurrent requests), kill (SIGKILL one worker
+Phases: bad (raw bad-input cases), burst (N concurrent requests), media (concurrent
+requests with several large images each: ingress RSS before / peak / after), kill (SIGKILL one worker
 of each kind mid-traffic; --kill-ingress also the ingress replica), disconnect (clients
 drop streams; worker state must drain). RSS of the ingress and every worker is sampled
 every 0.2 s throughout. Only the given (loopback) URL is contacted; every loop is bounded.
@@ -146,6 +147,22 @@ async def phase_burst(ctx) -> PhaseResult:
         }
     ]
     result.note = " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.rows[0].items())
+    return result
+
+
+async def phase_media(ctx) -> PhaseResult:
+    """Concurrent requests each carrying several large images: does the ingress's memory come back?"""
+    result, a = PhaseResult("media"), ctx.args
+    images = [pc.photo_jpeg(a.media_megapixels, seed=i) for i in range(a.media_images)]
+    bodies = [
+        pc.chat(
+            ctx.model, [*(pc.image_part(img, "image/jpeg") for img in images), {"type": "text", "text": f"Describe picture set {i}."}], max_tokens=4
+        )
+        for i in range(a.media_burst)
+    ]
+    count(result, await gather_bar([run_chat(ctx.client, ctx.url, b, ctx.timeout) for b in bodies], "media"))
+    result.note = f"{a.media_burst} requests x {a.media_images} x {a.media_megapixels:g} MP JPEG"
+    await asyncio.sleep(2.0)  # let the ingress settle before the 'after' sample
     return result
 
 
@@ -327,7 +344,7 @@ async def run_phases(args) -> list[PhaseResult]:
     return results
 
 
-PHASES = {"bad": phase_bad, "burst": phase_burst, "disconnect": phase_disconnect}
+PHASES = {"bad": phase_bad, "burst": phase_burst, "disconnect": phase_disconnect, "media": phase_media}
 
 
 def main() -> int:
@@ -335,6 +352,9 @@ def main() -> int:
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--phases", default="bad,burst,kill,disconnect")
     ap.add_argument("--burst", type=int, default=200)
+    ap.add_argument("--media-burst", type=int, default=6, help="media phase: concurrent requests")
+    ap.add_argument("--media-images", type=int, default=4, help="media phase: images per request")
+    ap.add_argument("--media-megapixels", type=float, default=16.0, help="media phase: size of each image")
     ap.add_argument("--timeout", type=float, default=30.0, help="no answer within this many seconds = a hang")
     ap.add_argument("--kill-delay", type=float, default=1.0, help="seconds between the first request and the SIGKILL")
     ap.add_argument("--kill-spread", type=float, default=3.0, help="the 20 kill-phase requests start over this many seconds")

@@ -1,0 +1,98 @@
+"""actors/media_procs.py: media decoded in capped child processes, errors carried back intact,
+dead or exhausted children replaced, and nothing of the decode left in this process."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from actors.media import MediaError, MediaOptions, _LimitsSnapshot, decode_media
+from actors.media_procs import DecodePool, PoolShape
+from actors.media_worker import DecodeTask
+from actors.types import Modality
+from cluster.config import LimitsConfig
+from tests.unit.test_media_budget import png
+
+PARAM = "messages[0].content[1].image_url"
+
+
+def task(url: str, limits: LimitsConfig = LimitsConfig()) -> DecodeTask:
+    return DecodeTask(Modality.IMAGE, url, _LimitsSnapshot.of(limits), PARAM, None, MediaOptions(), None, 0)
+
+
+@pytest.fixture
+def pool() -> Iterator[DecodePool]:
+    pool = DecodePool(PoolShape(num_workers=1, max_memory_mb=1024, max_tasks_per_child=3))
+    yield pool
+    pool.shutdown()
+
+
+def test_a_decode_runs_in_a_child_and_matches_decoding_here(pool: DecodePool) -> None:
+    url = png(30, 20)
+    reply, data = pool.decode(task(url))
+    [pid] = pool.child_pids()
+    assert pid != os.getpid()
+    np.testing.assert_array_equal(data, decode_media(Modality.IMAGE, url, limits=LimitsConfig(), param=PARAM).data)
+    assert data.flags.writeable and data.shape == (20, 30, 3)
+
+
+def test_a_media_error_in_the_child_arrives_as_the_same_media_error(pool: DecodePool) -> None:
+    bad = "data:image/png;base64,AAAA"
+    with pytest.raises(MediaError) as here:
+        decode_media(Modality.IMAGE, bad, limits=LimitsConfig(), param=PARAM)
+    with pytest.raises(MediaError) as there:
+        pool.decode(task(bad))
+    assert (there.value.message, there.value.param) == (here.value.message, here.value.param)
+    big = LimitsConfig(max_image_pixels=100)
+    with pytest.raises(MediaError, match="max_image_pixels|pixels") as limit:
+        pool.decode(task(png(30, 20), big))
+    assert limit.value.param == PARAM
+    assert pool.decode(task(png(4, 4)))[1].shape == (4, 4, 3)  # the child survived its errors
+
+
+def test_a_decode_over_the_memory_cap_is_refused_naming_the_limit_and_the_next_is_fine() -> None:
+    small = DecodePool(PoolShape(num_workers=1, max_memory_mb=256, max_tasks_per_child=10))
+    try:
+        with pytest.raises(MediaError) as info:
+            small.decode(task(png(4000, 4000)))  # 16 MP: more than 256 MB of address space to decode
+        assert "256 MB" in info.value.message and "max_decode_memory_mb" in info.value.message
+        assert info.value.param == PARAM
+        assert small.decode(task(png(8, 6)))[1].shape == (6, 8, 3)
+    finally:
+        small.shutdown()
+
+
+def test_a_killed_child_fails_only_its_decode_and_is_replaced(pool: DecodePool) -> None:
+    pool.decode(task(png(4, 4)))
+    [victim] = pool.child_pids()
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(MediaError, match="max_decode_memory_mb") as info:
+        pool.decode(task(png(4, 4)))
+    assert info.value.param == PARAM
+    assert pool.decode(task(png(5, 4)))[1].shape == (4, 5, 3)
+    assert victim not in pool.child_pids()
+
+
+def test_children_are_recycled_after_their_share_of_tasks(pool: DecodePool) -> None:
+    pool.decode(task(png(4, 4)))
+    [first] = pool.child_pids()
+    for _ in range(2):  # tasks 2 and 3: the third is its last
+        pool.decode(task(png(4, 4)))
+    [second] = pool.child_pids()
+    assert second != first
+    with pytest.raises(ProcessLookupError):
+        os.kill(first, 0)
+
+
+def test_shutdown_stops_the_children(pool: DecodePool) -> None:
+    pool.decode(task(png(4, 4)))
+    [pid] = pool.child_pids()
+    pool.shutdown()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.decode(task(png(4, 4)))
