@@ -148,6 +148,20 @@ def _text_config(recipe: QwenRecipe, tokenizer, **extra) -> dict:
     )
 
 
+def qwen_vision_config(recipe, **extra) -> dict:
+    """The Qwen2.5 vision tower of a tiny recipe (Omni's thinker and Qwen2.5-VL share it)."""
+    return dict(
+        depth=recipe.vision_layers,
+        hidden_size=recipe.vision_hidden,
+        num_heads=recipe.vision_heads,
+        intermediate_size=2 * recipe.vision_hidden,
+        out_hidden_size=recipe.text_hidden,
+        fullatt_block_indexes=[recipe.vision_layers - 1],
+        window_size=56,
+        **extra,
+    )
+
+
 def _audio_model(recipe: QwenRecipe, tokenizer):
     from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor
 
@@ -191,15 +205,7 @@ def _omni_model(recipe: QwenRecipe, tokenizer):
             output_dim=recipe.text_hidden,
             n_window=50,
         ),
-        vision_config=dict(
-            depth=recipe.vision_layers,
-            hidden_size=recipe.vision_hidden,
-            num_heads=recipe.vision_heads,
-            intermediate_size=2 * recipe.vision_hidden,
-            out_hidden_size=recipe.text_hidden,
-            fullatt_block_indexes=[recipe.vision_layers - 1],
-            window_size=56,
-        ),
+        vision_config=qwen_vision_config(recipe),
         text_config=_text_config(
             recipe,
             tokenizer,

@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.checkpoint_qwen import _text_config
+from actors.checkpoint_qwen import _text_config, qwen_vision_config
 from actors.checkpoints import SPECIAL_TOKENS, _init_weights, _mute_unprintable, greedy_generation_config, train_bpe
 
 QWEN_VL_SPECIALS = [
@@ -157,16 +157,7 @@ def _qwen_vl(recipe: VLRecipe):
     head_dim = recipe.text_hidden // recipe.text_heads
     third = head_dim // 2 // 4  # mrope sections (t, h, w) over head_dim / 2 rotary frequencies
     config = Qwen2_5_VLConfig(
-        vision_config=dict(
-            depth=recipe.vision_layers,
-            hidden_size=recipe.vision_hidden,
-            num_heads=recipe.vision_heads,
-            intermediate_size=2 * recipe.vision_hidden,
-            out_hidden_size=recipe.text_hidden,
-            fullatt_block_indexes=[recipe.vision_layers - 1],
-            window_size=56,
-            tokens_per_second=2,
-        ),
+        vision_config=qwen_vision_config(recipe, tokens_per_second=2),
         text_config=_text_config(
             recipe,
             tokenizer,
