@@ -85,6 +85,14 @@ class SamplingFields(Strict):
                 return field.get_default(call_default_factory=True)
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        # Accepting it without `stream` would silently drop it (OpenAI and vLLM refuse it too).
+        if value is not None and not info.data.get("stream"):
+            raise PydanticCustomError("stream_options_without_stream", "only allowed when `stream` is true")
+        return value
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_as_list(cls, value: Any) -> Any:

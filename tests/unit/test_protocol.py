@@ -386,3 +386,9 @@ def test_logprob_shapes_parse_with_the_openai_client() -> None:
         Completion(model="m", choices=[CompletionChoice(text="aé", logprobs=legacy, finish_reason="length")], usage=Usage.of(1, 2)).model_dump()
     )
     assert done.choices[0].logprobs.token_logprobs == [-0.5, -9999.0]
+
+
+def test_stream_options_need_stream():
+    message, param = invalid_fields(stream_options={"include_usage": True})
+    assert param == "stream_options" and "only allowed when `stream` is true" in message
+    assert request(stream=True, stream_options={"include_usage": True}).include_usage
