@@ -30,11 +30,17 @@ class DecodeWorker(ModelWorker):
     async def receive(self, request_id: str, slot: int, packed_kv: torch.Tensor) -> None:
         self.inbox.put(request_id, packed_kv)  # dropped at once if the request was aborted meanwhile
 
-    async def generate(self, request: DecodeRequest):
-        """Stream of TokenChunk for the tokens after the first (which prefill produced)."""
+    async def generate(self, request: DecodeRequest, packed_kv: torch.Tensor | None = None):
+        """Stream of TokenChunk for the tokens after the first (which prefill produced).
+
+        Over the object store the KV comes as this call's argument, so it lives only as
+        long as the call: nothing is left behind whatever the caller does next. Over RDT
+        it was `receive`d first (transfers into an actor must be ordered) and is claimed here."""
+        if self.inbox.is_closed(request.request_id):
+            return  # aborted before it started: nobody is listening
         outbox: asyncio.Queue = asyncio.Queue()
         self._outboxes[request.request_id] = outbox
-        self.engine.add(request, self.inbox.take(request.request_id))
+        self.engine.add(request, packed_kv if packed_kv is not None else self.inbox.take(request.request_id))
         self.drive(self.engine, self._publish, lambda exc: self._publish(self.engine.fail_all()))
         try:
             while True:

@@ -31,10 +31,14 @@ class TensorInbox:
     def put(self, request_id: str, value: Any, slot: int = 0) -> bool:
         """Keep `value` until taken; False (and nothing kept) if the request was closed."""
         self.expire()
-        if request_id in self._closed or any(request_id.startswith(owner) for owner in self._closed_owners):
+        if self.is_closed(request_id):
             return False
         self._items[(request_id, slot)] = (time.monotonic(), value)
         return True
+
+    def is_closed(self, request_id: str) -> bool:
+        """The request ended early (or its ingress replica died): refuse what comes for it."""
+        return request_id in self._closed or any(request_id.startswith(owner) for owner in self._closed_owners)
 
     def take(self, request_id: str, slot: int = 0) -> Any:
         try:

@@ -321,8 +321,7 @@ class RequestPath:
         request = DecodeRequest(job.job_id, result.num_prompt_tokens, result.first_token_id, job.sampling, result.rope_delta, job.history)
         finished = False
         try:
-            await self.deliver(WorkerKind.DECODE, decision.decode, job.job_id, [kv_ref], self.config.transport.kv)
-            stream = decoder.generate.options(num_returns="streaming").remote(request)
+            stream = await self._start_decode(decoder, decision, request, kv_ref)
             async for ref in stream:
                 chunk: TokenChunk = await ref
                 if chunk.step_ms:
@@ -334,6 +333,16 @@ class RequestPath:
         finally:
             if not finished:  # the client left, a stop string matched or a worker failed: free the row and the KV
                 decoder.abort.remote(job.job_id)
+
+    async def _start_decode(self, decoder, decision: RouteDecision, request: DecodeRequest, kv_ref):
+        """Over the object store the KV rides on the generate call itself: no copy waits in
+        the decode worker for a call that may never come. RDT transfers into one actor must
+        be ordered, so there the KV is delivered first."""
+        streaming = decoder.generate.options(num_returns="streaming")
+        if self.config.transport.kv == Transport.OBJECT_STORE:
+            return streaming.remote(request, kv_ref)
+        await self.deliver(WorkerKind.DECODE, decision.decode, request.request_id, [kv_ref], self.config.transport.kv)
+        return streaming.remote(request)
 
     def _record_prefill(self, result: PrefillResult, trace: Trace) -> None:
         stage = self.metrics.stage

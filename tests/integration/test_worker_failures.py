@@ -127,3 +127,22 @@ def test_a_worker_killed_under_load_loses_no_request(app, kind):
     expected = [app.chat(_messages(s), temperature=0, max_tokens=24).json()["choices"][0]["message"]["content"] for s in seeds]
     assert [text for _, text in results] == expected
     assert not any(wait_until_idle(app, within_s=5).values()), held(app)
+
+
+def test_an_abort_that_overtakes_its_generate_leaves_nothing(app):
+    """An async actor may run calls out of order: when the ingress aborts a request whose
+    generate call (carrying the KV) has not started yet, generate must not hold that KV."""
+    import ray
+    import torch
+
+    from actors.types import DecodeRequest, SamplingParams
+    from cluster.cli import APP_NAME
+    from cluster.controller import NAMESPACE, controller_name
+    from router.types import WorkerKind
+
+    controller = ray.get_actor(controller_name(APP_NAME, app.config), namespace=NAMESPACE)
+    decoder = ray.get(controller.snapshot.remote()).pools[WorkerKind.DECODE][0]
+    ray.get(decoder.abort.remote("overtaken:chatcmpl-1/0"))
+    request = DecodeRequest("overtaken:chatcmpl-1/0", 8, 1, SamplingParams(max_tokens=8))
+    chunks = [ray.get(ref) for ref in decoder.generate.options(num_returns="streaming").remote(request, torch.zeros(1))]
+    assert chunks == [] and not any(held(app).values()), held(app)
