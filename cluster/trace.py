@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from router.sim.workload import MEASURED_STAGES, profile_to_record
+from router.sim.trace_file import MEASURED_STAGES, profile_to_record
 from router.types import RequestProfile, RouteDecision
 
 

@@ -261,7 +261,7 @@ def prefill_estimates(pairs) -> dict | None:
 def timed_trace(run: dict) -> list[dict]:
     """The run's trace, every record with its measured stage times (a trace written before the
     cluster recorded them gets them from the responses its TTFTs join)."""
-    from router.sim.workload import MEASURED_STAGES
+    from router.sim.trace_file import MEASURED_STAGES
 
     trace = read_trace(run["trace"])
     for t, m in join(trace, run["records"] + run["warm_timings"]):

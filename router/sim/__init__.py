@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from router.sim.cluster_model import ClusterShapeError, EncodeCost, SimCluster, SimCosts, SimWorker, capacity_rps
 from router.sim.engine import SimResult, simulate
+from router.sim.trace_file import load_trace, write_trace
 from router.sim.workload import (
     DEFAULT_MIX,
     REQUEST_CLASSES,
@@ -25,9 +26,7 @@ from router.sim.workload import (
     RequestClass,
     Workload,
     WorkloadError,
-    load_trace,
     make_workload,
-    write_trace,
 )
 
 __all__ = [

@@ -132,7 +132,7 @@ def test_repeated_image_hits_the_encoder_cache(app):
 
 
 def test_estimated_ttft_is_reported_and_requests_are_traced(app):
-    from router.sim.workload import load_trace, parse_trace_line
+    from router.sim.trace_file import load_trace, parse_trace_line
     from tests.integration.conftest import TRACE_PATH
 
     image = {"type": "image_url", "image_url": {"url": png_data_url(random_image(505, 40, 40))}}
