@@ -12,7 +12,10 @@ onto whichever workers look fastest. So each stage (and modality) has
 - healing: a worker not observed for `idle_rounds` rounds of its pool (a round: as many pool
   observations as it has workers) has log t_w pulled toward 0, half the way every `heal_rounds`
   rounds, so a stale estimate returns to the pool's and the router sends it work again, which
-  measures it afresh.
+  measures it afresh. Healing is a probe, not forgetting: when that fresh observation lies
+  nearer the estimate the worker had before healing than the healed one, learning resumes from
+  the old estimate, so a worker that is still slow is not learned as ever faster between its
+  rare observations (a 4x worker used to settle near 2.3x).
 
 A worker's estimate is t_w * (a + b * x). Each fit also tracks its own relative error (an EWMA of
 the squared log residual), which the joint policy uses to tell near-ties apart from real gaps.
@@ -44,6 +47,7 @@ class CalibrationConfig:
     heal_rounds: float = 16.0  # rounds of healing in which a worker's log relative time is halved toward the pool's
     max_relative: float = 16.0  # relative times are held within [1/max_relative, max_relative]
     error_memory: float = 50.0  # observations: the memory of each fit's own error
+    resume_after_heal: bool = True  # a probe that finds a healed worker as slow as before restores its estimate
     spread_z: float = 1.0  # joint: candidates within spread_z x the fit's error of the best are near-ties (0: argmin)
 
     def __post_init__(self) -> None:
@@ -150,6 +154,8 @@ class RelativeTimes:
         self.count = 0  # observations of the pool
         self.version = 0  # bumped on every change, so fits know to refresh their per-worker lists
         self.exp = [1.0] * num_workers  # exp(self.log), kept up to date: t_w = exp[w] * scale()
+        self.learned = [0.0] * num_workers  # log t_w right after its last observation
+        self.healed = [False] * num_workers  # pulled toward the pool's since its last observation
         self._bound = math.log(config.max_relative)
         self._heal = 0.5 ** (1.0 / config.heal_rounds)
         self._idle = int(config.idle_rounds * len(self.log))  # pool observations
@@ -170,13 +176,16 @@ class RelativeTimes:
     def learn(self, worker: int, log_ratio: float) -> None:
         """The worker took exp(log_ratio) x the pool curve's time: move its relative time a little toward it."""
         mean = self.sum / self.n
-        current = self.log[worker] - mean
-        moved = current + self.config.speed_rate * (log_ratio - current)
+        current = start = self.log[worker] - mean
+        if self.config.resume_after_heal and self.healed[worker] and abs(log_ratio - self.learned[worker]) < abs(log_ratio - current):
+            start = self.learned[worker]  # healing went the wrong way: resume from before it
+        moved = start + self.config.speed_rate * (log_ratio - start)
         bound = self._bound
         moved = -bound if moved < -bound else bound if moved > bound else moved
         self.sum += moved + mean - self.log[worker]
         self.log[worker] = moved + mean
         self.exp[worker] = math.exp(moved + mean)
+        self.learned[worker], self.healed[worker] = moved, False
         self.count += 1
         self.last_seen[worker] = self.count
         if self.count % self.n == 0:
@@ -188,7 +197,10 @@ class RelativeTimes:
         since, mean, heal = self.count - self._idle, self.sum / self.n, self._heal
         for w in range(len(self.log)):
             value = self.log[w] - mean  # re-centred: only differences matter, and they stay small
-            self.log[w] = value * heal if self.last_seen[w] <= since else value
+            if self.last_seen[w] <= since:
+                value *= heal
+                self.healed[w] = True
+            self.log[w] = value
         self.sum = math.fsum(self.log)  # ~0; also clears the rounding the incremental sum gathered
         self.exp = [math.exp(v) for v in self.log]
 

@@ -343,3 +343,15 @@ def test_prefill_queue_credits_the_job_in_service():
     assert cost.prefill_queue_ms(view, 1) == pytest.approx(media.prefill_ms)  # not started yet
     view.refresh(1.0 + (ahead + 5.0) / 1e3)
     assert cost.prefill_queue_ms(view, 1) == pytest.approx(media.prefill_ms - 5.0)
+
+
+def test_a_rarely_probed_slow_worker_keeps_its_estimate():
+    """Joint avoids a 4x worker, so healing re-probes it only now and then: each probe that finds
+    it still slow must restore what was learned, not start from the healed estimate."""
+    cost, rng = CostModel(PRIORS, num_encoders=1, num_prefill=4), random.Random(5)
+    slowness = [4.0, 1.0, 1.0, 1.0]
+    _drive(cost, rng, [0, 1, 2, 3], slowness, rounds=80, sigma=0.1)
+    for _ in range(15):  # a probe of worker 0 after each long stretch on the others
+        _drive(cost, rng, [1, 2, 3], slowness, rounds=60, sigma=0.1)
+        _drive(cost, rng, [0], slowness, rounds=1, sigma=0.1)
+    assert cost.relative_times(P)[0] / cost.relative_times(P)[1] > 3.2

@@ -63,12 +63,12 @@ def fingerprint(name: str) -> dict:
 
 PINNED: dict[str, dict] = {
     "hetero-joint": {
-        "ttft_ms": {"p50": 156.958, "p90": 662.855, "p99": 1201.164, "mean": 254.946, "max": 1949.99},
-        "utilisation": {"encoder": 0.096, "prefill": 0.6847, "decode": 0.15},
-        "estimate_error_ms": {"mean_abs": 21.494, "mean_signed": 7.735},
-        "cache_hit_rate": 0.1187,
+        "ttft_ms": {"p50": 156.958, "p90": 662.855, "p99": 1207.563, "mean": 254.865, "max": 1949.99},
+        "utilisation": {"encoder": 0.0955, "prefill": 0.6847, "decode": 0.15},
+        "estimate_error_ms": {"mean_abs": 21.376, "mean_signed": 8.073},
+        "cache_hit_rate": 0.119,
         "completed": 3000,
-        "sha256": "8efbcbeeacd7a40b",
+        "sha256": "5bed990a945b0dac",
     },
     "hetero-round_robin": {
         "ttft_ms": {"p50": 986.757, "p90": 20989.371, "p99": 29719.001, "mean": 7133.296, "max": 32242.553},
