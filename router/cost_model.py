@@ -24,8 +24,9 @@ from itertools import repeat
 from typing import Any
 
 from router.calibration import CalibrationConfig, LinearCost, OnlineLinear, PoolFit, RelativeTimes
+from router.holder_index import bits
 from router.types import MediaJob, Modality, Placement, RequestProfile, TTFTEstimate, WorkerKind
-from router.view import ClusterView, bits, unique_items
+from router.view import ClusterView, unique_items
 
 _E, _P = WorkerKind.ENCODER, WorkerKind.PREFILL
 _TIERS = (Placement.SAME_PROCESS, Placement.SAME_NODE, Placement.CROSS_NODE)  # closest first

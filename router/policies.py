@@ -15,9 +15,10 @@ import time
 from typing import ClassVar
 
 from router.cost_model import CostModel, embedding_bytes
+from router.holder_index import bits
 from router.split import least_cost_encoder, split_decision
 from router.types import MediaJob, RequestProfile, RouteDecision, WorkerKind
-from router.view import ClusterView, bits, unique_items
+from router.view import ClusterView, unique_items
 
 _E, _P, _D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 
