@@ -105,3 +105,12 @@ class HolderIndex:
         for i in bits(alive):
             out[i] = len(keys)
         return out
+
+    def check_integrity(self) -> None:
+        """The mask index is exactly the union of the published sets; freshness is what it says."""
+        rebuilt: dict[str, int] = {}
+        for worker, keys in enumerate(self._published):
+            for key in keys:
+                rebuilt[key] = rebuilt.get(key, 0) | 1 << worker
+        assert rebuilt == self._mask, "the mask index differs from the published sets"
+        assert all(self._published_at[w] is not None for w in bits(self._fresh)), "a worker that never published is fresh"
