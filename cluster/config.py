@@ -224,6 +224,13 @@ class LimitsConfig(Strict):
         ge=1,
         description="Media items one decoding process decodes before it exits and is replaced, so that no heap grows with what it has decoded.",
     )
+    max_decode_s: float = Field(
+        30.0,
+        gt=0,
+        description="Deadline for decoding one media item in a decoding process: a process that has not answered by "
+        "then is killed and replaced, and the request fails with a 400 naming this limit (other requests go on). "
+        "Not enforced with decode_in_process (a thread cannot be stopped).",
+    )
     decode_in_process: bool = Field(
         False,
         description="Decode media in the ingress process itself (threads, no memory cap): for debugging only, "
