@@ -321,8 +321,8 @@ class ServerConfig(Strict):
         1,
         ge=1,
         description="Ingress replicas sharing the one worker fleet (owned by the fleet controller, so it outlives "
-        "any replica). Each admits 1/num_replicas of the back-pressure budget and serves its own /metrics (a scrape "
-        "through the proxy sees one replica). Object-store transport only when above 1.",
+        "any replica). Each admits 1/num_replicas of the back-pressure budget; /metrics on any of them reports the whole app "
+        "(every replica's counts, pushed to the controller each second). Object-store transport only when above 1.",
     )
     api_key: str | None = Field(
         None,
