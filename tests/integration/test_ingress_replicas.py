@@ -79,6 +79,7 @@ def _scrape(app) -> dict[str, float]:
     samples = [s for f in text_string_to_metric_families(r.text) for s in f.samples]
     found = {s.labels["status"]: s.value for s in samples if s.name == "epd:requests_total"}
     found["e2e_count"] = sum(s.value for s in samples if s.name == "epd:e2e_request_latency_seconds_count")
+    found["in_progress"] = sum(s.value for s in samples if s.name in ("epd:num_requests_running", "epd:num_requests_waiting"))
     return found
 
 
@@ -157,6 +158,7 @@ def test_killing_one_replica_rebuilds_nothing_and_loses_nothing_new(pair):
     survived = sum(status == 200 for status, _ in results)
     for scrape in _settled_scrapes(pair, num_scrapes=4):  # the dead replica's counts stayed (retired)
         assert scrape["ok"] >= counted + len(after), (counted, survived, scrape)
+        assert scrape["in_progress"] == 0, scrape  # the dead replica's gauges went with it
 
 
 def test_a_redeploy_with_another_config_gets_its_own_fleet(pair):
