@@ -64,6 +64,7 @@ class MediaLimits(Protocol):
     max_concurrent_decodes: int  # also the number of decoding processes
     max_decode_memory_mb: int  # each decoding process's address-space cap
     max_decodes_per_process: int  # then it is replaced
+    max_decode_s: float  # a decoding process silent longer than this on one item is killed
     decode_in_process: bool  # debugging: decode in this process's threads instead
 
 
@@ -231,7 +232,7 @@ def _decode_in_child(
     from actors.media_procs import PoolShape, decode_pool
     from actors.media_worker import DecodeTask
 
-    shape = PoolShape(limits.max_concurrent_decodes, limits.max_decode_memory_mb, limits.max_decodes_per_process)
+    shape = PoolShape(limits.max_concurrent_decodes, limits.max_decode_memory_mb, limits.max_decodes_per_process, limits.max_decode_s)
     task = DecodeTask(
         modality,
         payload,

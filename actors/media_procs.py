@@ -7,6 +7,8 @@ heap goes away with it: each child serves `max_tasks_per_child` decodes, then ex
 is replaced. Each is capped by RLIMIT_AS (`max_memory_mb`), so one decode can never take
 the machine's memory; one that needs more fails with a MediaError naming the limit, and
 a child that dies for any reason is replaced, failing only the decode it was running.
+A child that has not answered within `max_decode_s` (hung in a decoder, or stopped) is
+killed and replaced too, so that it cannot hold its slot until the request times out.
 
 Children are started with subprocess (fork + exec of a fresh interpreter; never a plain
 fork of the many-threaded ingress) and talk over a socketpair. The pool is made lazily,
@@ -21,6 +23,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
@@ -43,6 +46,7 @@ class PoolShape:
     num_workers: int
     max_memory_mb: int
     max_tasks_per_child: int
+    max_decode_s: float  # one item's deadline, from sending the task to the last byte of its answer
 
 
 class _Child:
@@ -114,20 +118,33 @@ class DecodePool:
         return reply, data
 
     def _exchange(self, child: _Child, task: DecodeTask) -> tuple[DecodeReply, np.ndarray | None]:
+        """Send `task`, read its answer. A child silent past the deadline is a MediaError naming
+        limits.max_decode_s; `decode` then kills it, as it does any child an exchange failed with."""
         try:
-            child.wait_ready()
+            child.wait_ready()  # a child's start is not the item's fault: outside the deadline
+            deadline_s = time.monotonic() + self.shape.max_decode_s
             child.conn.send(task)
             child.tasks_left -= 1
+            self._await(child, deadline_s, task.param)
             reply: DecodeReply = child.conn.recv()
             if reply.media_error is not None or reply.error is not None or reply.out_of_memory:
                 return reply, None
             data = np.empty(reply.shape, np.dtype(reply.dtype))
+            self._await(child, deadline_s, task.param)
             if child.conn.recv_bytes_into(memoryview(data).cast("B")) != data.nbytes:  # straight into the array kept
                 raise OSError("a decoding process sent a short array")
             return reply, data
         except (EOFError, OSError):
             code = child.process.wait()
             raise MediaError(self._died(code), task.param) from None
+
+    def _await(self, child: _Child, deadline_s: float, param: str) -> None:
+        if not child.conn.poll(max(0.0, deadline_s - time.monotonic())):
+            raise MediaError(
+                f"decoding this item took longer than this server's {self.shape.max_decode_s:g} s per item "
+                "(limits.max_decode_s); its decoding process was stopped. Send a smaller or simpler item",
+                param,
+            )
 
     def _died(self, code: int) -> str:
         return (

@@ -27,6 +27,7 @@ from cluster.admitted import Admitted, Endpoint
 from cluster.config import REPO_ROOT, ClusterConfig, load_config
 from cluster.fleet_client import FleetClient
 from cluster.metrics import PREFIX, Metrics
+from cluster.metrics_share import MetricsShare
 from cluster.placement import check_placement
 from cluster.prompt_plan import PromptPlanner
 from cluster.protocol import SSE_DONE, ModelCard, ModelList, error_body, sse_event
@@ -93,6 +94,7 @@ class Ingress:
         prefix_block_tokens = self.config.prefill.prefix_block_tokens if self.config.prefill.prefix_cache_mb > 0 else 0
         routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token, prefix_block_tokens)
         self.supervisor = Supervisor(self.fleet, self.router)
+        self.shared_metrics = MetricsShare(self.fleet, self.metrics.exposition)
         self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics, self.supervisor.handle_lost)
         limits = self.config.limits
         self._admit_pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="admit")
@@ -105,8 +107,12 @@ class Ingress:
 
     async def check_health(self) -> None:
         """Serve's periodic replica check: also starts supervision (and so the controller
-        heartbeat) in a replica that has had no request yet."""
+        heartbeat) and the metrics pushes in a replica that has had no request yet."""
+        self._run_background()
+
+    def _run_background(self) -> None:
         self.supervisor.ensure_running()
+        self.shared_metrics.ensure_running()
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
@@ -120,7 +126,7 @@ class Ingress:
         """Every outcome is an answer in OpenAI's shape and a count in /metrics: a request
         error (4xx), back-pressure (429), a failure of ours (500, logged with its traceback),
         or a client that left (counted as aborted)."""
-        self.supervisor.ensure_running()
+        self._run_background()
         arrived_s = time.perf_counter()
         try:
             return await self._respond(request, endpoint, request_id, arrived_s)
@@ -271,14 +277,16 @@ class Ingress:
 
     @api.get("/metrics")
     async def metrics_endpoint(self) -> Response:
-        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
+        """The whole app's metrics, whichever replica answers (cluster/metrics_share.py)."""
+        self._run_background()
+        return Response(await self.shared_metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     @api.get("/health")
     async def health(self, verbose: bool = False) -> JSONResponse:
         """200 while every stage has a healthy worker ("ok", or "degraded" while one restarts),
         503 with Retry-After when a stage has none. `?verbose=1` adds each worker's own stats
         (or why it could not give them) and this ingress's process."""
-        self.supervisor.ensure_running()
+        self._run_background()
         stats = await self.supervisor.check(HEALTH_POLL_TIMEOUT_S)  # a death Ray knows of counts now
         healthy = {kind.value: sum(self.router.view.healthy[kind]) for kind in WorkerKind}
         serving = all(healthy.values())

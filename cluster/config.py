@@ -224,6 +224,13 @@ class LimitsConfig(Strict):
         ge=1,
         description="Media items one decoding process decodes before it exits and is replaced, so that no heap grows with what it has decoded.",
     )
+    max_decode_s: float = Field(
+        30.0,
+        gt=0,
+        description="Deadline for decoding one media item in a decoding process: a process that has not answered by "
+        "then is killed and replaced, and the request fails with a 400 naming this limit (other requests go on). "
+        "Not enforced with decode_in_process (a thread cannot be stopped).",
+    )
     decode_in_process: bool = Field(
         False,
         description="Decode media in the ingress process itself (threads, no memory cap): for debugging only, "
@@ -314,8 +321,8 @@ class ServerConfig(Strict):
         1,
         ge=1,
         description="Ingress replicas sharing the one worker fleet (owned by the fleet controller, so it outlives "
-        "any replica). Each admits 1/num_replicas of the back-pressure budget and serves its own /metrics (a scrape "
-        "through the proxy sees one replica). Object-store transport only when above 1.",
+        "any replica). Each admits 1/num_replicas of the back-pressure budget; /metrics on any of them reports the whole app "
+        "(every replica's counts, pushed to the controller each second). Object-store transport only when above 1.",
     )
     api_key: str | None = Field(
         None,

@@ -14,6 +14,10 @@ asked anything for ORPHAN_AFTER_S (the app was deleted) shuts its fleet down its
 Replicas register with an owner tag that starts their requests' ids; the controller pings
 them, and when Ray says one died, the workers free whatever its requests still held
 (KV no decode will pull, embeddings no prefill will use).
+
+It also keeps the book of the replicas' metrics (cluster/metrics_merge.py): each pushes
+its exposition about once a second, and a scrape on any replica merges the others' in. A
+dead replica's counters stay in a retired sum, so the app's totals never go backwards.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import ray
 from actors.types import Modality
 from cluster.config import ClusterConfig
 from cluster.fleet import Fleet
+from cluster.metrics_merge import MetricsBook
 from cluster.snapshot import FleetSnapshot
 from router.types import WorkerKind
 
@@ -57,12 +62,22 @@ class FleetController:
         self._lock = threading.Lock()  # one replacement (and group re-formation) at a time
         self._seen_s = time.monotonic()
         self._replicas: dict[str, object] = {}  # owner tag -> the replica's actor handle
+        self._metrics = MetricsBook()
         threading.Thread(target=self._reap_when_orphaned, daemon=True, name="reaper").start()
         threading.Thread(target=self._watch_replicas, daemon=True, name="watcher").start()
 
     def register(self, owner: str, replica) -> None:
         """A replica whose requests' ids start with `owner`; its death frees them on the workers."""
         self._replicas[owner] = replica
+
+    def report_metrics(self, owner: str, exposition: bytes) -> None:
+        """A replica's latest exposition (also a heartbeat)."""
+        self._seen_s = time.monotonic()
+        self._metrics.report(owner, exposition)
+
+    def peer_metrics(self, owner: str) -> list[str | bytes]:
+        """The other replicas' latest expositions and the retired sum: what `owner` merges in."""
+        return self._metrics.others(owner)
 
     def snapshot(self) -> FleetSnapshot:
         self._seen_s = time.monotonic()
@@ -109,6 +124,7 @@ class FleetController:
 
     def _free_owner(self, owner: str) -> None:
         del self._replicas[owner]
+        self._metrics.retire(owner)
         with self._lock:
             workers = [*self._fleet.pools[WorkerKind.PREFILL], *self._fleet.pools[WorkerKind.DECODE]]
         freed = ray.get([w.drop_owner.remote(owner) for w in workers], timeout=_PING_TIMEOUT_S)

@@ -1,6 +1,7 @@
 """Two ingress replicas share one fleet, owned by the fleet controller: both serve exact
-answers; killing one with requests in flight rebuilds no worker, loses nothing that had not
-started on it and leaks nothing; a redeploy with another config gets a fleet of its own."""
+answers and /metrics on either reports both; killing one with requests in flight rebuilds no
+worker, loses nothing that had not started on it, leaks nothing and takes nothing off the
+app's counters; a redeploy with another config gets a fleet of its own."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import time
 import httpx
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import controller
+from cluster.metrics_share import PUSH_PERIOD_S
 from tests.integration.conftest import cluster_config, deploy, png_data_url, random_image
 from tests.integration.reference import reference_generate
 from tests.integration.test_worker_failures import held, wait_until_idle
@@ -69,6 +72,46 @@ def test_both_replicas_serve_exact_answers(pair):
     assert len({str(_verbose(pair)["fleet"]) for _ in range(6)}) == 1  # one fleet, seen alike from both
 
 
+def _scrape(app) -> dict[str, float]:
+    """requests_total by status, and the e2e latency histogram's count, from one /metrics through the proxy."""
+    r = app.http.get("/metrics")
+    assert r.status_code == 200
+    samples = [s for f in text_string_to_metric_families(r.text) for s in f.samples]
+    found = {s.labels["status"]: s.value for s in samples if s.name == "epd:requests_total"}
+    found["e2e_count"] = sum(s.value for s in samples if s.name == "epd:e2e_request_latency_seconds_count")
+    found["in_progress"] = sum(s.value for s in samples if s.name in ("epd:num_requests_running", "epd:num_requests_waiting"))
+    return found
+
+
+def _settled_scrapes(app, num_scrapes: int = 8) -> list[dict[str, float]]:
+    time.sleep(3 * PUSH_PERIOD_S)  # every replica has pushed what it counted
+    return [_scrape(app) for _ in range(num_scrapes)]
+
+
+def test_metrics_on_either_replica_count_both(pair):
+    """The proxy round-robins scrapes over both replicas; each must report every request."""
+    before = _settled_scrapes(pair)
+    assert all(s == before[0] for s in before), before
+    own = _replicas(pair)
+    assert before[0].get("ok", 0) == sum(r["served_ok"] for r in own.values())  # each replica's own count, added
+    model, seeds, num_bad = pair.config.model.served_name, range(1100, 1112), 3
+
+    async def send():
+        async with httpx.AsyncClient(base_url=pair.root, timeout=120) as client:
+            ok = await asyncio.gather(*[_ask(client, model, s) for s in seeds])
+            bad = [await client.post("/v1/chat/completions", json={"model": "nope", "messages": []}) for _ in range(num_bad)]
+            return ok, bad
+
+    ok, bad = asyncio.run(send())
+    [bad_status] = {str(r.status_code) for r in bad}
+    assert [status for status, _ in ok] == [200] * len(seeds) and bad_status.startswith("4")
+    assert all(r["served_ok"] > own[pid]["served_ok"] for pid, r in _replicas(pair).items()), own  # both served some
+    for scrape in _settled_scrapes(pair):
+        assert scrape.get("ok", 0) - before[0].get("ok", 0) == len(seeds), scrape
+        assert scrape.get(bad_status, 0) - before[0].get(bad_status, 0) == num_bad, scrape
+        assert scrape["e2e_count"] - before[0]["e2e_count"] == len(seeds), scrape
+
+
 def _serve_replica_actors() -> dict[int, object]:
     """pid -> handle of each live ingress replica actor."""
     names = [
@@ -84,6 +127,7 @@ def test_killing_one_replica_rebuilds_nothing_and_loses_nothing_new(pair):
     model, seeds = pair.config.model.served_name, list(range(1000, 1020))
     before = _verbose(pair)["fleet"]
     expected = {s: pair.chat(_messages(s), temperature=0, max_tokens=MAX_TOKENS).json()["choices"][0]["message"]["content"] for s in seeds}
+    counted = _settled_scrapes(pair, num_scrapes=2)[-1]["ok"]
     victim_pid, victim = next(iter(_serve_replica_actors().items()))
 
     async def under_fire():
@@ -111,6 +155,10 @@ def test_killing_one_replica_rebuilds_nothing_and_loses_nothing_new(pair):
     replicas = _replicas(pair, within_s=90)  # Serve brought the killed one back, on the same fleet
     assert victim_pid not in replicas
     assert _verbose(pair)["fleet"] == before
+    survived = sum(status == 200 for status, _ in results)
+    for scrape in _settled_scrapes(pair, num_scrapes=4):  # the dead replica's counts stayed (retired)
+        assert scrape["ok"] >= counted + len(after), (counted, survived, scrape)
+        assert scrape["in_progress"] == 0, scrape  # the dead replica's gauges went with it
 
 
 def test_a_redeploy_with_another_config_gets_its_own_fleet(pair):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -26,7 +28,7 @@ def task(url: str, limits: LimitsConfig = LimitsConfig()) -> DecodeTask:
 
 @pytest.fixture
 def pool() -> Iterator[DecodePool]:
-    pool = DecodePool(PoolShape(num_workers=1, max_memory_mb=1024, max_tasks_per_child=3))
+    pool = DecodePool(PoolShape(num_workers=1, max_memory_mb=1024, max_tasks_per_child=3, max_decode_s=60.0))
     yield pool
     pool.shutdown()
 
@@ -55,7 +57,7 @@ def test_a_media_error_in_the_child_arrives_as_the_same_media_error(pool: Decode
 
 
 def test_a_decode_over_the_memory_cap_is_refused_naming_the_limit_and_the_next_is_fine() -> None:
-    small = DecodePool(PoolShape(num_workers=1, max_memory_mb=256, max_tasks_per_child=10))
+    small = DecodePool(PoolShape(num_workers=1, max_memory_mb=256, max_tasks_per_child=10, max_decode_s=60.0))
     try:
         with pytest.raises(MediaError) as info:
             small.decode(task(png(4000, 4000)))  # 16 MP: more than 256 MB of address space to decode
@@ -96,3 +98,37 @@ def test_shutdown_stops_the_children(pool: DecodePool) -> None:
         os.kill(pid, 0)
     with pytest.raises(RuntimeError, match="shut down"):
         pool.decode(task(png(4, 4)))
+
+
+def test_a_hung_child_is_killed_at_the_deadline_naming_it_while_the_other_child_decodes() -> None:
+    """A child stopped by SIGSTOP really hangs: its item fails at limits.max_decode_s, the
+    child is killed and replaced, and the other child's decode is not held up by it."""
+    deadline_s = 3.0
+    two = DecodePool(PoolShape(num_workers=2, max_memory_mb=1024, max_tasks_per_child=10, max_decode_s=deadline_s))
+    try:
+        with ThreadPoolExecutor(2) as threads:  # both start a child before either finishes (a start takes a second)
+            list(threads.map(lambda _: two.decode(task(png(4, 4))), range(2)))
+        hung, healthy = two.child_pids()
+        os.kill(hung, signal.SIGSTOP)
+        started_s = time.monotonic()
+        with ThreadPoolExecutor(2) as threads:
+            futures = [threads.submit(_timed, two, started_s) for _ in range(2)]
+            outcomes = sorted((f.result() for f in futures), key=lambda o: o[0])
+        (ok_s, ok), (failed_s, failed) = outcomes
+        assert isinstance(ok, tuple) and ok[1].shape == (4, 4, 3)
+        assert ok_s < deadline_s <= failed_s < deadline_s + 10
+        assert isinstance(failed, MediaError) and "limits.max_decode_s" in failed.message and failed.param == PARAM
+        with pytest.raises(ProcessLookupError):  # killed, even though stopped
+            os.kill(hung, 0)
+        assert hung not in two.child_pids() and len(two.child_pids()) == 2  # replaced
+        assert two.decode(task(png(5, 4)))[1].shape == (4, 5, 3)
+    finally:
+        two.shutdown()
+
+
+def _timed(pool: DecodePool, started_s: float) -> tuple[float, object]:
+    try:
+        outcome: object = pool.decode(task(png(4, 4)))
+    except MediaError as exc:
+        outcome = exc
+    return time.monotonic() - started_s, outcome

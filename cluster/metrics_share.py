@@ -1,0 +1,55 @@
+"""A replica's side of the app-wide /metrics: it pushes its own exposition to the fleet
+controller every PUSH_PERIOD_S, and answers a scrape with its own live registry merged
+with the other replicas' latest pushes and the retired sum (cluster/metrics_merge.py has
+the rule per metric kind). So a scrape through Serve's proxy reads the same totals
+whichever replica answers, at most PUSH_PERIOD_S behind for the others' requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from cluster.fleet_client import FleetClient
+from cluster.metrics_merge import merge
+
+log = logging.getLogger(__name__)
+
+PUSH_PERIOD_S = 1.0
+_CONTROLLER_TIMEOUT_S = 5.0  # a controller busy longer than this: the last peers seen stand in
+
+
+class MetricsShare:
+    def __init__(self, fleet: FleetClient, own: Callable[[], bytes]):
+        """`own()`: this replica's exposition (Metrics.exposition)."""
+        self._fleet, self._own = fleet, own
+        self._task: asyncio.Task | None = None
+        self._peers: list[str | bytes] = []  # the last answer, for a scrape while the controller is busy or gone
+
+    def ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.push()
+            except Exception as exc:  # pushing must outlive a controller's restart; the next push tries again
+                log.info("pushing metrics to the fleet controller failed: %s", type(exc).__name__)
+            await asyncio.sleep(PUSH_PERIOD_S)
+
+    async def push(self) -> None:
+        own = await asyncio.to_thread(self._own)  # ~10 ms of rendering each second: off the event loop
+        await asyncio.wait_for(self._fleet.controller.report_metrics.remote(self._fleet.owner, own), _CONTROLLER_TIMEOUT_S)
+
+    async def exposition(self) -> bytes:
+        """This replica's live metrics plus every other replica's (live: latest push; dead: retired)."""
+        try:
+            self._peers = await asyncio.wait_for(self._fleet.controller.peer_metrics.remote(self._fleet.owner), _CONTROLLER_TIMEOUT_S)
+        except Exception as exc:  # the others' last known counts beat none: totals must not drop
+            log.warning("the fleet controller gave no peer metrics (%s); merging the last seen", type(exc).__name__)
+        own = self._own()
+        if not self._peers:  # the only replica there ever was
+            return own
+        return await asyncio.to_thread(merge, [own, *self._peers])  # tens of ms of parsing: not on the event loop
