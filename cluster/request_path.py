@@ -277,6 +277,12 @@ class RequestPath:
             for item, n in zip(plan.items, plan.num_embeddings)
         ]
 
+    def _release_encoded(self, job: Job, decision: RouteDecision) -> None:
+        """Let the encoders that served this attempt's items evict them again."""
+        encoders = self.fleet.pools[WorkerKind.ENCODER]
+        for index in {decision.encoder_for(item.modality.value) for item in job.adm.plan.items}:
+            encoders[index].drop.remote(job.job_id)
+
     async def deliver(self, kind: WorkerKind, index: int, request_id: str, refs: list, transport) -> list:
         """Hand tensors (as refs) to a worker's inbox, one receive call per item; they move
         worker-to-worker, never here. Returns each receive's answer."""
@@ -294,7 +300,10 @@ class RequestPath:
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         received_at = None
         if encoded:
-            received_at = max(await self.deliver(WorkerKind.PREFILL, decision.prefill, job.job_id, encoded, self.config.transport.embeddings))
+            try:
+                received_at = max(await self.deliver(WorkerKind.PREFILL, decision.prefill, job.job_id, encoded, self.config.transport.embeddings))
+            finally:  # the embeddings reached the prefill worker (or never will): the encoders may evict them
+                self._release_encoded(job, decision)
         plan = job.adm.plan
         request = PrefillRequest(
             job.job_id,
