@@ -83,3 +83,22 @@ def _metrics_show_nothing_held(app) -> None:
     assert by_state.get("referenced") == 0 and by_state.get("encoding") == 0 and by_state.get("cached", 0) > 0, by_state
     usage = [s.value for s in samples if s.name == "epd:kv_cache_usage_perc"]
     assert usage and all(u == 0 for u in usage), usage
+
+
+def test_clients_that_leave_before_their_first_token_pin_no_encoder_entry(tight):
+    """Requests cut off while encoding or handing embeddings over release what they held."""
+
+    async def leave_early(client: httpx.AsyncClient, seed: int, after_s: float) -> None:
+        body = {"model": tight.config.model.served_name, "messages": _messages(seed), "temperature": 0, "max_tokens": 4}
+        try:
+            await client.post("/v1/chat/completions", json=body, timeout=after_s)
+        except httpx.TimeoutException:
+            pass  # the connection closes: the ingress aborts the request wherever it is
+
+    async def storm():
+        async with httpx.AsyncClient(base_url=tight.root) as client:
+            await asyncio.gather(*[leave_early(client, 800 + i, 0.02 * (1 + i % 5)) for i in range(10)])
+
+    asyncio.run(storm())
+    assert not any(wait_until_idle(tight, within_s=10).values()), held(tight)
+    assert tight.chat(_messages(800), temperature=0, max_tokens=4).status_code == 200
