@@ -11,6 +11,7 @@ named in `FAMILIES` by its config's `model_type`.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import importlib
 import json
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from actors import kv
 from actors.types import MediaItem, Modality, PlaceholderRange
 
 
@@ -45,6 +47,7 @@ class PlaceholderSpec(abc.ABC):
     token_by_modality: dict[Modality, str] = field(default_factory=dict)
     token_id_by_modality: dict[Modality, int] = field(default_factory=dict)
     embedding_bytes_per_token: int = 0  # one embedding row as it travels (LM width x dtype size)
+    kv_bytes_per_token: int = 0  # one token's KV over every layer (kv.bytes_per_token)
     audio_sample_rate_hz: int = 16000
     audio_window_samples: int | None = None  # longer clips are split into windows of at most this
     hop_length: int = 160  # audio samples per mel frame
@@ -147,4 +150,5 @@ def load_adapter(checkpoint: Path, *, part: str, dtype: str, device: str) -> Mod
 
 def placeholder_spec(checkpoint: Path, processor, dtype: str = "float32") -> PlaceholderSpec:
     config = AutoConfig.from_pretrained(checkpoint)
-    return _family(config).build_spec(config, processor, DTYPE_BYTES[dtype])
+    spec = _family(config).build_spec(config, processor, DTYPE_BYTES[dtype])
+    return dataclasses.replace(spec, kv_bytes_per_token=kv.bytes_per_token(config.get_text_config(), DTYPE_BYTES[dtype]))

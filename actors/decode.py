@@ -21,9 +21,9 @@ from actors.types import DecodeRequest, TokenChunk
 
 
 class DecodeWorker(ModelWorker):
-    def __init__(self, spec: WorkerSpec, max_batch_size: int):
+    def __init__(self, spec: WorkerSpec, max_batch_size: int, kv_budget_bytes: int | None = None):
         super().__init__(spec, Part.LANGUAGE_MODEL)
-        self.engine = DecodeEngine(LMRunner(self.adapter), max_batch_size, spec.max_model_len)
+        self.engine = DecodeEngine(LMRunner(self.adapter), max_batch_size, spec.max_model_len, kv_budget_bytes)
         self.inbox = TensorInbox()  # packed KV from prefill, until generate() claims it
         self._outboxes: dict[str, asyncio.Queue] = {}
 

@@ -26,6 +26,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     aborted: bool = False
     failed: bool = False  # its row could not be sampled (non-finite logits): it ends alone
+    kv_bytes: int = 0  # KV reserved for it in the batch: its prompt plus every token it may generate
+    waited_for_kv: bool = False  # it had a row but not KV room at some step
 
     @property
     def request_id(self) -> str:
@@ -65,9 +67,18 @@ def finish_reason_of(num_prompt_tokens: int, sampling, token_ids: list[int], max
 
 
 class DecodeScheduler:
-    def __init__(self, max_batch_size: int, max_model_len: int):
+    """Which sequences run. A waiting sequence joins the batch while there is a row for it
+    and its whole KV (`Sequence.kv_bytes`) fits what the running ones reserve within
+    `kv_budget_bytes`; otherwise it waits, oldest first (nobody overtakes it, so none
+    starves). A sequence alone is let in whatever its size: the ingress refuses any that
+    could never fit, and a batch must never stall empty."""
+
+    def __init__(self, max_batch_size: int, max_model_len: int, kv_budget_bytes: int | None = None):
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
+        self.kv_budget_bytes = kv_budget_bytes  # None: rows are the only limit
+        self.kv_reserved_bytes = 0
+        self.num_waited_for_kv = 0  # sequences that had to wait for KV room (a burst beyond the budget)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -77,15 +88,26 @@ class DecodeScheduler:
 
     def admit(self) -> list[Sequence]:
         """Sequences that join the batch before the next step, oldest first."""
+        if any(seq.aborted for seq in self.waiting):  # gone before they ran: they hold no place in line
+            self.waiting = deque(seq for seq in self.waiting if not seq.aborted)
         joining = []
-        while self.waiting and len(self.running) + len(joining) < self.max_batch_size:
+        while self.waiting and len(self.running) + len(joining) < self.max_batch_size and self._fits(self.waiting[0], joining):
             seq = self.waiting.popleft()
-            if seq.aborted:
-                continue
             seq.status = SeqStatus.RUNNING
+            self.kv_reserved_bytes += seq.kv_bytes
             joining.append(seq)
         self.running.extend(joining)
         return joining
+
+    def _fits(self, seq: Sequence, joining: list[Sequence]) -> bool:
+        if self.kv_budget_bytes is None or not (self.running or joining):
+            return True
+        if self.kv_reserved_bytes + seq.kv_bytes <= self.kv_budget_bytes:
+            return True
+        if not seq.waited_for_kv:
+            seq.waited_for_kv = True
+            self.num_waited_for_kv += 1
+        return False
 
     def record(self, tokens: list[int | None]) -> list[Sequence]:
         """Append one token to every running sequence (None: that row failed); returns the
@@ -110,8 +132,15 @@ class DecodeScheduler:
     def remove_finished(self) -> list[int]:
         """Drop finished sequences; returns the batch rows that remain, in order."""
         keep = [i for i, seq in enumerate(self.running) if seq.status != SeqStatus.FINISHED]
+        self.kv_reserved_bytes -= sum(seq.kv_bytes for seq in self.running if seq.status == SeqStatus.FINISHED)
         self.running = [self.running[i] for i in keep]
         return keep
+
+    def clear(self) -> list[Sequence]:
+        """Empty the scheduler (after a failed step); returns every sequence it had."""
+        seqs = self.running + list(self.waiting)
+        self.running, self.waiting, self.kv_reserved_bytes = [], deque(), 0
+        return seqs
 
     def abort(self, request_id: str) -> None:
         for seq in list(self.waiting) + self.running:

@@ -1,7 +1,13 @@
-"""Encoder worker: batches items across requests and runs the model's towers on them."""
+"""Encoder worker: batches items across requests and runs the model's towers on them.
+
+Each item's embeddings stay in the encoder cache, referenced by the requests that asked
+for them until the ingress says they reached the prefill worker (`drop`), then cached
+for reuse and evicted under the byte budget (actors/encoder_cache.py).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
@@ -10,7 +16,7 @@ import torch
 
 from actors.adapters import Part
 from actors.batching import MicroBatcher
-from actors.encoder_cache import EncoderCache
+from actors.encoder_cache import EncoderCache, EntryState
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import EncodeJob, EncodeStats
 
@@ -42,25 +48,55 @@ class EncoderWorker(ModelWorker):
 
     async def encode(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats]:
         identifier = job.item.identifier
-        cached = self.cache.get(identifier)
-        if cached is not None:
-            return cached, EncodeStats(identifier, 0.0, 0.0, 0, cache_hit=True, finished_at_s=time.time())
-        (embedding, encode_ms), queue_ms, batch_size = await self.batcher.submit(job)
-        self.cache.put(identifier, embedding, embedding.numel() * embedding.element_size())
+        found = self.cache.lookup(identifier, job.request_id)
+        if found is None:
+            return await self._encode_missed(job)
+        state, value = found
+        if state is EntryState.ENCODING:  # another request's run of the tower: wait for it
+            started = time.perf_counter()
+            value = await asyncio.shield(value)
+            return value, EncodeStats(identifier, (time.perf_counter() - started) * 1e3, 0.0, 0, cache_hit=True, finished_at_s=time.time())
+        return value, EncodeStats(identifier, 0.0, 0.0, 0, cache_hit=True, finished_at_s=time.time())
+
+    async def _encode_missed(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats]:
+        identifier = job.item.identifier
+        pending = asyncio.get_running_loop().create_future()
+        self.cache.start(identifier, job.request_id, pending)
+        try:
+            (embedding, encode_ms), queue_ms, batch_size = await self.batcher.submit(job)
+        except BaseException as exc:
+            self.cache.fail(identifier)
+            if isinstance(exc, asyncio.CancelledError):
+                pending.cancel()
+            else:
+                pending.set_exception(exc)
+                pending.exception()  # retrieved: no "never retrieved" warning when nobody waited
+            raise
+        self.cache.fill(identifier, embedding, embedding.numel() * embedding.element_size())
+        pending.set_result(embedding)
         return embedding, EncodeStats(identifier, queue_ms, encode_ms, batch_size, finished_at_s=time.time())
+
+    def drop(self, request_id: str) -> int:
+        """The request's items reached its prefill worker, or it ended early: release them."""
+        return self.cache.release(request_id)
+
+    def drop_owner(self, prefix: str) -> int:
+        """An ingress replica died: release what its requests (ids start with `prefix`) hold."""
+        return self.cache.release_owner(prefix)
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(queued=self.batcher.queue_depth, running=self._running)
 
     def stats(self) -> dict[str, int]:
+        """`cache_encoding_entries` and `cache_referenced_entries` are zero when idle, or a
+        request leaked its reference."""
         return {
             "pid": os.getpid(),
             "queued": self.batcher.queue_depth,
             "running": self._running,
             "num_batches": self.batcher.num_batches,
             "max_batch": self.batcher.max_batch_seen,
-            "cache_hits": self.cache.hits,
-            "cache_entries": len(self.cache),
+            **self.cache.stats().as_flat_dict(),
         }
 
     def cached_identifiers(self) -> frozenset[str]:

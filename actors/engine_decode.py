@@ -30,15 +30,18 @@ class DecodeOutput:
 
 
 class DecodeEngine:
-    def __init__(self, runner: LMRunner, max_batch_size: int, max_model_len: int):
+    def __init__(self, runner: LMRunner, max_batch_size: int, max_model_len: int, kv_budget_bytes: int | None = None):
         self.runner = runner
-        self.scheduler = DecodeScheduler(max_batch_size, max_model_len)
+        self.scheduler = DecodeScheduler(max_batch_size, max_model_len, kv_budget_bytes)
         self.batch = kv.BatchedKV()
         self._intake: deque[Sequence | str] = deque()  # new sequences and aborted ids, in the order they came
         self.max_batch_seen = 0
 
     def add(self, request: DecodeRequest, packed_kv: torch.Tensor) -> None:
-        self._intake.append(Sequence(request, packed_kv))
+        total = kv.sequence_bytes(
+            kv.packed_bytes_per_token(packed_kv), request.num_prompt_tokens, request.sampling.max_tokens, self.scheduler.max_model_len
+        )
+        self._intake.append(Sequence(request, packed_kv, kv_bytes=total))
 
     def abort(self, request_id: str) -> None:
         """No-op once the request finished; frees its row at the next step otherwise."""
@@ -81,10 +84,9 @@ class DecodeEngine:
     def fail_all(self) -> list[DecodeOutput]:
         """After a step raised: every request ends with ERROR and the batch starts empty."""
         self._apply_intake()
-        seqs = self.scheduler.running + list(self.scheduler.waiting)
+        seqs = self.scheduler.clear()
         for seq in seqs:
             seq.aborted = True
-        self.scheduler.running, self.scheduler.waiting = [], deque()
         self.batch = kv.BatchedKV()
         return [DecodeOutput(seq.request_id, TokenChunk((), FinishReason.ERROR)) for seq in seqs]
 
@@ -109,4 +111,7 @@ class DecodeEngine:
             "running": len(self.scheduler.running),
             "rows": self.batch.num_rows,
             "max_batch": self.max_batch_seen,
+            "kv_reserved_bytes": self.scheduler.kv_reserved_bytes,
+            "kv_budget_bytes": self.scheduler.kv_budget_bytes or 0,
+            "waited_for_kv": self.scheduler.num_waited_for_kv,
         }

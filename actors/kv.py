@@ -47,6 +47,24 @@ class _SlabLayer(DynamicLayer):
         return self._length
 
 
+def bytes_per_token(text_config, dtype_bytes: int) -> int:
+    """KV bytes one token takes in every layer: layers x (key + value) x kv heads x head dim x
+    dtype size, from the language model's config (what `pack` gives per token)."""
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    return text_config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
+
+
+def packed_bytes_per_token(packed: torch.Tensor) -> int:
+    """The same figure read off a packed cache [layers, 2, kv_heads, tokens, head_dim]."""
+    return packed.numel() * packed.element_size() // max(packed.shape[-2], 1)
+
+
+def sequence_bytes(per_token: int, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """The most KV a sequence can come to hold: its prompt plus every token it may generate."""
+    return per_token * min(num_prompt_tokens + max_tokens, max_model_len)
+
+
 def pack(cache: DynamicCache) -> torch.Tensor:
     """One request's cache (batch 1) as a single contiguous tensor."""
     layers = [torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers]

@@ -95,6 +95,7 @@ class Ingress:
         routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token, prefix_block_tokens)
         self.supervisor = Supervisor(self.fleet, self.router)
         self.shared_metrics = MetricsShare(self.fleet, self.metrics.exposition)
+        self.metrics.track_workers(lambda: self.supervisor.latest_stats)
         self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics, self.supervisor.handle_lost)
         limits = self.config.limits
         self._admit_pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="admit")
@@ -279,7 +280,8 @@ class Ingress:
     async def metrics_endpoint(self) -> Response:
         """The whole app's metrics, whichever replica answers (cluster/metrics_share.py)."""
         self._run_background()
-        return Response(await self.shared_metrics.exposition(), media_type="text/plain; version=0.0.4")
+        body = await self.shared_metrics.exposition() + self.metrics.worker_exposition()  # workers' series once, not per replica
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @api.get("/health")
     async def health(self, verbose: bool = False) -> JSONResponse:

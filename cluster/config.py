@@ -150,6 +150,12 @@ class PrefillPoolConfig(PoolConfig):
 
 class DecodePoolConfig(PoolConfig):
     max_batch_size: int = Field(32, ge=1, description="Most requests in one decode step (continuous batching).")
+    kv_cache_mb: float = Field(
+        4096.0,
+        gt=0,
+        description="KV budget per decode worker, in MiB: a waiting request joins the batch only while the KV of its prompt "
+        "plus max_tokens fits beside what the running ones reserve (a burst queues); a request that could never fit gets a 400.",
+    )
 
 
 class TransportConfig(Strict):

@@ -126,7 +126,7 @@ class FleetController:
         del self._replicas[owner]
         self._metrics.retire(owner)
         with self._lock:
-            workers = [*self._fleet.pools[WorkerKind.PREFILL], *self._fleet.pools[WorkerKind.DECODE]]
+            workers = [w for kind in WorkerKind for w in self._fleet.pools[kind]]  # encoders: references to release
         freed = ray.get([w.drop_owner.remote(owner) for w in workers], timeout=_PING_TIMEOUT_S)
         log.warning("replica %s died; its requests' leftovers freed on the workers: %d", owner, sum(freed))
 

@@ -77,7 +77,7 @@ class Fleet:
             return PrefillActor.options(**options).remote(
                 spec, pool.max_chunk_tokens, pool.prefix_block_tokens, int(pool.prefix_cache_mb * 2**20), pool.max_media_tokens_per_step
             )
-        return DecodeActor.options(**options).remote(spec, pool.max_batch_size)
+        return DecodeActor.options(**options).remote(spec, pool.max_batch_size, int(pool.kv_cache_mb * 2**20))
 
     def worker_infos(self, model_modalities: frozenset[Modality]) -> list[WorkerInfo]:
         """The router's static picture of the fleet: kind, index, node (for placements) and,

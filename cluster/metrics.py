@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from cluster.worker_metrics import WorkerStats, WorkerStatsCollector
+
 PREFIX = "epd:"
 # vLLM's request-latency buckets; the top ones are cut at the request timeout, which is added.
 _LATENCY_BUCKETS_S = (
@@ -92,6 +94,7 @@ class _Bound:
 class Metrics:
     def __init__(self, model_name: str = "", request_timeout_s: float = 120.0) -> None:
         self.registry = CollectorRegistry()
+        self.worker_registry = CollectorRegistry()  # per-worker series: not merged over replicas
         self.model_name = model_name
         latency = latency_buckets_s(request_timeout_s)
         # vLLM's names
@@ -137,6 +140,16 @@ class Metrics:
         """Read the admission counts at scrape time rather than mirroring every change."""
         self.waiting.set_function(waiting)
         self.running.set_function(running)
+
+    def track_workers(self, latest: Callable[[], WorkerStats]) -> None:
+        """Series from the workers' own stats (encoder cache states, decode KV in use), read
+        from the supervisor's latest poll at scrape time. They sit in a registry of their own:
+        every replica sees the same workers, so the replicas' merge (which sums) must not
+        take them; the replica that answers a scrape adds them once (`worker_exposition`)."""
+        self.worker_registry.register(WorkerStatsCollector(PREFIX, self.model_name, latest))
+
+    def worker_exposition(self) -> bytes:
+        return generate_latest(self.worker_registry)
 
     def record_encoder_lookup(self, hit: bool) -> None:
         self.mm_cache_queries.inc()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import ray
 
+from actors import kv
 from actors.decode_state import finish_reason_of
 from actors.media import MediaError, MediaOptions, PixelBudget, VideoSampling, load_media_item
 from actors.types import DecodeRequest, EncodeJob, FinishReason, MediaItem, PrefillRequest, PrefillResult, TokenChunk
@@ -117,7 +118,24 @@ class RequestPath:
             sampling = request.to_sampling_params(len(plan.token_ids), self.bounds)
         except ParamError as exc:
             raise RequestError(400, exc.message, exc.param) from None
+        self._kv_fits(len(plan.token_ids), sampling.max_tokens, "messages" if isinstance(request, ChatCompletionRequest) else "prompt")
         return Admitted(request_id, request, plan.items, plan, sampling, arrived_s)
+
+    def _kv_fits(self, num_prompt_tokens: int, max_tokens: int, prompt_param: str) -> None:
+        """Refuse a request whose KV (prompt plus max_tokens) a decode worker could never hold:
+        queued, it would wait for room that never comes."""
+        per_token, limit_mb = self.planner.spec.kv_bytes_per_token, self.config.decode.kv_cache_mb
+        need = kv.sequence_bytes(per_token, num_prompt_tokens, max_tokens, self.config.model.max_model_len)
+        if need <= limit_mb * 2**20:
+            return
+        raise RequestError(
+            400,
+            f"this request's KV cache would take {need / 2**20:.2f} MiB ({num_prompt_tokens} prompt tokens + max_tokens "
+            f"{max_tokens}, {per_token} bytes per token); a decode worker holds at most decode.kv_cache_mb = {limit_mb:g} MiB: "
+            "lower max_tokens or shorten the prompt",
+            "max_tokens" if per_token * num_prompt_tokens <= limit_mb * 2**20 else prompt_param,
+            code="kv_cache_limit_exceeded",
+        )
 
     @property
     def bounds(self) -> ModelBounds:
@@ -277,6 +295,12 @@ class RequestPath:
             for item, n in zip(plan.items, plan.num_embeddings)
         ]
 
+    def _release_encoded(self, job: Job, decision: RouteDecision) -> None:
+        """Let the encoders that served this attempt's items evict them again."""
+        encoders = self.fleet.pools[WorkerKind.ENCODER]
+        for index in {decision.encoder_for(item.modality.value) for item in job.adm.plan.items}:
+            encoders[index].drop.remote(job.job_id)
+
     async def deliver(self, kind: WorkerKind, index: int, request_id: str, refs: list, transport) -> list:
         """Hand tensors (as refs) to a worker's inbox, one receive call per item; they move
         worker-to-worker, never here. Returns each receive's answer."""
@@ -294,7 +318,10 @@ class RequestPath:
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         received_at = None
         if encoded:
-            received_at = max(await self.deliver(WorkerKind.PREFILL, decision.prefill, job.job_id, encoded, self.config.transport.embeddings))
+            try:
+                received_at = max(await self.deliver(WorkerKind.PREFILL, decision.prefill, job.job_id, encoded, self.config.transport.embeddings))
+            finally:  # the embeddings reached the prefill worker (or never will): the encoders may evict them
+                self._release_encoded(job, decision)
         plan = job.adm.plan
         request = PrefillRequest(
             job.job_id,

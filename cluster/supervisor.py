@@ -50,6 +50,7 @@ class Supervisor:
         self._restart_lock: asyncio.Lock | None = None  # one re-formation of the group at a time
         self._busy_since: dict[tuple[WorkerKind, int], float] = {}
         self.num_restarts = 0
+        self.latest_stats: dict[str, list[dict]] = {}  # worker kind -> the last check's stats (for /metrics)
 
     def ensure_running(self) -> None:
         if self._task is None or self._task.done():
@@ -78,6 +79,7 @@ class Supervisor:
             stats[kind].append(
                 report[0] if report else {"error": f"{outcome.value} (no answer within {timeout_s} s)" if outcome is Poll.BUSY else outcome.value}
             )
+        self.latest_stats = {kind.value: workers for kind, workers in stats.items()}
         return stats
 
     def _judge(self, kind: WorkerKind, index: int, outcome: Poll, report) -> None:

@@ -60,6 +60,10 @@ PANELS = [
     ("Encoder batch size (mean)", "short", [("items", f"{_rate('epd:encoder_batch_size_sum')} / {_rate('epd:encoder_batch_size_count')}")]),
     ("Outstanding jobs per worker kind", "short", [("{{kind}}", f"sum by(kind) (epd:queue_depth{SEL})")]),
     ("Retries after a worker failed", "reqps", [("{{kind}}", _rate("epd:retries_total", "kind"))]),
+    # Worker series: every replica exposes the same polled values, hence max over replicas first.
+    ("Encoder cache bytes by state", "bytes", [("{{state}}", f"sum by(state) (max by(state, encoder) (epd:encoder_cache_bytes{SEL}))")]),
+    ("Encoder cache evictions", "ops", [("evictions", f"sum (max by(encoder) (rate(epd:encoder_cache_evictions_total{SEL}[$__rate_interval])))")]),
+    ("Decode KV budget reserved", "percentunit", [("decode {{decode}}", f"max by(decode) (epd:kv_cache_usage_perc{SEL})")]),
 ]
 
 

@@ -35,7 +35,7 @@ from probe_client import Outcome, chat_body, is_openai_error, run_chat  # noqa: 
 from probe_rss import GROUPS, RssSampler, ingress_pid, worker_pids  # noqa: E402
 
 KINDS = ("encoder", "prefill", "decode")
-DRAIN_FIELDS = ("held_kv", "held_embeddings", "rows", "running", "queued")
+DRAIN_FIELDS = ("held_kv", "held_embeddings", "rows", "running", "queued", "kv_reserved_bytes", "cache_encoding_entries", "cache_referenced_entries")
 
 
 @dataclass

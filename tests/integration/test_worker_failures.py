@@ -19,7 +19,7 @@ from tests.integration.conftest import png_data_url, random_image
 HELD = {
     "prefill": ("held_kv", "held_embeddings", "queued", "running"),
     "decode": ("rows", "held_kv", "running", "queued"),
-    "encoder": ("queued", "running"),
+    "encoder": ("queued", "running", "cache_encoding_entries", "cache_referenced_entries"),
 }
 
 

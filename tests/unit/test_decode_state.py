@@ -215,3 +215,48 @@ def test_history_is_prompt_plus_every_generated_token_only_when_needed():
     request = PrefillRequest("b", (1, 2, 3, 4, 5, 20, 21), (), params, num_output_tokens=2)
     assert history_of(request) == TokenHistory((1, 2, 3, 4, 5), (20, 21))
     assert history_of(PrefillRequest("c", (1, 2), (), SamplingParams())) is None
+
+
+def sized(rid: str, kv_bytes: int, **kwargs) -> Sequence:
+    s = seq(rid, **kwargs)
+    s.kv_bytes = kv_bytes
+    return s
+
+
+def test_kv_budget_admits_only_what_fits_oldest_first():
+    sched = DecodeScheduler(max_batch_size=8, max_model_len=100, kv_budget_bytes=100)
+    for rid, size in (("a", 40), ("b", 50), ("c", 30), ("d", 5)):
+        sched.add(sized(rid, size))
+    assert ids(sched.admit()) == ["a", "b"] and sched.kv_reserved_bytes == 90
+    assert ids(sched.waiting) == ["c", "d"], "d would fit, but nobody overtakes c (no starvation)"
+    sched.admit()
+    assert sched.num_waited_for_kv == 1  # c, counted once however many steps it waits
+    sched.running[0].status = SeqStatus.FINISHED  # a leaves: its 40 bytes return
+    assert sched.remove_finished() == [1] and sched.kv_reserved_bytes == 50
+    assert ids(sched.admit()) == ["c", "d"] and sched.kv_reserved_bytes == 85
+
+
+def test_a_sequence_alone_runs_whatever_its_size():
+    sched = DecodeScheduler(max_batch_size=8, max_model_len=100, kv_budget_bytes=100)
+    sched.add(sized("huge", 500))
+    sched.add(sized("small", 1))
+    assert ids(sched.admit()) == ["huge"], "an empty batch must never stall"
+    assert sched.admit() == []
+
+
+def test_aborted_waiters_leave_the_line_and_reserve_nothing():
+    sched = DecodeScheduler(max_batch_size=8, max_model_len=100, kv_budget_bytes=100)
+    for rid, size in (("a", 90), ("b", 50), ("c", 10)):
+        sched.add(sized(rid, size))
+    sched.admit()
+    sched.abort("b")
+    assert ids(sched.admit()) == ["c"] and sched.kv_reserved_bytes == 100
+    assert ids(sched.waiting) == []
+    assert len(sched.clear()) == 2 and sched.kv_reserved_bytes == 0
+
+
+def test_no_budget_means_rows_are_the_only_limit():
+    sched = DecodeScheduler(max_batch_size=2, max_model_len=100)
+    for rid in "abc":
+        sched.add(sized(rid, 10**12))
+    assert ids(sched.admit()) == ["a", "b"]

@@ -212,3 +212,40 @@ def test_image_embeddings_change_the_output(lm, encoder, processor):
         [emb] = encoder.encode([MediaItem(Modality.IMAGE, str(color), data=array)])
         caches.append(runner.prefill(tuple(token_ids), ranges, [emb], GREEDY)[1])
     assert not torch.allclose(caches[0], caches[1])
+
+
+def test_kv_bytes_per_token_from_the_config_is_what_prefill_packs(lm):
+    """The ingress sizes a request's KV from the config; the decode worker from the packed tensor."""
+    from actors import kv
+
+    _, packed, _ = LMRunner(lm).prefill((10, 11, 12, 13, 14), (), [], GREEDY)
+    assert kv.bytes_per_token(lm.config.get_text_config(), packed.element_size()) == kv.packed_bytes_per_token(packed)
+    assert kv.packed_bytes_per_token(packed) * 5 == packed.numel() * packed.element_size()
+
+
+def test_a_kv_budget_queues_a_burst_and_stays_token_exact(lm, hf_model):
+    """Six requests arrive at once; the decode KV budget holds about two: the rest wait
+    their turn, the reservation never exceeds the budget, and every answer is HF's."""
+    from actors import kv
+
+    rnd = random.Random(11)
+    vocab = hf_model.config.text_config.vocab_size
+    prompts = [(tuple(rnd.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(rnd.randint(5, 30))), (), [], rnd.randint(3, 10)) for _ in range(6)]
+    per_token = kv.bytes_per_token(lm.config.get_text_config(), 4)
+    budget = 2 * per_token * max(len(p[0]) + p[3] for p in prompts)
+    prefill, _ = engines(lm, 512)
+    decode = DecodeEngine(LMRunner(lm), max_batch_size=8, max_model_len=10_000, kv_budget_bytes=budget)
+    reserved, waited, step = [], [], decode.step
+
+    def watched_step():
+        out = step()
+        reserved.append(decode.scheduler.kv_reserved_bytes)
+        waited.append(len(decode.scheduler.waiting))
+        return out
+
+    decode.step = watched_step
+    got, _ = run_engines(prompts, [0] * len(prompts), prefill, decode)
+    assert max(reserved) <= budget and max(waited) > 0, "the budget never made anyone wait"
+    assert decode.scheduler.kv_reserved_bytes == 0 and decode.stats()["kv_reserved_bytes"] == 0
+    for i, (token_ids, _, _, max_tokens) in enumerate(prompts):
+        assert got[f"r{i}"] == hf_greedy(hf_model, max_tokens, input_ids=torch.tensor([token_ids])), f"prompt {i}"
