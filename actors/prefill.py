@@ -1,6 +1,7 @@
 """Prefill worker: the Ray actor around `PrefillEngine` (actors/engine_prefill.py). It keeps
-the embeddings that arrive ahead of the prefill call, and each prompt's KV until the decode
-worker pulls it."""
+the embeddings that arrive ahead of the prefill call, hands those that arrive after it to
+the engine (encode/prefill overlap), and keeps each prompt's KV until the decode worker
+pulls it."""
 
 from __future__ import annotations
 
@@ -39,24 +40,36 @@ class PrefillWorker(ModelWorker):
         self.embeddings = TensorInbox()  # from encoders, until the prefill call
         self.kv = TensorInbox()  # for the decode worker, until it pulls it
         self._waiters: dict[str, asyncio.Future] = {}
+        self._encode_stats: dict[str, dict[int, EncodeStats]] = {}  # of requests in the engine, by slot
 
     async def receive(self, request_id: str, slot: int, encoded: tuple[torch.Tensor, EncodeStats]) -> float:
-        """Keep one item's embeddings for the prefill call; returns the wall clock of arrival,
-        so the ingress can time the hand-over against the encoder's finish time."""
-        self.embeddings.put(request_id, encoded, slot)
+        """One item's embeddings: to the engine if its prefill call came first (overlap), else
+        kept for that call. Returns the wall clock of arrival, so the ingress can time the
+        hand-over against the encoder's finish time."""
+        if request_id in self._waiters:  # prefilling already: the engine splices it in
+            self._encode_stats[request_id][slot] = encoded[1]
+            self.engine.add_item(request_id, slot, encoded[0])
+            self.drive(self.engine, self._publish, self._fail_all)
+        else:  # refused if the request is over (closed); freed by drop() if it ends later
+            self.embeddings.put(request_id, encoded, slot)
         return time.time()
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        encoded = [self.embeddings.take(request.request_id, i) for i in range(len(request.placeholders))]
+        """The request's first token, once its prompt is prefilled. Items not received yet
+        follow through `receive`; the text before them is prefilled meanwhile."""
+        encoded = self.embeddings.take_all(request.request_id)
         done = asyncio.get_running_loop().create_future()
         self._waiters[request.request_id] = done
-        self.engine.add(request, [embedding for embedding, _ in encoded])
+        self._encode_stats[request.request_id] = {slot: stats for slot, (_, stats) in encoded.items()}
+        self.engine.add(request, {slot: embedding for slot, (embedding, _) in encoded.items()})
         self.drive(self.engine, self._publish, self._fail_all)
         try:
             out: PrefillOutput = await done
         finally:
+            stats = self._encode_stats.pop(request.request_id, {})
             if self._waiters.pop(request.request_id, None) is not None:
                 self.engine.abort(request.request_id)  # the caller left before the end: free its slot
+                self.drive(self.engine, self._publish, self._fail_all)  # it may be waiting for items: free it now
         if out.first is None:  # nothing to hand to decode; this request alone fails
             raise WorkerRequestError(f"the first token of request {request.request_id} could not be sampled (the model gave non-finite logits)")
         self.kv.put(request.request_id, out.packed_kv)  # dropped at once if the request was closed meanwhile
@@ -66,10 +79,11 @@ class PrefillWorker(ModelWorker):
             num_prompt_tokens=len(request.prompt_token_ids),
             queue_ms=out.queue_ms,
             prefill_ms=out.prefill_ms,
-            encode_stats=tuple(stats for _, stats in encoded),
+            encode_stats=tuple(stats[slot] for slot in sorted(stats)),  # items still on their way (prefix hit) are missing
             rope_delta=out.rope_delta,
             first_logprob=out.first.logprob,
             num_cached_tokens=out.num_cached_tokens,
+            item_wait_ms=out.item_wait_ms,
         )
 
     def _publish(self, outputs: list[PrefillOutput]) -> None:
@@ -99,6 +113,7 @@ class PrefillWorker(ModelWorker):
         self.embeddings.close(request_id)
         if request_id in self._waiters:  # still prefilling: stop, and end the call waiting on it
             self.engine.abort(request_id)
+            self.drive(self.engine, self._publish, self._fail_all)  # a job waiting for items: freed now, not at the next request
             self._settle(request_id, exc=WorkerRequestError(f"request {request_id} was dropped during its prefill"))
 
     def prefix_hashes(self) -> frozenset[str]:
