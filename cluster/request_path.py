@@ -402,6 +402,7 @@ class RequestPath:
         stage = self.metrics.stage
         stage.labels("prefill").observe(result.prefill_ms / 1e3)
         stage.labels("prefill_queue").observe(result.queue_ms / 1e3)
+        stage.labels("prefill_item_wait").observe(result.item_wait_ms / 1e3)  # overlap: the prefill waited for embeddings
         self.metrics.prefill_time.observe(result.prefill_ms / 1e3)
         self.metrics.queue_time.observe(result.queue_ms / 1e3)
         for stats in result.encode_stats:
