@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from dataclasses import dataclass, field
 
 import ray
 import torch
@@ -18,6 +19,20 @@ from actors.inbox import TensorInbox
 from actors.lm_runner import LMRunner
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import EncodeStats, PrefillRequest, PrefillResult, WorkerRequestError
+
+
+@dataclass
+class _InFlight:
+    """A request in the engine: its items' encode stats so far, and its output if the prompt
+    finished (from the prefix cache) before every item came."""
+
+    num_items: int
+    stats: dict[int, EncodeStats] = field(default_factory=dict)  # by slot
+    output: PrefillOutput | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.stats) == self.num_items
 
 
 class PrefillWorker(ModelWorker):
@@ -40,16 +55,20 @@ class PrefillWorker(ModelWorker):
         self.embeddings = TensorInbox()  # from encoders, until the prefill call
         self.kv = TensorInbox()  # for the decode worker, until it pulls it
         self._waiters: dict[str, asyncio.Future] = {}
-        self._encode_stats: dict[str, dict[int, EncodeStats]] = {}  # of requests in the engine, by slot
+        self._in_flight: dict[str, _InFlight] = {}  # requests with a prefill call, until it returns
 
     async def receive(self, request_id: str, slot: int, encoded: tuple[torch.Tensor, EncodeStats]) -> float:
         """One item's embeddings: to the engine if its prefill call came first (overlap), else
         kept for that call. Returns the wall clock of arrival, so the ingress can time the
         hand-over against the encoder's finish time."""
         if request_id in self._waiters:  # prefilling already: the engine splices it in
-            self._encode_stats[request_id][slot] = encoded[1]
-            self.engine.add_item(request_id, slot, encoded[0])
-            self.drive(self.engine, self._publish, self._fail_all)
+            flight = self._in_flight[request_id]
+            flight.stats[slot] = encoded[1]
+            if flight.output is None:
+                self.engine.add_item(request_id, slot, encoded[0])
+                self.drive(self.engine, self._publish, self._fail_all)
+            elif flight.complete:  # the last item of a prompt that finished without it
+                self._settle(request_id, flight.output)
         else:  # refused if the request is over (closed); freed by drop() if it ends later
             self.embeddings.put(request_id, encoded, slot)
         return time.time()
@@ -60,13 +79,13 @@ class PrefillWorker(ModelWorker):
         encoded = self.embeddings.take_all(request.request_id)
         done = asyncio.get_running_loop().create_future()
         self._waiters[request.request_id] = done
-        self._encode_stats[request.request_id] = {slot: stats for slot, (_, stats) in encoded.items()}
+        self._in_flight[request.request_id] = _InFlight(len(request.placeholders), {slot: stats for slot, (_, stats) in encoded.items()})
         self.engine.add(request, {slot: embedding for slot, (embedding, _) in encoded.items()})
         self.drive(self.engine, self._publish, self._fail_all)
         try:
             out: PrefillOutput = await done
         finally:
-            stats = self._encode_stats.pop(request.request_id, {})
+            stats = self._in_flight.pop(request.request_id).stats
             if self._waiters.pop(request.request_id, None) is not None:
                 self.engine.abort(request.request_id)  # the caller left before the end: free its slot
                 self.drive(self.engine, self._publish, self._fail_all)  # it may be waiting for items: free it now
@@ -79,7 +98,7 @@ class PrefillWorker(ModelWorker):
             num_prompt_tokens=len(request.prompt_token_ids),
             queue_ms=out.queue_ms,
             prefill_ms=out.prefill_ms,
-            encode_stats=tuple(stats[slot] for slot in sorted(stats)),  # items still on their way (prefix hit) are missing
+            encode_stats=tuple(stats[slot] for slot in sorted(stats)),
             rope_delta=out.rope_delta,
             first_logprob=out.first.logprob,
             num_cached_tokens=out.num_cached_tokens,
@@ -88,7 +107,13 @@ class PrefillWorker(ModelWorker):
 
     def _publish(self, outputs: list[PrefillOutput]) -> None:
         for out in outputs:
-            self._settle(out.request_id, out)
+            flight = self._in_flight.get(out.request_id)
+            if flight is not None and not flight.complete:
+                # The prefix cache covered an item still being encoded: the result waits for
+                # its encode stats (encoder-cache and transfer accounting), as it did before overlap.
+                flight.output = out
+            else:
+                self._settle(out.request_id, out)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in self.engine.fail_all():

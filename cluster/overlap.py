@@ -6,15 +6,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable
 
-_late: set[asyncio.Task] = set()  # deliveries still running after their prefill finished (strong references)
-
 
 async def overlapped(call: Awaitable, delivering: Awaitable[list]) -> tuple:
-    """Await the prefill `call` while `delivering` hands it its embeddings. A delivery that
-    fails (its encoder died) fails the request at once: the prefill would wait for that item
-    forever. Returns the call's result and the receive answers, or None if some are still on
-    their way (a prefix-cache hit finished the prompt first; they are refused or freed by the
-    attempt's drop() and finish in the background)."""
+    """Await the prefill `call` while `delivering` hands it its embeddings; returns the call's
+    result and the receive answers. A delivery that fails (its encoder died) fails the
+    request at once: the prefill would wait for that item forever. The prefill worker
+    answers only once every item has arrived, so the delivery is done or about to be."""
     calling, delivery = asyncio.ensure_future(call), asyncio.ensure_future(delivering)
     pending = {calling, delivery}
     try:
@@ -22,19 +19,8 @@ async def overlapped(call: Awaitable, delivering: Awaitable[list]) -> tuple:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if delivery in done and delivery.exception() is not None:
                 raise delivery.exception()
-        result = calling.result()
+        return calling.result(), await delivery
     except BaseException:
         calling.cancel()
         delivery.cancel()
         raise
-    if not delivery.done():
-        _late.add(delivery)
-        delivery.add_done_callback(_forget)
-        return result, None
-    return result, delivery.result()
-
-
-def _forget(task: asyncio.Task) -> None:
-    _late.discard(task)
-    if not task.cancelled():
-        task.exception()  # retrieved: a late delivery's failure no longer matters

@@ -7,7 +7,6 @@ import asyncio
 
 import pytest
 
-from cluster import overlap
 from cluster.overlap import overlapped
 
 
@@ -35,22 +34,18 @@ def test_a_failed_delivery_fails_the_request_at_once():
     asyncio.run(scenario())
 
 
-def test_a_prefill_that_finishes_first_leaves_the_delivery_running_to_its_end():
-    """A prefix-cache hit covered the item: no receive time, and the delivery still finishes
-    (into a request the worker has closed) instead of being cut off mid-transfer."""
-
+def test_a_failed_call_gives_up_the_delivery():
     async def scenario():
-        delivered = asyncio.Event()
-
-        async def delivery():
-            await asyncio.sleep(0.05)
-            delivered.set()
-            raise RuntimeError("refused: the request is closed")  # retrieved, not logged as never retrieved
-
-        result, received = await overlapped(after(0.0, "first token"), delivery())
-        assert (result, received) == ("first token", None) and len(overlap._late) == 1
-        await asyncio.wait_for(delivered.wait(), timeout=2)
-        await asyncio.sleep(0)
-        assert not overlap._late
+        delivery = asyncio.get_running_loop().create_future()
+        with pytest.raises(RuntimeError, match="prefill worker died"):
+            await overlapped(after(0.01, exc=RuntimeError("prefill worker died")), delivery)
+        assert delivery.cancelled()
 
     asyncio.run(scenario())
+
+
+def test_receive_answers_that_come_after_the_result_are_still_awaited():
+    """The worker answers once every item arrived, but the receive replies may overtake
+    the result or not: the transfer time is measured either way."""
+    result, received = asyncio.run(overlapped(after(0.0, "first token"), after(0.03, [1.0])))
+    assert (result, received) == ("first token", [1.0])
