@@ -2,11 +2,16 @@
 worker, with a prefix cache. No Ray and no asyncio, so tests drive the very loop the
 worker runs.
 
-Each `step()` starts newly added requests (splice their embeddings, take the longest
-cached prefix), lets `plan_step` share the step's token budget among them, runs each
+Each `step()` starts newly added requests (splice the embeddings that are here, take the
+longest cached prefix), lets `plan_step` share the step's token budget among them, runs each
 chunk on top of its request's cache and returns the requests that finished: their first
 token and packed KV. Finished prompts leave their full blocks in the prefix cache.
-`add` / `abort` may come from another thread than `step`: they only fill intakes.
+
+Encode/prefill overlap: a request may be added before its items' embeddings; the text
+before its first missing item is prefilled meanwhile, and `add_item` splices each item in
+when it comes (a request waiting for one takes no step budget and keeps no loop busy).
+`add` / `add_item` / `abort` may come from another thread than `step`: they only fill the
+intake, which `step` applies in order.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,13 +41,23 @@ class PrefillOutput:
     rope_delta: int
     num_cached_tokens: int
     queue_ms: float  # added -> first chunk
-    prefill_ms: float  # first chunk -> done
+    prefill_ms: float  # first chunk -> done, less the time spent waiting for items meanwhile
+    item_wait_ms: float = 0.0  # how long it could not advance for want of an item's embeddings
+
+
+@dataclass(frozen=True)
+class _Item:
+    """An item's embeddings that came after its request (`add_item`)."""
+
+    request_id: str
+    slot: int
+    embeddings: torch.Tensor
 
 
 @dataclass
 class _Job:
     request: PrefillRequest
-    items: list[torch.Tensor]
+    items: dict[int, torch.Tensor]  # by slot, until spliced
     arrival: int
     added_s: float
     embeds: torch.Tensor | None = None
@@ -54,10 +70,24 @@ class _Job:
     num_computed: int = 0
     started_s: float | None = None
     hidden: torch.Tensor | None = None
+    ready: set[int] = field(default_factory=set)  # slots whose embeddings are spliced in
+    blocked_s: float | None = None  # since when it waits for an item
+    waited_s: float = 0.0  # waiting for items in all
+    waited_running_s: float = 0.0  # of which after its first chunk
 
     def state(self) -> PrefillState:
-        spans = tuple(Span(r.offset, r.length) for r in self.request.placeholders)
+        spans = tuple(Span(r.offset, r.length, i in self.ready) for i, r in enumerate(self.request.placeholders))
         return PrefillState(self.request.request_id, len(self.request.prompt_token_ids), self.num_computed, spans, self.arrival)
+
+    def note_wait(self, now: float) -> None:
+        """Start or end a wait for an item, as the job's state now says."""
+        runnable = self.state().runnable or self.num_computed == len(self.request.prompt_token_ids)
+        if not runnable and self.blocked_s is None:
+            self.blocked_s = now
+        elif runnable and self.blocked_s is not None:
+            self.waited_s += now - self.blocked_s
+            self.waited_running_s += now - self.blocked_s if self.started_s is not None else 0.0
+            self.blocked_s = None
 
 
 def history_of(request: PrefillRequest) -> TokenHistory | None:
@@ -88,13 +118,22 @@ class PrefillEngine:
         self.max_media_tokens_per_step = max_media_tokens_per_step
         self.pool = BlockPool(cache_bytes)
         self.jobs: dict[str, _Job] = {}
-        self._intake: deque[_Job | str] = deque()  # new jobs and aborted ids, in the order they came
+        self._intake: deque[_Job | _Item | str] = deque()  # new jobs, late items and aborted ids, in the order they came
+        self._num_runnable = 0  # jobs that can advance, as of the end of the last step
         self._arrivals = itertools.count()
         self._held_version = -1
         self._snapshot()
 
-    def add(self, request: PrefillRequest, items: list[torch.Tensor]) -> None:
-        self._intake.append(_Job(request, items, next(self._arrivals), time.perf_counter()))
+    def add(self, request: PrefillRequest, items: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] = ()) -> None:
+        """`items`: the embeddings already here (a sequence: slots 0, 1, ...; a mapping: by
+        slot); the others follow through `add_item`."""
+        given = dict(items) if isinstance(items, Mapping) else dict(enumerate(items))
+        self._intake.append(_Job(request, given, next(self._arrivals), time.perf_counter()))
+
+    def add_item(self, request_id: str, slot: int, embeddings: torch.Tensor) -> None:
+        """Item `slot`'s embeddings for a request added before they came; spliced at the next
+        step. Dropped there if the request is gone (aborted, failed or already done)."""
+        self._intake.append(_Item(request_id, slot, embeddings))
 
     def abort(self, request_id: str) -> None:
         """Drop the request at the next step (no-op for one not added yet or already done)."""
@@ -102,7 +141,9 @@ class PrefillEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._intake or self.jobs)
+        """Something a step would do. Requests that all wait for items are no work: their
+        `add_item` refills the intake."""
+        return bool(self._intake) or self._num_runnable > 0
 
     def step(self) -> list[PrefillOutput]:
         try:
@@ -121,6 +162,9 @@ class PrefillEngine:
             job.started_s = job.started_s or now
             job.hidden = self.runner.forward_chunk(job.embeds, job.positions, job.cache, chunk.start, chunk.end)
             job.num_computed = chunk.end
+        now = time.perf_counter()
+        for job in self.jobs.values():
+            job.note_wait(now)
         done = [job for job in self.jobs.values() if job.num_computed == len(job.request.prompt_token_ids)]
         return [self._finish(job) for job in done]
 
@@ -135,18 +179,39 @@ class PrefillEngine:
 
     def _apply_intake(self) -> None:
         while self._intake:
-            job = self._intake.popleft()
-            if isinstance(job, str):
-                self._drop(job)
+            entry = self._intake.popleft()
+            if isinstance(entry, str):
+                self._drop(entry)
+            elif isinstance(entry, _Item):
+                self._splice(entry)
             else:
-                self.jobs[job.request.request_id] = job
-                self._start(job)
+                self.jobs[entry.request.request_id] = entry
+                self._start(entry)
 
     def _start(self, job: _Job) -> None:
-        """Splice the prompt's inputs and continue from the longest cached prefix."""
+        """Build the prompt's inputs, splice the items that are here and continue from the
+        longest cached prefix."""
         req = job.request
-        job.embeds, job.positions, job.rope_delta = self.runner.prompt_inputs(req.prompt_token_ids, req.placeholders, job.items)
-        job.items = []  # spliced: the embeddings are not needed any more
+        job.embeds, job.positions, job.rope_delta = self.runner.text_inputs(req.prompt_token_ids, req.placeholders)
+        items, job.items = job.items, {}  # spliced: the embeddings are not needed any more
+        for slot, embeddings in items.items():
+            self._splice(_Item(req.request_id, slot, embeddings))
+        self._reuse_prefix(job)
+        job.note_wait(time.perf_counter())
+
+    def _splice(self, item: _Item) -> None:
+        job = self.jobs.get(item.request_id)
+        if job is None or item.slot in job.ready:  # the request is gone: the embeddings are freed here
+            return
+        r = job.request.placeholders[item.slot]
+        if r.offset + r.length > job.num_computed:  # else its span came from the prefix cache
+            self.runner.splice_item(job.embeds, r, item.embeddings)
+        job.ready.add(item.slot)
+        job.note_wait(time.perf_counter())
+
+    def _reuse_prefix(self, job: _Job) -> None:
+        """Continue from the longest cached prefix (whose media spans need no embeddings)."""
+        req = job.request
         if self.pool.capacity_bytes <= 0:
             return
         job.hashes = block_hashes(req.prompt_token_ids, self.block_size, media_keys(req))
@@ -165,9 +230,8 @@ class PrefillEngine:
         self._keep_blocks(job, packed)
         self._drop(req.request_id)
         done = time.perf_counter()
-        return PrefillOutput(
-            req.request_id, first, packed, job.rope_delta, job.num_cached, (job.started_s - job.added_s) * 1e3, (done - job.started_s) * 1e3
-        )
+        queue_ms, prefill_ms = (job.started_s - job.added_s) * 1e3, (done - job.started_s - job.waited_running_s) * 1e3
+        return PrefillOutput(req.request_id, first, packed, job.rope_delta, job.num_cached, queue_ms, prefill_ms, job.waited_s * 1e3)
 
     def _keep_blocks(self, job: _Job, packed: torch.Tensor) -> None:
         bs = self.block_size
@@ -190,15 +254,17 @@ class PrefillEngine:
 
     def stats(self) -> dict[str, int]:
         """As of the end of the last step, plus requests added since."""
-        return {**self._stats, "queued": self._stats["queued"] + sum(1 for j in list(self._intake) if not isinstance(j, str))}
+        return {**self._stats, "queued": self._stats["queued"] + sum(1 for j in list(self._intake) if isinstance(j, _Job))}
 
     def _snapshot(self) -> None:
         s, jobs = self.pool.stats, list(self.jobs.values())
         if self._held_version != self.pool.version:  # one frozenset per change, not per step: the router compares by identity
             self._held, self._held_version = self.pool.held(), self.pool.version
+        self._num_runnable = sum(1 for j in jobs if j.state().runnable)
         self._stats = {
             "queued": sum(1 for j in jobs if j.started_s is None),
             "running": sum(1 for j in jobs if j.started_s is not None),
+            "waiting_for_items": sum(1 for j in jobs if j.blocked_s is not None),
             "prefix_hit_blocks": s.hit_blocks,
             "prefix_miss_blocks": s.miss_blocks,
             "prefix_evictions": s.evictions,

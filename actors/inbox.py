@@ -46,6 +46,10 @@ class TensorInbox:
         except KeyError:
             raise KeyError(f"no tensors arrived for request {request_id} slot {slot}") from None
 
+    def take_all(self, request_id: str) -> dict[int, Any]:
+        """Whatever arrived for the request so far, by slot (possibly nothing)."""
+        return {slot: self._items.pop((rid, slot))[1] for rid, slot in [k for k in self._items if k[0] == request_id]}
+
     def close(self, request_id: str) -> int:
         """Free everything held for `request_id` and refuse what arrives later; returns how
         many entries were freed."""

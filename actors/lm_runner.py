@@ -20,12 +20,16 @@ def splice(embeds: torch.Tensor, ranges: tuple[PlaceholderRange, ...], items: li
     if not ranges:
         return embeds
     for r, item in zip(ranges, items, strict=True):
-        if item.shape[0] != r.length:
-            raise ValueError(f"item at offset {r.offset} has {item.shape[0]} embeddings for {r.length} placeholders")
+        check_item(r, item)
     index = torch.cat([torch.arange(r.offset, r.offset + r.length) for r in ranges]).to(embeds.device)
     out = embeds.clone()
     out[0, index] = torch.cat(items).to(embeds.device, embeds.dtype)
     return out
+
+
+def check_item(r: PlaceholderRange, item: torch.Tensor) -> None:
+    if item.shape[0] != r.length:
+        raise ValueError(f"item at offset {r.offset} has {item.shape[0]} embeddings for {r.length} placeholders")
 
 
 class LMRunner:
@@ -56,9 +60,24 @@ class LMRunner:
         self, token_ids: tuple[int, ...], ranges: tuple[PlaceholderRange, ...], items: list[torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The prompt's input embeddings (items spliced in), its positions and rope delta."""
+        embeds, positions, rope_delta = self.text_inputs(token_ids, ranges)
+        return splice(embeds, ranges, items), positions, rope_delta
+
+    @torch.inference_mode()
+    def text_inputs(self, token_ids: tuple[int, ...], ranges: tuple[PlaceholderRange, ...]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The prompt's token embeddings with no item spliced in yet, its positions and rope
+        delta. Positions need only the token ids and each range's layout (the grid and seconds
+        per grid of 3-D rotary families travel in the PlaceholderRange from the ingress's
+        plan), so every family can start a prompt before its items' embeddings arrive."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         positions, rope_delta = self.adapter.prompt_positions(ids, ranges)
-        return splice(self.adapter.embed_tokens(ids), ranges, items), positions, rope_delta
+        return self.adapter.embed_tokens(ids), positions, rope_delta
+
+    @torch.inference_mode()
+    def splice_item(self, embeds: torch.Tensor, r: PlaceholderRange, item: torch.Tensor) -> None:
+        """Write one item's embeddings over its range of `embeds` (the job's own tensor), in place."""
+        check_item(r, item)
+        embeds[0, r.offset : r.offset + r.length] = item.to(embeds.device, embeds.dtype)
 
     @torch.inference_mode()
     def forward_chunk(self, embeds: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, start: int, end: int) -> torch.Tensor:

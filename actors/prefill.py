@@ -1,12 +1,14 @@
 """Prefill worker: the Ray actor around `PrefillEngine` (actors/engine_prefill.py). It keeps
-the embeddings that arrive ahead of the prefill call, and each prompt's KV until the decode
-worker pulls it."""
+the embeddings that arrive ahead of the prefill call, hands those that arrive after it to
+the engine (encode/prefill overlap), and keeps each prompt's KV until the decode worker
+pulls it."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import time
+from dataclasses import dataclass, field
 
 import ray
 import torch
@@ -17,6 +19,20 @@ from actors.inbox import TensorInbox
 from actors.lm_runner import LMRunner
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import EncodeStats, PrefillRequest, PrefillResult, WorkerRequestError
+
+
+@dataclass
+class _InFlight:
+    """A request in the engine: its items' encode stats so far, and its output if the prompt
+    finished (from the prefix cache) before every item came."""
+
+    num_items: int
+    stats: dict[int, EncodeStats] = field(default_factory=dict)  # by slot
+    output: PrefillOutput | None = None
+
+    @property
+    def complete(self) -> bool:
+        return len(self.stats) == self.num_items
 
 
 class PrefillWorker(ModelWorker):
@@ -39,24 +55,40 @@ class PrefillWorker(ModelWorker):
         self.embeddings = TensorInbox()  # from encoders, until the prefill call
         self.kv = TensorInbox()  # for the decode worker, until it pulls it
         self._waiters: dict[str, asyncio.Future] = {}
+        self._in_flight: dict[str, _InFlight] = {}  # requests with a prefill call, until it returns
 
     async def receive(self, request_id: str, slot: int, encoded: tuple[torch.Tensor, EncodeStats]) -> float:
-        """Keep one item's embeddings for the prefill call; returns the wall clock of arrival,
-        so the ingress can time the hand-over against the encoder's finish time."""
-        self.embeddings.put(request_id, encoded, slot)
+        """One item's embeddings: to the engine if its prefill call came first (overlap), else
+        kept for that call. Returns the wall clock of arrival, so the ingress can time the
+        hand-over against the encoder's finish time."""
+        if request_id in self._waiters:  # prefilling already: the engine splices it in
+            flight = self._in_flight[request_id]
+            flight.stats[slot] = encoded[1]
+            if flight.output is None:
+                self.engine.add_item(request_id, slot, encoded[0])
+                self.drive(self.engine, self._publish, self._fail_all)
+            elif flight.complete:  # the last item of a prompt that finished without it
+                self._settle(request_id, flight.output)
+        else:  # refused if the request is over (closed); freed by drop() if it ends later
+            self.embeddings.put(request_id, encoded, slot)
         return time.time()
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        encoded = [self.embeddings.take(request.request_id, i) for i in range(len(request.placeholders))]
+        """The request's first token, once its prompt is prefilled. Items not received yet
+        follow through `receive`; the text before them is prefilled meanwhile."""
+        encoded = self.embeddings.take_all(request.request_id)
         done = asyncio.get_running_loop().create_future()
         self._waiters[request.request_id] = done
-        self.engine.add(request, [embedding for embedding, _ in encoded])
+        self._in_flight[request.request_id] = _InFlight(len(request.placeholders), {slot: stats for slot, (_, stats) in encoded.items()})
+        self.engine.add(request, {slot: embedding for slot, (embedding, _) in encoded.items()})
         self.drive(self.engine, self._publish, self._fail_all)
         try:
             out: PrefillOutput = await done
         finally:
+            stats = self._in_flight.pop(request.request_id).stats
             if self._waiters.pop(request.request_id, None) is not None:
                 self.engine.abort(request.request_id)  # the caller left before the end: free its slot
+                self.drive(self.engine, self._publish, self._fail_all)  # it may be waiting for items: free it now
         if out.first is None:  # nothing to hand to decode; this request alone fails
             raise WorkerRequestError(f"the first token of request {request.request_id} could not be sampled (the model gave non-finite logits)")
         self.kv.put(request.request_id, out.packed_kv)  # dropped at once if the request was closed meanwhile
@@ -66,15 +98,22 @@ class PrefillWorker(ModelWorker):
             num_prompt_tokens=len(request.prompt_token_ids),
             queue_ms=out.queue_ms,
             prefill_ms=out.prefill_ms,
-            encode_stats=tuple(stats for _, stats in encoded),
+            encode_stats=tuple(stats[slot] for slot in sorted(stats)),
             rope_delta=out.rope_delta,
             first_logprob=out.first.logprob,
             num_cached_tokens=out.num_cached_tokens,
+            item_wait_ms=out.item_wait_ms,
         )
 
     def _publish(self, outputs: list[PrefillOutput]) -> None:
         for out in outputs:
-            self._settle(out.request_id, out)
+            flight = self._in_flight.get(out.request_id)
+            if flight is not None and not flight.complete:
+                # The prefix cache covered an item still being encoded: the result waits for
+                # its encode stats (encoder-cache and transfer accounting), as it did before overlap.
+                flight.output = out
+            else:
+                self._settle(out.request_id, out)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in self.engine.fail_all():
@@ -99,6 +138,7 @@ class PrefillWorker(ModelWorker):
         self.embeddings.close(request_id)
         if request_id in self._waiters:  # still prefilling: stop, and end the call waiting on it
             self.engine.abort(request_id)
+            self.drive(self.engine, self._publish, self._fail_all)  # a job waiting for items: freed now, not at the next request
             self._settle(request_id, exc=WorkerRequestError(f"request {request_id} was dropped during its prefill"))
 
     def prefix_hashes(self) -> frozenset[str]:

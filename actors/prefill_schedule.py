@@ -6,8 +6,9 @@ video prompt, which advances by whatever budget the short ones leave. A long pro
 only held back while shorter ones fill the whole budget, i.e. when the worker is over
 capacity anyway.
 
-A chunk never ends inside a media item's placeholder span unless that item's embeddings
-have all arrived (until then the span's inputs are unknown); and the embedding tokens a
+A chunk never enters a media item's placeholder span unless that item's embeddings have
+arrived (until then the span's inputs are unknown): each request is computable up to its
+first missing item (`computable_end`), and one waiting there takes no budget; and the embedding tokens a
 step splices in are capped by `max_media_tokens_per_step`, so a burst of media prompts
 cannot build a step's whole input out of embeddings at once.
 """
@@ -50,6 +51,16 @@ class PrefillState:
     def remaining(self) -> int:
         return self.num_tokens - self.num_computed
 
+    @property
+    def computable_end(self) -> int:
+        """How far the prompt can be computed now: up to the first span still missing its
+        embeddings (encode/prefill overlap: the text before it goes while the encoder runs)."""
+        return min((s.offset for s in self.spans if not s.ready and s.end > self.num_computed), default=self.num_tokens)
+
+    @property
+    def runnable(self) -> bool:
+        return self.computable_end > self.num_computed
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -60,15 +71,6 @@ class Chunk:
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
-
-
-def clamp_end(state: PrefillState, start: int, end: int) -> int:
-    """Pull `end` back to the start of the first not-ready span it would enter; `start` if
-    the chunk cannot advance at all."""
-    for span in state.spans:
-        if not span.ready and span.offset < end and span.end > start:
-            return max(start, span.offset)
-    return end
 
 
 def media_tokens(state: PrefillState, start: int, end: int) -> int:
@@ -83,11 +85,11 @@ def plan_step(
     chunks: list[Chunk] = []
     budget, media_budget = token_budget, max_media_tokens
     key = (lambda s: (s.remaining, s.arrival)) if order is Order.SHORTEST_REMAINING else (lambda s: s.arrival)
-    for state in sorted(states, key=key):
+    for state in sorted((s for s in states if s.runnable), key=key):  # a request waiting for an item costs nothing
         if budget <= 0:
             break
         start = state.num_computed
-        end = clamp_end(state, start, start + min(budget, state.remaining))
+        end = min(start + budget, state.computable_end)
         if media_budget is not None:
             end = _cap_media(state, start, end, media_budget)
             media_budget -= media_tokens(state, start, end)

@@ -154,6 +154,7 @@ class PrefillResult:
     rope_delta: int = 0  # 3-D rotary models: decode position = cache length + rope_delta (travels with the KV)
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    item_wait_ms: float = 0.0  # encode/prefill overlap: time the prefill waited for items' embeddings
 
 
 @dataclass(frozen=True)

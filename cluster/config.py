@@ -139,6 +139,11 @@ class PrefillPoolConfig(PoolConfig):
     max_media_tokens_per_step: int = Field(
         4096, ge=1, description="Encoder-output budget: embedding tokens one prefill step may splice in, over all its requests."
     )
+    overlap_encode: bool = Field(
+        True,
+        description="Encode/prefill overlap: send the prefill call at once and each item's embeddings as the encoder finishes "
+        "them, so the text before the first item is prefilled while the encoder runs. False: deliver every item first (the baseline).",
+    )
     prefix_block_tokens: int = Field(16, ge=1, description="Tokens per prefix-cache block (the unit of KV reuse and of the router's prefix index).")
     prefix_cache_mb: float = Field(
         64.0,

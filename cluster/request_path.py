@@ -22,6 +22,7 @@ from cluster.admitted import Admitted, Endpoint, Job
 from cluster.config import ClusterConfig, Transport
 from cluster.fleet_client import FleetClient
 from cluster.metrics import Metrics
+from cluster.overlap import overlapped
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
 from cluster.protocol import ChatCompletionRequest, to_template_messages
 from cluster.recovery import RETRYABLE, WorkerLost, lost_worker
@@ -314,14 +315,11 @@ class RequestPath:
             return [await worker.receive.remote(request_id, slot, ref) for slot, ref in enumerate(refs)]
 
     async def prefill(self, job: Job, decision: RouteDecision, encoded: list) -> tuple[PrefillResult, float | None]:
-        """The prefill result, and how long the embeddings took from encoder to prefill worker."""
-        prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
-        received_at = None
-        if encoded:
-            try:
-                received_at = max(await self.deliver(WorkerKind.PREFILL, decision.prefill, job.job_id, encoded, self.config.transport.embeddings))
-            finally:  # the embeddings reached the prefill worker (or never will): the encoders may evict them
-                self._release_encoded(job, decision)
+        """The prefill result, and how long the embeddings took from encoder to prefill worker.
+
+        With `prefill.overlap_encode` the prefill call goes at once and each item's embeddings
+        follow as the encoder finishes them, so the text before the first item is prefilled
+        while the encoder runs; otherwise all embeddings are delivered first."""
         plan = job.adm.plan
         request = PrefillRequest(
             job.job_id,
@@ -331,10 +329,39 @@ class RequestPath:
             job.num_output_tokens,
             media_identifiers=tuple(item.identifier for item in plan.items),
         )
-        result = await prefill.prefill.remote(request)
+        result, received = await self._prefill_call(job, decision, request, encoded)
+        received_at = max(received) if received else None
         ready_at = max((s.finished_at_s for s in result.encode_stats if not s.cache_hit), default=None)
         transfer_ms = (received_at - ready_at) * 1e3 if received_at and ready_at else None
         return result, (max(transfer_ms, 0.0) if transfer_ms is not None else None)
+
+    async def _prefill_call(self, job: Job, decision: RouteDecision, request: PrefillRequest, encoded: list) -> tuple[PrefillResult, list | None]:
+        """The prefill call with its embeddings delivered (overlapped or first); the result and
+        the receive answers. The encoders' references go once the embeddings are delivered."""
+        prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
+        if not encoded:
+            return await prefill.prefill.remote(request), None
+        released = False
+
+        def release() -> None:  # the embeddings reached the prefill worker (or never will): the encoders may evict them
+            nonlocal released
+            if not released:
+                released = True
+                self._release_encoded(job, decision)
+
+        async def deliver() -> list:
+            try:
+                return await self.deliver(WorkerKind.PREFILL, decision.prefill, job.job_id, encoded, self.config.transport.embeddings)
+            finally:
+                release()
+
+        try:
+            if self.config.prefill.overlap_encode:
+                return await overlapped(prefill.prefill.remote(request), deliver())
+            received = await deliver()
+            return await prefill.prefill.remote(request), received
+        finally:
+            release()  # a delivery cancelled before it ever started released nothing
 
     def _first_chunk(self, job: Job, result: PrefillResult) -> TokenChunk:
         reason = finish_reason_of(result.num_prompt_tokens, job.sampling, [result.first_token_id], self.config.model.max_model_len)
@@ -375,6 +402,7 @@ class RequestPath:
         stage = self.metrics.stage
         stage.labels("prefill").observe(result.prefill_ms / 1e3)
         stage.labels("prefill_queue").observe(result.queue_ms / 1e3)
+        stage.labels("prefill_item_wait").observe(result.item_wait_ms / 1e3)  # overlap: the prefill waited for embeddings
         self.metrics.prefill_time.observe(result.prefill_ms / 1e3)
         self.metrics.queue_time.observe(result.queue_ms / 1e3)
         for stats in result.encode_stats:

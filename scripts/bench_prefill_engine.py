@@ -8,6 +8,12 @@ one process, each figure against its baseline in the same run:
 2. Short prompts behind a long one: one long prompt and `--shorts` short ones reach the
    worker together; ms until each short one has its first token, shortest-remaining-first
    against a queue (arrival order), same budget per step.
+3. Encode/prefill overlap (issue #10): a request with `--text-tokens` of text before one
+   image; the encoder runs in a thread of its own while the engine steps, either replaying
+   its measured time as a wait (an encoder on its own core or device, as in the cluster) or
+   really encoding on this host's cores. ms from the start to the first token with overlap
+   (the request goes in at once, the image follows through `add_item`) against without
+   (encode, then add the request whole).
 
 Stage timings only (no encode, transfer or decode): the live figures come from
 scripts/bench_modalities.py (phase multi_turn) on a quiet host.
@@ -19,7 +25,9 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +111,80 @@ def short_behind_long(lm, args) -> dict:
     return {**summary, "short_ratio_srf_vs_queue": srf["short_ms"] / queue["short_ms"], "long_ratio_srf_vs_queue": srf["long_ms"] / queue["long_ms"]}
 
 
+def ttft_ms(engine: PrefillEngine, request: PrefillRequest, encode: Callable[[], torch.Tensor], overlap: bool) -> float:
+    """ms from the start to the first token; `encode` runs in a thread of its own."""
+    started, encoded = time.perf_counter(), {}
+
+    def encoder_thread() -> None:
+        encoded["emb"] = encode()
+        if overlap:
+            engine.add_item(request.request_id, 0, encoded["emb"])
+
+    thread = threading.Thread(target=encoder_thread)
+    thread.start()
+    if overlap:
+        engine.add(request)
+    else:
+        thread.join()
+        engine.add(request, [encoded["emb"]])
+    while not engine.step():
+        if not engine.has_work:  # the text is done and the image not here yet
+            thread.join()
+    thread.join()
+    return (time.perf_counter() - started) * 1e3
+
+
+def encoders(encoder, item: MediaItem) -> dict[str, Callable[[], torch.Tensor]]:
+    """`separate`: the encoder on its own core or device, as in the cluster: its measured
+    time is replayed as a wait. `same_process`: it encodes here, sharing this host's cores."""
+    times, emb = [], None
+    for _ in range(3):
+        t0 = time.perf_counter()
+        [emb] = encoder.encode([item])
+        times.append(time.perf_counter() - t0)
+    encode_s = statistics.median(times)
+
+    def here() -> torch.Tensor:
+        torch.set_num_threads(1)  # as the workers run
+        return encoder.encode([item])[0]
+
+    return {"separate": lambda: time.sleep(encode_s) or emb, "same_process": here, "encode_ms": encode_s * 1e3}
+
+
+def overlap_encode(planner, lm, encoder, args) -> dict:
+    rng, text = np.random.default_rng(13), " ".join(f"note{i % 97}" for i in range(args.text_tokens * 2 // 7))
+    rows: dict[tuple[str, bool], list[float]] = {}
+    encode_ms = []
+    for trial in range(-1, args.overlap_trials):  # trial -1 warms up, untimed
+        array = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        item = MediaItem(Modality.IMAGE, media_identifier("bench", Modality.IMAGE, array), data=array)
+        messages = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}, {"type": "text", "text": "What now?"}]}]
+        req = request(planner, f"o{trial}", messages, [item])
+        arms = encoders(encoder, item)
+        encode_ms.append(arms.pop("encode_ms"))
+        for mode, encode in arms.items():
+            for overlap in (False, True) if trial % 2 else (True, False):  # alternate who goes first: this host drifts
+                measured = ttft_ms(PrefillEngine(LMRunner(lm), args.budget), req, encode, overlap)
+                rows.setdefault((mode, overlap), []).extend([measured] if trial >= 0 else [])
+    med = statistics.median
+    report = {
+        "prompt_tokens": len(req.prompt_token_ids),
+        "text_tokens_before_image": req.placeholders[0].offset,
+        "image_tokens": req.placeholders[0].length,
+        "encode_ms_p50": med(encode_ms),
+    }
+    for mode in ("separate", "same_process"):
+        off, on = rows[(mode, False)], rows[(mode, True)]
+        report[f"encoder_{mode}"] = {
+            "ttft_ms_p50_overlap_off": med(off),
+            "ttft_ms_p50_overlap_on": med(on),
+            "ratio_on_vs_off_p50": med(on) / med(off),
+            "ratio_on_vs_off_min": min(on) / min(off),  # the least disturbed run of each: this host is shared
+            "ratio_paired_p50": med(a / b for a, b in zip(on, off)),  # each trial's on/off pair ran back to back
+        }
+    return report
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(REPO_ROOT / "configs" / "bench_cpu.yaml"))
@@ -111,6 +193,9 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=16, help="prefix block tokens")
     p.add_argument("--long-tokens", type=int, default=2000)
     p.add_argument("--shorts", type=int, default=4)
+    p.add_argument("--text-tokens", type=int, default=1000, help="overlap: about this much text before the image")
+    p.add_argument("--overlap-trials", type=int, default=6)
+    p.add_argument("--only", choices=["multi_turn", "short_behind_long", "overlap_encode"], help="run one phase")
     p.add_argument("--out", default="/tmp/bench_prefill_engine.json")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
@@ -119,12 +204,14 @@ def main(argv=None) -> int:
     ckpt = cfg.model.checkpoint_path
     lm = load_adapter(ckpt, part=Part.LANGUAGE_MODEL, dtype=cfg.model.dtype, device=cfg.model.device)
     encoder = load_adapter(ckpt, part=Part.ENCODER, dtype=cfg.model.dtype, device=cfg.model.device)
-    report = {
-        "config": args.config,
-        "args": vars(args),
-        "multi_turn": multi_turn(PromptPlanner(ckpt), lm, encoder, args),
-        "short_behind_long": short_behind_long(lm, args),
+    planner = PromptPlanner(ckpt)
+    phases = {
+        "multi_turn": lambda: multi_turn(planner, lm, encoder, args),
+        "short_behind_long": lambda: short_behind_long(lm, args),
+        "overlap_encode": lambda: overlap_encode(planner, lm, encoder, args),
     }
+    report = {"config": args.config, "args": vars(args)}
+    report.update({name: run_phase() for name, run_phase in phases.items() if args.only in (None, name)})
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0

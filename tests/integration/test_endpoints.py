@@ -80,7 +80,7 @@ def test_metrics_scrape(app):
     assert grew(("epd:generation_tokens_total", ())) == 6
     assert grew(("epd:prompt_tokens_total", ())) == grew(("epd:request_prompt_tokens_sum", ())) > 16
     assert grew(("epd:mm_cache_queries_total", ())) == 1 and grew(("epd:mm_cache_hits_total", ())) == 0
-    for stage in ("encode", "prefill", "decode_step"):
+    for stage in ("encode", "prefill", "prefill_item_wait", "decode_step"):
         assert grew(("epd:stage_latency_seconds_count", (("stage", stage),))) >= 1, stage
     assert grew(("epd:encoder_batch_size_count", ())) == 1
     for kind in ("encoder", "prefill", "decode"):

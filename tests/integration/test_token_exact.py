@@ -70,9 +70,12 @@ def test_greedy_outputs_depend_on_the_input(references):
         assert len(set(ids)) > 3, ids  # not one token repeated
 
 
-@pytest.mark.parametrize("transport", ["object_store", "gloo"])
-def test_cluster_equals_generate_under_load(ray_session, references, transport):
-    app = deploy(cluster_config(transport={"embeddings": transport, "kv": transport}))
+@pytest.mark.parametrize(
+    "transport,overlap", [("object_store", True), ("gloo", True), ("object_store", False)], ids=["object_store", "gloo", "no_overlap"]
+)
+def test_cluster_equals_generate_under_load(ray_session, references, transport, overlap):
+    """`overlap`: prefill.overlap_encode (the prefill call before the embeddings) or the baseline path."""
+    app = deploy(cluster_config(transport={"embeddings": transport, "kv": transport}, prefill={"overlap_encode": overlap}))
     copies = 3  # 36 requests in flight: encoder batches and decode batches form
     got = asyncio.run(_send_all(app, varied_requests(), copies))
     again = asyncio.run(_send_all(app, varied_requests(), 1))  # the same prompts once more: the prefix cache is warm

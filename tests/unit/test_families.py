@@ -116,6 +116,16 @@ def test_omni_matches_generate(omni, case):
     check_matches_generate(omni, OMNI_CASES[case]())
 
 
+def test_omni_items_arriving_after_the_text_match_generate(omni):
+    """Encode/prefill overlap on the Omni thinker (3-D positions, audio): items come late, last first."""
+    from tests.unit.test_engine_overlap import served_late
+
+    model, processor, planner, encoder, runner = omni
+    parts = OMNI_CASES["image+audio+text"]()
+    plan = planner.plan(message(*parts), media(parts))
+    assert served_late(encoder, runner, plan, 8) == reference(model, processor, message(*parts), list(plan.items), 8)[1]
+
+
 def encode_batched(encoder, plans) -> list[list[torch.Tensor]]:
     """Every item of every plan encoded in one batch per modality, as the encoder pool batches."""
     flat = [(p, k, i) for p, plan in enumerate(plans) for k, i in enumerate(plan.items)]

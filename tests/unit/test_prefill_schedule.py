@@ -31,6 +31,26 @@ def test_chunk_stops_before_a_span_whose_embeddings_are_missing():
     assert plan_step([state("r", 100, 10, [Span(10, 50)])], 20) == [Chunk("r", 10, 30)], "ready: a chunk may end inside it"
 
 
+def test_overlap_chunks_stop_at_the_first_missing_item_and_waiting_costs_no_budget():
+    """Encode/prefill overlap: item 0 is here, item 1 is not. The text before item 1 and item 0
+    itself go; the chunk stops at item 1's span whatever the budget; a request waiting there
+    leaves the whole budget to the others, even though it is the shortest."""
+    spans = [Span(5, 20), Span(40, 30, ready=False), Span(80, 10, ready=False)]
+    waiting = state("w", 100, 0, spans, arrival=0)
+    assert waiting.computable_end == 40 and waiting.runnable
+    assert plan_step([waiting], 512) == [Chunk("w", 0, 40)]
+    assert plan_step([waiting], 16) == [Chunk("w", 0, 16)], "the budget still bounds it"
+    blocked = state("w", 100, 40, spans, arrival=0)
+    assert not blocked.runnable
+    other = state("o", 300, 0, arrival=1)
+    assert plan_step([blocked, other], 64) == [Chunk("o", 0, 64)], "the waiting request takes none of the budget"
+    arrived = state("w", 100, 40, [spans[0], Span(40, 30), spans[2]], arrival=0)
+    assert arrived.computable_end == 80, "next bound: the item after it"
+    assert plan_step([arrived, other], 64) == [Chunk("w", 40, 80), Chunk("o", 0, 24)]
+    past = state("w", 100, 90, spans)
+    assert past.computable_end == 100, "a missing item already behind the computed prefix (a prefix-cache hit) binds nothing"
+
+
 def test_media_budget_per_step_is_shared():
     a = state("a", 100, 0, [Span(0, 80)], arrival=0)
     b = state("b", 120, 0, [Span(10, 80)], arrival=1)

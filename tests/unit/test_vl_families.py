@@ -16,7 +16,7 @@ from transformers import AutoProcessor, LlavaNextForConditionalGeneration, Qwen2
 from actors.adapters import Part, load_adapter  # noqa: E402
 from actors.lm_runner import LMRunner  # noqa: E402
 from cluster.prompt_plan import PromptPlanner  # noqa: E402
-from tests.unit.test_families import check_matches_generate, generate_batched, image, video  # noqa: E402
+from tests.unit.test_families import check_matches_generate, generate_batched, image, media, video  # noqa: E402
 
 
 def _build(tmp_path_factory, recipe: str):
@@ -138,6 +138,18 @@ def test_qwen_vl_matches_generate(qwen_vl, case):
 @pytest.mark.parametrize("case", sorted(LLAVA_NEXT_CASES))
 def test_llava_next_matches_generate(llava_next, case):
     check_matches_generate(llava_next, LLAVA_NEXT_CASES[case]())
+
+
+def test_qwen_vl_items_arriving_after_the_text_match_generate(qwen_vl):
+    """Encode/prefill overlap: the 3-D positions are computed from the plan before any item
+    arrives; the image and the video come late, the video first."""
+    from tests.unit.test_engine_overlap import served_late
+    from tests.unit.test_families import message, reference
+
+    model, processor, planner, encoder, runner = qwen_vl
+    parts = QWEN_VL_CASES["image and video"]()
+    plan = planner.plan(message(*parts), media(parts))
+    assert served_late(encoder, runner, plan, 8) == reference(model, processor, message(*parts), list(plan.items), 8)[1]
 
 
 def test_qwen_vl_batched_encode_and_decode(qwen_vl):

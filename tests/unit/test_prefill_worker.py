@@ -1,0 +1,91 @@
+"""The prefill worker's side of encode/prefill overlap, on the worker class itself (the
+Ray actor's body, driven with asyncio as the actor's event loop would): the prefill call
+comes before the embeddings, a prompt the prefix cache finishes answers only with every
+item's encode stats, and a request dropped while it waits leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from actors.prefill import PrefillWorker  # noqa: E402
+from actors.runtime import WorkerSpec  # noqa: E402
+from actors.types import EncodeStats, PrefillRequest, WorkerRequestError  # noqa: E402
+from tests.unit.test_engine_overlap import text_then_images  # noqa: E402
+from tests.unit.test_lm_runner import GREEDY, encoder, processor  # noqa: E402,F401
+
+
+@pytest.fixture
+def worker(ckpt):  # one per test: its drive task belongs to that test's event loop
+    spec = WorkerSpec(checkpoint=str(ckpt), dtype="float32", device="cpu", torch_threads=1, max_model_len=4096)
+    return PrefillWorker(spec, max_chunk_tokens=32, prefix_block_tokens=4, prefix_cache_bytes=1 << 28)
+
+
+@pytest.fixture(scope="module")
+def prompt(encoder, processor):
+    from actors.types import MediaItem, Modality
+
+    array = np.random.default_rng(8).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+    ids, ranges, _ = text_then_images(processor, encoder.config.image_token_id, [array])
+    [emb] = encoder.encode([MediaItem(Modality.IMAGE, "img", data=array)])
+    return ids, ranges, (emb, EncodeStats("img", 1.0, 2.0, 1, finished_at_s=time.time()))
+
+
+def request(name: str, prompt) -> PrefillRequest:
+    ids, ranges, _ = prompt
+    return PrefillRequest(name, ids, ranges, GREEDY, media_identifiers=("img",))
+
+
+async def until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_embeddings_after_the_call_and_a_prefix_hit_waits_for_the_stats(worker, prompt):
+    ids, ranges, encoded = prompt
+
+    async def scenario():
+        call = asyncio.create_task(worker.prefill(request("a", prompt)))
+        await until(lambda: worker.engine.stats()["waiting_for_items"] == 1)  # the text is done, the image not here
+        await worker.receive("a", 0, encoded)
+        first = await asyncio.wait_for(call, 20)
+        assert first.encode_stats == (encoded[1],) and first.item_wait_ms > 0
+
+        # Turn 2 from the prefix cache: its prompt is done before its image arrives, but it
+        # answers only with the image's encode stats (encoder-cache accounting).
+        call = asyncio.create_task(worker.prefill(request("b", prompt)))
+        await until(lambda: not worker.engine.jobs and not worker.engine.has_work)
+        await asyncio.sleep(0.05)
+        assert not call.done(), "answered without the encode stats of its image"
+        await worker.receive("b", 0, encoded)
+        second = await asyncio.wait_for(call, 20)
+        assert second.encode_stats == (encoded[1],) and second.num_cached_tokens > ranges[0].offset + ranges[0].length
+        assert second.first_token_id == first.first_token_id
+        for name in ("a", "b"):
+            worker.drop(name)
+        assert worker.stats()["held_embeddings"] == worker.stats()["held_kv"] == 0
+
+    asyncio.run(scenario())
+
+
+def test_dropped_while_waiting_for_its_image_leaves_nothing(worker, prompt):
+    async def scenario():
+        call = asyncio.create_task(worker.prefill(request("c", prompt)))
+        await until(lambda: worker.engine.stats()["waiting_for_items"] == 1)
+        worker.drop("c")
+        with pytest.raises(WorkerRequestError, match="dropped during its prefill"):
+            await asyncio.wait_for(call, 20)
+        await worker.receive("c", 0, prompt[2])  # the encoder finished after the request ended
+        await until(lambda: not worker.engine.jobs)
+        stats = worker.stats()
+        assert stats["held_embeddings"] == stats["held_kv"] == stats["waiting_for_items"] == 0
+        assert worker.engine.pool.num_referenced() == 0
+
+    asyncio.run(scenario())
