@@ -43,6 +43,7 @@ class PrefillOutput:
     queue_ms: float  # added -> first chunk
     prefill_ms: float  # first chunk -> done, less the time spent waiting for items meanwhile
     item_wait_ms: float = 0.0  # how long it could not advance for want of an item's embeddings
+    error: str | None = None  # the request failed alone (e.g. an item that does not fit its placeholders)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,7 @@ class PrefillEngine:
         self.max_media_tokens_per_step = max_media_tokens_per_step
         self.pool = BlockPool(cache_bytes)
         self.jobs: dict[str, _Job] = {}
+        self._failed: list[PrefillOutput] = []  # requests that failed alone since the last step
         self._intake: deque[_Job | _Item | str] = deque()  # new jobs, late items and aborted ids, in the order they came
         self._num_runnable = 0  # jobs that can advance, as of the end of the last step
         self._arrivals = itertools.count()
@@ -153,8 +155,9 @@ class PrefillEngine:
 
     def _step(self) -> list[PrefillOutput]:
         self._apply_intake()
+        failed, self._failed = self._failed, []
         if not self.jobs:
-            return []
+            return failed
         chunks = plan_step([job.state() for job in self.jobs.values()], self.token_budget, self.max_media_tokens_per_step, self.order)
         now = time.perf_counter()
         for chunk in chunks:
@@ -166,7 +169,7 @@ class PrefillEngine:
         for job in self.jobs.values():
             job.note_wait(now)
         done = [job for job in self.jobs.values() if job.num_computed == len(job.request.prompt_token_ids)]
-        return [self._finish(job) for job in done]
+        return failed + [self._finish(job) for job in done]
 
     def fail_all(self) -> list[str]:
         """After a step raised: every request in the worker is dropped; their ids."""
@@ -203,11 +206,24 @@ class PrefillEngine:
         job = self.jobs.get(item.request_id)
         if job is None or item.slot in job.ready:  # the request is gone: the embeddings are freed here
             return
+        if error := self._misfit(job.request, item):  # fails this request alone, not the whole step
+            self._drop(job.request.request_id)
+            self._failed.append(PrefillOutput(item.request_id, None, torch.empty(0), 0, 0, 0.0, 0.0, error=error))
+            return
         r = job.request.placeholders[item.slot]
         if r.offset + r.length > job.num_computed:  # else its span came from the prefix cache
             self.runner.splice_item(job.embeds, r, item.embeddings)
         job.ready.add(item.slot)
         job.note_wait(time.perf_counter())
+
+    @staticmethod
+    def _misfit(request: PrefillRequest, item: _Item) -> str | None:
+        if not 0 <= item.slot < len(request.placeholders):
+            return f"item slot {item.slot} is out of range: the prompt has {len(request.placeholders)} media items"
+        r = request.placeholders[item.slot]
+        if item.embeddings.shape[0] != r.length:
+            return f"item {item.slot} has {item.embeddings.shape[0]} embeddings for its {r.length} placeholders"
+        return None
 
     def _reuse_prefix(self, job: _Job) -> None:
         """Continue from the longest cached prefix (whose media spans need no embeddings)."""

@@ -108,7 +108,9 @@ class PrefillWorker(ModelWorker):
     def _publish(self, outputs: list[PrefillOutput]) -> None:
         for out in outputs:
             flight = self._in_flight.get(out.request_id)
-            if flight is not None and not flight.complete:
+            if out.error is not None:
+                self._settle(out.request_id, exc=WorkerRequestError(f"request {out.request_id}: {out.error}"))
+            elif flight is not None and not flight.complete:
                 # The prefix cache covered an item still being encoded: the result waits for
                 # its encode stats (encoder-cache and transfer accounting), as it did before overlap.
                 flight.output = out

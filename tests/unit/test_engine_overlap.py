@@ -171,3 +171,23 @@ def served_late(encoder, runner: LMRunner, plan, num_tokens: int, budget: int = 
     out, progress, arrived, _ = prefill_late(engine, request, late)
     assert 0 < max(progress[: arrived[0]]) <= plan.placeholders[0].offset, "text first, no item before it arrives"
     return decode_tokens(runner, out, len(plan.token_ids), num_tokens)
+
+
+def test_an_item_that_does_not_fit_fails_its_request_alone(lm, encoder, hf_model, processor):
+    """An item with the wrong number of embeddings (or slot) fails its own request; another
+    request in the same worker finishes as if nothing happened."""
+    array = np.random.default_rng(7).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+    ids, ranges, _ = text_then_images(processor, hf_model.config.image_token_id, [array])
+    [emb] = embed(encoder, [array])
+    engine = PrefillEngine(LMRunner(lm), 64, block_size=4, cache_bytes=BIG_CACHE)
+    engine.add(PrefillRequest("bad", ids, ranges, GREEDY, media_identifiers=("img0",)))
+    engine.add(PrefillRequest("slot", ids, ranges, GREEDY, media_identifiers=("img0",)))
+    engine.add(PrefillRequest("text", tuple(range(20, 60)), (), GREEDY))
+    engine.add_item("bad", 0, emb[:-4])
+    engine.add_item("slot", 3, emb)
+    outs: dict[str, PrefillOutput] = {}
+    while engine.has_work:
+        outs.update({o.request_id: o for o in engine.step()})
+    assert "embeddings for its" in outs["bad"].error and "out of range" in outs["slot"].error
+    assert outs["text"].error is None and outs["text"].first is not None
+    assert not engine.jobs and engine.pool.num_referenced() == 0
