@@ -25,6 +25,7 @@ from cluster import controller, responses
 from cluster.admission import Admission, Overloaded, Ticket
 from cluster.admitted import Admitted, Endpoint
 from cluster.config import REPO_ROOT, ClusterConfig, load_config
+from cluster.errors import RequestError
 from cluster.fleet_client import FleetClient
 from cluster.metrics import PREFIX, Metrics
 from cluster.metrics_share import MetricsShare
@@ -32,7 +33,7 @@ from cluster.placement import check_placement
 from cluster.prompt_plan import PromptPlanner
 from cluster.protocol import SSE_DONE, ModelCard, ModelList, error_body, sse_event
 from cluster.request_log import RequestLog, RequestRecord, bearer_ok
-from cluster.request_path import RETRY_AFTER_S, RequestError, RequestPath
+from cluster.request_path import RETRY_AFTER_S, RequestPath
 from cluster.routing import LiveRouting
 from cluster.supervisor import Supervisor
 from router.router import Router

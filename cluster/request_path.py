@@ -14,21 +14,18 @@ from dataclasses import dataclass
 
 import ray
 
-from actors import kv
 from actors.decode_state import finish_reason_of
-from actors.media import MediaError, MediaOptions, PixelBudget, VideoSampling, load_media_item
-from actors.types import DecodeRequest, EncodeJob, FinishReason, MediaItem, PrefillRequest, PrefillResult, TokenChunk
+from actors.types import DecodeRequest, EncodeJob, FinishReason, PrefillRequest, PrefillResult, TokenChunk
 from cluster.admitted import Admitted, Endpoint, Job
 from cluster.config import ClusterConfig, Transport
+from cluster.errors import RequestError
 from cluster.fleet_client import FleetClient
+from cluster.intake import Intake
 from cluster.metrics import Metrics
 from cluster.overlap import overlapped
-from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
-from cluster.protocol import ChatCompletionRequest, to_template_messages
+from cluster.prompt_plan import PromptPlanner
 from cluster.recovery import RETRYABLE, WorkerLost, lost_worker
-from cluster.request_body import BodyError, parse_request
 from cluster.routing import LiveRouting, RoutingUnavailable
-from cluster.sampling_fields import ModelBounds, ParamError
 from cluster.trace import TraceWriter
 from router.types import RequestProfile, RouteDecision, WorkerKind
 
@@ -54,23 +51,6 @@ def close_soon(stream: AsyncIterator) -> None:
     task = asyncio.get_running_loop().create_task(close())
     _closing.add(task)
     task.add_done_callback(_closing.discard)
-
-
-class RequestError(Exception):
-    """Ends a request with an HTTP error in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        retry_after_s: int | None = None,
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-        self.retry_after_s = retry_after_s  # sent as Retry-After (429, 503)
 
 
 @dataclass
@@ -99,103 +79,12 @@ class RequestPath:
         self.routing, self.metrics = routing, metrics
         self.on_worker_lost = on_worker_lost  # the supervisor confirms the death and restarts the worker
         self.trace = TraceWriter(config.server.trace_path) if config.server.trace_path else None
+        self.intake = Intake(config, planner)
 
     # -- 1. admit -------------------------------------------------------------------------
     def admit(self, body: bytes, request_id: str, arrived_s: float, endpoint: Endpoint = Endpoint.CHAT) -> Admitted:
-        try:
-            request = parse_request(body, endpoint.request_model)
-        except BodyError as exc:
-            raise RequestError(400, exc.message, exc.param) from None
-        if request.model != self.config.model.served_name:
-            raise RequestError(
-                404, f"model {request.model!r} does not exist; this server serves {self.config.model.served_name!r}", "model", code="model_not_found"
-            )
-        if isinstance(request, ChatCompletionRequest):
-            hf_messages, media = to_template_messages(request.messages)
-            plan = self._plan(hf_messages, tuple(self._decode_media(media)))
-        else:
-            plan = self._text_plan(request.prompt)
-        try:
-            sampling = request.to_sampling_params(len(plan.token_ids), self.bounds)
-        except ParamError as exc:
-            raise RequestError(400, exc.message, exc.param) from None
-        self._kv_fits(len(plan.token_ids), sampling.max_tokens, "messages" if isinstance(request, ChatCompletionRequest) else "prompt")
-        return Admitted(request_id, request, plan.items, plan, sampling, arrived_s)
-
-    def _kv_fits(self, num_prompt_tokens: int, max_tokens: int, prompt_param: str) -> None:
-        """Refuse a request whose KV (prompt plus max_tokens) a decode worker could never hold:
-        queued, it would wait for room that never comes."""
-        per_token, limit_mb = self.planner.spec.kv_bytes_per_token, self.config.decode.kv_cache_mb
-        need = kv.sequence_bytes(per_token, num_prompt_tokens, max_tokens, self.config.model.max_model_len)
-        if need <= limit_mb * 2**20:
-            return
-        raise RequestError(
-            400,
-            f"this request's KV cache would take {need / 2**20:.2f} MiB ({num_prompt_tokens} prompt tokens + max_tokens "
-            f"{max_tokens}, {per_token} bytes per token); a decode worker holds at most decode.kv_cache_mb = {limit_mb:g} MiB: "
-            "lower max_tokens or shorten the prompt",
-            "max_tokens" if per_token * num_prompt_tokens <= limit_mb * 2**20 else prompt_param,
-            code="kv_cache_limit_exceeded",
-        )
-
-    @property
-    def bounds(self) -> ModelBounds:
-        return ModelBounds(
-            self.config.model.max_model_len, len(self.planner.tokenizer), self.planner.eos_token_ids, self.config.limits.default_max_tokens
-        )
-
-    def _media_options(self) -> MediaOptions:
-        """The served model's input shape: its audio rate and the configured video sampling."""
-        media = self.config.media
-        return MediaOptions(
-            audio_sample_rate_hz=self.planner.spec.audio_sample_rate_hz,
-            video_sampling=VideoSampling(fps=media.video_fps, max_frames=media.video_max_frames),
-        )
-
-    def _decode_media(self, media) -> list[MediaItem]:
-        limits, options = self.config.limits, self._media_options()
-        if len(media) > limits.max_items_per_request:
-            raise RequestError(400, f"request has {len(media)} media items; the limit is {limits.max_items_per_request}", "messages")
-        items, budget = [], PixelBudget(limits.max_request_pixels)  # shared by the request's items
-        for part in media:
-            if part.modality not in self.planner.spec.modalities:
-                raise RequestError(400, f"model {self.config.model.served_name!r} does not take {part.modality.value} input", part.param)
-            try:
-                items.append(
-                    load_media_item(
-                        part.modality,
-                        part.payload,
-                        namespace=self.config.model.served_name,
-                        limits=limits,
-                        param=part.param,
-                        format=part.format,
-                        options=options,
-                        budget=budget,
-                    )
-                )
-            except MediaError as exc:
-                raise RequestError(400, exc.message, exc.param) from None
-        return items
-
-    def _plan(self, hf_messages: list[dict], items: tuple[MediaItem, ...]) -> PromptPlan:
-        try:
-            return self._fits(self.planner.plan(hf_messages, list(items)), "messages")
-        except PromptError as exc:
-            raise RequestError(400, str(exc), "messages") from None
-
-    def _text_plan(self, prompt: str | list[int]) -> PromptPlan:
-        try:
-            return self._fits(self.planner.plan_text(prompt), "prompt")
-        except PromptError as exc:
-            raise RequestError(400, f"Invalid 'prompt': {exc}", "prompt") from None
-
-    def _fits(self, plan: PromptPlan, param: str) -> PromptPlan:
-        limit = self.config.model.max_model_len
-        if len(plan.token_ids) >= limit:
-            raise RequestError(
-                400, f"prompt is {len(plan.token_ids)} tokens; this model's context is {limit} tokens", param, code="context_length_exceeded"
-            )
-        return plan
+        """Parse, validate, decode media and plan the prompt (cluster/intake.py)."""
+        return self.intake.admit(body, request_id, arrived_s, endpoint)
 
     # -- 2. route ---------------------------------------------------------------------------
     async def route(self, job: Job, trace: Trace) -> RouteDecision:

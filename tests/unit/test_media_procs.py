@@ -108,7 +108,7 @@ def test_a_hung_child_is_killed_at_the_deadline_naming_it_while_the_other_child_
     try:
         with ThreadPoolExecutor(2) as threads:  # both start a child before either finishes (a start takes a second)
             list(threads.map(lambda _: two.decode(task(png(4, 4))), range(2)))
-        hung, healthy = two.child_pids()
+        healthy, hung = two.child_pids()  # idle children are taken last first: one decode surely meets the hung one
         os.kill(hung, signal.SIGSTOP)
         started_s = time.monotonic()
         with ThreadPoolExecutor(2) as threads:

@@ -16,16 +16,16 @@ from cluster.config import ClusterConfig
 from cluster.protocol import MediaPart
 
 request_path = pytest.importorskip("cluster.request_path")  # imports ray (no cluster is started)
+from cluster.intake import Intake  # noqa: E402
 
 
-def path(modalities=(Modality.IMAGE, Modality.AUDIO, Modality.VIDEO), **spec) -> request_path.RequestPath:
+def path(modalities=(Modality.IMAGE, Modality.AUDIO, Modality.VIDEO), **spec) -> Intake:
+    """The request path's intake; only the config and the planner's spec are used to decode."""
     config = ClusterConfig.model_validate(
         {"model": {"checkpoint": "/tmp/x", "served_name": "m"}, "limits": {"max_audio_s": 5}, "media": {"video_fps": 4}}
     )
-    rp = object.__new__(request_path.RequestPath)  # only config and planner are used to decode
     spec = {"audio_sample_rate_hz": 16_000, **spec}
-    rp.config, rp.planner = config, SimpleNamespace(spec=SimpleNamespace(modalities=set(modalities), **spec))
-    return rp
+    return Intake(config, SimpleNamespace(spec=SimpleNamespace(modalities=set(modalities), **spec)))
 
 
 def wav(seconds: float = 1.0, rate_hz: int = 8_000) -> str:
