@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.checkpoints import _init_weights, _mute_unprintable, greedy_generation_config, train_bpe
+from actors.checkpoints import _init_weights, _mute_unprintable, greedy_generation_config, text_config_fields, train_bpe
 
 QWEN_SPECIALS = [
     "<|endoftext|>",
@@ -132,18 +132,14 @@ def _feature_extractor(recipe: QwenRecipe):
     return WhisperFeatureExtractor(feature_size=recipe.num_mel_bins, sampling_rate=16000, hop_length=160, chunk_length=recipe.window_s, n_fft=400)
 
 
-def _text_config(recipe: QwenRecipe, tokenizer, **extra) -> dict:
+def _audio_config(recipe: QwenRecipe, **extra) -> dict:
+    """The Whisper-style audio tower both Qwen audio families share."""
     return dict(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe.text_hidden,
-        intermediate_size=recipe.text_intermediate,
-        num_hidden_layers=recipe.text_layers,
-        num_attention_heads=recipe.text_heads,
-        num_key_value_heads=recipe.text_kv_heads,
-        max_position_embeddings=recipe.max_positions,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        num_mel_bins=recipe.num_mel_bins,
+        encoder_layers=recipe.audio_layers,
+        encoder_attention_heads=recipe.audio_heads,
+        encoder_ffn_dim=2 * recipe.audio_hidden,
+        d_model=recipe.audio_hidden,
         **extra,
     )
 
@@ -168,15 +164,8 @@ def _audio_model(recipe: QwenRecipe, tokenizer):
     # The tower takes exactly one window of mel frames: 2 frames per source position.
     window_frames = recipe.window_s * 100
     config = Qwen2AudioConfig(
-        audio_config=dict(
-            num_mel_bins=recipe.num_mel_bins,
-            encoder_layers=recipe.audio_layers,
-            encoder_attention_heads=recipe.audio_heads,
-            encoder_ffn_dim=2 * recipe.audio_hidden,
-            d_model=recipe.audio_hidden,
-            max_source_positions=window_frames // 2,
-        ),
-        text_config=_text_config(recipe, tokenizer, model_type="qwen2"),
+        audio_config=_audio_config(recipe, max_source_positions=window_frames // 2),
+        text_config=text_config_fields(recipe, tokenizer, model_type="qwen2"),
         audio_token_index=tokenizer.audio_token_id,
     )
     processor = Qwen2AudioProcessor(feature_extractor=_feature_extractor(recipe), tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
@@ -196,17 +185,9 @@ def _omni_model(recipe: QwenRecipe, tokenizer):
     head_dim = recipe.text_hidden // recipe.text_heads
     third = head_dim // 2 // 4  # mrope sections (t, h, w) over head_dim / 2 rotary frequencies
     config = Qwen2_5OmniThinkerConfig(
-        audio_config=dict(
-            num_mel_bins=recipe.num_mel_bins,
-            encoder_layers=recipe.audio_layers,
-            encoder_attention_heads=recipe.audio_heads,
-            encoder_ffn_dim=2 * recipe.audio_hidden,
-            d_model=recipe.audio_hidden,
-            output_dim=recipe.text_hidden,
-            n_window=50,
-        ),
+        audio_config=_audio_config(recipe, output_dim=recipe.text_hidden, n_window=50),
         vision_config=qwen_vision_config(recipe),
-        text_config=_text_config(
+        text_config=text_config_fields(
             recipe,
             tokenizer,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [head_dim // 2 - 2 * third, third, third]},

@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.checkpoint_qwen import _text_config, qwen_vision_config
-from actors.checkpoints import SPECIAL_TOKENS, _init_weights, _mute_unprintable, greedy_generation_config, train_bpe
+from actors.checkpoint_qwen import qwen_vision_config
+from actors.checkpoints import SPECIAL_TOKENS, _init_weights, _mute_unprintable, greedy_generation_config, text_config_fields, train_bpe
 
 QWEN_VL_SPECIALS = [
     "<|endoftext|>",
@@ -158,7 +158,7 @@ def _qwen_vl(recipe: VLRecipe):
     third = head_dim // 2 // 4  # mrope sections (t, h, w) over head_dim / 2 rotary frequencies
     config = Qwen2_5_VLConfig(
         vision_config=qwen_vision_config(recipe, tokens_per_second=2),
-        text_config=_text_config(
+        text_config=text_config_fields(
             recipe,
             tokenizer,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [head_dim // 2 - 2 * third, third, third]},
@@ -210,7 +210,7 @@ def _llava_next(recipe: VLRecipe):
     )
     config = LlavaNextConfig(
         vision_config=vision,
-        text_config=_text_config(recipe, tokenizer, bos_token_id=tokenizer.bos_token_id, model_type="mistral"),
+        text_config=text_config_fields(recipe, tokenizer, bos_token_id=tokenizer.bos_token_id, model_type="mistral"),
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         image_grid_pinpoints=pinpoints,
         vision_feature_select_strategy="default",

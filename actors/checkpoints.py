@@ -185,6 +185,24 @@ def build_tokenizer(recipe: Recipe) -> PreTrainedTokenizerFast:
     )
 
 
+def text_config_fields(recipe, tokenizer, **extra) -> dict:
+    """The language model's config fields every recipe family sets the same way (a recipe with
+    text_hidden, text_intermediate, text_layers, text_heads, text_kv_heads, max_positions)."""
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.text_hidden,
+        intermediate_size=recipe.text_intermediate,
+        num_hidden_layers=recipe.text_layers,
+        num_attention_heads=recipe.text_heads,
+        num_key_value_heads=recipe.text_kv_heads,
+        max_position_embeddings=recipe.max_positions,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
 def llava_config(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
@@ -196,19 +214,7 @@ def llava_config(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> LlavaCon
         image_size=recipe.image_size,
         patch_size=recipe.patch_size,
     )
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe.text_hidden,
-        intermediate_size=recipe.text_intermediate,
-        num_hidden_layers=recipe.text_layers,
-        num_attention_heads=recipe.text_heads,
-        num_key_value_heads=recipe.text_kv_heads,
-        max_position_embeddings=recipe.max_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    text = LlamaConfig(**text_config_fields(recipe, tokenizer, bos_token_id=tokenizer.bos_token_id))
     return LlavaConfig(
         vision_config=vision,
         text_config=text,
