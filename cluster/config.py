@@ -248,6 +248,17 @@ class LimitsConfig(Strict):
         "its memory does not come back after large items.",
     )
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
+
+    @model_validator(mode="after")
+    def _process_limits_need_processes(self) -> LimitsConfig:
+        """Limits only a decoding process can enforce are refused by name with decode_in_process,
+        rather than accepted and ignored (left at their defaults, they simply do not apply)."""
+        if self.decode_in_process:
+            for name in ("max_decode_s", "max_decode_memory_mb", "max_decodes_per_process"):
+                if getattr(self, name) != type(self).model_fields[name].default:
+                    raise ValueError(f"limits.{name} applies to decoding processes only; it cannot be enforced with limits.decode_in_process: true")
+        return self
+
     remote_media: RemoteMediaConfig = Field(default_factory=RemoteMediaConfig, description="Fetching http(s) media URLs.")
     default_max_tokens: int | None = Field(
         None,

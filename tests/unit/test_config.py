@@ -12,6 +12,7 @@ from cluster.config import (
     DEFAULT_CONFIG,
     ClusterConfig,
     ConfigError,
+    LimitsConfig,
     Modality,
     Transport,
     load_config,
@@ -250,3 +251,11 @@ def test_media_config_is_validated(tmp_path, sections, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(write(tmp_path, {**MINIMAL, **sections}))
     assert load_config(write(tmp_path, {**MINIMAL, "media": {"video_max_frames": 256}})).media.video_max_frames == 256
+
+
+@pytest.mark.parametrize("name, value", [("max_decode_s", 5.0), ("max_decode_memory_mb", 1024), ("max_decodes_per_process", 4)])
+def test_process_only_limits_are_refused_with_in_process_decoding(name, value):
+    assert LimitsConfig(**{name: value}).decode_in_process is False  # honoured by decoding processes
+    assert LimitsConfig(decode_in_process=True).decode_in_process  # defaults simply do not apply
+    with pytest.raises(ValueError, match=f"limits.{name} applies to decoding processes only"):
+        LimitsConfig(decode_in_process=True, **{name: value})
