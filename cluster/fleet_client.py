@@ -32,7 +32,7 @@ class FleetClient:
         self.owner = f"{uuid.uuid4().hex[:8]}:"  # starts this replica's request ids: what its death frees
         self.controller = attach(again=False)
         self.snapshot: FleetSnapshot | None = None
-        self._receive_locks: dict[tuple[WorkerKind, int], asyncio.Lock] = {}
+        self._transfer_lock: asyncio.Lock | None = None  # one RDT transfer at a time (receiving())
         self.adopt(ray.get(self.controller.snapshot.remote()))
         self._register()
 
@@ -67,8 +67,8 @@ class FleetClient:
             manager.remove_remote_communicator(old.group.name)
         self.snapshot = snapshot
         changed = snapshot.changed_since(old)
-        for key in changed:
-            self._receive_locks.pop(key, None)
+        if changed or (old is not None and old.group != snapshot.group):
+            self._transfer_lock = None  # a transfer hung in the old group must not hold up the new one
         return changed
 
     def replace(self, kind: WorkerKind, index: int) -> list[tuple[WorkerKind, int]]:
@@ -97,11 +97,15 @@ class FleetClient:
         """Call options that make an actor method return its tensors over `transport`."""
         return {} if transport == Transport.OBJECT_STORE else {"tensor_transport": transport.value}
 
-    def receiving(self, kind: WorkerKind, index: int, transport: Transport):
-        """Context for handing tensors to one worker. Over gloo/nccl, transfers into one
-        actor run one at a time: concurrent receives on an actor corrupt each other
-        (Ray 2.60 RDT). Transfers into different actors still overlap. The lock is this
+    def receiving(self, transport: Transport):
+        """Context for handing tensors to a worker. Over gloo/nccl one transfer runs at a time
+        in the whole group: Ray 2.60 RDT pairs sends and receives by order alone, concurrent
+        receives on an actor corrupt each other, and with transfers into different actors
+        in flight at once (a prefill worker receiving embeddings while it sends KV) the
+        suite saw a transfer hang until Ray's 60 s abort killed the group. The lock is this
         process's: hence RDT transports need server.num_replicas 1 (ClusterConfig checks)."""
         if transport == Transport.OBJECT_STORE:
             return contextlib.nullcontext()
-        return self._receive_locks.setdefault((kind, index), asyncio.Lock())
+        if self._transfer_lock is None:
+            self._transfer_lock = asyncio.Lock()
+        return self._transfer_lock

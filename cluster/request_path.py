@@ -31,6 +31,7 @@ from router.types import RequestProfile, RouteDecision, WorkerKind
 
 ROUTE_RETRY_S = 0.1  # how often a request waiting for a healthy worker tries again
 RETRY_AFTER_S = 2  # what a 503 tells clients to wait: about one supervisor check
+CLOSE_RETRY_S, CLOSE_RETRY_FOR_S = 0.02, 30.0  # close_soon: a running stream is closed once its step ends
 
 
 _closing: set[asyncio.Task] = set()  # strong references until each closing finishes
@@ -43,10 +44,17 @@ def close_soon(stream: AsyncIterator) -> None:
     (freeing the request's KV) further down the chain."""
 
     async def close() -> None:
-        try:
-            await stream.aclose()
-        except RuntimeError:  # already being closed by an inner stage: that closing frees it
-            pass
+        # A generator running a step in another task (the first token's wait_for, a closing
+        # inner stage) refuses aclose(); wait for that step to end and close it then, or it
+        # stays suspended, holding its KV, until the garbage collector finds it.
+        for _ in range(int(CLOSE_RETRY_FOR_S / CLOSE_RETRY_S)):
+            try:
+                await stream.aclose()
+                return
+            except RuntimeError:
+                if getattr(stream, "ag_frame", None) is None:  # finished meanwhile
+                    return
+                await asyncio.sleep(CLOSE_RETRY_S)
 
     task = asyncio.get_running_loop().create_task(close())
     _closing.add(task)
@@ -198,9 +206,7 @@ class RequestPath:
         calls = lambda: [worker.receive.remote(request_id, slot, ref) for slot, ref in enumerate(refs)]
         if transport == Transport.OBJECT_STORE:
             return await asyncio.gather(*calls())
-        async with self.fleet.receiving(kind, index, transport):
-            # One transfer at a time into an actor: gloo pairs sends and receives by order
-            # alone, and Ray issues concurrent ones in no fixed order (equal sizes swap silently).
+        async with self.fleet.receiving(transport):  # one RDT transfer at a time (FleetClient.receiving)
             return [await worker.receive.remote(request_id, slot, ref) for slot, ref in enumerate(refs)]
 
     async def prefill(self, job: Job, decision: RouteDecision, encoded: list) -> tuple[PrefillResult, float | None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ray.experimental.collective.collective import RemoteCommunicatorManager
 
-from cluster.config import load_config
+from cluster.config import Transport, load_config
 from cluster.fleet_client import FleetClient
 from cluster.snapshot import FleetSnapshot, GroupRef
 from router.types import WorkerInfo, WorkerKind
@@ -36,7 +36,7 @@ def test_changed_since_names_only_replaced_workers():
 
 class _Client(FleetClient):
     def __init__(self, first: FleetSnapshot):  # no controller: adoption only
-        self.snapshot, self._receive_locks = None, {}
+        self.snapshot, self._transfer_lock = None, None
         self.adopt(first)
 
 
@@ -44,12 +44,13 @@ def test_a_replica_adopts_only_newer_generations_and_swaps_the_group():
     manager = RemoteCommunicatorManager.get()
     client = _Client(_snapshot(3, FIRST, group="g-old"))
     assert "g-old" in manager._remote_communicators
-    client._receive_locks[(E, 1)] = object()
+    held = client.receiving(Transport.GLOO)
+    assert client.receiving(Transport.GLOO) is held  # one lock for every transfer in the group
     assert client.adopt(_snapshot(2, SECOND, group="g-older")) == [] and client.generation == 3  # late answer: ignored
     assert client.adopt(_snapshot(4, SECOND, group="g-new")) == [(E, 1)]
     assert client.actor_id(E, 1) == "e1-new" and client.pools[E][1] == "handle-e1-new"
     assert "g-new" in manager._remote_communicators and "g-old" not in manager._remote_communicators
-    assert (E, 1) not in client._receive_locks  # the new actor's transfers do not wait on the old one's lock
+    assert client.receiving(Transport.GLOO) is not held  # the new group's transfers do not wait on the old one's lock
     assert client.adopt(_snapshot(0, FIRST), force=True) == [(E, 1)]  # a re-created controller counts from 0 again
     manager.remove_remote_communicator("g-new")
 
