@@ -277,7 +277,7 @@ class Ingress:
         card = ModelCard(id=self.config.model.served_name, root=str(self.checkpoint), max_model_len=self.config.model.max_model_len)
         return ModelList(data=[card]).model_dump()
 
-    @api.get("/metrics")
+    @api.api_route("/metrics", methods=["GET", "HEAD"])  # AIPerf's server-metrics discovery probes with HEAD
     async def metrics_endpoint(self) -> Response:
         """The whole app's metrics, whichever replica answers (cluster/metrics_share.py)."""
         self._run_background()

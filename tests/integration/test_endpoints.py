@@ -90,6 +90,12 @@ def test_metrics_scrape(app):
     assert top == app.config.limits.request_timeout_s  # buckets reach the timeout, no further
 
 
+def test_metrics_answer_a_head_probe(app):
+    """Benchmark clients (AIPerf) look for /metrics with HEAD before they scrape it."""
+    r = app.http.head("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain") and r.content == b""
+
+
 def test_health(app):
     body = app.http.get("/health").json()
     assert body["status"] == "ok" and body["healthy_workers"]["encoder"] == app.config.encoder.num_workers
