@@ -95,8 +95,10 @@ class FleetController:
         with self._lock:
             if self._fleet.actor_id(kind, index) == actor_id:
                 log.warning("replacing %s worker %d (actor %s)", kind.value, index, actor_id)
-                self._fleet.replace(kind, index)
-                self._generation += 1
+                try:
+                    self._fleet.replace(kind, index)
+                finally:  # new actors even if the group failed to form: replicas must see them
+                    self._generation += 1
         return self.snapshot()
 
     def shutdown(self) -> None:

@@ -113,14 +113,25 @@ class Fleet:
 
     def replace(self, kind: WorkerKind, index: int) -> None:
         """Restart one worker; with RDT the whole group is re-formed (a failed transfer
-        destroys it for every member)."""
+        destroys it for every member). A member whose transfer thread is still stuck in the
+        aborted transfer never joins (the rendezvous times out): then every worker is
+        restarted, so the group forms from fresh processes."""
+        self._restart([(kind, index)])
         try:
-            ray.kill(self.pools[kind][index], no_restart=True)
-        except Exception:
-            pass
-        self.pools[kind][index] = self._start(kind, index)
-        ray.get(self.pools[kind][index].ready.remote())
-        self._form_group()
+            self._form_group()
+        except Exception as exc:
+            log.warning("re-forming the collective group failed (%s); restarting every worker", type(exc).__name__)
+            self._restart([(k, i) for k in WorkerKind for i in range(len(self.pools[k]))])
+            self._form_group()
+
+    def _restart(self, workers: list[tuple[WorkerKind, int]]) -> None:
+        for kind, index in workers:
+            try:
+                ray.kill(self.pools[kind][index], no_restart=True)
+            except Exception:  # already dead
+                pass
+            self.pools[kind][index] = self._start(kind, index)
+        ray.get([self.pools[kind][index].ready.remote() for kind, index in workers])
 
     def snapshot(self, generation: int, infos: tuple[WorkerInfo, ...]) -> FleetSnapshot:
         group = GroupRef(self._group_name, _BACKEND[self.rdt]) if self.rdt is not None else None
