@@ -17,6 +17,16 @@ from router.types import RouteDecision, WorkerKind
 RETRYABLE = (rx.RayActorError, rx.ActorUnavailableError, rx.ObjectLostError, rx.OwnerDiedError)
 
 
+def is_transport_failure(exc: BaseException) -> bool:
+    """A tensor transfer between workers failed (Ray RDT over gloo/nccl): Ray aborts a hung
+    transfer, kills both actors and destroys the collective group, so calls that move tensors
+    raise until the group is formed again. The worker is gone, not the request."""
+    if isinstance(exc, ValueError):  # a call made after the group was destroyed
+        return "does not have tensor transport" in str(exc)
+    cause = getattr(exc, "cause", None) if isinstance(exc, rx.RayTaskError) else None
+    return isinstance(cause, TimeoutError) and "RDT object store" in str(cause)  # a receive whose transfer was aborted
+
+
 class WorkerLost(Exception):
     """A worker died under a request. `suspects` are the workers it may be: the one Ray
     named, or else every worker the request used (the supervisor pings them)."""

@@ -24,7 +24,7 @@ from cluster.intake import Intake
 from cluster.metrics import Metrics
 from cluster.overlap import overlapped
 from cluster.prompt_plan import PromptPlanner
-from cluster.recovery import RETRYABLE, WorkerLost, lost_worker
+from cluster.recovery import RETRYABLE, WorkerLost, is_transport_failure, lost_worker
 from cluster.routing import LiveRouting, RoutingUnavailable
 from cluster.trace import TraceWriter
 from router.types import RequestProfile, RouteDecision, WorkerKind
@@ -168,7 +168,11 @@ class RequestPath:
                     close_soon(decoding)
         except RETRYABLE as exc:
             raise lost_worker(exc, self.fleet, decision) from exc
-        except ray.exceptions.RayTaskError as exc:
+        except (ValueError, ray.exceptions.RayTaskError) as exc:
+            if is_transport_failure(exc):
+                raise lost_worker(exc, self.fleet, decision) from exc
+            if not isinstance(exc, ray.exceptions.RayTaskError):
+                raise
             raise RequestError(500, f"a worker failed on this request: {exc.cause!r}", type="server_error") from None
         finally:
             # Whatever the prefill worker still holds for this attempt (embeddings, KV that
