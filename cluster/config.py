@@ -381,8 +381,8 @@ class ClusterConfig(Strict):
         if rdt and self.server.num_replicas > 1:
             raise ValueError(
                 f"transport {rdt.pop().value} needs server.num_replicas: 1 (got {self.server.num_replicas}): "
-                "transfers into one worker must run one at a time (gloo pairs sends and receives by order "
-                "alone), and a replica can order only its own; use object_store to run several replicas"
+                "RDT transfers must run one at a time (gloo pairs sends and receives by order alone), "
+                "and a replica can order only its own; use object_store to run several replicas"
             )
         if self.media.video_max_frames > self.limits.max_video_frames:
             raise ValueError(
