@@ -119,18 +119,39 @@ async def replay(url: str, reqs: list[tuple[str, float, bytes]], desc: str) -> d
 # ----------------------------------------------------------------------------- phases
 
 
+def mixed_kinds(num_text: int, seed: int) -> list[str]:
+    """`num_text` text requests and a quarter as many videos (20% of all), shuffled."""
+    kinds = ["text"] * num_text + ["video"] * (num_text // 4)
+    random.Random(seed).shuffle(kinds)
+    return kinds
+
+
+def mixed_capacity_rps(url: str, model: str, args) -> float:
+    """Requests/s the cluster completes of the 80/20 text/video mix, all sent at once:
+    the burst's size over the time until its last request finished (a lower bound, as the
+    burst's head and tail leave workers idle)."""
+    kinds = mixed_kinds(args.capacity_text_requests, 7)
+    burst = workload(kinds, 1e9, 7, model, args.max_tokens)  # arrivals 1 ns apart: at once
+    started = time.perf_counter()
+    asyncio.run(replay(url, burst, "capacity: the mix at once"))
+    return len(kinds) / (time.perf_counter() - started)
+
+
 def text_vs_video(url: str, model: str, args) -> dict:
-    """Text TTFT alone vs with 20% video requests, alternating rounds on the same server."""
+    """Text TTFT alone vs with 20% video requests, alternating rounds on the same server.
+    With `--load-fraction`, the mixed phase is offered that fraction of the mix's measured
+    capacity (the text-alone phase keeps the same text arrivals, so 80% of that rate)."""
+    capacity = mixed_capacity_rps(url, model, args) if args.load_fraction else None
+    text_rate = capacity * args.load_fraction / 1.25 if capacity else args.text_rate
     rounds = []
     for r in range(args.rounds):
-        texts = ["text"] * args.text_requests
-        mixed = texts + ["video"] * (args.text_requests // 4)  # video = 20% of all requests
-        random.Random(r).shuffle(mixed)
-        alone = asyncio.run(replay(url, workload(texts, args.text_rate, 100 + r, model, args.max_tokens), f"round {r}: text only"))
-        with_video = asyncio.run(replay(url, workload(mixed, args.text_rate * 1.25, 100 + r, model, args.max_tokens), f"round {r}: text + 20% video"))
+        texts, mixed = ["text"] * args.text_requests, mixed_kinds(args.text_requests, r)
+        alone = asyncio.run(replay(url, workload(texts, text_rate, 100 + r, model, args.max_tokens), f"round {r}: text only"))
+        with_video = asyncio.run(replay(url, workload(mixed, text_rate * 1.25, 100 + r, model, args.max_tokens), f"round {r}: text + 20% video"))
         rounds.append({"text_alone_ms": alone["text"], "text_with_video_ms": with_video["text"], "video_ms": with_video.get("video", [])})
     stat = lambda key, q: float(np.median([pct(rd[key], q) for rd in rounds]))
     out = {f"{key}_p{q}": stat(key, q) for key in ("text_alone_ms", "text_with_video_ms", "video_ms") for q in (50, 99)}
+    out |= {"mixed_capacity_rps": capacity, "load_fraction": args.load_fraction, "text_rate_rps": text_rate, "mixed_rate_rps": text_rate * 1.25}
     out["ratio_p50"] = out["text_with_video_ms_p50"] / out["text_alone_ms_p50"]
     out["ratio_p99"] = out["text_with_video_ms_p99"] / out["text_alone_ms_p99"]
     out["rounds"] = [{k: [round(x, 1) for x in v] for k, v in rd.items()} for rd in rounds]
@@ -255,6 +276,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default=str(REPO_ROOT / "configs" / "bench_omni_cpu.yaml"))
     p.add_argument("--text-requests", type=int, default=40, help="text requests per phase")
     p.add_argument("--text-rate", type=float, default=2.0, help="text requests per second")
+    p.add_argument(
+        "--load-fraction",
+        type=float,
+        help="offer the text+video phase this fraction of the mix's measured capacity (overrides --text-rate)",
+    )
+    p.add_argument("--capacity-text-requests", type=int, default=16, help="capacity probe: text requests (plus a quarter as many videos)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--mix-requests", type=int, default=40)
     p.add_argument("--mix-rate", type=float, default=0.5)
