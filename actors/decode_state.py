@@ -132,9 +132,19 @@ class DecodeScheduler:
     def remove_finished(self) -> list[int]:
         """Drop finished sequences; returns the batch rows that remain, in order."""
         keep = [i for i, seq in enumerate(self.running) if seq.status != SeqStatus.FINISHED]
-        self.kv_reserved_bytes -= sum(seq.kv_bytes for seq in self.running if seq.status == SeqStatus.FINISHED)
-        self.running = [self.running[i] for i in keep]
+        self.keep_rows(keep)
         return keep
+
+    def finished_rows(self) -> list[int]:
+        return [i for i, seq in enumerate(self.running) if seq.status == SeqStatus.FINISHED]
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Running becomes these sequences in this order (the batch's rows after a removal);
+        the others, all finished, give their KV reservation back."""
+        kept = [self.running[i] for i in rows]
+        assert all(seq.status != SeqStatus.FINISHED for seq in kept), "a finished sequence kept its row"
+        self.kv_reserved_bytes -= sum(seq.kv_bytes for seq in self.running) - sum(seq.kv_bytes for seq in kept)
+        self.running = kept
 
     def clear(self) -> list[Sequence]:
         """Empty the scheduler (after a failed step); returns every sequence it had."""

@@ -102,7 +102,7 @@ class DecodeEngine:
         if not finished:
             return
         out.extend(DecodeOutput(seq.request_id, TokenChunk((), seq.finish_reason, step_ms)) for seq in finished)
-        self.batch.keep(self.scheduler.remove_finished())
+        self.scheduler.keep_rows(self.batch.remove(self.scheduler.finished_rows()))  # the last rows fill the holes
 
     def stats(self) -> dict[str, int]:
         """`rows` counts KV rows held: zero when idle, or a request leaked its cache."""

@@ -11,40 +11,65 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-SPARE_SLOTS = 64  # decode steps a slab absorbs before it must grow (and copy)
+SPARE_SLOTS = 64  # decode steps the batch's buffers absorb before they must grow (and copy)
+
+
+class _Slab:
+    """The decode batch's K and V buffers, one [rows, kv_heads, columns, head_dim] pair per
+    layer, with room to spare in rows and columns. The batch occupies rows [0, n) and
+    columns [start, end); every row ends at `end` (left padding), so a step writes one column
+    for all rows in place, a row that joins is written into a spare row, and a row that
+    leaves is replaced by the last one. Nothing is copied whole except when the buffers grow."""
+
+    def __init__(self, like: list[tuple[torch.Tensor, torch.Tensor]], rows: int, columns: int, end: int):
+        k0 = like[0][0]
+        shape = lambda t: (rows, t.shape[1], columns, t.shape[-1])
+        self.k = [k.new_zeros(shape(k)) for k, _ in like]
+        self.v = [v.new_zeros(shape(v)) for _, v in like]
+        self.device, self.dtype = k0.device, k0.dtype
+        self.n, self.start, self.end = 0, end, end
+
+    @property
+    def rows(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def columns(self) -> int:
+        return self.k[0].shape[2]
+
+    def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cols = slice(self.start, self.end)
+        return [(k[: self.n, :, cols], v[: self.n, :, cols]) for k, v in zip(self.k, self.v)]
+
+    def regrown(self, rows: int, left: int, right: int) -> _Slab:
+        """A copy with room for `rows` rows, `left` columns before the window and `right` after it."""
+        width = self.end - self.start
+        out = _Slab(list(zip(self.k, self.v)), max(rows, self.n), left + width + right, left + width)
+        out.n, out.start = self.n, left
+        for dst, src in zip(out.k + out.v, self.k + self.v):
+            dst[: self.n, :, left : left + width] = src[: self.n, :, self.start : self.end]
+        return out
 
 
 class _SlabLayer(DynamicLayer):
-    """A cache layer in a buffer with spare slots: a decode step writes its column in place,
-    where the stock layer would concatenate (copy) the whole cache every step."""
+    """One layer of the batch's cache as HF's attention sees it: the occupied window of the
+    slab, and an update that writes the step's column in place (the stock layer would
+    concatenate, i.e. copy the whole cache, every step)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+    def __init__(self, slab: _Slab, index: int):
         super().__init__()
-        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self._length = keys.shape[-2]
-        self._k, self._v = self._alloc(keys), self._alloc(values)
-        self._expose()
-
-    def _alloc(self, t: torch.Tensor) -> torch.Tensor:
-        buf = t.new_zeros(*t.shape[:-2], t.shape[-2] + SPARE_SLOTS, t.shape[-1])
-        buf[:, :, : t.shape[-2]] = t
-        return buf
-
-    def _expose(self) -> None:
-        self.keys, self.values = self._k[:, :, : self._length], self._v[:, :, : self._length]
+        self.slab, self.index = slab, index
+        self.dtype, self.device, self.is_initialized = slab.dtype, slab.device, True
+        self.keys, self.values = slab.views()[index]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n = key_states.shape[-2]
-        if self._length + n > self._k.shape[-2]:
-            self._k, self._v = self._alloc(self.keys), self._alloc(self.values)
-        self._k[:, :, self._length : self._length + n] = key_states
-        self._v[:, :, self._length : self._length + n] = value_states
-        self._length += n
-        self._expose()
-        return self.keys, self.values
+        s, i = self.slab, self.index
+        s.k[i][: s.n, :, s.end : s.end + 1] = key_states
+        s.v[i][: s.n, :, s.end : s.end + 1] = value_states
+        return s.k[i][: s.n, :, s.start : s.end + 1], s.v[i][: s.n, :, s.start : s.end + 1]
 
     def get_seq_length(self) -> int:
-        return self._length
+        return self.slab.end - self.slab.start
 
 
 def bytes_per_token(text_config, dtype_bytes: int) -> int:
@@ -76,29 +101,20 @@ def unpack(packed: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer[0].unsqueeze(0), layer[1].unsqueeze(0)) for layer in packed]
 
 
-def _left_pad(t: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    pad = num_tokens - t.shape[-2]
-    if pad == 0:
-        return t
-    zeros = t.new_zeros(*t.shape[:-2], pad, t.shape[-1])
-    return torch.cat((zeros, t), dim=-2)
-
-
 class BatchedKV:
-    """The decode batch's cache: rows are requests, columns are token slots (left-padded)."""
+    """The decode batch's cache: rows are requests, columns are token slots (left-padded),
+    in a `_Slab` that rows join and leave in place. Row i belongs to the caller's i-th
+    sequence; `keep` may reorder rows, and `remove` moves the last row into a hole (the caller
+    reorders its sequences the same way). Its tensors are inference tensors: a decode step
+    runs in inference mode, and so does every method that changes them in place."""
 
     def __init__(self) -> None:
-        self._cache = DynamicCache()
+        self._slab: _Slab | None = None
         self.mask = torch.zeros(0, 0, dtype=torch.long)
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.keys, layer.values) for layer in self._cache.layers]
-
-    @layers.setter
-    def layers(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self._cache = DynamicCache()
-        self._cache.layers = [_SlabLayer(k, v) for k, v in layers]
+        return self._slab.views() if self._slab is not None else []
 
     @property
     def num_rows(self) -> int:
@@ -108,41 +124,96 @@ class BatchedKV:
     def num_slots(self) -> int:
         return self.mask.shape[1]
 
+    @torch.inference_mode()
     def join(self, packed: torch.Tensor) -> None:
-        """Append one request's cache as a new last row."""
-        new = unpack(packed)
-        new_len = new[0][0].shape[-2]
-        width = max(self.num_slots, new_len)
-        dev = packed.device
-        row_mask = torch.cat((torch.zeros(width - new_len, dtype=torch.long, device=dev), torch.ones(new_len, dtype=torch.long, device=dev)))
-        if self.num_rows == 0:
-            self.layers = [(_left_pad(k, width), _left_pad(v, width)) for k, v in new]
-            self.mask = row_mask.unsqueeze(0)
-            return
-        self.layers = [
-            (torch.cat((_left_pad(k, width), _left_pad(nk, width))), torch.cat((_left_pad(v, width), _left_pad(nv, width))))
-            for (k, v), (nk, nv) in zip(self.layers, new)
-        ]
-        old_mask = torch.cat((self.mask.new_zeros(self.num_rows, width - self.num_slots), self.mask), dim=1)
-        self.mask = torch.cat((old_mask, row_mask.unsqueeze(0)))
+        """Append one request's cache as a new last row, right-aligned with the others."""
+        new, length = unpack(packed), packed.shape[-2]
+        if self._slab is None:
+            self._slab = _Slab(new, rows=1, columns=length + SPARE_SLOTS, end=length)
+            self.mask = self.mask.to(packed.device)
+        self._make_room(rows=self.num_rows + 1, before=length)
+        s = self._slab
+        start = min(s.start, s.end - length)
+        for buf, (k, v) in zip(zip(s.k, s.v), new):
+            for dst, src in zip(buf, (k, v)):
+                dst[: s.n, :, start : s.start] = 0  # columns the other rows now pad (old data of rows gone)
+                dst[s.n, :, start : s.end - length] = 0
+                dst[s.n, :, s.end - length : s.end] = src[0]
+        s.n, s.start = s.n + 1, start
+        width = s.end - s.start
+        grown = torch.cat((self.mask.new_zeros(self.num_rows, width - self.num_slots), self.mask), dim=1)
+        row = torch.cat((self.mask.new_zeros(width - length), self.mask.new_ones(length)))
+        self.mask = torch.cat((grown, row.unsqueeze(0)))
 
+    def _make_room(self, rows: int, before: int = 0, after: int = 0) -> None:
+        """Regrow the slab if it lacks `rows` rows, `before` columns before `end` or `after`
+        columns after it (doubling rows, adding SPARE_SLOTS columns, so it seldom happens)."""
+        s = self._slab
+        if s is None:
+            return
+        if rows <= s.rows and before <= s.end and s.end + after <= s.columns:
+            return
+        width = s.end - s.start
+        self._slab = s.regrown(max(rows, 2 * s.rows if rows > s.rows else s.rows), max(before - width, 0), after + SPARE_SLOTS)
+
+    @torch.inference_mode()
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows (in this order) and drop columns no remaining row uses."""
+        if self._slab is None:
+            return
         index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        mask = self.mask.index_select(0, index)
-        used = mask.any(dim=0).nonzero()
-        start = int(used[0]) if len(used) else mask.shape[1]
-        self.mask = mask[:, start:]
-        self.layers = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:]) for k, v in self.layers]
+        s = self._slab
+        for buf in s.k + s.v:
+            buf[: len(rows), :, s.start : s.end] = buf[:, :, s.start : s.end].index_select(0, index.to(buf.device))
+        s.n, self.mask = len(rows), self.mask.index_select(0, index)
+        self._trim()
 
+    @torch.inference_mode()
+    def remove(self, rows: list[int]) -> list[int]:
+        """Drop these rows, moving the last rows into their places; returns the old row
+        index of each row that remains, in its new order (the caller's new order)."""
+        order = list(range(self.num_rows))
+        if self._slab is None:
+            return order
+        for row in sorted(set(rows), reverse=True):
+            last = len(order) - 1
+            if row != last:
+                self._move(last, row)
+                order[row] = order[last]
+            order.pop()
+        self._slab.n = len(order)
+        self._trim()
+        return order
+
+    def _move(self, src: int, dst: int) -> None:
+        s = self._slab
+        for buf in s.k + s.v:
+            buf[dst, :, s.start : s.end] = buf[src, :, s.start : s.end]
+        self.mask[dst] = self.mask[src]
+
+    def _trim(self) -> None:
+        """Drop leading columns no row uses (and the mask rows of removed rows)."""
+        s = self._slab
+        self.mask = self.mask[: s.n]
+        used = self.mask.any(dim=0).nonzero()
+        skip = int(used[0]) if len(used) else self.num_slots
+        self.mask = self.mask[:, skip:]
+        s.start += skip
+        if s.n == 0:
+            self._slab, self.mask = None, torch.zeros(0, 0, dtype=torch.long)
+
+    @torch.inference_mode()
     def as_cache(self) -> DynamicCache:
-        """The batch's own cache object: a step's forward pass appends to it in place."""
-        return self._cache
+        """The batch's cache for one step: its layers write the step's column in place."""
+        self._make_room(rows=self.num_rows, after=1)
+        cache = DynamicCache()
+        cache.layers = [_SlabLayer(self._slab, i) for i in range(len(self._slab.k))]
+        return cache
 
+    @torch.inference_mode()
     def absorb(self, cache: DynamicCache) -> None:
-        """Take back the cache after a step that appended one slot to every row."""
-        if cache is not self._cache:
-            self.layers = [(layer.keys, layer.values) for layer in cache.layers]
+        """Take in the column a step (on `as_cache()`) wrote to every row."""
+        self._slab.end += 1
         self.mask = torch.cat((self.mask, self.mask.new_ones(self.num_rows, 1)), dim=1)
 
     def step_mask(self) -> torch.Tensor:

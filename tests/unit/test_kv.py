@@ -121,6 +121,7 @@ def test_keep_drops_rows_reorders_and_trims_leading_padding():
     check_integrity(batch, [ps[1]])
 
 
+@torch.inference_mode()  # as LMRunner.decode_step
 def _step(batch: kv.BatchedKV, seed: int) -> list[torch.Tensor]:
     """What a decode step does to the cache: one new slot per row, then absorb."""
     gen = torch.Generator().manual_seed(seed)
@@ -134,6 +135,37 @@ def _step(batch: kv.BatchedKV, seed: int) -> list[torch.Tensor]:
     batch.absorb(cache)
     # per-row packed [layers, 2, heads, 1, dim] for the new slot
     return [torch.stack([torch.stack((k[r], v[r])) for k, v in new]) for r in range(batch.num_rows)]
+
+
+def test_remove_moves_the_last_rows_into_the_holes_and_says_the_new_order():
+    batch = kv.BatchedKV()
+    ps = [packed_of(n, i) for i, n in enumerate((2, 7, 4, 3, 5))]
+    for p in ps:
+        batch.join(p)
+    slab_k = batch.layers[0][0].untyped_storage().data_ptr()
+    assert batch.remove([1, 4]) == [0, 3, 2], "row 4 leaves, row 3 fills the hole of row 1"
+    assert batch.num_slots == 4, "the 7-long row is gone: its columns too"
+    check_integrity(batch, [ps[0], ps[3], ps[2]])
+    assert batch.layers[0][0].untyped_storage().data_ptr() == slab_k, "in place: the buffers were not reallocated"
+    assert batch.remove([0, 1, 2]) == [] and batch.num_rows == 0
+    check_integrity(batch)
+
+
+def test_joins_and_steps_reuse_the_buffers_until_they_must_grow():
+    batch = kv.BatchedKV()
+    batch.join(packed_of(6, 0))
+    batch.join(packed_of(3, 1))
+    storage = lambda: batch.layers[0][0].untyped_storage().data_ptr()
+    first = storage()
+    for seed in range(kv.SPARE_SLOTS - 1):
+        _step(batch, seed)
+    assert storage() == first, "steps write their column in place"
+    batch.remove([1])
+    batch.join(packed_of(5, 2))  # into the freed row, right-aligned
+    assert storage() == first
+    batch.join(packed_of(200, 3))  # longer than the window: the buffers grow once
+    assert storage() != first
+    check_integrity(batch)
 
 
 def test_step_mask_and_absorb_grow_by_one_slot():
@@ -168,7 +200,7 @@ def test_random_join_keep_absorb_sequences_keep_invariants(seed):
     batch = kv.BatchedKV()
     rows: list[torch.Tensor] = []  # the expected per-row packed caches
     for op_index in range(60):
-        op = rnd.choice(("join", "join", "keep", "absorb", "absorb"))
+        op = rnd.choice(("join", "join", "keep", "remove", "absorb", "absorb"))
         if op == "join" or not rows:
             p = packed_of(rnd.randint(1, 9), seed * 1000 + op_index)
             batch.join(p)
@@ -179,6 +211,9 @@ def test_random_join_keep_absorb_sequences_keep_invariants(seed):
                 rnd.shuffle(kept)
             batch.keep(kept)
             rows = [rows[i] for i in kept]
+        elif op == "remove":
+            order = batch.remove(rnd.sample(range(len(rows)), rnd.randint(0, len(rows))))
+            rows = [rows[i] for i in order]
         else:
             added = _step(batch, seed * 1000 + op_index)
             rows = [torch.cat((p, a), dim=3) for p, a in zip(rows, added)]
