@@ -21,8 +21,9 @@ from actors.types import DecodeRequest, TokenChunk
 
 
 class DecodeWorker(ModelWorker):
-    def __init__(self, spec: WorkerSpec, max_batch_size: int, kv_budget_bytes: int | None = None):
+    def __init__(self, spec: WorkerSpec, max_batch_size: int, kv_budget_bytes: int | None = None, stream_interval: int = 1):
         super().__init__(spec, Part.LANGUAGE_MODEL)
+        self.stream_interval = stream_interval  # tokens a stream gathers before it yields (fewer Ray objects under load)
         self.engine = DecodeEngine(LMRunner(self.adapter), max_batch_size, spec.max_model_len, kv_budget_bytes)
         self.inbox = TensorInbox()  # packed KV from prefill, until generate() claims it
         self._outboxes: dict[str, asyncio.Queue] = {}
@@ -44,7 +45,7 @@ class DecodeWorker(ModelWorker):
         self.drive(self.engine, self._publish, lambda exc: self._publish(self.engine.fail_all()))
         try:
             while True:
-                chunk = self._drain(await outbox.get(), outbox)
+                chunk = await self._gather(outbox)
                 yield chunk
                 if chunk.finished:
                     return
@@ -52,11 +53,12 @@ class DecodeWorker(ModelWorker):
             self._outboxes.pop(request.request_id, None)
             self.engine.abort(request.request_id)  # no-op once finished; frees the row if the caller left
 
-    @staticmethod
-    def _drain(first: TokenChunk, outbox: asyncio.Queue) -> TokenChunk:
-        tokens, logprobs, last = list(first.token_ids), list(first.logprobs), first
-        while not last.finished and not outbox.empty():
-            last = outbox.get_nowait()
+    async def _gather(self, outbox: asyncio.Queue) -> TokenChunk:
+        """The request's next chunk: everything its outbox holds, and at least `stream_interval`
+        tokens unless it finished (a caller that fell behind gets all it missed at once)."""
+        tokens, logprobs, last = [], [], None
+        while last is None or not (last.finished or (outbox.empty() and len(tokens) >= self.stream_interval)):
+            last = outbox.get_nowait() if not outbox.empty() else await outbox.get()
             tokens.extend(last.token_ids)
             logprobs.extend(last.logprobs)
         return TokenChunk(tuple(tokens), last.finish_reason, last.step_ms, tuple(logprobs))
@@ -84,7 +86,7 @@ class DecodeWorker(ModelWorker):
 
     def stats(self) -> dict[str, int]:
         """`rows` counts KV rows held: zero when idle, or a request leaked its cache."""
-        return {"pid": os.getpid(), **self.engine.stats(), "held_kv": len(self.inbox)}
+        return {"pid": os.getpid(), **self.engine.stats(), "held_kv": len(self.inbox), "step_threads": self.step_threads}
 
 
 # Tensor transport must be declared on the class: a per-handle option is not honoured.

@@ -87,6 +87,9 @@ class EncoderWorker(ModelWorker):
     def load(self) -> WorkerLoad:
         return WorkerLoad(queued=self.batcher.queue_depth, running=self._running)
 
+    def has_work(self) -> bool:
+        return self.batcher.queue_depth > 0
+
     def stats(self) -> dict[str, int]:
         """`cache_encoding_entries` and `cache_referenced_entries` are zero when idle, or a
         request leaked its reference."""
@@ -96,6 +99,7 @@ class EncoderWorker(ModelWorker):
             "running": self._running,
             "num_batches": self.batcher.num_batches,
             "max_batch": self.batcher.max_batch_seen,
+            "step_threads": self.step_threads,
             **self.cache.stats().as_flat_dict(),
         }
 

@@ -61,6 +61,7 @@ class _Job:
     items: dict[int, torch.Tensor]  # by slot, until spliced
     arrival: int
     added_s: float
+    min_early_tokens: int = 0  # PrefillState.min_early_tokens
     embeds: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     rope_delta: int = 0
@@ -77,8 +78,11 @@ class _Job:
     waited_running_s: float = 0.0  # of which after its first chunk
 
     def state(self) -> PrefillState:
-        spans = tuple(Span(r.offset, r.length, i in self.ready) for i, r in enumerate(self.request.placeholders))
-        return PrefillState(self.request.request_id, len(self.request.prompt_token_ids), self.num_computed, spans, self.arrival)
+        here = self.ready | self.items.keys()  # spliced, or given and not started yet
+        spans = tuple(Span(r.offset, r.length, i in here) for i, r in enumerate(self.request.placeholders))
+        return PrefillState(
+            self.request.request_id, len(self.request.prompt_token_ids), self.num_computed, spans, self.arrival, self.min_early_tokens
+        )
 
     def note_wait(self, now: float) -> None:
         """Start or end a wait for an item, as the job's state now says."""
@@ -114,13 +118,16 @@ class PrefillEngine:
         cache_bytes: int = 0,
         max_media_tokens_per_step: int | None = None,
         order: Order = Order.SHORTEST_REMAINING,
+        min_early_tokens: int = 0,
     ):
         self.runner, self.token_budget, self.block_size, self.order = runner, token_budget, block_size, order
+        self.min_early_tokens = min_early_tokens  # overlap: the shortest text worth prefilling ahead of a missing item
         self.max_media_tokens_per_step = max_media_tokens_per_step
         self.pool = BlockPool(cache_bytes)
         self.jobs: dict[str, _Job] = {}
         self._failed: list[PrefillOutput] = []  # requests that failed alone since the last step
         self._intake: deque[_Job | _Item | str] = deque()  # new jobs, late items and aborted ids, in the order they came
+        self._parked: dict[str, _Job] = {}  # added, but no chunk can run before an item comes (caller's thread only)
         self._num_runnable = 0  # jobs that can advance, as of the end of the last step
         self._arrivals = itertools.count()
         self._held_version = -1
@@ -128,18 +135,34 @@ class PrefillEngine:
 
     def add(self, request: PrefillRequest, items: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] = ()) -> None:
         """`items`: the embeddings already here (a sequence: slots 0, 1, ...; a mapping: by
-        slot); the others follow through `add_item`."""
+        slot); the others follow through `add_item`. A request that cannot compute a chunk
+        before an item comes is held aside until one does: it costs no step (and so keeps
+        this worker idle on the node's idle-core board while its encoder runs)."""
         given = dict(items) if isinstance(items, Mapping) else dict(enumerate(items))
-        self._intake.append(_Job(request, given, next(self._arrivals), time.perf_counter()))
+        job = _Job(request, given, next(self._arrivals), time.perf_counter(), self.min_early_tokens)
+        self._admit(job)
 
     def add_item(self, request_id: str, slot: int, embeddings: torch.Tensor) -> None:
         """Item `slot`'s embeddings for a request added before they came; spliced at the next
         step. Dropped there if the request is gone (aborted, failed or already done)."""
-        self._intake.append(_Item(request_id, slot, embeddings))
+        if (job := self._parked.pop(request_id, None)) is not None:
+            job.items[slot] = embeddings
+            self._admit(job)
+        else:
+            self._intake.append(_Item(request_id, slot, embeddings))
 
     def abort(self, request_id: str) -> None:
         """Drop the request at the next step (no-op for one not added yet or already done)."""
-        self._intake.append(request_id)
+        if self._parked.pop(request_id, None) is None:  # a parked request holds nothing yet
+            self._intake.append(request_id)
+
+    def _admit(self, job: _Job) -> None:
+        """To the intake, or held aside while no chunk of it could run (its wait is item wait)."""
+        if job.state().runnable:
+            self._intake.append(job)
+        else:
+            job.blocked_s = job.blocked_s or job.added_s
+            self._parked[job.request.request_id] = job
 
     @property
     def has_work(self) -> bool:
@@ -246,7 +269,9 @@ class PrefillEngine:
         self._keep_blocks(job, packed)
         self._drop(req.request_id)
         done = time.perf_counter()
-        queue_ms, prefill_ms = (job.started_s - job.added_s) * 1e3, (done - job.started_s - job.waited_running_s) * 1e3
+        waited_before_s = job.waited_s - job.waited_running_s  # for its items, before its first chunk: not queueing
+        queue_ms = (job.started_s - job.added_s - waited_before_s) * 1e3
+        prefill_ms = (done - job.started_s - job.waited_running_s) * 1e3
         return PrefillOutput(req.request_id, first, packed, job.rope_delta, job.num_cached, queue_ms, prefill_ms, job.waited_s * 1e3)
 
     def _keep_blocks(self, job: _Job, packed: torch.Tensor) -> None:
@@ -270,7 +295,8 @@ class PrefillEngine:
 
     def stats(self) -> dict[str, int]:
         """As of the end of the last step, plus requests added since."""
-        return {**self._stats, "queued": self._stats["queued"] + sum(1 for j in list(self._intake) if isinstance(j, _Job))}
+        queued = self._stats["queued"] + sum(1 for j in list(self._intake) if isinstance(j, _Job))
+        return {**self._stats, "queued": queued, "waiting_for_items": self._stats["waiting_for_items"] + len(self._parked)}
 
     def _snapshot(self) -> None:
         s, jobs = self.pool.stats, list(self.jobs.values())

@@ -43,6 +43,7 @@ class PrefillWorker(ModelWorker):
         prefix_block_tokens: int = 16,
         prefix_cache_bytes: int = 0,
         max_media_tokens_per_step: int | None = None,
+        min_early_tokens: int = 0,
     ):
         super().__init__(spec, Part.LANGUAGE_MODEL)
         self.engine = PrefillEngine(
@@ -51,6 +52,7 @@ class PrefillWorker(ModelWorker):
             block_size=prefix_block_tokens,
             cache_bytes=prefix_cache_bytes,
             max_media_tokens_per_step=max_media_tokens_per_step,
+            min_early_tokens=min_early_tokens,
         )
         self.embeddings = TensorInbox()  # from encoders, until the prefill call
         self.kv = TensorInbox()  # for the decode worker, until it pulls it
@@ -155,7 +157,13 @@ class PrefillWorker(ModelWorker):
         return self.kv.close_owner(prefix) + self.embeddings.close_owner(prefix) + len(mine)
 
     def stats(self) -> dict[str, int]:
-        return {"pid": os.getpid(), **self.engine.stats(), "held_kv": len(self.kv), "held_embeddings": len(self.embeddings)}
+        return {
+            "pid": os.getpid(),
+            **self.engine.stats(),
+            "held_kv": len(self.kv),
+            "held_embeddings": len(self.embeddings),
+            "step_threads": self.step_threads,
+        }
 
     def load(self) -> WorkerLoad:
         stats = self.engine.stats()

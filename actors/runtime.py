@@ -14,6 +14,7 @@ import torch
 
 from actors.adapters import ModelAdapter, load_adapter
 from actors.checkpoint_source import resolve_checkpoint
+from actors.idle_cores import NodeBoard, ThreadPolicy
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class WorkerSpec:
     slowdown: float = 1.0  # experiments: stretch device work by this factor
     revision: str | None = None  # of a Hub repo id `checkpoint` (pinned to a commit by the CLI)
     hub_cache_dir: str | None = None  # None: huggingface_hub's default cache
+    idle_torch_threads: int | None = None  # threads a step may borrow while the node's other workers are idle
+    board: str | None = None  # the fleet's name for its idle-core board (actors/idle_cores.py)
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,25 @@ class ModelWorker:
         self.adapter: ModelAdapter = load_adapter(checkpoint, part=part, dtype=spec.dtype, device=spec.device)
         self._executor = ThreadPoolExecutor(max_workers=1)
         self._loop_task: asyncio.Task | None = None
+        # Every worker posts whether it has work, also one that never borrows: the others must see it.
+        self.threads = ThreadPolicy(spec.torch_threads, spec.idle_torch_threads, NodeBoard(spec.board) if spec.board else None)
+        self._num_threads = spec.torch_threads
+
+    def has_work(self) -> bool:
+        """Whether work is left after a device step (the idle-core board's busy flag)."""
+        engine = getattr(self, "engine", None)  # prefill and decode workers step an engine
+        return bool(engine is not None and engine.has_work)
+
+    @property
+    def step_threads(self) -> int:
+        """Torch threads of the latest device step (more than torch_threads: borrowed idle cores)."""
+        return self._num_threads
 
     async def run_device(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._stretched, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._stretched, fn, *args)
+        finally:  # on the event loop, where the queues that has_work() reads change
+            self.threads.step_done(self.has_work())
 
     def drive(self, engine, publish: Callable[[list], None], fail: Callable[[Exception], None]) -> None:
         """Run `engine.step()` on the device thread while the engine has work (started if not
@@ -75,6 +94,9 @@ class ModelWorker:
             await asyncio.sleep(0)  # let callers add and leave between steps
 
     def _stretched(self, fn, *args):
+        if (threads := self.threads.for_step()) != self._num_threads:  # on the device thread: OpenMP's setting is per thread
+            torch.set_num_threads(threads)
+            self._num_threads = threads
         started = time.perf_counter()
         result = fn(*args)
         if self.spec.slowdown > 1.0:  # sleep in the executor, so the worker really is slower

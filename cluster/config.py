@@ -87,6 +87,13 @@ class PoolConfig(Strict):
     num_cpus: float = Field(1.0, ge=0, description="Ray CPU resources each actor reserves.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPU resources each actor reserves.")
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each actor process.")
+    idle_torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Idle-core borrowing: threads a device step may use while no other worker of the fleet on its node has "
+        "work, so an idle cluster answers with every core; under load each worker keeps torch_threads. At most the cores "
+        "the node can spare. Unset: always torch_threads.",
+    )
     resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources each actor reserves, e.g. {encoder_node: 1}: pins the pool to the node types "
@@ -103,6 +110,14 @@ class PoolConfig(Strict):
     def _slowdown_in_range(self) -> PoolConfig:
         if any(f < 1.0 for f in self.slowdown) or len(self.slowdown) > self.num_workers:
             raise ValueError("slowdown needs at most num_workers factors, each >= 1.0")
+        return self
+
+    @model_validator(mode="after")
+    def _idle_threads_not_fewer(self) -> PoolConfig:
+        if self.idle_torch_threads is not None and self.idle_torch_threads < self.torch_threads:
+            raise ValueError(
+                f"idle_torch_threads ({self.idle_torch_threads}) is fewer than torch_threads ({self.torch_threads}): it may only add idle cores"
+            )
         return self
 
     @model_validator(mode="after")
@@ -144,6 +159,12 @@ class PrefillPoolConfig(PoolConfig):
         description="Encode/prefill overlap: send the prefill call at once and each item's embeddings as the encoder finishes "
         "them, so the text before the first item is prefilled while the encoder runs. False: deliver every item first (the baseline).",
     )
+    overlap_min_tokens: int = Field(
+        64,
+        ge=0,
+        description="With overlap_encode: the shortest run of text before a missing item worth prefilling ahead of it. "
+        "A forward has a fixed cost, so a shorter prefix (e.g. `USER: ` before an image) waits and goes in one forward with the item.",
+    )
     prefix_block_tokens: int = Field(16, ge=1, description="Tokens per prefix-cache block (the unit of KV reuse and of the router's prefix index).")
     prefix_cache_mb: float = Field(
         64.0,
@@ -160,6 +181,13 @@ class DecodePoolConfig(PoolConfig):
         gt=0,
         description="KV budget per decode worker, in MiB: a waiting request joins the batch only while the KV of its prompt "
         "plus max_tokens fits beside what the running ones reserve (a burst queues); a request that could never fit gets a 400.",
+    )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        description="Tokens a request's stream gathers before they go to the ingress (as vLLM's --stream-interval): 1 sends "
+        "every token at once; more sends fewer, larger chunks, which cuts the per-chunk serving cost under load at the price "
+        "of burstier streaming. The first token (from prefill) and the last always go at once.",
     )
 
 

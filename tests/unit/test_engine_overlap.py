@@ -6,6 +6,8 @@ item up front. Prefix-cache hits need no late item; an abort while waiting frees
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -93,6 +95,31 @@ def test_text_before_the_image_goes_while_the_encoder_runs(lm, encoder, hf_model
     torch.testing.assert_close(out.packed_kv, want.packed_kv, rtol=1e-5, atol=1e-5)
     assert decode_tokens(engine.runner, out, len(ids), 6) == hf_greedy(hf_model, 6, **inputs)
     assert not engine.jobs and not engine.has_work
+
+
+def test_a_prefix_shorter_than_min_early_tokens_waits_and_goes_in_one_forward(lm, encoder, hf_model, processor):
+    """min_early_tokens above the text before the image: the request costs no step until the
+    image comes, then the prompt goes in one chunk, token-exact; the wait is item wait, not
+    queue. An abort while it is held leaves nothing."""
+    array = np.random.default_rng(6).integers(0, 256, (40, 50, 3), dtype=np.uint8)
+    ids, ranges, inputs = text_then_images(processor, hf_model.config.image_token_id, [array])
+    [emb] = embed(encoder, [array])
+    request = PrefillRequest("r", ids, ranges, GREEDY, media_identifiers=("img0",))
+    engine = PrefillEngine(LMRunner(lm), 512, min_early_tokens=ranges[0].offset + 1)
+    engine.add(request)
+    assert not engine.has_work and not engine.jobs, "held aside: not a step until the image comes"
+    assert engine.stats()["waiting_for_items"] == 1
+    time.sleep(0.05)
+    out, progress, *_ = prefill_late(engine, request, {0: (0, emb)})
+    assert progress == [len(ids)], "one step: the whole prompt"
+    assert out.item_wait_ms >= 50 and out.queue_ms < 50, "the wait for the image is item wait, not queueing"
+    assert decode_tokens(engine.runner, out, len(ids), 6) == hf_greedy(hf_model, 6, **inputs)
+    engine.add(PrefillRequest("gone", ids, ranges, GREEDY, media_identifiers=("img0",)))
+    engine.abort("gone")
+    engine.add_item("gone", 0, emb)  # a late item of an aborted request goes nowhere
+    while engine.has_work:
+        assert engine.step() == []
+    assert not engine.jobs and engine.stats()["waiting_for_items"] == 0
 
 
 def test_items_out_of_order_and_a_text_request_is_not_held(lm, encoder, hf_model, processor):

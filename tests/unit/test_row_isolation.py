@@ -73,3 +73,23 @@ def test_a_closed_request_refuses_late_tensors(workers):
     prefill.drop("gone")  # the prefill finished after its request was dropped
     asyncio.run(prefill.prefill(PrefillRequest("gone", PROMPTS[2], (), GREEDY)))
     assert prefill.stats()["held_kv"] == 0
+
+
+def test_a_stream_interval_sends_fewer_chunks_of_the_same_tokens(ckpt):
+    """decode.stream_interval 4: chunks of at least 4 tokens (the last one may be shorter),
+    the same tokens and finish reason as one token a chunk."""
+    spec = WorkerSpec(str(ckpt), "float32", "cpu", 1, 256)
+    prefill, decode = PrefillWorker(spec, max_chunk_tokens=64), DecodeWorker(spec, max_batch_size=8, stream_interval=4)
+
+    async def run(rid: str):
+        result = await prefill.prefill(PrefillRequest(rid, PROMPTS[1], (), GREEDY))
+        await decode.receive(rid, 0, await prefill.pop_kv(rid))
+        request = DecodeRequest(rid, result.num_prompt_tokens, result.first_token_id, GREEDY)
+        return [result.first_token_id], [chunk async for chunk in decode.generate(request)]
+
+    first, chunks = asyncio.run(run("gathered"))
+    assert [len(c.token_ids) for c in chunks[:-1]] and all(len(c.token_ids) >= 4 for c in chunks[:-1])
+    assert len(chunks) <= -(-(GREEDY.max_tokens - 1) // 4), "fewer chunks than tokens"
+    tokens = first + [t for c in chunks for t in c.token_ids]
+    one_by_one, _ = asyncio.run(_run(prefill, DecodeWorker(spec, max_batch_size=8), "single", PROMPTS[1], GREEDY))
+    assert tokens == one_by_one and chunks[-1].finish_reason == FinishReason.LENGTH

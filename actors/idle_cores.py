@@ -1,0 +1,112 @@
+"""Idle-core borrowing: a worker's device step may use more torch threads while no other
+worker of its fleet on the same node has work. An idle cluster then answers a request with
+every core, as a single process would; under load each worker keeps `torch_threads`, since
+oversubscribed threads collapse on small hosts.
+
+The workers of one fleet on one node share a directory (under /dev/shm) of one-byte files,
+one per worker process: 1 while that worker has work, 0 when it has none. A worker marks
+itself busy before it looks at the others, so of two that start at once neither borrows.
+No Ray and no torch here: tests drive several boards as several workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from pathlib import Path
+
+BUSY, IDLE = b"\x01", b"\x00"
+RESCAN_S = 0.5  # how often the directory is listed again (new or restarted workers)
+
+
+def default_root() -> Path:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+class NodeBoard:
+    """This process's busy flag and a view of its peers' (the files of dead processes go)."""
+
+    def __init__(self, name: str, root: Path | None = None, pid: int | None = None):
+        self.dir = (root or default_root()) / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.pid = pid if pid is not None else os.getpid()
+        self._fd = os.open(self.dir / str(self.pid), os.O_RDWR | os.O_CREAT, 0o644)
+        self._busy: bool | None = None
+        self._peers: dict[int, int] = {}  # pid -> open file
+        self._scanned_s = float("-inf")
+        self.set_busy(False)
+
+    def set_busy(self, busy: bool) -> None:
+        if busy != self._busy:
+            os.pwrite(self._fd, BUSY if busy else IDLE, 0)
+            self._busy = busy
+
+    def others_busy(self) -> bool:
+        self._rescan()
+        for pid, fd in list(self._peers.items()):
+            if os.pread(fd, 1, 0) == BUSY:
+                if _alive(pid):
+                    return True
+                self._forget(pid, unlink=True)  # died in a step: its flag says busy forever
+        return False
+
+    def _rescan(self) -> None:
+        now = time.monotonic()
+        if now - self._scanned_s < RESCAN_S:
+            return
+        self._scanned_s = now
+        listed = {int(p.name) for p in self.dir.iterdir() if p.name.isdigit()} - {self.pid}
+        for pid in set(self._peers) - listed:
+            self._forget(pid)
+        for pid in listed - set(self._peers):
+            with contextlib.suppress(OSError):  # gone between the listing and the open
+                self._peers[pid] = os.open(self.dir / str(pid), os.O_RDONLY)
+
+    def _forget(self, pid: int, unlink: bool = False) -> None:
+        os.close(self._peers.pop(pid))
+        if unlink:
+            with contextlib.suppress(OSError):
+                os.unlink(self.dir / str(pid))
+
+    def close(self) -> None:
+        for pid in list(self._peers):
+            self._forget(pid)
+        os.close(self._fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self.dir / str(self.pid))
+            self.dir.rmdir()  # the last worker of the fleet on this node
+
+
+class ThreadPolicy:
+    """How many torch threads the next device step uses: `idle_threads` while no peer on
+    the board has work, else `threads`. Without a board (or nothing to borrow) always `threads`."""
+
+    def __init__(self, threads: int, idle_threads: int | None = None, board: NodeBoard | None = None):
+        self.threads, self.board = threads, board
+        self.idle_threads = idle_threads if board is not None and idle_threads else threads
+
+    def for_step(self) -> int:
+        if self.board is None:
+            return self.threads
+        self.board.set_busy(True)  # first: of two workers starting at once, neither borrows
+        if self.idle_threads <= self.threads:  # posts its work for the others, borrows nothing
+            return self.threads
+        return self.threads if self.board.others_busy() else self.idle_threads
+
+    def step_done(self, more_work: bool) -> None:
+        """After a step: busy while work is left (a decode loop between steps), else idle."""
+        if self.board is not None:
+            self.board.set_busy(more_work)

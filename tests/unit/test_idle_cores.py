@@ -1,0 +1,114 @@
+"""Idle-core borrowing (actors/idle_cores.py): boards in a temporary directory stand for the
+workers of one node (each board names a live process, as each worker is one); then the
+prefill worker class itself borrows only while its peer is idle."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from actors import idle_cores
+from actors.idle_cores import NodeBoard, ThreadPolicy
+
+
+@pytest.fixture(autouse=True)
+def rescan_every_time(monkeypatch):
+    monkeypatch.setattr(idle_cores, "RESCAN_S", 0.0)
+
+
+@pytest.fixture
+def live_pid():
+    """Makes another live process than this one (a peer board must name a live worker)."""
+    children = []
+
+    def make() -> int:
+        children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return children[-1].pid
+
+    yield make
+    for child in children:
+        child.kill()
+        child.wait()
+
+
+def test_a_worker_borrows_only_while_every_peer_is_idle(tmp_path, live_pid):
+    mine = ThreadPolicy(1, 2, NodeBoard("fleet", tmp_path))
+    peer_board = NodeBoard("fleet", tmp_path, pid=live_pid())
+    peer = ThreadPolicy(1, 2, peer_board)
+    assert mine.for_step() == 2, "nobody else has work: both cores"
+    mine.step_done(more_work=False)
+    assert peer.for_step() == 2
+    peer.step_done(more_work=True)  # a decode loop between steps still has work
+    assert mine.for_step() == 1, "the peer has work: own threads only"
+    mine.step_done(more_work=True)
+    peer_board.set_busy(False)
+    assert peer.for_step() == 1, "and the peer, starting now, sees this one busy"
+    peer.step_done(more_work=False)
+    mine.step_done(more_work=False)
+    assert mine.for_step() == 2, "all idle again"
+
+
+def test_two_workers_starting_together_do_not_both_borrow(tmp_path, live_pid):
+    a, b = ThreadPolicy(1, 2, NodeBoard("fleet", tmp_path)), ThreadPolicy(1, 2, NodeBoard("fleet", tmp_path, pid=live_pid()))
+    assert a.for_step() == 2
+    assert b.for_step() == 1, "a marked itself busy before it looked, so b sees it"
+
+
+def test_a_dead_workers_busy_flag_is_ignored_and_its_file_removed(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = NodeBoard("fleet", tmp_path, pid=child.pid)
+    dead.set_busy(True)  # died in a step
+    mine = NodeBoard("fleet", tmp_path)
+    assert not mine.others_busy()
+    assert not (tmp_path / "fleet" / str(child.pid)).exists()
+
+
+def test_boards_of_other_fleets_and_a_closed_board_do_not_count(tmp_path, live_pid):
+    mine = NodeBoard("fleet-a", tmp_path)
+    other_fleet = NodeBoard("fleet-b", tmp_path, pid=live_pid())
+    other_fleet.set_busy(True)
+    assert not mine.others_busy()
+    peer = NodeBoard("fleet-a", tmp_path, pid=live_pid())
+    peer.set_busy(True)
+    assert mine.others_busy()
+    peer.close()
+    assert not mine.others_busy()
+    mine.close()
+    assert not (tmp_path / "fleet-a").exists(), "the last worker of the fleet removes the directory"
+
+
+def test_no_board_or_nothing_to_borrow_means_own_threads(tmp_path, live_pid):
+    assert ThreadPolicy(1, 2, None).for_step() == 1
+    assert ThreadPolicy(2, None, None).for_step() == 2
+    lender = ThreadPolicy(1, 2, NodeBoard("fleet", tmp_path))
+    non_borrower = ThreadPolicy(1, None, NodeBoard("fleet", tmp_path, pid=live_pid()))
+    assert non_borrower.for_step() == 1
+    assert lender.for_step() == 1, "a worker that never borrows still posts its work (a decode loop)"
+
+
+def test_the_prefill_worker_steps_with_borrowed_threads_only_while_its_peer_is_idle(ckpt, tmp_path, monkeypatch, live_pid):
+    torch = pytest.importorskip("torch")
+    from actors.prefill import PrefillWorker
+    from actors.runtime import WorkerSpec
+    from actors.types import PrefillRequest, SamplingParams
+
+    monkeypatch.setattr(idle_cores, "default_root", lambda: tmp_path)
+    board = f"epd-cores-{uuid.uuid4().hex[:8]}"
+    spec = WorkerSpec(str(ckpt), "float32", "cpu", 1, 256, idle_torch_threads=2, board=board)
+    worker = PrefillWorker(spec, max_chunk_tokens=64)
+    peer = NodeBoard(board, tmp_path, pid=live_pid())
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    try:
+        asyncio.run(worker.prefill(PrefillRequest("a", tuple(range(10, 40)), (), greedy)))
+        assert worker.stats()["step_threads"] == 2, "an idle node: the step borrowed the idle core"
+        peer.set_busy(True)
+        asyncio.run(worker.prefill(PrefillRequest("b", tuple(range(10, 40)), (), greedy)))
+        assert worker.stats()["step_threads"] == 1, "a busy peer: own thread only"
+        assert (tmp_path / board / str(worker.pid())).read_bytes() == idle_cores.IDLE, "nothing left to do: marked idle"
+    finally:
+        torch.set_num_threads(1)
