@@ -234,6 +234,8 @@ def run_cluster(args, reqs: list[Req], idle: list[Req], warmup: list[Req]) -> di
     from cluster.cli import ensure_model, start
 
     cfg = load_config(args.config)
+    if args.stream_interval:
+        cfg = cfg.replace(decode={"stream_interval": args.stream_interval})
     ensure_model(cfg)
     if any(name in ("raylet", "gcs_server") for name, _, _ in procs().values()):  # `ray status` misses token-auth ones
         sys.exit("a Ray cluster is already running on this host; wait for it to stop before benchmarking")
@@ -380,6 +382,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--baseline-threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     p.add_argument("--skip-baseline", action="store_true", help="cluster only (tuning runs)")
+    p.add_argument("--stream-interval", type=int, help="override the config's decode.stream_interval (tokens per streamed chunk)")
     p.add_argument("--out", default="bench_load.json")
     return p.parse_args(argv)
 
