@@ -53,7 +53,7 @@ class Fleet:
             m.max_model_len,
             revision=m.revision,
             hub_cache_dir=m.hub_cache_dir,
-            board=f"epd-cores-{uuid.uuid4().hex[:12]}",  # this fleet's idle-core board on each node
+            board=f"epd-cores-{uuid.uuid4().hex[:12]}" if self._borrows(config) else None,  # idle-core board on each node
         )
         self.pools: dict[WorkerKind, list] = {kind: [] for kind in WorkerKind}
         for kind in WorkerKind:
@@ -61,6 +61,11 @@ class Fleet:
         ray.get([a.ready.remote() for a in self.all_actors()])
         self._group_name: str | None = None
         self._form_group()
+
+    @staticmethod
+    def _borrows(config: ClusterConfig) -> bool:
+        """Whether any pool borrows idle cores (then every worker posts its work on the board)."""
+        return any(pool.idle_torch_threads for pool in [*config.encoder_pools, config.prefill, config.decode])
 
     def _num_workers(self, kind: WorkerKind) -> int:
         pools = self.config.encoder_pools if kind == WorkerKind.ENCODER else [getattr(self.config, kind.value)]

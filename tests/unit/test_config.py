@@ -114,6 +114,10 @@ def test_cuda_needs_gpus_in_every_pool(tmp_path):
         ({**MINIMAL, "router": {"calibration": {"pool_memory": 0}}}, "pool_memory"),
         ({**MINIMAL, "router": {"calibration": {"memory": 5}}}, "memory"),
         ({**MINIMAL, "router": {"priors": {"prefill_tokens_per_ms": -1}}}, "prefill_tokens_per_ms"),
+        ({**MINIMAL, "prefill": {"torch_threads": 4, "idle_torch_threads": 2}}, "idle_torch_threads"),
+        ({**MINIMAL, "encoder": {"idle_torch_threads": 0}}, "idle_torch_threads"),
+        ({**MINIMAL, "decode": {"stream_interval": 0}}, "stream_interval"),
+        ({**MINIMAL, "prefill": {"overlap_min_tokens": -1}}, "overlap_min_tokens"),
     ],
 )
 def test_invalid_values_are_rejected(tmp_path, data, needle):
