@@ -129,12 +129,6 @@ class DecodeScheduler:
                 done.append(seq)
         return done
 
-    def remove_finished(self) -> list[int]:
-        """Drop finished sequences; returns the batch rows that remain, in order."""
-        keep = [i for i, seq in enumerate(self.running) if seq.status != SeqStatus.FINISHED]
-        self.keep_rows(keep)
-        return keep
-
     def finished_rows(self) -> list[int]:
         return [i for i, seq in enumerate(self.running) if seq.status == SeqStatus.FINISHED]
 

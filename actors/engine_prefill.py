@@ -295,8 +295,9 @@ class PrefillEngine:
 
     def stats(self) -> dict[str, int]:
         """As of the end of the last step, plus requests added since."""
-        queued = self._stats["queued"] + sum(1 for j in list(self._intake) if isinstance(j, _Job))
-        return {**self._stats, "queued": queued, "waiting_for_items": self._stats["waiting_for_items"] + len(self._parked)}
+        parked = len(self._parked)  # queued for this worker and waiting for items, as a started job that waits
+        queued = self._stats["queued"] + parked + sum(1 for j in list(self._intake) if isinstance(j, _Job))
+        return {**self._stats, "queued": queued, "waiting_for_items": self._stats["waiting_for_items"] + parked}
 
     def _snapshot(self) -> None:
         s, jobs = self.pool.stats, list(self.jobs.values())

@@ -2,8 +2,9 @@
 
 A request's cache travels as ONE contiguous tensor [layers, 2, kv_heads, tokens, head_dim]
 so each transport moves a single buffer. Inside a decode worker the running batch keeps
-one left-padded [batch, kv_heads, tokens, head_dim] tensor per layer and key/value plus a
-[batch, tokens] validity mask; requests join and leave by re-padding between steps.
+one left-padded [batch, kv_heads, tokens, head_dim] buffer per layer and key/value, with
+spare rows and columns, plus a [batch, tokens] validity mask; requests join and leave in
+place between steps (`_Slab`).
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ def unpack(packed: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
 class BatchedKV:
     """The decode batch's cache: rows are requests, columns are token slots (left-padded),
     in a `_Slab` that rows join and leave in place. Row i belongs to the caller's i-th
-    sequence; `keep` may reorder rows, and `remove` moves the last row into a hole (the caller
-    reorders its sequences the same way). Its tensors are inference tensors: a decode step
+    sequence; `remove` moves the last rows into the holes (the caller reorders its sequences
+    the same way). Its tensors are inference tensors: a decode step
     runs in inference mode, and so does every method that changes them in place."""
 
     def __init__(self) -> None:
@@ -155,18 +156,6 @@ class BatchedKV:
             return
         width = s.end - s.start
         self._slab = s.regrown(max(rows, 2 * s.rows if rows > s.rows else s.rows), max(before - width, 0), after + SPARE_SLOTS)
-
-    @torch.inference_mode()
-    def keep(self, rows: list[int]) -> None:
-        """Keep only these rows (in this order) and drop columns no remaining row uses."""
-        if self._slab is None:
-            return
-        index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        s = self._slab
-        for buf in s.k + s.v:
-            buf[: len(rows), :, s.start : s.end] = buf[:, :, s.start : s.end].index_select(0, index.to(buf.device))
-        s.n, self.mask = len(rows), self.mask.index_select(0, index)
-        self._trim()
 
     @torch.inference_mode()
     def remove(self, rows: list[int]) -> list[int]:

@@ -8,6 +8,15 @@ from actors.types import DecodeRequest, FinishReason, SamplingParams
 EOS = 1
 
 
+def remove_finished(sched: DecodeScheduler) -> list[int]:
+    """What the decode engine does after a step, with the batch's rows kept in order: the rows
+    that remain (the engine's BatchedKV.remove reorders them; test_kv checks that side)."""
+    assert all(sched.running[i].status == SeqStatus.FINISHED for i in sched.finished_rows())
+    keep = [i for i in range(len(sched.running)) if i not in set(sched.finished_rows())]
+    sched.keep_rows(keep)
+    return keep
+
+
 def seq(rid: str, *, prompt: int = 5, first: int = 10, max_tokens: int = 16, stop=(EOS,)) -> Sequence:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=tuple(stop))
     return Sequence(DecodeRequest(rid, prompt, first, params), kv=object())
@@ -39,7 +48,7 @@ def test_admission_respects_max_batch_size_and_fifo():
     assert sched.admit() == [], "a full batch admits nobody"
     # one finishes: exactly one slot opens, taken by the oldest waiter
     sched.running[1].status = SeqStatus.FINISHED
-    assert sched.remove_finished() == [0, 2]
+    assert remove_finished(sched) == [0, 2]
     assert ids(sched.admit()) == ["r3"]
     assert ids(sched.running) == ["r0", "r2", "r3"]
     assert ids(sched.waiting) == ["r4"]
@@ -56,10 +65,10 @@ def test_record_finishes_on_stop_token():
     assert b.status == SeqStatus.FINISHED and b.finish_reason == FinishReason.STOP
     assert a.status == SeqStatus.RUNNING and a.finish_reason is None
     assert a.token_ids == [10, 50] and b.token_ids == [10, 2]
-    assert sched.remove_finished() == [0]
+    assert remove_finished(sched) == [0]
     assert sched.record([EOS]) == [a]
     assert a.finish_reason == FinishReason.STOP
-    assert sched.remove_finished() == []
+    assert remove_finished(sched) == []
     assert sched.num_active == 0
 
 
@@ -112,7 +121,7 @@ def test_first_token_alone_can_finish_a_sequence():
     assert done == [eos_first, one_token]
     assert eos_first.finish_reason == FinishReason.STOP
     assert one_token.finish_reason == FinishReason.LENGTH
-    assert sched.remove_finished() == [2]
+    assert remove_finished(sched) == [2]
     assert ids(sched.running) == ["n"]
 
 
@@ -146,7 +155,7 @@ def test_aborted_running_sequences_are_swept():
     assert ids(done) == ["b"]
     assert done[0].finish_reason == FinishReason.ABORT
     assert done[0].status == SeqStatus.FINISHED
-    assert sched.remove_finished() == [0, 2]
+    assert remove_finished(sched) == [0, 2]
     assert ids(sched.running) == ["a", "c"]
 
 
@@ -167,11 +176,11 @@ def test_remove_finished_returns_kept_rows_in_order():
     sched.admit()
     done = sched.record([EOS, 20, EOS, 21, 22, EOS])
     assert ids(done) == ["r0", "r2", "r5"]
-    assert sched.remove_finished() == [1, 3, 4]
+    assert remove_finished(sched) == [1, 3, 4]
     assert ids(sched.running) == ["r1", "r3", "r4"]
     # the running list and the kept rows stay aligned for the next step
     assert sched.record([EOS, 30, 31]) == [sched.running[0]]
-    assert sched.remove_finished() == [1, 2]
+    assert remove_finished(sched) == [1, 2]
     assert ids(sched.running) == ["r3", "r4"]
     assert [s.token_ids for s in sched.running] == [[10, 21, 30], [10, 22, 31]]
 
@@ -184,7 +193,7 @@ def test_a_row_that_could_not_be_sampled_ends_alone_with_error():
     sched.admit()
     assert sched.record([11, None, 12]) == [b]
     assert b.finish_reason == FinishReason.ERROR and b.token_ids == [10]
-    assert sched.remove_finished() == [0, 2]
+    assert remove_finished(sched) == [0, 2]
     assert sched.record([13, 14]) == [] and a.token_ids == [10, 11, 13]
 
 
@@ -232,7 +241,7 @@ def test_kv_budget_admits_only_what_fits_oldest_first():
     sched.admit()
     assert sched.num_waited_for_kv == 1  # c, counted once however many steps it waits
     sched.running[0].status = SeqStatus.FINISHED  # a leaves: its 40 bytes return
-    assert sched.remove_finished() == [1] and sched.kv_reserved_bytes == 50
+    assert remove_finished(sched) == [1] and sched.kv_reserved_bytes == 50
     assert ids(sched.admit()) == ["c", "d"] and sched.kv_reserved_bytes == 85
 
 

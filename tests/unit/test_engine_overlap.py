@@ -108,7 +108,7 @@ def test_a_prefix_shorter_than_min_early_tokens_waits_and_goes_in_one_forward(lm
     engine = PrefillEngine(LMRunner(lm), 512, min_early_tokens=ranges[0].offset + 1)
     engine.add(request)
     assert not engine.has_work and not engine.jobs, "held aside: not a step until the image comes"
-    assert engine.stats()["waiting_for_items"] == 1
+    assert engine.stats()["waiting_for_items"] == 1 and engine.stats()["queued"] == 1, "parked: seen by drain checks"
     time.sleep(0.05)
     out, progress, *_ = prefill_late(engine, request, {0: (0, emb)})
     assert progress == [len(ids)], "one step: the whole prompt"
@@ -119,7 +119,7 @@ def test_a_prefix_shorter_than_min_early_tokens_waits_and_goes_in_one_forward(lm
     engine.add_item("gone", 0, emb)  # a late item of an aborted request goes nowhere
     while engine.has_work:
         assert engine.step() == []
-    assert not engine.jobs and engine.stats()["waiting_for_items"] == 0
+    assert not engine.jobs and engine.stats()["waiting_for_items"] == 0 and engine.stats()["queued"] == 0
 
 
 def test_items_out_of_order_and_a_text_request_is_not_held(lm, encoder, hf_model, processor):

@@ -99,21 +99,20 @@ def test_join_different_lengths_right_aligns_rows():
     check_integrity(batch, [p3, p6, p2])
 
 
-def test_keep_drops_rows_reorders_and_trims_leading_padding():
+def test_remove_trims_leading_padding_down_to_an_empty_batch():
     batch = kv.BatchedKV()
     ps = [packed_of(n, i) for i, n in enumerate((2, 7, 4, 3))]
     for p in ps:
         batch.join(p)
     assert batch.num_slots == 7
-    batch.keep([3, 0, 2])  # the only 7-long row leaves
-    assert batch.num_rows == 3
+    assert batch.remove([1]) == [0, 3, 2], "the only 7-long row leaves; the last row takes its place"
     assert batch.num_slots == 4, "columns no remaining row uses must go"
-    assert batch.mask.tolist() == [[0, 1, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1]]
-    check_integrity(batch, [ps[3], ps[0], ps[2]])
-    batch.keep([1])
+    assert batch.mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]]
+    check_integrity(batch, [ps[0], ps[3], ps[2]])
+    assert batch.remove([1, 2]) == [0]
     assert batch.num_slots == 2
     check_integrity(batch, [ps[0]])
-    batch.keep([])
+    assert batch.remove([0]) == []
     assert batch.num_rows == 0 and batch.num_slots == 0
     check_integrity(batch)
     # an emptied batch takes new rows again
@@ -195,22 +194,16 @@ def test_as_cache_shares_the_batch_tensors():
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_random_join_keep_absorb_sequences_keep_invariants(seed):
+def test_random_join_remove_absorb_sequences_keep_invariants(seed):
     rnd = random.Random(seed)
     batch = kv.BatchedKV()
     rows: list[torch.Tensor] = []  # the expected per-row packed caches
     for op_index in range(60):
-        op = rnd.choice(("join", "join", "keep", "remove", "absorb", "absorb"))
+        op = rnd.choice(("join", "join", "remove", "absorb", "absorb"))
         if op == "join" or not rows:
             p = packed_of(rnd.randint(1, 9), seed * 1000 + op_index)
             batch.join(p)
             rows.append(p)
-        elif op == "keep":
-            kept = sorted(rnd.sample(range(len(rows)), rnd.randint(0, len(rows))))
-            if rnd.random() < 0.3:
-                rnd.shuffle(kept)
-            batch.keep(kept)
-            rows = [rows[i] for i in kept]
         elif op == "remove":
             order = batch.remove(rnd.sample(range(len(rows)), rnd.randint(0, len(rows))))
             rows = [rows[i] for i in order]
