@@ -19,6 +19,7 @@ from pathlib import Path
 
 BUSY, IDLE = b"\x01", b"\x00"
 RESCAN_S = 0.5  # how often the directory is listed again (new or restarted workers)
+BOARD_PREFIX = "epd-cores-"  # board directories are named this plus the fleet's id
 
 
 def default_root() -> Path:
@@ -36,11 +37,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def sweep_dead_boards(root: Path, keep: str) -> None:
+    """Remove the board directories of fleets whose workers are all gone. Ray kills workers
+    without a clean exit, so their files outlive them; each new worker clears what earlier
+    fleets left on its node. An empty directory is left alone: a worker may be creating it."""
+    for board in root.glob(BOARD_PREFIX + "*"):
+        pids = [int(p.name) for p in board.iterdir() if p.name.isdigit()] if board.is_dir() and board.name != keep else []
+        if pids and not any(_alive(pid) for pid in pids):
+            with contextlib.suppress(OSError):  # another worker swept it first
+                for pid in pids:
+                    (board / str(pid)).unlink(missing_ok=True)
+                board.rmdir()
+
+
 class NodeBoard:
     """This process's busy flag and a view of its peers' (the files of dead processes go)."""
 
     def __init__(self, name: str, root: Path | None = None, pid: int | None = None):
-        self.dir = (root or default_root()) / name
+        root = root or default_root()
+        sweep_dead_boards(root, keep=name)
+        self.dir = root / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.pid = pid if pid is not None else os.getpid()
         self._fd = os.open(self.dir / str(self.pid), os.O_RDWR | os.O_CREAT, 0o644)
@@ -69,6 +85,10 @@ class NodeBoard:
             return
         self._scanned_s = now
         listed = {int(p.name) for p in self.dir.iterdir() if p.name.isdigit()} - {self.pid}
+        for pid in [pid for pid in listed if not _alive(pid)]:  # killed without a clean exit
+            listed.discard(pid)
+            with contextlib.suppress(OSError):
+                os.unlink(self.dir / str(pid))
         for pid in set(self._peers) - listed:
             self._forget(pid)
         for pid in listed - set(self._peers):

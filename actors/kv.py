@@ -65,6 +65,7 @@ class _SlabLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         s, i = self.slab, self.index
+        assert key_states.shape[-2] == 1, "a decode step feeds one token a row (BatchedKV.absorb adds one column)"
         s.k[i][: s.n, :, s.end : s.end + 1] = key_states
         s.v[i][: s.n, :, s.end : s.end + 1] = value_states
         return s.k[i][: s.n, :, s.start : s.end + 1], s.v[i][: s.n, :, s.start : s.end + 1]
@@ -155,7 +156,8 @@ class BatchedKV:
         if rows <= s.rows and before <= s.end and s.end + after <= s.columns:
             return
         width = s.end - s.start
-        self._slab = s.regrown(max(rows, 2 * s.rows if rows > s.rows else s.rows), max(before - width, 0), after + SPARE_SLOTS)
+        new_rows = s.rows if rows <= s.rows else max(rows, 2 * s.rows)
+        self._slab = s.regrown(new_rows, max(before - width, 0), after + SPARE_SLOTS)
 
     @torch.inference_mode()
     def remove(self, rows: list[int]) -> list[int]:

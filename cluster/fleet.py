@@ -16,6 +16,7 @@ import ray
 
 from actors.decode import DecodeActor
 from actors.encoder import EncoderActor
+from actors.idle_cores import BOARD_PREFIX
 from actors.prefill import PrefillActor
 from actors.runtime import WorkerSpec
 from actors.types import Modality
@@ -53,7 +54,7 @@ class Fleet:
             m.max_model_len,
             revision=m.revision,
             hub_cache_dir=m.hub_cache_dir,
-            board=f"epd-cores-{uuid.uuid4().hex[:12]}" if self._borrows(config) else None,  # idle-core board on each node
+            board=f"{BOARD_PREFIX}{uuid.uuid4().hex[:12]}" if self._borrows(config) else None,  # idle-core board on each node
         )
         self.pools: dict[WorkerKind, list] = {kind: [] for kind in WorkerKind}
         for kind in WorkerKind:

@@ -58,6 +58,26 @@ def test_two_workers_starting_together_do_not_both_borrow(tmp_path, live_pid):
     assert b.for_step() == 1, "a marked itself busy before it looked, so b sees it"
 
 
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_boards_of_fleets_whose_workers_are_all_dead_are_swept_when_a_worker_starts(tmp_path, live_pid):
+    NodeBoard(f"{idle_cores.BOARD_PREFIX}gone", tmp_path, pid=dead_pid())  # killed: never closed
+    NodeBoard(f"{idle_cores.BOARD_PREFIX}half", tmp_path, pid=dead_pid())
+    NodeBoard(f"{idle_cores.BOARD_PREFIX}half", tmp_path, pid=live_pid())
+    (tmp_path / f"{idle_cores.BOARD_PREFIX}starting").mkdir()  # a worker between mkdir and its file
+    mine = NodeBoard(f"{idle_cores.BOARD_PREFIX}new", tmp_path)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [f"{idle_cores.BOARD_PREFIX}{n}" for n in ("half", "new", "starting")], left
+    half = NodeBoard(f"{idle_cores.BOARD_PREFIX}half", tmp_path)
+    half.others_busy()  # its rescan drops the dead peer's file, idle flag or not
+    assert len(list((tmp_path / f"{idle_cores.BOARD_PREFIX}half").iterdir())) == 2
+    mine.close()
+
+
 def test_a_dead_workers_busy_flag_is_ignored_and_its_file_removed(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
