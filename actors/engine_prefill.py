@@ -43,6 +43,7 @@ class PrefillOutput:
     queue_ms: float  # added -> first chunk
     prefill_ms: float  # first chunk -> done, less the time spent waiting for items meanwhile
     item_wait_ms: float = 0.0  # how long it could not advance for want of an item's embeddings
+    compute_ms: float = 0.0  # its own forwards and finish: its service time (prefill_ms also counts those sharing its steps)
     error: str | None = None  # the request failed alone (e.g. an item that does not fit its placeholders)
 
 
@@ -76,6 +77,7 @@ class _Job:
     blocked_s: float | None = None  # since when it waits for an item
     waited_s: float = 0.0  # waiting for items in all
     waited_running_s: float = 0.0  # of which after its first chunk
+    compute_s: float = 0.0  # in its own forwards
 
     def state(self) -> PrefillState:
         here = self.ready | self.items.keys()  # spliced, or given and not started yet
@@ -188,7 +190,8 @@ class PrefillEngine:
             job.started_s = job.started_s or now
             job.hidden = self.runner.forward_chunk(job.embeds, job.positions, job.cache, chunk.start, chunk.end)
             job.num_computed = chunk.end
-        now = time.perf_counter()
+            job.compute_s += time.perf_counter() - now
+            now = time.perf_counter()
         for job in self.jobs.values():
             job.note_wait(now)
         done = [job for job in self.jobs.values() if job.num_computed == len(job.request.prompt_token_ids)]
@@ -263,7 +266,7 @@ class PrefillEngine:
             job.num_cached = job.num_computed = len(payloads) * self.block_size
 
     def _finish(self, job: _Job) -> PrefillOutput:
-        req = job.request
+        req, finishing_s = job.request, time.perf_counter()
         first = self.runner.first_token(job.hidden, req.sampling, len(req.prompt_token_ids), history_of(req))
         packed = kv.pack(job.cache)
         self._keep_blocks(job, packed)
@@ -272,7 +275,8 @@ class PrefillEngine:
         waited_before_s = job.waited_s - job.waited_running_s  # for its items, before its first chunk: not queueing
         queue_ms = (job.started_s - job.added_s - waited_before_s) * 1e3
         prefill_ms = (done - job.started_s - job.waited_running_s) * 1e3
-        return PrefillOutput(req.request_id, first, packed, job.rope_delta, job.num_cached, queue_ms, prefill_ms, job.waited_s * 1e3)
+        compute_ms = (job.compute_s + done - finishing_s) * 1e3
+        return PrefillOutput(req.request_id, first, packed, job.rope_delta, job.num_cached, queue_ms, prefill_ms, job.waited_s * 1e3, compute_ms)
 
     def _keep_blocks(self, job: _Job, packed: torch.Tensor) -> None:
         bs = self.block_size

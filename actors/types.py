@@ -155,6 +155,7 @@ class PrefillResult:
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     item_wait_ms: float = 0.0  # encode/prefill overlap: time the prefill waited for items' embeddings
+    compute_ms: float = 0.0  # its own device time (prefill_ms, first chunk to done, also counts requests sharing its steps)
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ class Trace:
     encode_ms: float = 0.0
     prefill_ms: float = 0.0
     prefill_queue_ms: float = 0.0
+    prefill_compute_ms: float = 0.0  # its own device time within prefill_ms
 
 
 class RequestPath:
@@ -313,6 +314,7 @@ class RequestPath:
             self.metrics.encoder_batch.observe(stats.batch_size)
         trace.encode_ms = max((s.queue_ms + s.encode_ms for s in result.encode_stats), default=0.0)
         trace.prefill_ms, trace.prefill_queue_ms = result.prefill_ms, result.queue_ms
+        trace.prefill_compute_ms = result.compute_ms
         self.metrics.prompt_tokens.inc(result.num_prompt_tokens)
         self.metrics.prefix_cache_queries.inc(result.num_prompt_tokens)
         self.metrics.prefix_cache_hits.inc(result.num_cached_tokens)

@@ -95,6 +95,7 @@ class Collector:
             "encode_ms": t.encode_ms,
             "prefill_ms": t.prefill_ms,
             "prefill_queue_ms": t.prefill_queue_ms,
+            "prefill_compute_ms": t.prefill_compute_ms,
             "estimated_ttft_ms": t.route.estimated_ttft_ms if t.route else 0.0,
         }
 

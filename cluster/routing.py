@@ -57,7 +57,10 @@ class LiveRouting:
         for item, stats in encoded:  # a batch's time is shared by the items in it; each item on its own encoder
             self.router.observe_encode(decision.encoder_for(item.modality), item.modality, item.size, stats.encode_ms / max(stats.batch_size, 1))
         self.router.encode_done(decision, now)  # releases every encoder a split request used
-        self.router.prefill_done(decision, now, duration_ms=result.prefill_ms, uncached_tokens=result.num_prompt_tokens - result.num_cached_tokens)
+        # Its own device time, not first chunk to done: the worker shares steps among its requests
+        # (shortest remaining first), and what they took is their queueing, not this prompt's cost.
+        uncached = result.num_prompt_tokens - result.num_cached_tokens
+        self.router.prefill_done(decision, now, duration_ms=result.compute_ms or result.prefill_ms, uncached_tokens=uncached)
         # A request split across encoders measures parallel transfers from several places as one
         # interval: no single placement's fit should learn from it.
         if transfer_ms is not None and decision.encoder is not None and decision.items and not decision.shares:

@@ -266,7 +266,8 @@ def timed_trace(run: dict) -> list[dict]:
     trace = read_trace(run["trace"])
     for t, m in join(trace, run["records"] + run["warm_timings"]):
         for key in MEASURED_STAGES:
-            t.setdefault(key, m[key])
+            if key in m:  # runs saved before prefill_compute_ms was recorded lack it
+                t.setdefault(key, m[key])
     return trace
 
 
@@ -371,9 +372,12 @@ def compare(pairs, sims: list[dict[int, float]], http_ms: float) -> dict:
 
 
 def service_ratios(pairs, cluster) -> dict[int, float]:
-    """Per load-phase trace record (by id): its measured prefill time / the calibrated model's."""
+    """Per load-phase trace record (by id): its measured prefill service (own device time) / the calibrated model's."""
     a, tpm = cluster.costs.prefill_fixed_ms, cluster.costs.prefill_tokens_per_ms
-    return {id(t): m["prefill_ms"] * cluster.prefill[t["route"][1]].speed / (a + t["num_prompt_tokens"] / tpm) for t, m in pairs}
+    return {
+        id(t): (m.get("prefill_compute_ms") or m["prefill_ms"]) * cluster.prefill[t["route"][1]].speed / (a + t["num_prompt_tokens"] / tpm)
+        for t, m in pairs
+    }
 
 
 def validate_sim(run: dict, args) -> dict:

@@ -10,7 +10,8 @@ Ground truth, at speed 1.0 (a worker's durations are divided by its speed):
   is cheaper than its items one by one (exponent < 1). Defaults follow the seed
   encoding-cost table: a 336x336 image 5 ms, four of them 12 ms batched, 30 video
   frames 48 ms, 30 s of audio 85 ms.
-- prefill (FIFO, one request at a time): prefill_fixed_ms + uncached_tokens / prefill_tokens_per_ms
+- prefill (one request at a time, the queue shortest prompt first like the engine's scheduler,
+  or FIFO: `prefill_order`): prefill_fixed_ms + uncached_tokens / prefill_tokens_per_ms
 - decode (continuous batching, approximated): a request admitted when b requests are
   active (itself included) takes max_tokens * (decode_step_ms + decode_step_per_seq_ms * b).
   The batch size is frozen at admission: requests leaving or joining later do not
@@ -91,6 +92,9 @@ def _default_latency() -> dict[Placement, float]:
     return {Placement.SAME_PROCESS: 0.0, Placement.SAME_NODE: 0.05, Placement.CROSS_NODE: 0.2}
 
 
+PREFILL_SHORTEST_FIRST, PREFILL_FIFO = "shortest_first", "fifo"  # SimCosts.prefill_order
+
+
 @dataclass(frozen=True)
 class SimCosts:
     """Ground-truth costs of the simulated workers at speed 1.0 (see module doc)."""
@@ -101,6 +105,7 @@ class SimCosts:
     prefill_fixed_ms: float = 5.0
     prefill_tokens_per_ms: float = 30.0
     prefix_cache_blocks: int = 4096  # LRU capacity (blocks) of each prefill worker's prefix cache
+    prefill_order: str = PREFILL_SHORTEST_FIRST  # a worker's queue: shortest prompt first (the engine's) or fifo
     decode_step_ms: float = 12.0
     decode_step_per_seq_ms: float = 0.15
     decode_max_batch: int = 64
@@ -287,6 +292,10 @@ class SimCluster:
             for w in pool:
                 if not (w.speed > 0 and math.isfinite(w.speed)):
                     raise ClusterShapeError(f"cluster {self.name!r}: worker speed must be > 0, got {w.speed}")
+        if self.costs.prefill_order not in (PREFILL_SHORTEST_FIRST, PREFILL_FIFO):
+            raise ClusterShapeError(
+                f"cluster {self.name!r}: costs.prefill_order must be {PREFILL_SHORTEST_FIRST!r} or {PREFILL_FIFO!r}, got {self.costs.prefill_order!r}"
+            )
         try:
             self.costs.variability.validate()
         except ValueError as exc:
@@ -373,6 +382,8 @@ def _costs_from_dict(raw: dict, path) -> SimCosts:
                 changes[key].validate()
             except (TypeError, ValueError) as exc:
                 raise ClusterShapeError(f"{path}: costs.variability: {exc}") from None
+        elif key == "prefill_order":
+            changes[key] = value  # SimCluster.validate names a bad one
         elif key in ("bandwidth_bytes_per_ms", "transfer_latency_ms"):
             if not isinstance(value, dict):
                 raise ClusterShapeError(f"{path}: costs.{key} must map placement -> number")

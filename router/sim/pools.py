@@ -11,11 +11,12 @@ draws a multiplier (`Multipliers.service`) at its start, in the order the engine
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
-from heapq import heappush
+from heapq import heappop, heappush
 from typing import TYPE_CHECKING
 
-from router.sim.cluster_model import SimCosts, SimWorker
+from router.sim.cluster_model import PREFILL_SHORTEST_FIRST, SimCosts, SimWorker
 from router.types import Placement, WorkerKind
 
 if TYPE_CHECKING:
@@ -217,7 +218,7 @@ class Prefill:
 
     def __init__(self, worker: SimWorker, node: int):
         self.speed, self.node = worker.speed, node
-        self.queue: deque[int] = deque()
+        self.queue: list[tuple[int, int, int]] = []  # heap of (order key, arrival here, r)
         self.current: tuple | None = None  # in service: (r, ms, uncached tokens)
         self.busy_ms = 0.0
         self.prefix: OrderedDict[str, None] = OrderedDict()  # block hashes, LRU
@@ -225,20 +226,25 @@ class Prefill:
 
 
 class PrefillPool:
-    """FIFO, one request at a time per worker: prefill_fixed_ms + uncached / prefill_tokens_per_ms,
-    the uncached part being what the worker's prefix LRU (`prefix_cache_blocks`) misses at the start."""
+    """One request at a time per worker: prefill_fixed_ms + uncached / prefill_tokens_per_ms, the
+    uncached part being what the worker's prefix LRU (`prefix_cache_blocks`) misses at the start.
+    The queue is served shortest prompt first, as the live engine's scheduler does (without its
+    chunk-wise preemption), or in arrival order (`SimCosts.prefill_order`)."""
 
     def __init__(self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine):
         self.workers = [Prefill(w, nodes.index(w.node)) for w in workers]
         self.fixed_ms, self.tokens_per_ms = costs.prefill_fixed_ms, costs.prefill_tokens_per_ms
         self.prefix_cap = costs.prefix_cache_blocks
+        self.shortest_first = costs.prefill_order == PREFILL_SHORTEST_FIRST
+        self.arrivals = itertools.count()  # at a worker's queue (after encode and transfer): the FIFO order and tie-break
         self.engine = engine
 
     def arrive(self, p: int, r: int, now: float) -> None:
         if self.workers[p].current is None:
             self.start(p, r, now)
         else:
-            self.workers[p].queue.append(r)
+            seq = next(self.arrivals)
+            heappush(self.workers[p].queue, (self.engine.requests[r].profile.num_prompt_tokens if self.shortest_first else seq, seq, r))
 
     def start(self, p: int, r: int, now: float) -> None:
         worker, prof = self.workers[p], self.engine.requests[r].profile
@@ -280,7 +286,7 @@ class PrefillPool:
     def start_next(self, p: int, now: float) -> None:
         queue = self.workers[p].queue
         if queue:
-            self.start(p, queue.popleft(), now)
+            self.start(p, heappop(queue)[2], now)
 
     def waiting(self) -> int:
         """Requests queued (not in service) on any prefill worker: they use no CPU."""

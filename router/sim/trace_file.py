@@ -16,6 +16,7 @@ per request, in any order (sorted by arrival on load); blank lines are skipped.
      "encode_ms": 12.5,                  # optional, measured: slowest item's encoder queue + encode,
      "prefill_queue_ms": 3.1,            #   the prefill worker's queue and prefill time
      "prefill_ms": 80.4,                 #   (router/sim/variability.py fits from these)
+     "prefill_compute_ms": 61.0,         #   of prefill_ms, its own forwards (the rest: others' chunks)
      "prefix_hashes": ["ab12", ...],     # optional: prompt block hashes, in order
      "block_size": 16}                   # optional: tokens per block (default 16)
 
@@ -116,7 +117,7 @@ def load_trace(path: str | Path) -> Workload:
     return Workload(path.name, profiles, arrival, measured_ttft_ms=measured)
 
 
-MEASURED_STAGES = ("encode_ms", "prefill_queue_ms", "prefill_ms")  # optional measured timings of a trace record
+MEASURED_STAGES = ("encode_ms", "prefill_queue_ms", "prefill_ms", "prefill_compute_ms")  # optional measured timings of a trace record
 
 
 def profile_to_record(arrival_s: float, profile: RequestProfile, ttft_ms: float | None = None, measured: dict[str, float] | None = None) -> dict:

@@ -322,6 +322,9 @@ def fit_trace(records: list[dict], reference: int = 0, grid: np.ndarray | None =
     if len(timed) < 3:
         raise ValueError(f"the trace has {len(timed)} records with measured timings; fitting needs 3 or more")
     col = {k: np.array([r[k] for r in timed], dtype=float) for k in TIMINGS}
+    # A request's service is its own device time where the trace has it: its prefill_ms (first
+    # chunk to first token) also holds the chunks of requests sharing its worker's steps.
+    service = np.array([r.get("prefill_compute_ms") or r["prefill_ms"] for r in timed], dtype=float)
     tokens = np.array([r["num_prompt_tokens"] for r in timed], dtype=float)
     worker = np.array([r["route"][1] for r in timed])
     media = np.array([bool(r["items"]) for r in timed])
@@ -331,20 +334,20 @@ def fit_trace(records: list[dict], reference: int = 0, grid: np.ndarray | None =
 
     at_prefill = others(col["arrival_s"] + (col["ttft_ms"] - col["prefill_ms"]) / 1e3)  # it ends with the first token
     ref = worker == reference
-    fit = fit_service(tokens[ref], col["prefill_ms"][ref], at_prefill[ref], grid)
+    fit = fit_service(tokens[ref], service[ref], at_prefill[ref], grid)
     speeds = {}
     for w in sorted(set(worker.tolist()) - {reference}):
         mine = worker == w
         if mine.sum() >= 3:
             expected = fit.base_ms(tokens[mine]) * (1 + fit.contention * at_prefill[mine])
-            speeds[int(w)] = float(expected.sum() / col["prefill_ms"][mine].sum())
+            speeds[int(w)] = float(expected.sum() / service[mine].sum())
     overhead = col["ttft_ms"] - col["encode_ms"] - col["prefill_queue_ms"] - col["prefill_ms"]
     at_arrival = others(col["arrival_s"])
     ingress = fit_ingress(overhead, media, 1 + fit.contention * at_arrival)
     start = col["arrival_s"][ref] + (col["ttft_ms"][ref] - col["prefill_ms"][ref]) / 1e3
-    resid = np.log(col["prefill_ms"][ref] / (fit.base_ms(tokens[ref]) * (1 + fit.contention * at_prefill[ref])))
+    resid = np.log(service[ref] / (fit.base_ms(tokens[ref]) * (1 + fit.contention * at_prefill[ref])))
     share, tau = fit_host(start, resid) if fit.sigma > 0 else (0.0, 1.0)
-    measured = fit_measured_host(tokens[ref], col["prefill_ms"][ref], at_prefill[ref], start)
+    measured = fit_measured_host(tokens[ref], service[ref], at_prefill[ref], start)
     knots = [t for t, _ in measured.profile], [v for _, v in measured.profile]
     host = np.exp([interpolate(*knots, t) for t in col["arrival_s"]])
     measured = replace(

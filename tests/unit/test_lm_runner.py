@@ -8,6 +8,7 @@ leaving between steps, and splicing encoder embeddings must give exactly its gre
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -137,6 +138,22 @@ def test_chunked_prefill_matches_one_pass(lm):
     assert kv_a.shape == kv_b.shape
     assert kv_a.shape[:4] == (layers, 2, kv_heads, len(token_ids))
     torch.testing.assert_close(kv_a, kv_b, rtol=1e-5, atol=1e-5)
+
+
+def test_compute_ms_is_a_requests_own_forwards_not_those_sharing_its_steps(lm):
+    """The router calibrates prefill cost from compute_ms: under shortest-remaining-first a long
+    prompt's first-chunk-to-done time also holds the short prompts' forwards."""
+    engine = PrefillEngine(LMRunner(lm), token_budget=16)
+    engine.add(PrefillRequest("long", tuple(range(10, 74)), (), GREEDY))  # 64 tokens: 4 steps alone
+    engine.add(PrefillRequest("short", tuple(range(10, 22)), (), GREEDY))  # 12: first in every step it is in
+    started, outs = time.perf_counter(), []
+    while engine.has_work:
+        outs += engine.step()
+    wall_ms = (time.perf_counter() - started) * 1e3
+    out = {o.request_id: o for o in outs}
+    assert 0 < out["short"].compute_ms <= out["short"].prefill_ms
+    assert out["long"].compute_ms < out["long"].prefill_ms, "the short prompt's forward ran inside the long one's span"
+    assert out["long"].compute_ms + out["short"].compute_ms <= wall_ms
 
 
 def test_splice_writes_items_over_their_ranges():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from router.sim import SimCluster, capacity_rps, make_workload, simulate
+from router.sim.cluster_model import PREFILL_FIFO
 from router.sim.variability import Variability
 from tests.unit.conftest import mixed_workload
 
@@ -28,6 +29,9 @@ def _scenario(name: str):
     if name == "hetero-joint":
         cluster, wl = _synthetic("4x4x4-hetero", 3000, 0.8, 3, prefix_share=0.5)
         return cluster, wl, "joint"
+    if name == "hetero-joint-fifo":  # prefill queues in arrival order: the pins from before shortest-first
+        cluster, wl = _synthetic("4x4x4-hetero", 3000, 0.8, 3, prefix_share=0.5)
+        return cluster.with_costs(prefill_order=PREFILL_FIFO), wl, "joint"
     if name == "hetero-round_robin":
         cluster, wl = _synthetic("4x4x4-hetero", 3000, 0.8, 3, prefix_share=0.5)
         return cluster, wl, "round_robin"
@@ -41,7 +45,7 @@ def _scenario(name: str):
     raise KeyError(name)
 
 
-SCENARIOS = ("hetero-joint", "hetero-round_robin", "split-joint", "noisy-least_loaded")
+SCENARIOS = ("hetero-joint", "hetero-joint-fifo", "hetero-round_robin", "split-joint", "noisy-least_loaded")
 
 
 def fingerprint(name: str) -> dict:
@@ -63,6 +67,14 @@ def fingerprint(name: str) -> dict:
 
 PINNED: dict[str, dict] = {
     "hetero-joint": {
+        "ttft_ms": {"p50": 142.779, "p90": 652.11, "p99": 1295.133, "mean": 237.073, "max": 2754.599},
+        "utilisation": {"encoder": 0.0956, "prefill": 0.6849, "decode": 0.1501},
+        "estimate_error_ms": {"mean_abs": 55.145, "mean_signed": 26.889},
+        "cache_hit_rate": 0.1176,
+        "completed": 3000,
+        "sha256": "5c68f31780edd949",
+    },
+    "hetero-joint-fifo": {
         "ttft_ms": {"p50": 156.958, "p90": 662.855, "p99": 1207.563, "mean": 254.865, "max": 1949.99},
         "utilisation": {"encoder": 0.0955, "prefill": 0.6847, "decode": 0.15},
         "estimate_error_ms": {"mean_abs": 21.376, "mean_signed": 8.073},
@@ -71,28 +83,28 @@ PINNED: dict[str, dict] = {
         "sha256": "5bed990a945b0dac",
     },
     "hetero-round_robin": {
-        "ttft_ms": {"p50": 986.757, "p90": 20989.371, "p99": 29719.001, "mean": 7133.296, "max": 32242.553},
-        "utilisation": {"encoder": 0.125, "prefill": 0.6972, "decode": 0.1244},
-        "estimate_error_ms": {"mean_abs": 145.217, "mean_signed": 125.378},
+        "ttft_ms": {"p50": 267.397, "p90": 1431.237, "p99": 38199.978, "mean": 1743.343, "max": 49579.976},
+        "utilisation": {"encoder": 0.1258, "prefill": 0.7021, "decode": 0.1254},
+        "estimate_error_ms": {"mean_abs": 6544.493, "mean_signed": 5411.221},
         "cache_hit_rate": 0.0514,
         "completed": 3000,
-        "sha256": "a49eb12f5f5b2817",
+        "sha256": "89b0f5220626cfeb",
     },
     "split-joint": {
-        "ttft_ms": {"p50": 7905.26, "p90": 19847.852, "p99": 20872.463, "mean": 9165.563, "max": 21010.842},
-        "utilisation": {"encoder": 0.2733, "prefill": 0.993, "decode": 0.0414},
-        "estimate_error_ms": {"mean_abs": 3935.547, "mean_signed": 3924.459},
+        "ttft_ms": {"p50": 276.696, "p90": 23817.145, "p99": 33591.16, "mean": 6968.932, "max": 36027.933},
+        "utilisation": {"encoder": 0.2734, "prefill": 0.9934, "decode": 0.0415},
+        "estimate_error_ms": {"mean_abs": 10299.464, "mean_signed": 6100.447},
         "cache_hit_rate": 0.1104,
         "completed": 1200,
-        "sha256": "0648b7114ef00b6b",
+        "sha256": "ff7fd40188bf8c7c",
     },
     "noisy-least_loaded": {
-        "ttft_ms": {"p50": 1400.968, "p90": 4961.727, "p99": 6418.2, "mean": 2059.974, "max": 7654.12},
-        "utilisation": {"encoder": 0.1664, "prefill": 0.8288, "decode": 0.2438},
-        "estimate_error_ms": {"mean_abs": 394.704, "mean_signed": 9.964},
-        "cache_hit_rate": 0.0606,
+        "ttft_ms": {"p50": 334.372, "p90": 2357.512, "p99": 8755.212, "mean": 937.154, "max": 12410.339},
+        "utilisation": {"encoder": 0.167, "prefill": 0.8273, "decode": 0.2498},
+        "estimate_error_ms": {"mean_abs": 1497.8, "mean_signed": 1008.719},
+        "cache_hit_rate": 0.0629,
         "completed": 2000,
-        "sha256": "08407aeabe1530f9",
+        "sha256": "aaa73d3b57c41afb",
     },
 }
 

@@ -89,6 +89,25 @@ def test_single_worker_matches_hand_computed_ttft():
     assert r.summary()["goodput"]["fraction"] == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("order", ["shortest_first", "fifo"])
+def test_prefill_queue_order_is_the_engines_shortest_first_or_fifo(order):
+    # 300 tokens at t=0 (5 + 30 = 35 ms), then 300 and 20 queue behind it (at 1 and 2 ms).
+    # shortest first: the 20-token prompt goes at 35 ms (7 ms: TTFT 40), the long one at 42 (TTFT 76);
+    # fifo: the long one at 35 (TTFT 69), the short one at 70 (TTFT 75).
+    profiles = [RequestProfile(300), RequestProfile(300), RequestProfile(20)]
+    cluster = _hand_cluster().with_costs(prefill_order=order)
+    r = simulate(cluster, Workload("order", profiles, np.array([0.0, 0.001, 0.002])), "joint", slo_ms=50)
+    expected = [35.0, 76.0, 40.0] if order == "shortest_first" else [35.0, 69.0, 75.0]
+    assert r.ttft_ms == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_prefill_order_the_engine_does_not_know_is_refused_by_name(tmp_path):
+    yml = tmp_path / "c.yaml"
+    yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts: {prefill_order: lifo}\n")
+    with pytest.raises(ClusterShapeError, match="costs.prefill_order must be 'shortest_first' or 'fifo', got 'lifo'"):
+        SimCluster.from_yaml(yml)
+
+
 def test_encoder_cache_hit_skips_encoding():
     profiles = [RequestProfile(100, (_image("same", 1.0),)), RequestProfile(100, (_image("same", 1.0),))]
     wl = Workload("hit", profiles, np.array([0.0, 1.0]))

@@ -15,7 +15,7 @@ from router.sim.engine import _run as run_engine
 from router.sim.engine import make_router
 from router.types import RequestProfile, WorkerInfo, WorkerKind
 from router.view import NoWorkerError
-from tests.unit.conftest import AUDIO, VISION, assert_idle, audio, media, mixed_workload, split_fleet
+from tests.unit.conftest import AUDIO, VISION, assert_idle, audio, fleet, media, mixed_workload, split_fleet
 
 E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 
@@ -124,3 +124,25 @@ def test_simulator_splits_mixed_requests_and_releases_every_encoder(policy):
         assert d.encoder_for("audio") == 2 and d.encoder_for("image") in (0, 1)
     assert {d.encoder_for("image") for d in split} == {0, 1}  # both vision encoders used
     assert_idle(router)
+
+
+def test_live_routing_learns_prefill_cost_from_the_workers_own_compute_not_its_span():
+    """A prompt's prefill_ms also holds the chunks of requests sharing its worker's steps (shortest
+    remaining first); its compute_ms is its own. The router's cost is the latter."""
+    from actors.types import PrefillResult
+    from cluster.metrics import Metrics
+    from cluster.routing import LiveRouting
+
+    text = RequestProfile(1000)
+
+    def learned(compute_ms: float) -> float:
+        live = LiveRouting(Router(fleet(1, 1, 1), CostPriors(), "joint", seed=2), Metrics(), 8192)
+        for _ in range(30):
+            decision = live.route(text)
+            live.prefill_finished(decision, PrefillResult("r", 1, 1000, 0.0, 400.0, compute_ms=compute_ms), transfer_ms=None)
+            live.release(decision, before_prefill=False)
+        assert_idle(live.router)
+        return live.router.cost.prefill_ms(0, 1000)
+
+    assert learned(compute_ms=40.0) == pytest.approx(40.0, rel=0.1)
+    assert learned(compute_ms=0.0) == pytest.approx(400.0, rel=0.1), "a worker that reports no compute_ms: its span"
