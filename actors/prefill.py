@@ -105,7 +105,7 @@ class PrefillWorker(ModelWorker):
             first_logprob=out.first.logprob,
             num_cached_tokens=out.num_cached_tokens,
             item_wait_ms=out.item_wait_ms,
-            compute_ms=out.compute_ms,
+            compute_ms=out.compute_ms * self.spec.slowdown,  # the emulated slower device sleeps after each step
         )
 
     def _publish(self, outputs: list[PrefillOutput]) -> None:

@@ -89,3 +89,21 @@ def test_dropped_while_waiting_for_its_image_leaves_nothing(worker, prompt):
         assert worker.engine.pool.num_referenced() == 0
 
     asyncio.run(scenario())
+
+
+def test_a_slowed_workers_compute_ms_counts_its_emulated_slowness(ckpt):
+    """Benchmarks emulate a slower device by sleeping after each step (WorkerSpec.slowdown); the
+    router must see that worker as slower, so its reported compute is stretched alike."""
+    spec = WorkerSpec(checkpoint=str(ckpt), dtype="float32", device="cpu", torch_threads=1, max_model_len=4096, slowdown=4.0)
+    slowed = PrefillWorker(spec, max_chunk_tokens=512)
+    prompt_ids = tuple(range(10, 210))
+
+    async def timed(name: str):
+        started = time.perf_counter()
+        result = await slowed.prefill(PrefillRequest(name, prompt_ids, (), GREEDY))
+        return result, (time.perf_counter() - started) * 1e3
+
+    asyncio.run(timed("warm"))
+    result, wall_ms = asyncio.run(timed("r"))
+    assert result.compute_ms >= 0.5 * wall_ms, f"the forwards alone are about a quarter of the {wall_ms:.1f} ms the call took"
+    assert result.compute_ms <= wall_ms * 1.05
