@@ -331,7 +331,10 @@ class SimCluster:
         return Placement.SAME_NODE if node_a == node_b else Placement.CROSS_NODE
 
     def with_costs(self, **changes) -> SimCluster:
-        return replace(self, costs=replace(self.costs, **changes))
+        """A copy with some costs changed, checked like a parsed cluster (a bad value is named)."""
+        cluster = replace(self, costs=replace(self.costs, **changes))
+        cluster.validate()
+        return cluster
 
     def describe(self) -> str:
         def pool(ws: tuple[SimWorker, ...]) -> str:

@@ -106,6 +106,8 @@ def test_a_prefill_order_the_engine_does_not_know_is_refused_by_name(tmp_path):
     yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts: {prefill_order: lifo}\n")
     with pytest.raises(ClusterShapeError, match="costs.prefill_order must be 'shortest_first' or 'fifo', got 'lifo'"):
         SimCluster.from_yaml(yml)
+    with pytest.raises(ClusterShapeError, match="costs.prefill_order must be 'shortest_first' or 'fifo', got 'lifo'"):
+        _hand_cluster().with_costs(prefill_order="lifo")
 
 
 def test_encoder_cache_hit_skips_encoding():
