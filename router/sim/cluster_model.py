@@ -11,7 +11,9 @@ Ground truth, at speed 1.0 (a worker's durations are divided by its speed):
   encoding-cost table: a 336x336 image 5 ms, four of them 12 ms batched, 30 video
   frames 48 ms, 30 s of audio 85 ms.
 - prefill (one request at a time, the queue shortest prompt first like the engine's scheduler,
-  or FIFO: `prefill_order`): prefill_fixed_ms + uncached_tokens / prefill_tokens_per_ms
+  or FIFO: `prefill_order`): prefill_fixed_ms + uncached_tokens / prefill_tokens_per_ms; with
+  `prefill_chunk_tokens`, in chunks of that many tokens, the worker going on after each chunk
+  with the request of fewest tokens left (the engine's shortest-remaining-first)
 - decode (continuous batching, approximated): a request admitted when b requests are
   active (itself included) takes max_tokens * (decode_step_ms + decode_step_per_seq_ms * b).
   The batch size is frozen at admission: requests leaving or joining later do not
@@ -106,6 +108,9 @@ class SimCosts:
     prefill_tokens_per_ms: float = 30.0
     prefix_cache_blocks: int = 4096  # LRU capacity (blocks) of each prefill worker's prefix cache
     prefill_order: str = PREFILL_SHORTEST_FIRST  # a worker's queue: shortest prompt first (the engine's) or fifo
+    # Tokens a prefill runs before its worker looks at its queue again (the engine's max_chunk_tokens):
+    # shortest-first then means shortest remaining first, chunk by chunk. 0: a prompt in one go.
+    prefill_chunk_tokens: int = 0
     decode_step_ms: float = 12.0
     decode_step_per_seq_ms: float = 0.15
     decode_max_batch: int = 64

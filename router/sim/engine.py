@@ -10,7 +10,7 @@ back what a live worker would: `encode_done` / `prefill_done` with measured dura
 A request's life:
 
     arrival -> route -> encoder queue (cache hits skip it) -> batch done
-            -> embeddings transfer -> prefill FIFO -> first token (TTFT ends here)
+            -> embeddings transfer -> prefill queue -> first token (TTFT ends here)
             -> KV transfer -> decode (continuous batch) -> done
 
 The workers are three pools (router/sim/pools.py: EncoderPool, PrefillPool, DecodePool), each
@@ -283,9 +283,13 @@ class Engine:
         self.prefill.arrive(self.requests[r].decision.prefill, r, now)
 
     def _prefill_done(self, now: float, p: int, r: int) -> None:
-        """First token out: TTFT ends; the KV cache leaves for decode; the next job starts."""
+        """First token out: TTFT ends; the KV cache leaves for decode; the next job starts.
+        (Only a chunk of r's prompt, with SimCosts.prefill_chunk_tokens: the worker went on.)"""
+        done = self.prefill.finish(p, now)
+        if done is None:
+            return
         self.inflight -= 1
-        ms, uncached = self.prefill.finish(p, now)
+        ms, uncached = done
         req = self.requests[r]
         prof, decision = req.profile, req.decision
         self.ttft[r] = (now - self.arrivals[r]) * 1e3

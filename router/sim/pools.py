@@ -219,7 +219,7 @@ class Prefill:
     def __init__(self, worker: SimWorker, node: int):
         self.speed, self.node = worker.speed, node
         self.queue: list[tuple[int, int, int]] = []  # heap of (order key, arrival here, r)
-        self.current: tuple | None = None  # in service: (r, ms, uncached tokens)
+        self.current: tuple | None = None  # in service: (r, ms, uncached tokens), ms of the whole prefill
         self.busy_ms = 0.0
         self.prefix: OrderedDict[str, None] = OrderedDict()  # block hashes, LRU
         self.snap = KeySnapshots()
@@ -228,14 +228,19 @@ class Prefill:
 class PrefillPool:
     """One request at a time per worker: prefill_fixed_ms + uncached / prefill_tokens_per_ms, the
     uncached part being what the worker's prefix LRU (`prefix_cache_blocks`) misses at the start.
-    The queue is served shortest prompt first, as the live engine's scheduler does (without its
-    chunk-wise preemption), or in arrival order (`SimCosts.prefill_order`)."""
+    The queue is served shortest prompt first, as the live engine's scheduler does, or in arrival
+    order (`SimCosts.prefill_order`). With `SimCosts.prefill_chunk_tokens` a prompt runs in chunks
+    and goes back to the queue, keyed by the tokens it has left, after each one, so a shorter prompt
+    that arrived meanwhile goes next (the engine's chunk-wise preemption); the service drawn at its
+    start is spread over its chunks by tokens."""
 
     def __init__(self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine):
         self.workers = [Prefill(w, nodes.index(w.node)) for w in workers]
         self.fixed_ms, self.tokens_per_ms = costs.prefill_fixed_ms, costs.prefill_tokens_per_ms
         self.prefix_cap = costs.prefix_cache_blocks
         self.shortest_first = costs.prefill_order == PREFILL_SHORTEST_FIRST
+        self.chunk_tokens = costs.prefill_chunk_tokens
+        self.parts: dict[int, list] = {}  # r -> [tokens left, (r, ms, uncached)]: prompts begun in chunks
         self.arrivals = itertools.count()  # at a worker's queue (after encode and transfer): the FIFO order and tie-break
         self.engine = engine
 
@@ -260,13 +265,34 @@ class PrefillPool:
         ms = self.engine.scaled(ms, now)
         worker.current = (r, ms, uncached)
         worker.busy_ms += ms
-        heappush(self.engine.heap, (now + ms * 1e-3, EV_PF_DONE, p, r))
+        if 0 < self.chunk_tokens < uncached:
+            self.parts[r] = [uncached, worker.current]
+            self._run_chunk(p, r, now)
+        else:
+            heappush(self.engine.heap, (now + ms * 1e-3, EV_PF_DONE, p, r))
 
-    def finish(self, p: int, now: float) -> tuple[float, int]:
-        """The job in service is done: (its ms, its uncached tokens). Call start_next() after."""
+    def _run_chunk(self, p: int, r: int, now: float) -> None:
+        """The next chunk of r's prompt, r in service on p: its share of the service, by tokens."""
+        part = self.parts[r]
+        tokens = part[0] if part[0] < self.chunk_tokens else self.chunk_tokens
+        part[0] -= tokens
+        _, ms, uncached = part[1]
+        heappush(self.engine.heap, (now + ms * tokens / uncached * 1e-3, EV_PF_DONE, p, r))
+
+    def finish(self, p: int, now: float) -> tuple[float, int] | None:
+        """The job in service is done: (its ms, its uncached tokens); call start_next() after. None
+        when only a chunk of it is: it went back to the queue and the worker went on."""
         worker = self.workers[p]
         r, ms, uncached = worker.current
         worker.current = None
+        part = self.parts.get(r) if self.parts else None
+        if part is not None:
+            if part[0] > 0:
+                # begun before anything queued: first in arrival order, and first among equals
+                heappush(worker.queue, (part[0] if self.shortest_first else -1, -1, r))
+                self.start_next(p, now)
+                return None
+            del self.parts[r]
         return ms, uncached
 
     def remember(self, p: int, prefix_hashes: tuple[str, ...]) -> None:
@@ -284,9 +310,15 @@ class PrefillPool:
             snap.keys.discard(cache.popitem(last=False)[0])
 
     def start_next(self, p: int, now: float) -> None:
-        queue = self.workers[p].queue
-        if queue:
-            self.start(p, heappop(queue)[2], now)
+        worker = self.workers[p]
+        if worker.queue:
+            r = heappop(worker.queue)[2]
+            part = self.parts.get(r) if self.parts else None
+            if part is None:
+                self.start(p, r, now)
+            else:  # a prompt begun in chunks goes on where it stopped
+                worker.current = part[1]
+                self._run_chunk(p, r, now)
 
     def waiting(self) -> int:
         """Requests queued (not in service) on any prefill worker: they use no CPU."""

@@ -101,6 +101,30 @@ def test_prefill_queue_order_is_the_engines_shortest_first_or_fifo(order):
     assert r.ttft_ms == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [0, 100])
+def test_a_short_prompt_overtakes_a_long_one_at_its_next_chunk(chunk):
+    # 300 tokens at t=0 (35 ms); 20 tokens (7 ms) arrive at 1 ms. In one go: the long one ends at 35,
+    # the short at 42 (TTFT 41). In 100-token chunks (35/3 ms each): the short one goes after the
+    # first chunk (11.67 -> 18.67, TTFT 17.67), the long one's two chunks follow (ends at 42).
+    profiles = [RequestProfile(300), RequestProfile(20)]
+    cluster = _hand_cluster().with_costs(prefill_chunk_tokens=chunk)
+    r = simulate(cluster, Workload("chunks", profiles, np.array([0.0, 0.001])), "joint", slo_ms=50)
+    expected = [42.0, 35 / 3 + 7 - 1] if chunk else [35.0, 41.0]
+    assert r.ttft_ms == pytest.approx(expected, abs=1e-6)
+    assert r.service_ms == pytest.approx([35.0, 7.0], abs=1e-6)  # chunking moves work, never adds it
+
+
+def test_chunks_keep_arrival_order_under_fifo_and_every_prompt_finishes():
+    # fifo: a prompt begun goes on to its end, chunks or not (the same TTFTs as in one go)
+    profiles = [RequestProfile(n) for n in (300, 20, 250, 20, 180)]
+    arrivals = np.array([0.0, 0.001, 0.002, 0.003, 0.004])
+    base = _hand_cluster().with_costs(prefill_order="fifo")
+    whole = simulate(base, Workload("w", profiles, arrivals), "joint", slo_ms=50)
+    chunked = simulate(base.with_costs(prefill_chunk_tokens=64), Workload("c", profiles, arrivals), "joint", slo_ms=50)
+    assert chunked.ttft_ms == pytest.approx(whole.ttft_ms, abs=1e-6)
+    assert chunked.completed == len(profiles)
+
+
 def test_a_prefill_order_the_engine_does_not_know_is_refused_by_name(tmp_path):
     yml = tmp_path / "c.yaml"
     yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts: {prefill_order: lifo}\n")
@@ -108,6 +132,9 @@ def test_a_prefill_order_the_engine_does_not_know_is_refused_by_name(tmp_path):
         SimCluster.from_yaml(yml)
     with pytest.raises(ClusterShapeError, match="costs.prefill_order must be 'shortest_first' or 'fifo', got 'lifo'"):
         _hand_cluster().with_costs(prefill_order="lifo")
+    yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts: {prefill_chunk_tokens: -5}\n")
+    with pytest.raises(ClusterShapeError, match="costs.prefill_chunk_tokens must be a number >= 0"):
+        SimCluster.from_yaml(yml)
 
 
 def test_encoder_cache_hit_skips_encoding():
