@@ -290,6 +290,7 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
         encode_max_batch=cfg.encoder.max_batch_size,
         prefill_fixed_ms=pf.fixed_ms,
         prefill_tokens_per_ms=1.0 / max(pf.per_unit_ms, 1e-6),
+        prefill_chunk_tokens=cfg.prefill.max_chunk_tokens,  # the engine's chunks: shortest remaining first between them
         decode_step_ms=run["stage_ms"]["decode_step"] or 1.0,
         decode_step_per_seq_ms=0.0,
         decode_max_batch=cfg.decode.max_batch_size,
@@ -303,6 +304,7 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
         "prefill_fixed_ms": round(pf.fixed_ms, 3),
         "prefill_ms_per_token": round(pf.per_unit_ms, 5),
         "prefill_speeds": [round(x, 3) for x in speeds],
+        "prefill_chunk_tokens": costs.prefill_chunk_tokens,
         "contention_per_request": round(v.contention, 3),
         "max_others": fit.max_others,
         "service_sigma": round(v.sigma, 3),
