@@ -45,6 +45,7 @@ class PrefillOutput:
     item_wait_ms: float = 0.0  # how long it could not advance for want of an item's embeddings
     compute_ms: float = 0.0  # its own forwards and finish: its service time (prefill_ms also counts those sharing its steps)
     error: str | None = None  # the request failed alone (e.g. an item that does not fit its placeholders)
+    finished_s: float = 0.0  # perf_counter() at done: the worker adds what passes until it hands the result on
 
 
 @dataclass(frozen=True)
@@ -276,7 +277,9 @@ class PrefillEngine:
         queue_ms = (job.started_s - job.added_s - waited_before_s) * 1e3
         prefill_ms = (done - job.started_s - job.waited_running_s) * 1e3
         compute_ms = (job.compute_s + done - finishing_s) * 1e3
-        return PrefillOutput(req.request_id, first, packed, job.rope_delta, job.num_cached, queue_ms, prefill_ms, job.waited_s * 1e3, compute_ms)
+        return PrefillOutput(
+            req.request_id, first, packed, job.rope_delta, job.num_cached, queue_ms, prefill_ms, job.waited_s * 1e3, compute_ms, finished_s=done
+        )
 
     def _keep_blocks(self, job: _Job, packed: torch.Tensor) -> None:
         bs = self.block_size

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 import torch
@@ -109,7 +109,10 @@ class PrefillWorker(ModelWorker):
         )
 
     def _publish(self, outputs: list[PrefillOutput]) -> None:
+        handed_s = time.perf_counter()  # after the step's end, and an emulated slower device's sleep after it
         for out in outputs:
+            if out.finished_s:  # its first token leaves now: prefill_ms counts until then
+                out = replace(out, prefill_ms=out.prefill_ms + (handed_s - out.finished_s) * 1e3)
             flight = self._in_flight.get(out.request_id)
             if out.error is not None:
                 self._settle(out.request_id, exc=WorkerRequestError(f"request {out.request_id}: {out.error}"))
