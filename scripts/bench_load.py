@@ -263,9 +263,10 @@ def run_cluster(args, reqs: list[Req], idle: list[Req], warmup: list[Req]) -> di
 
 
 class Baseline:
-    """One process, one request at a time: PNG decode, preprocessing, `generate`."""
+    """One process, one request at a time: PNG decode, preprocessing, `generate`, on the
+    config's device and dtype (so on a GPU the cluster is compared with `generate` on that GPU)."""
 
-    def __init__(self, checkpoint: Path, max_tokens: int):
+    def __init__(self, checkpoint: Path, max_tokens: int, *, device: str = "cpu", dtype: str = "float32"):
         import torch
         from transformers import AutoProcessor, LlavaForConditionalGeneration
         from transformers.generation.streamers import BaseStreamer
@@ -284,8 +285,8 @@ class Baseline:
             def end(self):
                 pass
 
-        self.torch, self.max_tokens, self.streamer_cls = torch, max_tokens, TimingStreamer
-        self.model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+        self.torch, self.max_tokens, self.streamer_cls, self.device = torch, max_tokens, TimingStreamer, device
+        self.model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).to(device).eval()
         self.processor = AutoProcessor.from_pretrained(checkpoint)
 
     def serve(self, req: Req) -> tuple[float, list[float]]:
@@ -296,8 +297,11 @@ class Baseline:
             images = [Image.open(io.BytesIO(req.png)).convert("RGB")]
         text = self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
         inputs, streamer = self.processor(images=images, text=text, return_tensors="pt"), self.streamer_cls()
+        inputs = inputs.to(self.device, dtype=self.model.dtype)  # floats take the model's dtype; ids stay ints
         with self.torch.inference_mode():
             self.model.generate(**inputs, max_new_tokens=self.max_tokens, do_sample=False, streamer=streamer)
+        if self.device != "cpu":
+            self.torch.cuda.synchronize()  # the last token's timestamp is when it exists
         return started, streamer.times
 
     def replay(self, reqs: list[Req], desc: str) -> tuple[list[Result], float]:
@@ -311,7 +315,8 @@ class Baseline:
 
 
 def run_baselines(args, reqs: list[Req], idle: list[Req], warmup: list[Req]) -> dict:
-    base, out = Baseline(load_config(args.config).model.checkpoint_path, args.max_tokens), {}
+    model = load_config(args.config).model
+    base, out = Baseline(model.checkpoint_path, args.max_tokens, device=model.device, dtype=model.resolved_dtype), {}
     for threads in args.baseline_threads:
         base.torch.set_num_threads(threads)
         for req in warmup:
