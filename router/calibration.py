@@ -49,6 +49,8 @@ class CalibrationConfig:
     error_memory: float = 50.0  # observations: the memory of each fit's own error
     resume_after_heal: bool = True  # a probe that finds a healed worker as slow as before restores its estimate
     spread_z: float = 1.0  # joint: candidates within spread_z x the fit's error of the best are near-ties (0: argmin)
+    busy_memory_s: float = 20.0  # seconds: memory of each prefill worker's utilisation (router/busy.py)
+    max_busy: float = 0.95  # a prefill wait grows as booked / (1 - utilisation), utilisation capped here (0: no growth)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -60,6 +62,10 @@ class CalibrationConfig:
         for name in ("pool_memory", "error_memory", "heal_rounds", "idle_rounds"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"calibration {name} must be >= 1 (observations / rounds), got {getattr(self, name)!r}")
+        if not self.busy_memory_s > 0:
+            raise ValueError(f"calibration busy_memory_s must be > 0 (seconds), got {self.busy_memory_s!r}")
+        if not 0 <= self.max_busy < 1:
+            raise ValueError(f"calibration max_busy must be in [0, 1), got {self.max_busy!r}")
         if not 0 < self.speed_rate <= 1:
             raise ValueError(f"calibration speed_rate must be in (0, 1], got {self.speed_rate!r}")
         if not self.max_relative > 1:

@@ -7,6 +7,12 @@ Estimated TTFT of a request on (encoder e, prefill p) =
   + queue of p (its booked work, less what the job it is serving has done: prefill_queue_ms)
   + prefill of the prompt tokens p's prefix cache does not cover.
 
+Ranking prefill workers (prefill_costs) grows each one's queue by its utilisation, 1 / (1 - rho):
+shorter prompts that arrive while a request waits go first, so at a busy worker a long prompt
+waits for more than the work booked now (router/busy.py). The estimate a decision carries
+(pair_estimate) keeps the booked work: that is the wait of a typical request, and the growth
+would overstate it for the short prompts that overtake.
+
 Every linear term is `fixed_ms + per_unit_ms * x`. Encode (per modality) and prefill are
 calibrated as a pool-wide curve times per-worker relative times (router/calibration.py: a
 burst moves the pool's curve, not one worker's fit, and a stale worker heals); transfers
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
+from router.busy import BusyRates
 from router.calibration import CalibrationConfig, LinearCost, OnlineLinear, PoolFit, RelativeTimes
 from router.holder_index import bits
 from router.types import MediaJob, Modality, Placement, RequestProfile, TTFTEstimate, WorkerKind
@@ -99,6 +106,7 @@ class CostModel:
         prefill_prior = LinearCost(self.priors.prefill_fixed_ms, 1.0 / self.priors.prefill_tokens_per_ms)
         self.prefill_fit = PoolFit(prefill_prior, RelativeTimes(num_prefill, self.calibration), self.calibration)
         self.prefill_a, self.prefill_b = self.prefill_fit.a, self.prefill_fit.b  # updated in place
+        self.busy = BusyRates(num_prefill, self.calibration.busy_memory_s, self.calibration.max_busy)
         self._transfer = {pl: OnlineLinear(LinearCost(0.0, 1.0 / (gbps * 1e6))) for pl, gbps in self.priors.bandwidth_gbps.items()}
         if missing := [pl.value for pl in _TIERS if pl not in self._transfer]:
             raise ValueError(f"cost priors lack bandwidth_gbps for {missing}")
@@ -346,11 +354,18 @@ class CostModel:
                 uncached = n - blocks * bs
                 tokens[p] = uncached if uncached > 0 else 0
         # prefill_queue_ms() of each worker, inlined (this runs for every worker on every decision)
-        # and without its clamp at 0, which the view's invariant service_ms <= outstanding_ms makes moot
+        # and without its clamp at 0, which the view's invariant service_ms <= outstanding_ms makes moot;
+        # times what shorter arrivals add to the wait (router/busy.py)
         costs = [
-            (queued - (done if done < now_ms - started else now_ms - started) if now_ms > started else queued) + a + b * t
-            for queued, started, done, a, b, t in zip(
-                view.outstanding_ms[_P], view.service_started_ms, view.service_ms, self.prefill_a, self.prefill_b, tokens
+            (queued - (done if done < now_ms - started else now_ms - started) if now_ms > started else queued) * g + a + b * t
+            for queued, started, done, g, a, b, t in zip(
+                view.outstanding_ms[_P],
+                view.service_started_ms,
+                view.service_ms,
+                self.busy.factors(view.now_s),
+                self.prefill_a,
+                self.prefill_b,
+                tokens,
             )
         ]
         if view.num_foreign[_P]:  # other replicas' jobs queued there, each priced as this request

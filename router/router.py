@@ -46,6 +46,7 @@ class Router:
         self.view.refresh(now_s)
         decision = self.policy.decision(profile, self.view, self.cost)  # pick(), the clock just set
         self.view.dispatch(decision, profile)
+        self.cost.busy.book(decision.prefill, decision.estimate.prefill_ms, now_s)
         return decision
 
     def encode_done(self, decision: RouteDecision, now_s: float, duration_ms: float | None = None, items: tuple[MediaJob, ...] | None = None) -> None:
