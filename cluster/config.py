@@ -329,7 +329,7 @@ class RouterConfig(Strict):
     priors: dict = Field(default_factory=dict, description="Cost-model priors (router.cost_model.CostPriors fields); calibrated online.")
     calibration: dict = Field(
         default_factory=dict,
-        description="How the cost model learns online (router.calibration.CalibrationConfig fields: pool_memory, speed_rate, idle_rounds, heal_rounds, max_relative, error_memory, resume_after_heal, spread_z).",
+        description="How the cost model learns online (router.calibration.CalibrationConfig fields: pool_memory, speed_rate, idle_rounds, heal_rounds, max_relative, error_memory, resume_after_heal, spread_z, busy_memory_s, max_busy).",
     )
     staleness_s: float = Field(5.0, gt=0, description="Cache contents a worker published longer ago than this are ignored.")
     dead_after_s: float = Field(10.0, gt=0, description="A worker silent this long leaves the candidate set until it reports again.")

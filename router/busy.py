@@ -8,8 +8,14 @@ joint kept adding long prompts to the fast workers until they starved: on two wo
 and 0.25 at 80% load its p99 was 7-12% worse than least_loaded's (docs/BENCHMARKS.md).
 
 rho is each worker's booked prefill work per unit time, an exponentially weighted rate with a
-memory of `CalibrationConfig.busy_memory_s`, capped at `max_busy` (0: no growth, booked work only).
-Kept as values relative to a reference time, so a read costs one exp for all workers.
+memory of `CalibrationConfig.busy_memory_s`, capped at `max_busy`. Kept as values relative to a
+reference time, so a read costs one exp for all workers.
+
+Off by default (max_busy 0: booked work alone). In the simulator, exact costs, max_busy 0.95 brought
+joint to 0.94-1.02x least_loaded's p99 on that shape and the 16x16x16-hetero target from 54% to 56-57%
+below least_loaded; on the live shape C it did not: 1.03-1.26x, with the long prompts of its tail sent
+to the slow worker (the live rho, learned from the router's own estimates, sits near the cap, where
+1 / (1 - rho) is steepest). scripts/bench_busy.py and docs/BENCHMARKS.md have the figures.
 """
 
 from __future__ import annotations

@@ -50,7 +50,9 @@ class CalibrationConfig:
     resume_after_heal: bool = True  # a probe that finds a healed worker as slow as before restores its estimate
     spread_z: float = 1.0  # joint: candidates within spread_z x the fit's error of the best are near-ties (0: argmin)
     busy_memory_s: float = 20.0  # seconds: memory of each prefill worker's utilisation (router/busy.py)
-    max_busy: float = 0.95  # a prefill wait grows as booked / (1 - utilisation), utilisation capped here (0: no growth)
+    # joint ranks prefill workers by booked / (1 - utilisation), utilisation capped here; 0 (the default):
+    # by booked work alone. An experiment: it helps in simulation, it hurt p99 live (router/busy.py)
+    max_busy: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

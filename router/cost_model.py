@@ -7,11 +7,11 @@ Estimated TTFT of a request on (encoder e, prefill p) =
   + queue of p (its booked work, less what the job it is serving has done: prefill_queue_ms)
   + prefill of the prompt tokens p's prefix cache does not cover.
 
-Ranking prefill workers (prefill_costs) grows each one's queue by its utilisation, 1 / (1 - rho):
-shorter prompts that arrive while a request waits go first, so at a busy worker a long prompt
-waits for more than the work booked now (router/busy.py). The estimate a decision carries
-(pair_estimate) keeps the booked work: that is the wait of a typical request, and the growth
-would overstate it for the short prompts that overtake.
+With CalibrationConfig.max_busy > 0 (off by default), ranking prefill workers (prefill_costs)
+grows each one's queue by its utilisation, 1 / (1 - rho): shorter prompts that arrive while a
+request waits go first, so at a busy worker a long prompt waits for more than the work booked now
+(router/busy.py). The estimate a decision carries (pair_estimate) keeps the booked work: growing it
+overstated the wait of the short prompts that overtake.
 
 Every linear term is `fixed_ms + per_unit_ms * x`. Encode (per modality) and prefill are
 calibrated as a pool-wide curve times per-worker relative times (router/calibration.py: a

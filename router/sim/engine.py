@@ -84,15 +84,8 @@ def default_priors(cluster: SimCluster):
 
 
 def make_router(cluster: SimCluster, policy: str, *, seed: int, priors=None, **kwargs):
-    """The router for a simulated cluster. Prefill workers that serve their queues in arrival order
-    (SimCosts.prefill_order fifo) make a request wait for the booked work alone, so unless the
-    caller sets a calibration, the router's wait does not grow with utilisation (router/busy.py)."""
-    from router.calibration import CalibrationConfig
     from router.router import Router
-    from router.sim.cluster_model import PREFILL_FIFO
 
-    if cluster.costs.prefill_order == PREFILL_FIFO and kwargs.get("calibration") is None:
-        kwargs["calibration"] = CalibrationConfig(max_busy=0.0)
     return Router(cluster.worker_infos(), priors if priors is not None else default_priors(cluster), policy, seed=seed, **kwargs)
 
 

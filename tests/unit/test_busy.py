@@ -65,8 +65,8 @@ def test_joint_sends_a_prompt_to_the_worker_whose_wait_grows_less():
     view.refresh(10.0)
     for p in (0, 1):
         view.begin(P, p, 1, 300.0)
-    plain = CostModel.for_view(None, view, CalibrationConfig(max_busy=0.0, spread_z=0.0))
-    grown = CostModel.for_view(None, view, CalibrationConfig(spread_z=0.0))
+    plain = CostModel.for_view(None, view, CalibrationConfig(spread_z=0.0))  # max_busy 0, the default: booked work alone
+    grown = CostModel.for_view(None, view, CalibrationConfig(max_busy=0.95, spread_z=0.0))
     for cost in (plain, grown):
         for k in range(100):
             cost.busy.book(0, 80.0, k * 0.1)

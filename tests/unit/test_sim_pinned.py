@@ -67,12 +67,12 @@ def fingerprint(name: str) -> dict:
 
 PINNED: dict[str, dict] = {
     "hetero-joint": {
-        "ttft_ms": {"p50": 147.62, "p90": 662.855, "p99": 1362.172, "mean": 252.25, "max": 2204.62},
-        "utilisation": {"encoder": 0.0955, "prefill": 0.7088, "decode": 0.1499},
-        "estimate_error_ms": {"mean_abs": 53.548, "mean_signed": 22.757},
-        "cache_hit_rate": 0.1199,
+        "ttft_ms": {"p50": 142.779, "p90": 652.11, "p99": 1295.133, "mean": 237.073, "max": 2754.599},
+        "utilisation": {"encoder": 0.0956, "prefill": 0.6849, "decode": 0.1501},
+        "estimate_error_ms": {"mean_abs": 55.145, "mean_signed": 26.889},
+        "cache_hit_rate": 0.1176,
         "completed": 3000,
-        "sha256": "6b209714da14716c",
+        "sha256": "5c68f31780edd949",
     },
     "hetero-joint-fifo": {
         "ttft_ms": {"p50": 156.958, "p90": 662.855, "p99": 1207.563, "mean": 254.865, "max": 1949.99},
@@ -91,12 +91,12 @@ PINNED: dict[str, dict] = {
         "sha256": "89b0f5220626cfeb",
     },
     "split-joint": {
-        "ttft_ms": {"p50": 276.696, "p90": 23633.322, "p99": 33872.229, "mean": 6971.553, "max": 35735.362},
-        "utilisation": {"encoder": 0.2735, "prefill": 0.9936, "decode": 0.0414},
-        "estimate_error_ms": {"mean_abs": 10220.049, "mean_signed": 6097.625},
+        "ttft_ms": {"p50": 276.696, "p90": 23817.145, "p99": 33591.16, "mean": 6968.932, "max": 36027.933},
+        "utilisation": {"encoder": 0.2734, "prefill": 0.9934, "decode": 0.0415},
+        "estimate_error_ms": {"mean_abs": 10299.464, "mean_signed": 6100.447},
         "cache_hit_rate": 0.1104,
         "completed": 1200,
-        "sha256": "3ac66a715ae627dd",
+        "sha256": "ff7fd40188bf8c7c",
     },
     "noisy-least_loaded": {
         "ttft_ms": {"p50": 334.372, "p90": 2357.512, "p99": 8755.212, "mean": 937.154, "max": 12410.339},
