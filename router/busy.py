@@ -32,6 +32,7 @@ class BusyRates:
         self.ref_ms = 0.0
         self._cache: tuple[float, int, list[float]] | None = None  # (now, version, factors)
         self.version = 0
+        self.ones = [1.0] * num_workers  # the factors while off
 
     def book(self, worker: int, ms: float, now_s: float) -> None:
         """`ms` of work booked on `worker` at `now_s`."""
@@ -52,6 +53,8 @@ class BusyRates:
 
     def factors(self, now_s: float) -> list[float]:
         """1 / (1 - min(rho, max_busy)) of every worker now: what its booked work's wait grows by."""
+        if self.max_busy <= 0.0:
+            return self.ones
         cache = self._cache
         if cache is not None and cache[0] == now_s and cache[1] == self.version:
             return cache[2]
