@@ -10,7 +10,7 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the lent GPU machine, see docs/BENCHMARKS.md)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (what a GPU run checks: docs/GPU_CHECKS.md)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
