@@ -78,6 +78,8 @@ class CalibrationConfig:
         known = {f.name for f in fields(cls)}
         if unknown := set(data) - known:
             raise ValueError(f"unknown calibration setting(s) {sorted(unknown)}; known: {sorted(known)}")
+        if "busy_memory_s" in data and not data.get("max_busy"):
+            raise ValueError("calibration busy_memory_s has no effect while max_busy is 0 (the default): set max_busy > 0 or drop it")
         return cls(**data)
 
 

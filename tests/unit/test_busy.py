@@ -58,6 +58,12 @@ def test_a_busy_setting_that_cannot_hold_is_refused_by_name(field, value, messag
         CalibrationConfig(**{field: value})
 
 
+def test_a_busy_memory_without_max_busy_is_refused_rather_than_ignored():
+    with pytest.raises(ValueError, match="busy_memory_s has no effect while max_busy is 0"):
+        CalibrationConfig.from_dict({"busy_memory_s": 30.0})
+    assert CalibrationConfig.from_dict({"busy_memory_s": 30.0, "max_busy": 0.9}).busy_memory_s == 30.0
+
+
 def test_joint_sends_a_prompt_to_the_worker_whose_wait_grows_less():
     # Two equal prefill workers, the same work booked on both; worker 0 has been twice as busy,
     # so shorter arrivals will overtake more there: the plain argmin took worker 0 (the lower index).
