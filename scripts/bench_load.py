@@ -300,8 +300,6 @@ class Baseline:
         inputs = inputs.to(self.device, dtype=self.model.dtype)  # floats take the model's dtype; ids stay ints
         with self.torch.inference_mode():
             self.model.generate(**inputs, max_new_tokens=self.max_tokens, do_sample=False, streamer=streamer)
-        if self.device != "cpu":
-            self.torch.cuda.synchronize()  # the last token's timestamp is when it exists
         return started, streamer.times
 
     def replay(self, reqs: list[Req], desc: str) -> tuple[list[Result], float]:
