@@ -33,6 +33,12 @@ class Transport(str, enum.Enum):
     OBJECT_STORE = "object_store"
     GLOO = "gloo"
     NCCL = "nccl"
+    CUDA_IPC = "cuda_ipc"  # workers sharing one GPU: the receiver maps the sender's memory, no copy
+
+    @property
+    def collective(self) -> bool:
+        """Whether transfers run in a collective group (gloo, nccl): sends and receives pair by order."""
+        return self in (Transport.GLOO, Transport.NCCL)
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -192,8 +198,13 @@ class DecodePoolConfig(PoolConfig):
 
 
 class TransportConfig(Strict):
-    embeddings: Transport = Field(Transport.OBJECT_STORE, description="How embeddings travel encoder -> prefill.")
-    kv: Transport = Field(Transport.OBJECT_STORE, description="How KV caches travel prefill -> decode.")
+    embeddings: Transport = Field(
+        Transport.OBJECT_STORE,
+        description="How embeddings travel encoder -> prefill: object_store; gloo (CPU tensors); nccl (a whole GPU per "
+        "worker); cuda_ipc (experimental: workers sharing one GPU map each other's memory; token-exact on an H200, but "
+        "one KV transfer hung under 24 req/s there, docs/GPU_CHECKS.md).",
+    )
+    kv: Transport = Field(Transport.OBJECT_STORE, description="How KV caches travel prefill -> decode (the same choices).")
 
 
 class RemoteMediaConfig(Strict):
@@ -398,25 +409,36 @@ class ClusterConfig(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ClusterConfig:
-        uses_nccl = Transport.NCCL in (self.transport.embeddings, self.transport.kv)
-        if uses_nccl and self.model.device != "cuda":
-            raise ValueError("transport nccl needs model.device: cuda")
         if self.model.device == "cuda" and min(p.num_gpus for p in [*self.encoder_pools, self.prefill, self.decode]) <= 0:
             raise ValueError("model.device cuda needs num_gpus > 0 in every pool")
         if self.model.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, not {self.model.dtype!r}")
-        rdt = {self.transport.embeddings, self.transport.kv} - {Transport.OBJECT_STORE}
-        if rdt and self.server.num_replicas > 1:
-            raise ValueError(
-                f"transport {rdt.pop().value} needs server.num_replicas: 1 (got {self.server.num_replicas}): "
-                "RDT transfers must run one at a time (gloo pairs sends and receives by order alone), "
-                "and a replica can order only its own; use object_store to run several replicas"
-            )
+        self._check_transports()
         if self.media.video_max_frames > self.limits.max_video_frames:
             raise ValueError(
                 f"media.video_max_frames ({self.media.video_max_frames}) must not exceed limits.max_video_frames ({self.limits.max_video_frames})"
             )
         return self
+
+    def _check_transports(self) -> None:
+        used = {self.transport.embeddings, self.transport.kv}
+        for gpu_only in (Transport.NCCL, Transport.CUDA_IPC):
+            if gpu_only in used and self.model.device != "cuda":
+                raise ValueError(f"transport {gpu_only.value} needs model.device: cuda")
+        shared = [name for name, pool in self.named_pools() if pool.num_gpus < 1]
+        if Transport.NCCL in used and shared:
+            # Measured on one H200 (docs/GPU_CHECKS.md): the group forms, then the first transfer hangs.
+            raise ValueError(
+                f"transport nccl needs a whole GPU per worker, but {', '.join(shared)} num_gpus is below 1: NCCL cannot "
+                "connect two workers on one GPU; use object_store where workers share a GPU"
+            )
+        collective = {t for t in used if t.collective}
+        if collective and self.server.num_replicas > 1:
+            raise ValueError(
+                f"transport {collective.pop().value} needs server.num_replicas: 1 (got {self.server.num_replicas}): "
+                "RDT transfers must run one at a time (gloo pairs sends and receives by order alone), "
+                "and a replica can order only its own; use object_store to run several replicas"
+            )
 
     @property
     def encoder_pools(self) -> list[EncoderPoolConfig]:

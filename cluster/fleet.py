@@ -36,7 +36,8 @@ _WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "TOKENIZERS_PARALLELIS
 
 
 def _rdt_transport(config: ClusterConfig) -> Transport | None:
-    used = {config.transport.embeddings, config.transport.kv} - {Transport.OBJECT_STORE}
+    """The collective transport the workers' group is formed for (cuda_ipc is one-sided: no group)."""
+    used = {t for t in (config.transport.embeddings, config.transport.kv) if t.collective}
     return used.pop() if used else None
 
 

@@ -104,7 +104,7 @@ class FleetClient:
         in flight at once (a prefill worker receiving embeddings while it sends KV) the
         suite saw a transfer hang until Ray's 60 s abort killed the group. The lock is this
         process's: hence RDT transports need server.num_replicas 1 (ClusterConfig checks)."""
-        if transport == Transport.OBJECT_STORE:
+        if not transport.collective:
             return contextlib.nullcontext()
         if self._transfer_lock is None:
             self._transfer_lock = asyncio.Lock()

@@ -17,7 +17,7 @@ import ray
 from actors.decode_state import finish_reason_of
 from actors.types import DecodeRequest, EncodeJob, FinishReason, PrefillRequest, PrefillResult, TokenChunk
 from cluster.admitted import Admitted, Endpoint, Job
-from cluster.config import ClusterConfig, Transport
+from cluster.config import ClusterConfig
 from cluster.errors import RequestError
 from cluster.fleet_client import FleetClient
 from cluster.intake import Intake
@@ -209,7 +209,7 @@ class RequestPath:
         worker-to-worker, never here. Returns each receive's answer."""
         worker = self.fleet.pools[kind][index]
         calls = lambda: [worker.receive.remote(request_id, slot, ref) for slot, ref in enumerate(refs)]
-        if transport == Transport.OBJECT_STORE:
+        if not transport.collective:
             return await asyncio.gather(*calls())
         async with self.fleet.receiving(transport):  # one RDT transfer at a time (FleetClient.receiving)
             return [await worker.receive.remote(request_id, slot, ref) for slot, ref in enumerate(refs)]
@@ -289,11 +289,11 @@ class RequestPath:
                 decoder.abort.remote(job.job_id)
 
     async def _start_decode(self, decoder, decision: RouteDecision, request: DecodeRequest, kv_ref):
-        """Over the object store the KV rides on the generate call itself: no copy waits in
-        the decode worker for a call that may never come. RDT transfers into one actor must
-        be ordered, so there the KV is delivered first."""
+        """Over the object store (and CUDA IPC) the KV rides on the generate call itself: no
+        copy waits in the decode worker for a call that may never come. Collective transfers
+        into one actor must be ordered, so there the KV is delivered first."""
         streaming = decoder.generate.options(num_returns="streaming")
-        if self.config.transport.kv == Transport.OBJECT_STORE:
+        if not self.config.transport.kv.collective:
             return streaming.remote(request, kv_ref)
         await self.deliver(WorkerKind.DECODE, decision.decode, request.request_id, [kv_ref], self.config.transport.kv)
         return streaming.remote(request)

@@ -87,20 +87,45 @@ def test_unknown_keys_are_rejected_by_name(tmp_path, data, key):
     assert str(path) in str(info.value)
 
 
-def test_nccl_with_cpu_device_is_rejected(tmp_path):
+@pytest.mark.parametrize("transport", ["nccl", "cuda_ipc"])
+def test_gpu_transports_with_cpu_device_are_rejected(tmp_path, transport):
     for section in ("kv", "embeddings"):
-        data = {**MINIMAL, "transport": {section: "nccl"}}
-        with pytest.raises(ConfigError, match="nccl"):
+        data = {**MINIMAL, "transport": {section: transport}}
+        with pytest.raises(ConfigError, match=transport):
             load_config(write(tmp_path, data))
+
+
+def test_cuda_ipc_is_one_sided_and_allows_several_replicas(tmp_path):
+    """CUDA IPC needs no collective group, so nothing pairs transfers by order across replicas."""
+    model = {**MINIMAL["model"], "device": "cuda"}
+    gpu = {"num_gpus": 0.25}
+    data = {"model": model, "encoder": gpu, "prefill": gpu, "decode": gpu, "transport": {"embeddings": "cuda_ipc", "kv": "cuda_ipc"}}
+    config = load_config(write(tmp_path, {**data, "server": {"num_replicas": 2}}))
+    assert not config.transport.kv.collective and Transport.NCCL.collective
+    whole = {"num_gpus": 1}
+    nccl = {**data, "encoder": whole, "prefill": whole, "decode": whole, "transport": {"kv": "nccl"}, "server": {"num_replicas": 2}}
+    with pytest.raises(ConfigError, match="num_replicas"):
+        load_config(write(tmp_path, nccl))
 
 
 def test_cuda_needs_gpus_in_every_pool(tmp_path):
     data = {"model": {**MINIMAL["model"], "device": "cuda"}, "encoder": {"num_gpus": 1}, "prefill": {"num_gpus": 1}}
     with pytest.raises(ConfigError, match="num_gpus"):
         load_config(write(tmp_path, data))
-    data["decode"] = {"num_gpus": 0.5}
+    data["decode"] = {"num_gpus": 1}
     data["transport"] = {"kv": "nccl"}
     assert load_config(write(tmp_path, data)).transport.kv == Transport.NCCL
+
+
+def test_nccl_between_workers_sharing_a_gpu_is_refused_by_pool(tmp_path):
+    """On one GPU the NCCL group forms and the first transfer hangs (measured on an H200)."""
+    whole = {"num_gpus": 1}
+    data = {"model": {**MINIMAL["model"], "device": "cuda"}, "encoder": whole, "prefill": {"num_gpus": 0.5}, "decode": whole}
+    data["transport"] = {"embeddings": "nccl"}
+    with pytest.raises(ConfigError, match="nccl needs a whole GPU per worker, but prefill num_gpus"):
+        load_config(write(tmp_path, data))
+    data["transport"] = {"embeddings": "object_store", "kv": "cuda_ipc"}
+    assert load_config(write(tmp_path, data)).transport.kv == Transport.CUDA_IPC
 
 
 @pytest.mark.parametrize(

@@ -36,8 +36,10 @@ def _ray_up_config(name: str) -> dict:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_loads(path: Path):
     config = load_config(path)
-    if config.model.device == "cuda":
-        assert config.transport.kv == Transport.NCCL
+    if config.model.device == "cuda":  # nccl between whole GPUs; the object store where workers share one
+        pools = [*config.encoder_pools, config.prefill, config.decode]
+        expected = Transport.NCCL if min(p.num_gpus for p in pools) >= 1 else Transport.OBJECT_STORE
+        assert config.transport.kv == config.transport.embeddings == expected
 
 
 def test_cluster_yaml_node_types_hold_the_pinned_pools():
