@@ -260,7 +260,7 @@ def prefill_estimates(pairs) -> dict | None:
 
 def timed_trace(run: dict) -> list[dict]:
     """The run's trace, every record with its measured stage times (a trace written before the
-    cluster recorded them gets them from the responses its TTFTs join)."""
+    cluster recorded them gets them from the responses its TTFTs join) and its decode_ms."""
     from router.sim.trace_file import MEASURED_STAGES
 
     trace = read_trace(run["trace"])
@@ -268,6 +268,11 @@ def timed_trace(run: dict) -> list[dict]:
         for key in MEASURED_STAGES:
             if key in m:  # runs saved before prefill_compute_ms was recorded lack it
                 t.setdefault(key, m[key])
+        if "e2e_ms" in m:  # first token to last: decoding shares the host too (router/sim/variability.py)
+            t["decode_ms"] = max(m["e2e_ms"] - m["ttft_ms"], 0.0)
+    if known := [t["decode_ms"] for t in trace if "decode_ms" in t]:
+        for t in trace:  # the capacity probe's requests (not saved): the typical decode
+            t.setdefault("decode_ms", float(np.median(known)))
     return trace
 
 
@@ -326,8 +331,9 @@ def model_parts(fit, model: str, trace: list[dict], image_arrivals: list[float])
     from router.sim.variability import busy, interpolate
 
     col = {k: np.array([t[k] for t in trace]) for k in ("arrival_s", "ttft_ms", "prefill_ms", "prefill_queue_ms")}
+    decode_ms = np.array([t["decode_ms"] for t in trace]) if fit.count_decoding else None
     at = np.array(image_arrivals)
-    others = np.minimum(busy(*col.values(), at) - 1, fit.max_others) if len(at) else np.zeros(0)
+    others = np.minimum(busy(*col.values(), at, decode_ms) - 1, fit.max_others) if len(at) else np.zeros(0)
     if model == "measured host":
         m = fit.measured
         knots = [t for t, _ in m.profile], [x for _, x in m.profile]

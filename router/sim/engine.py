@@ -178,6 +178,7 @@ class Engine:
         self.kv_bytes_per_token, self.publish_s = costs.kv_bytes_per_token, costs.publish_interval_s
         # service-time variability: off by default (then nothing draws)
         self.mult = Multipliers(costs.variability) if costs.variability.enabled else None
+        self.count_decoding = costs.variability.count_decoding
         self.ingress_ms, self.ingress_media_ms = costs.ingress_ms, costs.ingress_media_ms
         self.inflight = 0  # requests arrived whose first token is not out yet (the host's contention)
         self.requests: list[Request | None] = [None] * n
@@ -232,8 +233,10 @@ class Engine:
         return ms if self.mult is None else ms * self.mult.service(self._busy_others(), now)
 
     def _busy_others(self) -> int:
-        """Other requests in flight doing work (not waiting in a prefill queue): the host's contention."""
-        return self.inflight - self.prefill.waiting() - 1
+        """Other requests in flight doing work (not waiting in a prefill queue), and with
+        count_decoding those decoding: the host's contention."""
+        n = self.inflight - self.prefill.waiting() - 1
+        return n + self.decode.num_active if self.count_decoding else n
 
     def _ingress_ms(self, prof, now: float) -> float:
         """The request's ingress overhead (admission, RPCs, hand-overs: no modelled worker)."""

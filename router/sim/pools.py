@@ -341,6 +341,7 @@ class DecodePool:
         self.speed = [w.speed for w in workers]
         self.node = [nodes.index(w.node) for w in workers]
         self.active = [0] * len(workers)
+        self.num_active = 0  # sum of active: requests decoding (admitted) on any worker
         self.wait: list[deque[tuple[int, float]]] = [deque() for _ in workers]  # (r, KV landing time)
         self.step_ms, self.per_seq_ms, self.max_batch = costs.decode_step_ms, costs.decode_step_per_seq_ms, costs.decode_max_batch
         self.slot_ms = 0.0  # sum of admitted requests' decode ms (utilisation)
@@ -355,12 +356,14 @@ class DecodePool:
 
     def _admit(self, d: int, r: int, max_tokens: int, at: float) -> None:
         b = self.active[d] = self.active[d] + 1
+        self.num_active += 1
         ms = max_tokens * (self.step_ms + self.per_seq_ms * b) / self.speed[d]
         self.slot_ms += ms
         heappush(self.engine.heap, (at + ms * 1e-3, EV_DEC_DONE, d, r))
 
     def finish(self, d: int, now: float) -> None:
         self.active[d] -= 1
+        self.num_active -= 1
         if self.wait[d]:
             r, kv_at = self.wait[d].popleft()
             self._admit(d, r, self.engine.requests[r].profile.max_tokens, kv_at if kv_at > now else now)

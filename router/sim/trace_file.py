@@ -17,6 +17,8 @@ per request, in any order (sorted by arrival on load); blank lines are skipped.
      "prefill_queue_ms": 3.1,            #   the prefill worker's queue and prefill time
      "prefill_ms": 80.4,                 #   (router/sim/variability.py fits from these)
      "prefill_compute_ms": 61.0,         #   of prefill_ms, its own forwards (the rest: others' chunks)
+     "decode_ms": 310.0,                 #   first token to last (in every record or none: the fit then
+                                         #   counts decoding requests as sharing the host)
      "prefix_hashes": ["ab12", ...],     # optional: prompt block hashes, in order
      "block_size": 16}                   # optional: tokens per block (default 16)
 

@@ -52,6 +52,7 @@ class Variability:
     host_sigma: float = 0.0  # lognormal sigma of the host's slowness H(t), common to all services starting at t
     host_tau_s: float = 1.0  # correlation time of log H(t)
     host_profile: tuple[tuple[float, float], ...] = ()  # (time_s, log H) knots: a measured H(t) instead
+    count_decoding: bool = False  # busy others include requests decoding (their decode steps share the host)
 
     @property
     def enabled(self) -> bool:
@@ -138,13 +139,25 @@ def covering(starts: np.ndarray, ends: np.ndarray, at_s: np.ndarray) -> np.ndarr
     return np.searchsorted(np.sort(starts), at, side="right") - np.searchsorted(np.sort(ends), at, side="right")
 
 
-def busy(arrival_s: np.ndarray, ttft_ms: np.ndarray, prefill_ms: np.ndarray, prefill_queue_ms: np.ndarray, at_s: np.ndarray) -> np.ndarray:
+def busy(
+    arrival_s: np.ndarray,
+    ttft_ms: np.ndarray,
+    prefill_ms: np.ndarray,
+    prefill_queue_ms: np.ndarray,
+    at_s: np.ndarray,
+    decode_ms: np.ndarray | None = None,
+) -> np.ndarray:
     """For each time in `at_s`: requests in flight then, less those waiting in a prefill queue
-    (which ends when the prefill starts, prefill_ms before the first token)."""
+    (which ends when the prefill starts, prefill_ms before the first token); with `decode_ms`
+    (first token to last), plus the requests decoding then."""
     arrival_s = np.asarray(arrival_s, dtype=float)
     queue_end = arrival_s + (np.asarray(ttft_ms, dtype=float) - np.asarray(prefill_ms, dtype=float)) / 1e3
     waiting = covering(queue_end - np.asarray(prefill_queue_ms, dtype=float) / 1e3, queue_end, at_s)
-    return in_flight(arrival_s, ttft_ms, at_s) - waiting
+    n = in_flight(arrival_s, ttft_ms, at_s) - waiting
+    if decode_ms is None:
+        return n
+    first_s = arrival_s + np.asarray(ttft_ms, dtype=float) / 1e3
+    return n + covering(first_s, first_s + np.asarray(decode_ms, dtype=float) / 1e3, at_s)
 
 
 @dataclass(frozen=True)
@@ -287,13 +300,22 @@ class TraceFit:
     host_share: float = 0.0  # of the prefill residual's variance, what the host's slowness H(t) explains
     host_tau_s: float = 1.0
     measured: MeasuredHost | None = None  # the host's slowness as measured over the run (fit_measured_host)
+    count_decoding: bool = False  # the trace had decode_ms: decoding requests counted as busy
 
     def variability(self, seed: int = 0, measured_host: bool = False) -> Variability:
         """The fitted variability: the host's share of each service's variance moves to a random H(t),
         or with `measured_host` to H(t) as measured in the trace."""
         if measured_host:
             m = self.measured
-            return Variability(m.prefill.contention, m.prefill.sigma, m.ingress_sigma, seed, self.max_others, host_profile=m.profile)
+            return Variability(
+                m.prefill.contention,
+                m.prefill.sigma,
+                m.ingress_sigma,
+                seed,
+                self.max_others,
+                host_profile=m.profile,
+                count_decoding=self.count_decoding,
+            )
         host_var = self.host_share * self.prefill.sigma**2
         return Variability(
             self.prefill.contention,
@@ -303,6 +325,7 @@ class TraceFit:
             self.max_others,
             math.sqrt(host_var),
             self.host_tau_s,
+            count_decoding=self.count_decoding,
         )
 
 
@@ -315,9 +338,10 @@ TIMINGS = ("arrival_s", "ttft_ms", "prefill_ms", "prefill_queue_ms", "encode_ms"
 
 
 def fit_trace(records: list[dict], reference: int = 0, grid: np.ndarray | None = None) -> TraceFit:
-    """Fit a trace recorded on the live cluster (router/sim/workload.py has the format; records
+    """Fit a trace recorded on the live cluster (router/sim/trace_file.py has the format; records
     without the measured timings are left out). `grid`: the contentions to try (fit_service's
-    default; [0.0] fits no contention)."""
+    default; [0.0] fits no contention). Where every record has decode_ms, requests decoding count
+    as busy too (on a shared host a decode step takes CPU from the prefill beside it)."""
     timed = [r for r in records if all(k in r for k in TIMINGS)]
     if len(timed) < 3:
         raise ValueError(f"the trace has {len(timed)} records with measured timings; fitting needs 3 or more")
@@ -328,9 +352,10 @@ def fit_trace(records: list[dict], reference: int = 0, grid: np.ndarray | None =
     tokens = np.array([r["num_prompt_tokens"] for r in timed], dtype=float)
     worker = np.array([r["route"][1] for r in timed])
     media = np.array([bool(r["items"]) for r in timed])
+    decode_ms = np.array([r["decode_ms"] for r in timed], dtype=float) if all("decode_ms" in r for r in timed) else None
 
     def others(at_s: np.ndarray) -> np.ndarray:  # other busy requests at each time (of one request's own)
-        return busy(col["arrival_s"], col["ttft_ms"], col["prefill_ms"], col["prefill_queue_ms"], at_s) - 1
+        return busy(col["arrival_s"], col["ttft_ms"], col["prefill_ms"], col["prefill_queue_ms"], at_s, decode_ms) - 1
 
     at_prefill = others(col["arrival_s"] + (col["ttft_ms"] - col["prefill_ms"]) / 1e3)  # it ends with the first token
     ref = worker == reference
@@ -359,7 +384,7 @@ def fit_trace(records: list[dict], reference: int = 0, grid: np.ndarray | None =
             )
         ),
     )
-    return TraceFit(fit, reference, speeds, *ingress, int(at_prefill.max()), share, tau, measured)
+    return TraceFit(fit, reference, speeds, *ingress, int(at_prefill.max()), share, tau, measured, decode_ms is not None)
 
 
 def fit_ingress(overhead_ms: np.ndarray, media: np.ndarray, factor: np.ndarray) -> tuple[float, float, float]:

@@ -162,3 +162,43 @@ def test_fit_host_and_the_measured_host_recover_a_slow_spell():
     inside, outside = np.mean([v for k, v in knots.items() if 22 < k < 28]), np.mean([v for k, v in knots.items() if k < 15 or k > 35])
     assert np.exp(inside - outside) == pytest.approx(4.0, rel=0.15)
     assert host.prefill.contention <= 0.04 and host.prefill.sigma == pytest.approx(0.2, abs=0.05)
+
+
+def test_requests_decoding_count_as_busy_where_decode_times_are_given():
+    arrival, ttft = np.array([0.0, 0.1]), np.array([50.0, 50.0])  # first tokens at .05 and .15
+    no_queue, at = np.zeros(2), np.array([0.06, 0.12, 0.2, 0.4])
+    assert busy(arrival, ttft, ttft, no_queue, at).tolist() == [0, 1, 0, 0]
+    # decoding for 100 ms after the first token: [.05, .15) and [.15, .25)
+    assert busy(arrival, ttft, ttft, no_queue, at, decode_ms=np.array([100.0, 100.0])).tolist() == [1, 2, 1, 0]
+
+
+def test_the_simulator_counts_decoding_requests_as_contention_when_asked():
+    # r0 at 0: 25 ms, then decodes 8 x 10 ms until 105 ms. r1 at 50 ms, on the other prefill worker: 25 ms
+    # alone; with decoding counted, r0's decode is one other busy request: 25 x (1 + 0.5) = 37.5 ms
+    wl = Workload("hand", [RequestProfile(200, max_tokens=8) for _ in range(2)], np.array([0.0, 0.05]))
+    plain = text_cluster(decode_step_ms=10.0, variability=Variability(contention=0.5))
+    counted = text_cluster(decode_step_ms=10.0, variability=Variability(contention=0.5, count_decoding=True))
+    assert simulate(plain, wl, "joint").ttft_ms == pytest.approx([25.0, 25.0])
+    assert simulate(counted, wl, "joint").ttft_ms == pytest.approx([25.0, 37.5])
+
+
+def test_fit_trace_counts_decoding_only_when_every_record_has_its_decode_time():
+    rng = np.random.default_rng(1)
+    records = [
+        {
+            "arrival_s": 0.2 * i,
+            "ttft_ms": 60.0,
+            "num_prompt_tokens": int(rng.integers(100, 900)),
+            "items": [],
+            "route": [None, 0, 0],
+            "encode_ms": 0.0,
+            "prefill_ms": 50.0,
+            "prefill_queue_ms": 0.0,
+            "decode_ms": 300.0,
+        }
+        for i in range(40)
+    ]
+    assert fit_trace(records).count_decoding and fit_trace(records).variability().count_decoding
+    assert fit_trace(records).max_others >= 1  # the previous requests still decoding when each one's prefill starts
+    del records[3]["decode_ms"]
+    assert not fit_trace(records).count_decoding and fit_trace(records).max_others == 0
