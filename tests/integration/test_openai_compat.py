@@ -53,7 +53,10 @@ def test_chat_logprobs_shape_whole_and_streamed(client, model):
         client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
     )
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # Tokens exactly, values to float32 rounding: the two requests' steps need not run in the same layout (KV slab
+    # size, borrowed threads), and CI once saw -3.9427488 against -3.9427490 for the same token. Not traced further.
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     plain = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
 
