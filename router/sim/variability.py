@@ -67,6 +67,8 @@ class Variability:
                 raise ValueError(f"variability {name} must be a finite number >= 0, got {value!r}")
         if not (isinstance(self.max_others, int) and self.max_others >= 0):
             raise ValueError(f"variability max_others must be an integer >= 0, got {self.max_others!r}")
+        if not isinstance(self.count_decoding, bool):
+            raise ValueError(f"variability count_decoding must be true or false, got {self.count_decoding!r}")
 
 
 class Multipliers:

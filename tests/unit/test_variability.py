@@ -122,6 +122,9 @@ def test_variability_from_yaml_and_bad_values(tmp_path):
     yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  variability: {sigma: -1}\n")
     with pytest.raises(ClusterShapeError, match="sigma"):
         SimCluster.from_yaml(yml)
+    yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  variability: {contention: 0.1, count_decoding: 'yes'}\n")
+    with pytest.raises(ClusterShapeError, match="count_decoding"):
+        SimCluster.from_yaml(yml)
     yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  variability: {spread: 1}\n")
     with pytest.raises(ClusterShapeError, match="variability"):
         SimCluster.from_yaml(yml)
