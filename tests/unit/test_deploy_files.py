@@ -37,8 +37,7 @@ def _ray_up_config(name: str) -> dict:
 def test_config_loads(path: Path):
     config = load_config(path)
     if config.model.device == "cuda":  # nccl between whole GPUs; the object store where workers share one
-        pools = [*config.encoder_pools, config.prefill, config.decode]
-        expected = Transport.NCCL if min(p.num_gpus for p in pools) >= 1 else Transport.OBJECT_STORE
+        expected = Transport.NCCL if min(pool.num_gpus for _, pool in config.named_pools()) >= 1 else Transport.OBJECT_STORE
         assert config.transport.kv == config.transport.embeddings == expected
 
 
