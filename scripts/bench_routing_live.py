@@ -288,8 +288,9 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
     fit = fit_trace(trace, grid=None if model != "deterministic" else np.array([0.0]))
     pf, ingress, crowd = model_parts(fit, model, trace, [t["arrival_s"] for t, _ in pairs if t["items"]])
     encode_ms = (run["stage_ms"]["encode"] or 0.0) / crowd  # the load phase's mean, less the slowdown its batches met
-    # relative to worker 0; a worker with under 3 requests in the trace: its configured factor
-    speeds = [1.0] + [fit.speeds.get(i, args.stretch / f) for i, f in enumerate(slowdowns(args)) if i]
+    # relative to the fit's reference worker; one with under 3 requests in the trace: as configured
+    ref, factors = fit.reference, slowdowns(args)
+    speeds = [1.0 if i == ref else fit.speeds.get(i, factors[ref] / f) for i, f in enumerate(factors)]
     costs = SimCosts(
         encode={**SimCosts().encode, "image": EncodeCost(encode_ms, 0.0, 1.0)},
         encode_max_batch=cfg.encoder.max_batch_size,
@@ -309,6 +310,7 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
         "prefill_fixed_ms": round(pf.fixed_ms, 3),
         "prefill_ms_per_token": round(pf.per_unit_ms, 5),
         "prefill_speeds": [round(x, 3) for x in speeds],
+        "reference_worker": ref,
         "prefill_chunk_tokens": costs.prefill_chunk_tokens,
         "contention_per_request": round(v.contention, 3),
         "max_others": fit.max_others,

@@ -339,11 +339,14 @@ def own_sigma(sigma: float, host_var: float) -> float:
 TIMINGS = ("arrival_s", "ttft_ms", "prefill_ms", "prefill_queue_ms", "encode_ms")
 
 
-def fit_trace(records: list[dict], reference: int = 0, grid: np.ndarray | None = None) -> TraceFit:
+def fit_trace(records: list[dict], reference: int | None = None, grid: np.ndarray | None = None) -> TraceFit:
     """Fit a trace recorded on the live cluster (router/sim/trace_file.py has the format; records
-    without the measured timings are left out). `grid`: the contentions to try (fit_service's
-    default; [0.0] fits no contention). Where every record has decode_ms, requests decoding count
-    as busy too (on a shared host a decode step takes CPU from the prefill beside it)."""
+    without the measured timings are left out). `reference`: the prefill worker whose services
+    give the cost curve and the host's slowness, the others' speeds relative to it; by default
+    the one that served most requests (a worker the router avoided has a few warm-up requests,
+    too few to measure a host by). `grid`: the contentions to try (fit_service's default; [0.0]
+    fits no contention). Where every record has decode_ms, requests decoding count as busy too
+    (on a shared host a decode step takes CPU from the prefill beside it)."""
     timed = [r for r in records if all(k in r for k in TIMINGS)]
     if len(timed) < 3:
         raise ValueError(f"the trace has {len(timed)} records with measured timings; fitting needs 3 or more")
@@ -360,6 +363,9 @@ def fit_trace(records: list[dict], reference: int = 0, grid: np.ndarray | None =
         return busy(col["arrival_s"], col["ttft_ms"], col["prefill_ms"], col["prefill_queue_ms"], at_s, decode_ms) - 1
 
     at_prefill = others(col["arrival_s"] + (col["ttft_ms"] - col["prefill_ms"]) / 1e3)  # it ends with the first token
+    if reference is None:  # the busiest worker; ties to the lowest index
+        served = np.bincount(worker)
+        reference = int(served.argmax())
     ref = worker == reference
     fit = fit_service(tokens[ref], service[ref], at_prefill[ref], grid)
     speeds = {}

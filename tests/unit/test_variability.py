@@ -80,9 +80,10 @@ def test_fit_service_recovers_contention_noise_and_costs():
     assert flat.contention <= 0.02
 
 
-def test_fit_trace_on_a_simulated_trace():
-    """Record a trace from a simulation with known variability, fit it back."""
-    truth = Variability(contention=0.2, sigma=0.25, seed=5)
+def simulated_trace(truth: Variability) -> list[dict]:
+    """What the live cluster writes for a round-robin run of 4 equal text workers with known
+    variability: arrival, TTFT, stage times (a text request's service is its prefill, the rest of
+    its TTFT the prefill queue), route."""
     cluster = text_cluster(prefill=4, variability=truth)
     wl = make_workload("poisson", 3000, seed=4, mix={"text": 1.0}, rate_rps=20.0)  # ~50% load: busy workers vary
     from router.sim.engine import _run, make_router
@@ -92,9 +93,7 @@ def test_fit_trace_on_a_simulated_trace():
     route = router.route
     router.route = lambda profile, now_s: decisions.append(route(profile, now_s)) or decisions[-1]
     sim = _run(cluster, wl, router, "round_robin", slo_ms=1e3, progress=False, record_decisions=False, load=None)
-    # what the live cluster writes: arrival, TTFT, stage times (a text request's service is its prefill,
-    # the rest of its TTFT the prefill queue), route
-    records = [
+    return [
         {
             "arrival_s": a,
             "ttft_ms": t,
@@ -107,11 +106,28 @@ def test_fit_trace_on_a_simulated_trace():
         }
         for a, t, p, d, s in zip(wl.arrival_s, sim.ttft_ms, wl.profiles, decisions, sim.service_ms)
     ]
-    fit = fit_trace(records)
+
+
+def test_fit_trace_on_a_simulated_trace():
+    """Record a trace from a simulation with known variability, fit it back."""
+    fit = fit_trace(simulated_trace(Variability(contention=0.2, sigma=0.25, seed=5)))
     assert fit.prefill.contention == pytest.approx(0.2, abs=0.05) and fit.prefill.sigma == pytest.approx(0.25, abs=0.05)
     assert fit.prefill.base_ms(1000) == pytest.approx(5 + 1000 / 10, rel=0.1)
     assert fit.speeds[1] == pytest.approx(1.0, rel=0.1)
     assert fit.ingress_ms == pytest.approx(0.0, abs=1e-6) and fit.variability(3).max_others == fit.max_others > 0
+
+
+def test_fit_trace_takes_the_busiest_worker_as_its_reference():
+    """A worker the router avoided has a few warm-up requests: too few to fit the host by. The fit
+    takes the worker that served most; an explicit reference is still honoured."""
+    records = simulated_trace(Variability(contention=0.2, sigma=0.25, seed=5))
+    # the workers are equal, so worker 0's requests but 4 may be told as worker 2's (the busy counts stay)
+    for r in [r for r in records if r["route"][1] == 0][4:]:
+        r["route"] = [None, 2, 0]
+    fit = fit_trace(records)
+    assert fit.reference == 2 and fit.prefill.base_ms(1000) == pytest.approx(5 + 1000 / 10, rel=0.1)
+    assert 0 in fit.speeds and 2 not in fit.speeds  # worker 0's speed is measured relative to worker 2
+    assert fit_trace(records, reference=0).reference == 0
 
 
 def test_variability_from_yaml_and_bad_values(tmp_path):
