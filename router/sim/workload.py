@@ -66,10 +66,10 @@ REQUEST_CLASSES: dict[str, RequestClass] = {
     c.name: c
     for c in (
         RequestClass("text", 1000),
-        RequestClass("image", 1000, "image", 1, _MP_336, 576),
-        RequestClass("images4", 1000, "image", 4, _MP_336, 576),
-        RequestClass("video", 1000, "video", 1, 30.0, 17_280),
-        RequestClass("audio", 1000, "audio", 1, 30.0, 1_500),
+        RequestClass("image", 1000, Modality.IMAGE.value, 1, _MP_336, 576),
+        RequestClass("images4", 1000, Modality.IMAGE.value, 4, _MP_336, 576),
+        RequestClass("video", 1000, Modality.VIDEO.value, 1, 30.0, 17_280),
+        RequestClass("audio", 1000, Modality.AUDIO.value, 1, 30.0, 1_500),
     )
 }
 
