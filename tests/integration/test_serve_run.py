@@ -25,6 +25,14 @@ from tests.integration.test_multi_node import free_port, private_ray_env
 
 RAY = str(Path(sys.executable).parent / "ray")
 SERVE = str(Path(sys.executable).parent / "serve")
+# Runs the command with SIGINT at its default, as a terminal starts it: a suite started in the background
+# (`./.ci/run &`) ignores SIGINT, a child inherits that, and Python then installs no KeyboardInterrupt
+# handler, so `serve run` would sleep through the test's Ctrl-C. An exec, not preexec_fn: safe beside threads.
+AS_FROM_A_TERMINAL = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])",
+]
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +96,9 @@ def _serve_yaml(tmp_path: Path, http_port: int) -> Path:
 
 
 def _interrupt(proc: subprocess.Popen, log: Path, within_s: float = 120) -> int:
-    """Ctrl-C, as a user stops `serve run` (it deletes its app and exits); its exit status. Once in CI it
-    was still up 120 s later with no "Got KeyboardInterrupt" in its log: then its Python stacks go into
-    the failure, and it is killed so it does not outlive the test."""
+    """Ctrl-C, as a user stops `serve run` (it deletes its app and exits); its exit status. If it is still
+    up `within_s` later, its Python stacks go into the failure and it is killed, so it does not outlive
+    the test (that is how an inherited ignored SIGINT showed itself: see AS_FROM_A_TERMINAL)."""
     proc.send_signal(signal.SIGINT)
     try:
         return proc.wait(timeout=within_s)
@@ -127,7 +135,7 @@ def test_serve_run_serves_the_serve_config(ray_head, tmp_path):
     http_port = free_port()
     log = tmp_path / "serve_run.log"
     proc = subprocess.Popen(
-        [SERVE, "run", "--address", address, str(_serve_yaml(tmp_path, http_port))],
+        [*AS_FROM_A_TERMINAL, SERVE, "run", "--address", address, str(_serve_yaml(tmp_path, http_port))],
         cwd=REPO_ROOT,
         env=env,
         stdout=log.open("w"),
