@@ -17,7 +17,7 @@ from actors.engine_decode import DecodeEngine, DecodeOutput
 from actors.inbox import TensorInbox
 from actors.lm_runner import LMRunner
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
-from actors.types import DecodeRequest, TokenChunk
+from actors.types import DecodeRequest, FinishReason, TokenChunk
 
 
 class DecodeWorker(ModelWorker):
@@ -66,6 +66,9 @@ class DecodeWorker(ModelWorker):
     def abort(self, request_id: str) -> None:
         self.inbox.close(request_id)
         self.engine.abort(request_id)
+        outbox = self._outboxes.get(request_id)
+        if outbox is not None:  # its stream ends now, also if it was still waiting for a row (no step reports those)
+            outbox.put_nowait(TokenChunk((), FinishReason.ABORT))
 
     def drop_owner(self, prefix: str) -> int:
         """An ingress replica died: abort() all its requests (their ids start with `prefix`)."""

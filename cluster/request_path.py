@@ -21,6 +21,7 @@ from cluster.config import ClusterConfig
 from cluster.errors import RequestError
 from cluster.fleet_client import FleetClient
 from cluster.intake import Intake
+from cluster.leftovers import close_soon, detached, drain_soon
 from cluster.metrics import Metrics
 from cluster.overlap import overlapped
 from cluster.prompt_plan import PromptPlanner
@@ -31,34 +32,6 @@ from router.types import RequestProfile, RouteDecision, WorkerKind
 
 ROUTE_RETRY_S = 0.1  # how often a request waiting for a healthy worker tries again
 RETRY_AFTER_S = 2  # what a 503 tells clients to wait: about one supervisor check
-CLOSE_RETRY_S, CLOSE_RETRY_FOR_S = 0.02, 30.0  # close_soon: a running stream is closed once its step ends
-
-
-_closing: set[asyncio.Task] = set()  # strong references until each closing finishes
-
-
-def close_soon(stream: AsyncIterator) -> None:
-    """Close an async generator in a task of its own. A client that leaves cancels the
-    request's task, and under Serve (anyio) every later await in that task is cancelled
-    too: an inline `await stream.aclose()` would stop half-way and skip the clean-up
-    (freeing the request's KV) further down the chain."""
-
-    async def close() -> None:
-        # A generator running a step in another task (the first token's wait_for, a closing
-        # inner stage) refuses aclose(); wait for that step to end and close it then, or it
-        # stays suspended, holding its KV, until the garbage collector finds it.
-        for _ in range(int(CLOSE_RETRY_FOR_S / CLOSE_RETRY_S)):
-            try:
-                await stream.aclose()
-                return
-            except RuntimeError:
-                if getattr(stream, "ag_frame", None) is None:  # finished meanwhile
-                    return
-                await asyncio.sleep(CLOSE_RETRY_S)
-
-    task = asyncio.get_running_loop().create_task(close())
-    _closing.add(task)
-    task.add_done_callback(_closing.discard)
 
 
 @dataclass
@@ -178,7 +151,7 @@ class RequestPath:
         finally:
             # Whatever the prefill worker still holds for this attempt (embeddings, KV that
             # decode never pulled) is freed, and late arrivals are refused.
-            self.fleet.pools[WorkerKind.PREFILL][decision.prefill].drop.remote(job.job_id)
+            detached(self.fleet.pools[WorkerKind.PREFILL][decision.prefill].drop.remote, job.job_id)
             self.routing.release(decision, before_prefill=not prefilled)
 
     def _record_ttft(self, job: Job, decision: RouteDecision, trace: Trace) -> None:
@@ -202,17 +175,17 @@ class RequestPath:
         """Let the encoders that served this attempt's items evict them again."""
         encoders = self.fleet.pools[WorkerKind.ENCODER]
         for index in {decision.encoder_for(item.modality.value) for item in job.adm.plan.items}:
-            encoders[index].drop.remote(job.job_id)
+            detached(encoders[index].drop.remote, job.job_id)
 
     async def deliver(self, kind: WorkerKind, index: int, request_id: str, refs: list, transport) -> list:
         """Hand tensors (as refs) to a worker's inbox, one receive call per item; they move
         worker-to-worker, never here. Returns each receive's answer."""
         worker = self.fleet.pools[kind][index]
-        calls = lambda: [worker.receive.remote(request_id, slot, ref) for slot, ref in enumerate(refs)]
+        calls = lambda: [detached(worker.receive.remote, request_id, slot, ref) for slot, ref in enumerate(refs)]
         if not transport.collective:
             return await asyncio.gather(*calls())
         async with self.fleet.receiving(transport):  # one RDT transfer at a time (FleetClient.receiving)
-            return [await worker.receive.remote(request_id, slot, ref) for slot, ref in enumerate(refs)]
+            return [await detached(worker.receive.remote, request_id, slot, ref) for slot, ref in enumerate(refs)]
 
     async def prefill(self, job: Job, decision: RouteDecision, encoded: list) -> tuple[PrefillResult, float | None]:
         """The prefill result, and how long the embeddings took from encoder to prefill worker.
@@ -273,7 +246,7 @@ class RequestPath:
         decoder = self.fleet.pools[WorkerKind.DECODE][decision.decode]
         kv_ref = prefill.pop_kv.options(**self.fleet.transport_option(self.config.transport.kv)).remote(job.job_id)
         request = DecodeRequest(job.job_id, result.num_prompt_tokens, result.first_token_id, job.sampling, result.rope_delta, job.history)
-        finished = False
+        finished, stream = False, None
         try:
             stream = await self._start_decode(decoder, decision, request, kv_ref)
             async for ref in stream:
@@ -286,7 +259,9 @@ class RequestPath:
                 yield chunk
         finally:
             if not finished:  # the client left, a stop string matched or a worker failed: free the row and the KV
-                decoder.abort.remote(job.job_id)
+                detached(decoder.abort.remote, job.job_id)
+                if stream is not None:
+                    drain_soon(stream)  # never dropped unfinished: that cancels the call, which can crash this process
 
     async def _start_decode(self, decoder, decision: RouteDecision, request: DecodeRequest, kv_ref):
         """Over the object store (and CUDA IPC) the KV rides on the generate call itself: no
@@ -294,7 +269,7 @@ class RequestPath:
         into one actor must be ordered, so there the KV is delivered first."""
         streaming = decoder.generate.options(num_returns="streaming")
         if not self.config.transport.kv.collective:
-            return streaming.remote(request, kv_ref)
+            return detached(streaming.remote, request, kv_ref)
         await self.deliver(WorkerKind.DECODE, decision.decode, request.request_id, [kv_ref], self.config.transport.kv)
         return streaming.remote(request)
 

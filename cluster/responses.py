@@ -14,6 +14,7 @@ from actors.types import FinishReason, TokenChunk, TokenLogprob
 from cluster.admitted import Admitted
 from cluster.completions import Completion, CompletionChoice
 from cluster.detokenize import IncrementalText
+from cluster.leftovers import close_soon
 from cluster.logprobs import LogprobText
 from cluster.metrics import Metrics
 from cluster.protocol import (
@@ -28,7 +29,7 @@ from cluster.protocol import (
     Usage,
     sse_event,
 )
-from cluster.request_path import Trace, close_soon
+from cluster.request_path import Trace
 
 
 @dataclass

@@ -75,6 +75,35 @@ def test_a_closed_request_refuses_late_tensors(workers):
     assert prefill.stats()["held_kv"] == 0
 
 
+def test_a_request_aborted_while_waiting_for_a_row_ends_its_stream(ckpt):
+    """The ingress drains a stream it no longer wants (dropping it would cancel the call): an
+    abort must end it even when the request never got a row, and the running one is unharmed."""
+    spec = WorkerSpec(str(ckpt), "float32", "cpu", 1, 256)
+    prefill, decode = PrefillWorker(spec, max_chunk_tokens=64), DecodeWorker(spec, max_batch_size=1)
+    long = dataclasses.replace(GREEDY, max_tokens=40)
+
+    async def generate(rid: str, prompt, sampling: SamplingParams) -> list:
+        result = await prefill.prefill(PrefillRequest(rid, prompt, (), sampling))
+        await decode.receive(rid, 0, await prefill.pop_kv(rid))
+        request = DecodeRequest(rid, result.num_prompt_tokens, result.first_token_id, sampling)
+        return [chunk async for chunk in decode.generate(request)]
+
+    async def main():
+        running = asyncio.ensure_future(generate("running", PROMPTS[0], long))
+        waiting = asyncio.ensure_future(generate("waiting", PROMPTS[1], GREEDY))
+        while "waiting" not in decode._outboxes:
+            await asyncio.sleep(0.001)
+        assert not running.done() and decode.stats()["queued"] == 1  # "waiting" has no row
+        decode.abort("waiting")
+        return await asyncio.wait_for(waiting, 10), await asyncio.wait_for(running, 60)
+
+    aborted, finished = asyncio.run(main())
+    assert [c.finish_reason for c in aborted] == [FinishReason.ABORT] and not aborted[0].token_ids
+    assert finished[-1].finish_reason == FinishReason.LENGTH
+    assert 1 + sum(len(c.token_ids) for c in finished) == long.max_tokens
+    assert decode.stats()["rows"] == 0 and decode.stats()["held_kv"] == 0
+
+
 def test_a_stream_interval_sends_fewer_chunks_of_the_same_tokens(ckpt):
     """decode.stream_interval 4: chunks of at least 4 tokens (the last one may be shorter),
     the same tokens and finish reason as one token a chunk."""
