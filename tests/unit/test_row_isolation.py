@@ -91,9 +91,11 @@ def test_a_request_aborted_while_waiting_for_a_row_ends_its_stream(ckpt):
     async def main():
         running = asyncio.ensure_future(generate("running", PROMPTS[0], long))
         waiting = asyncio.ensure_future(generate("waiting", PROMPTS[1], GREEDY))
-        while "waiting" not in decode._outboxes:
+        for _ in range(10_000):  # until "running" has the only row and "waiting" waits for it
+            if "waiting" in decode._outboxes and decode.stats()["rows"] == 1:
+                break
             await asyncio.sleep(0.001)
-        assert not running.done() and decode.stats()["queued"] == 1  # "waiting" has no row
+        assert not running.done() and decode.stats()["queued"] == 1, decode.stats()
         decode.abort("waiting")
         return await asyncio.wait_for(waiting, 10), await asyncio.wait_for(running, 60)
 
