@@ -84,7 +84,7 @@ class _Job:
         here = self.ready | self.items.keys()  # spliced, or given and not started yet
         spans = tuple(Span(r.offset, r.length, i in here) for i, r in enumerate(self.request.placeholders))
         return PrefillState(
-            self.request.request_id, len(self.request.prompt_token_ids), self.num_computed, spans, self.arrival, self.min_early_tokens
+            self.request.request_id, len(self.request.prompt_token_ids), self.num_computed, spans, self.arrival, self.added_s, self.min_early_tokens
         )
 
     def note_wait(self, now: float) -> None:
@@ -122,8 +122,10 @@ class PrefillEngine:
         max_media_tokens_per_step: int | None = None,
         order: Order = Order.SHORTEST_REMAINING,
         min_early_tokens: int = 0,
+        aging_tokens_per_s: float = 0.0,
     ):
         self.runner, self.token_budget, self.block_size, self.order = runner, token_budget, block_size, order
+        self.aging_tokens_per_s = aging_tokens_per_s  # shortest-first with aging (prefill_schedule): bounds a long prompt's wait
         self.min_early_tokens = min_early_tokens  # overlap: the shortest text worth prefilling ahead of a missing item
         self.max_media_tokens_per_step = max_media_tokens_per_step
         self.pool = BlockPool(cache_bytes)
@@ -184,7 +186,8 @@ class PrefillEngine:
         failed, self._failed = self._failed, []
         if not self.jobs:
             return failed
-        chunks = plan_step([job.state() for job in self.jobs.values()], self.token_budget, self.max_media_tokens_per_step, self.order)
+        states = [job.state() for job in self.jobs.values()]
+        chunks = plan_step(states, self.token_budget, self.max_media_tokens_per_step, self.order, self.aging_tokens_per_s)
         now = time.perf_counter()
         for chunk in chunks:
             job = self.jobs[chunk.request_id]

@@ -44,6 +44,7 @@ class PrefillWorker(ModelWorker):
         prefix_cache_bytes: int = 0,
         max_media_tokens_per_step: int | None = None,
         min_early_tokens: int = 0,
+        aging_tokens_per_s: float = 0.0,
     ):
         super().__init__(spec, Part.LANGUAGE_MODEL)
         self.engine = PrefillEngine(
@@ -53,6 +54,7 @@ class PrefillWorker(ModelWorker):
             cache_bytes=prefix_cache_bytes,
             max_media_tokens_per_step=max_media_tokens_per_step,
             min_early_tokens=min_early_tokens,
+            aging_tokens_per_s=aging_tokens_per_s,
         )
         self.embeddings = TensorInbox()  # from encoders, until the prefill call
         self.kv = TensorInbox()  # for the decode worker, until it pulls it

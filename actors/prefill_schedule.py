@@ -4,7 +4,10 @@ Every step shares one token budget among the requests in the worker, shortest re
 first (ties: the earlier arrival): a 40-token question is not stuck behind a 2,000-token
 video prompt, which advances by whatever budget the short ones leave. A long prompt is
 only held back while shorter ones fill the whole budget, i.e. when the worker is over
-capacity anyway.
+capacity anyway; but then without end, as long as shorter prompts keep coming. Aging bounds
+that: each second a request has been in the worker counts as `aging_tokens_per_s` tokens
+fewer, so a prompt of L tokens goes ahead of any newcomer after L / aging seconds at most.
+(remaining - aging x waited orders as remaining + aging x added_s: a key fixed per request.)
 
 A chunk never enters a media item's placeholder span unless that item's embeddings have
 arrived (until then the span's inputs are unknown): each request is computable up to its
@@ -50,6 +53,7 @@ class PrefillState:
     num_computed: int
     spans: tuple[Span, ...] = ()
     arrival: int = 0  # order of arrival in the worker (tie-break)
+    added_s: float = 0.0  # when it came (a monotonic clock): its age, for aging
     min_early_tokens: int = 0  # the shortest chunk worth running ahead of a missing item
 
     @property
@@ -86,13 +90,20 @@ def media_tokens(state: PrefillState, start: int, end: int) -> int:
 
 
 def plan_step(
-    states: list[PrefillState], token_budget: int, max_media_tokens: int | None = None, order: Order = Order.SHORTEST_REMAINING
+    states: list[PrefillState],
+    token_budget: int,
+    max_media_tokens: int | None = None,
+    order: Order = Order.SHORTEST_REMAINING,
+    aging_tokens_per_s: float = 0.0,
 ) -> list[Chunk]:
     """The chunks of the next step, at most `token_budget` tokens together (each request at
-    most one chunk), shortest remaining first."""
+    most one chunk), shortest remaining first (less what each has aged)."""
     chunks: list[Chunk] = []
     budget, media_budget = token_budget, max_media_tokens
-    key = (lambda s: (s.remaining, s.arrival)) if order is Order.SHORTEST_REMAINING else (lambda s: s.arrival)
+    if order is Order.SHORTEST_REMAINING:
+        key = lambda s: (s.remaining + aging_tokens_per_s * s.added_s, s.arrival)  # noqa: E731
+    else:
+        key = lambda s: s.arrival  # noqa: E731
     for state in sorted((s for s in states if s.runnable), key=key):  # a request waiting for an item costs nothing
         if budget <= 0:
             break

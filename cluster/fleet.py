@@ -105,6 +105,7 @@ class Fleet:
                 int(pool.prefix_cache_mb * 2**20),
                 pool.max_media_tokens_per_step,
                 pool.overlap_min_tokens,
+                pool.aging_tokens_per_s,
             )
         return DecodeActor.options(**options).remote(spec, pool.max_batch_size, int(pool.kv_cache_mb * 2**20), pool.stream_interval)
 

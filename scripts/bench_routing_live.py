@@ -297,6 +297,7 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
         prefill_fixed_ms=pf.fixed_ms,
         prefill_tokens_per_ms=1.0 / max(pf.per_unit_ms, 1e-6),
         prefill_chunk_tokens=cfg.prefill.max_chunk_tokens,  # the engine's chunks: shortest remaining first between them
+        prefill_aging_tokens_per_s=cfg.prefill.aging_tokens_per_s,
         decode_step_ms=run["stage_ms"]["decode_step"] or 1.0,
         decode_step_per_seq_ms=0.0,
         decode_max_batch=cfg.decode.max_batch_size,
@@ -312,6 +313,7 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
         "prefill_speeds": [round(x, 3) for x in speeds],
         "reference_worker": ref,
         "prefill_chunk_tokens": costs.prefill_chunk_tokens,
+        "prefill_aging_tokens_per_s": costs.prefill_aging_tokens_per_s,
         "contention_per_request": round(v.contention, 3),
         "max_others": fit.max_others,
         "service_sigma": round(v.sigma, 3),

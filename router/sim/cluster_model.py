@@ -11,6 +11,7 @@ Ground truth, at speed 1.0 (a worker's durations are divided by its speed):
   encoding-cost table: a 336x336 image 5 ms, four of them 12 ms batched, 30 video
   frames 48 ms, 30 s of audio 85 ms.
 - prefill (one request at a time, the queue shortest prompt first like the engine's scheduler,
+  less `prefill_aging_tokens_per_s` for each second waited, as the engine's aging,
   or FIFO: `prefill_order`): prefill_fixed_ms + uncached_tokens / prefill_tokens_per_ms; with
   `prefill_chunk_tokens`, in chunks of that many tokens, the worker going on after each chunk
   with the request of fewest tokens left (the engine's shortest-remaining-first)
@@ -111,6 +112,9 @@ class SimCosts:
     # Tokens a prefill runs before its worker looks at its queue again (the engine's max_chunk_tokens):
     # shortest-first then means shortest remaining first, chunk by chunk. 0: a prompt in one go.
     prefill_chunk_tokens: int = 0
+    # Shortest-first with aging (the engine's prefill_aging_tokens_per_s): each second a prompt has
+    # waited at its worker counts as that many tokens fewer. 0: pure shortest first.
+    prefill_aging_tokens_per_s: float = 0.0
     decode_step_ms: float = 12.0
     decode_step_per_seq_ms: float = 0.15
     decode_max_batch: int = 64
@@ -301,6 +305,9 @@ class SimCluster:
             raise ClusterShapeError(
                 f"cluster {self.name!r}: costs.prefill_order must be {PREFILL_SHORTEST_FIRST!r} or {PREFILL_FIFO!r}, got {self.costs.prefill_order!r}"
             )
+        aging = self.costs.prefill_aging_tokens_per_s
+        if not (isinstance(aging, (int, float)) and 0 <= aging < math.inf):
+            raise ClusterShapeError(f"cluster {self.name!r}: costs.prefill_aging_tokens_per_s must be a number >= 0, got {aging!r}")
         try:
             self.costs.variability.validate()
         except ValueError as exc:

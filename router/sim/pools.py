@@ -232,7 +232,8 @@ class PrefillPool:
     order (`SimCosts.prefill_order`). With `SimCosts.prefill_chunk_tokens` a prompt runs in chunks
     and goes back to the queue, keyed by the tokens it has left, after each one, so a shorter prompt
     that arrived meanwhile goes next (the engine's chunk-wise preemption); the service drawn at its
-    start is spread over its chunks by tokens."""
+    start is spread over its chunks by tokens. `SimCosts.prefill_aging_tokens_per_s` ages the key as
+    the engine does: a request's tokens less that many per second it has been at its worker."""
 
     def __init__(self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine):
         self.workers = [Prefill(w, nodes.index(w.node)) for w in workers]
@@ -240,6 +241,8 @@ class PrefillPool:
         self.prefix_cap = costs.prefix_cache_blocks
         self.shortest_first = costs.prefill_order == PREFILL_SHORTEST_FIRST
         self.chunk_tokens = costs.prefill_chunk_tokens
+        self.aging = costs.prefill_aging_tokens_per_s  # key = tokens left + aging x arrival time (s)
+        self.arrived: dict[int, float] = {}  # r -> when it reached its worker, while aging
         self.parts: dict[int, list] = {}  # r -> [tokens left, (r, ms, uncached)]: prompts begun in chunks
         self.arrivals = itertools.count()  # at a worker's queue (after encode and transfer): the FIFO order and tie-break
         self.engine = engine
@@ -249,7 +252,10 @@ class PrefillPool:
             self.start(p, r, now)
         else:
             seq = next(self.arrivals)
-            heappush(self.workers[p].queue, (self.engine.requests[r].profile.num_prompt_tokens if self.shortest_first else seq, seq, r))
+            key = self.engine.requests[r].profile.num_prompt_tokens + self.aging * now if self.shortest_first else seq
+            heappush(self.workers[p].queue, (key, seq, r))
+        if self.aging:
+            self.arrived[r] = now
 
     def start(self, p: int, r: int, now: float) -> None:
         worker, prof = self.workers[p], self.engine.requests[r].profile
@@ -289,10 +295,13 @@ class PrefillPool:
         if part is not None:
             if part[0] > 0:
                 # begun before anything queued: first in arrival order, and first among equals
-                heappush(worker.queue, (part[0] if self.shortest_first else -1, -1, r))
+                key = part[0] + self.aging * self.arrived.get(r, now) if self.shortest_first else -1
+                heappush(worker.queue, (key, -1, r))
                 self.start_next(p, now)
                 return None
             del self.parts[r]
+        if self.aging:
+            self.arrived.pop(r, None)
         return ms, uncached
 
     def remember(self, p: int, prefix_hashes: tuple[str, ...]) -> None:

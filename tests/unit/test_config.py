@@ -143,6 +143,8 @@ def test_nccl_between_workers_sharing_a_gpu_is_refused_by_pool(tmp_path):
         ({**MINIMAL, "encoder": {"idle_torch_threads": 0}}, "idle_torch_threads"),
         ({**MINIMAL, "decode": {"stream_interval": 0}}, "stream_interval"),
         ({**MINIMAL, "prefill": {"overlap_min_tokens": -1}}, "overlap_min_tokens"),
+        ({**MINIMAL, "prefill": {"aging_tokens_per_s": -5}}, "aging_tokens_per_s"),
+        ({**MINIMAL, "prefill": {"aging_tokens_per_s": float("inf")}}, "aging_tokens_per_s"),
     ],
 )
 def test_invalid_values_are_rejected(tmp_path, data, needle):

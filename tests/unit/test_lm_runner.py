@@ -156,6 +156,26 @@ def test_compute_ms_is_a_requests_own_forwards_not_those_sharing_its_steps(lm):
     assert out["long"].compute_ms + out["short"].compute_ms <= wall_ms
 
 
+@pytest.mark.parametrize("aging", [0.0, 100.0])
+def test_aging_puts_a_prompt_that_waited_ahead_of_a_shorter_newcomer(lm, aging):
+    """The engine orders by remaining tokens less aging x seconds waited: a 64-token prompt
+    that came 10 s before a 12-token one goes first at 100 tokens/s; the answers do not move."""
+    engine = PrefillEngine(LMRunner(lm), token_budget=16, aging_tokens_per_s=aging)
+    engine.add(PrefillRequest("long", tuple(range(10, 74)), (), GREEDY))
+    engine._intake[-1].added_s -= 10.0  # it came 10 s ago (e.g. passed over by shorter prompts since)
+    engine.add(PrefillRequest("short", tuple(range(10, 22)), (), GREEDY))
+    outs, finished = [], []
+    while engine.has_work:
+        step = engine.step()
+        outs += step
+        finished += [o.request_id for o in step]
+    assert finished == (["long", "short"] if aging else ["short", "long"])
+    for o in outs:  # the same first token and KV as the prompt prefilled alone
+        first, kv, _ = LMRunner(lm, max_chunk_tokens=16).prefill(tuple(range(10, 74 if o.request_id == "long" else 22)), (), [], GREEDY)
+        assert o.first.token_id == first.token_id
+        torch.testing.assert_close(o.packed_kv, kv, rtol=1e-5, atol=1e-5)
+
+
 def test_splice_writes_items_over_their_ranges():
     embeds = torch.zeros(1, 10, 3)
     ranges = (PlaceholderRange(1, 2), PlaceholderRange(6, 3))

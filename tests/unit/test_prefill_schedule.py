@@ -15,6 +15,17 @@ def test_short_prompts_go_first_and_the_long_one_takes_the_rest():
     assert plan_step(states, 512, order=Order.ARRIVAL) == [Chunk("video", 0, 512)], "a queue: the short ones wait"
 
 
+def test_aging_lets_a_long_prompt_that_waited_go_ahead_of_a_newcomer():
+    """remaining - aging x waited: 2,000 tokens that came 30 s before a 40-token question
+    count as 2000 - 100 x 30 < 40 at 100 tokens/s; at 50 tokens/s they do not yet."""
+    video = PrefillState("video", 2000, 0, arrival=0, added_s=1000.0)
+    question = PrefillState("q", 40, 0, arrival=1, added_s=1030.0)
+    assert plan_step([video, question], 512) == [Chunk("q", 0, 40), Chunk("video", 0, 472)], "no aging: shortest first"
+    assert plan_step([video, question], 512, aging_tokens_per_s=50) == [Chunk("q", 0, 40), Chunk("video", 0, 472)]
+    assert plan_step([video, question], 512, aging_tokens_per_s=100) == [Chunk("video", 0, 512)]
+    assert plan_step([video, question], 512, order=Order.ARRIVAL, aging_tokens_per_s=100) == [Chunk("video", 0, 512)]
+
+
 def test_long_prompt_advances_chunk_by_chunk():
     s, chunks = state("long", 1100), []
     while s.remaining:

@@ -101,6 +101,20 @@ def test_prefill_queue_order_is_the_engines_shortest_first_or_fifo(order):
     assert r.ttft_ms == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.parametrize("aging", [0.0, 10_000.0])
+def test_aging_bounds_how_long_shorter_arrivals_pass_a_long_prompt(aging):
+    # An overloaded stream of 20-token prompts (7 ms each, one every 5 ms from t=2 ms) and a
+    # 300-token one (35 ms) at t=1 ms, behind a 20-token one in service (0-7 ms). Shortest first, the
+    # long one waits for all 20 of the stream: it starts at 21 x 7 = 147 ms (TTFT 181). With aging
+    # 10,000 tokens/s its key is 300 + 10 and stream prompt k's is 20 + 10 x (2 + 5k): prompts 0-5
+    # go first (keys 40-290), then it runs 49-84 ms (TTFT 83).
+    profiles = [RequestProfile(20), RequestProfile(300)] + [RequestProfile(20)] * 20
+    arrivals = np.array([0.0, 0.001] + [0.002 + 0.005 * k for k in range(20)])
+    cluster = _hand_cluster().with_costs(prefill_aging_tokens_per_s=aging)
+    r = simulate(cluster, Workload("aging", profiles, arrivals), "joint", slo_ms=50)
+    assert r.ttft_ms[1] == pytest.approx(181.0 if aging == 0 else 83.0, abs=1e-6)
+
+
 @pytest.mark.parametrize("chunk", [0, 100])
 def test_a_short_prompt_overtakes_a_long_one_at_its_next_chunk(chunk):
     # 300 tokens at t=0 (35 ms); 20 tokens (7 ms) arrive at 1 ms. In one go: the long one ends at 35,
@@ -135,6 +149,8 @@ def test_a_prefill_order_the_engine_does_not_know_is_refused_by_name(tmp_path):
     yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts: {prefill_chunk_tokens: -5}\n")
     with pytest.raises(ClusterShapeError, match="costs.prefill_chunk_tokens must be a number >= 0"):
         SimCluster.from_yaml(yml)
+    with pytest.raises(ClusterShapeError, match="costs.prefill_aging_tokens_per_s must be a number >= 0, got -1"):
+        _hand_cluster().with_costs(prefill_aging_tokens_per_s=-1)
 
 
 def test_encoder_cache_hit_skips_encoding():
