@@ -70,14 +70,16 @@ class FleetController:
         """A replica whose requests' ids start with `owner`; its death frees them on the workers."""
         self._replicas[owner] = replica
 
-    def report_metrics(self, owner: str, exposition: bytes) -> None:
-        """A replica's latest exposition (also a heartbeat)."""
+    def report_metrics(self, owner: str, exposition: bytes, seq: int = 0) -> None:
+        """A replica's latest exposition, its `seq`-th rendering (also a heartbeat)."""
         self._seen_s = time.monotonic()
-        self._metrics.report(owner, exposition)
+        self._metrics.report(owner, exposition, seq)
 
-    def peer_metrics(self, owner: str) -> list[str | bytes]:
-        """The other replicas' latest expositions and the retired sum: what `owner` merges in."""
-        return self._metrics.others(owner)
+    def share_metrics(self, owner: str, exposition: bytes, seq: int = 0) -> list[str | bytes]:
+        """A scrape on `owner`: its exposition is recorded before the scrape is answered (should
+        the replica die next, the totals already shown stay), and the others' come back."""
+        self._seen_s = time.monotonic()
+        return self._metrics.exchange(owner, exposition, seq)
 
     def snapshot(self) -> FleetSnapshot:
         self._seen_s = time.monotonic()

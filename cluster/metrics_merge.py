@@ -91,17 +91,27 @@ def merge(expositions: Iterable[str | bytes]) -> bytes:
 
 class MetricsBook:
     """The controller's record of every replica's latest exposition (by owner tag), and the
-    retired sum of the replicas that died. Thread-safe: the controller is threaded."""
+    retired sum of the replicas that died. Thread-safe: the controller is threaded.
+
+    An exposition comes with the replica's sequence number of its rendering: one rendered
+    earlier but delivered later (a push overtaken by a scrape's exchange) is ignored, so the
+    book never goes back on counts a scrape has already shown."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._latest: dict[str, str] = {}
+        self._latest: dict[str, tuple[int, str]] = {}  # owner -> (sequence number, exposition)
         self._retired: bytes | None = None
 
-    def report(self, owner: str, exposition: str | bytes) -> None:
+    def report(self, owner: str, exposition: str | bytes, seq: int = 0) -> None:
         text = exposition.decode() if isinstance(exposition, bytes) else exposition
         with self._lock:
-            self._latest[owner] = text
+            if seq >= self._latest.get(owner, (seq, ""))[0]:
+                self._latest[owner] = (seq, text)
+
+    def exchange(self, owner: str, exposition: str | bytes, seq: int = 0) -> list[str | bytes]:
+        """A scrape on `owner`'s replica: record what it is about to show, return the others."""
+        self.report(owner, exposition, seq)
+        return self.others(owner)
 
     def retire(self, owner: str) -> None:
         """`owner`'s replica died: its counters and histograms join the retired sum."""
@@ -109,7 +119,7 @@ class MetricsBook:
             last = self._latest.pop(owner, None)
             if last is None:
                 return
-            merged = Merged().add(last, keep_gauges=False)
+            merged = Merged().add(last[1], keep_gauges=False)
             if self._retired is not None:
                 merged.add(self._retired)
             self._retired = merged.exposition()
@@ -117,7 +127,7 @@ class MetricsBook:
     def others(self, owner: str) -> list[str | bytes]:
         """What a scrape on `owner`'s replica adds to its own live registry."""
         with self._lock:
-            found: list[str | bytes] = [text for other, text in self._latest.items() if other != owner]
+            found: list[str | bytes] = [text for other, (_, text) in self._latest.items() if other != owner]
             return found + ([self._retired] if self._retired is not None else [])
 
     def owners(self) -> list[str]:

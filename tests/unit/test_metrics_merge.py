@@ -85,3 +85,20 @@ def test_a_scrape_adds_the_others_latest_and_a_dead_replicas_counts_stay():
 
 def _as_bytes(exposition: str | bytes) -> bytes:
     return exposition.encode() if isinstance(exposition, str) else exposition
+
+
+def test_what_a_scrape_showed_stays_in_the_book_and_a_late_older_push_does_not_undo_it():
+    """A replica answering a scrape records its exposition first (exchange): if it dies right
+    after, the retired sum holds what the scrape showed. A push rendered before that scrape but
+    delivered after it is ignored: otherwise the book, and a later scrape, would read less."""
+    book = MetricsBook()
+    a, b = _replica(ok=5, bad=0, ttfts_s=[], waiting=0, running=0), _replica(ok=1, bad=0, ttfts_s=[], waiting=0, running=0)
+    book.report("b:", b.exposition(), seq=1)
+    pushed = a.exposition()  # rendered for a push: 5 ok
+    a.requests.labels("ok").inc(4)
+    shown = merge([a.exposition(), *book.exchange("a:", a.exposition(), seq=2)])  # a scrape on a: 9 + 1
+    book.report("a:", pushed, seq=1)  # the push lands after the scrape's exchange
+    book.retire("a:")  # a dies; b answers the next scrape
+    after = merge([b.exposition(), *book.others("b:")])
+    assert _value(shown, "epd:requests_total", status="ok") == 10
+    assert _value(after, "epd:requests_total", status="ok") == 10
