@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import pytest
+import ray
 
 from tests.integration.conftest import cluster_config, deploy, png_data_url, random_image
 from tests.integration.reference import reference_generate
@@ -71,11 +72,16 @@ def test_greedy_outputs_depend_on_the_input(references):
 
 
 @pytest.mark.parametrize(
-    "transport,overlap", [("object_store", True), ("gloo", True), ("object_store", False)], ids=["object_store", "gloo", "no_overlap"]
+    "transport,overlap,aging",
+    [("object_store", True, 0.0), ("gloo", True, 0.0), ("object_store", False, 10_000.0)],
+    ids=["object_store", "gloo", "no_overlap_aging"],
 )
-def test_cluster_equals_generate_under_load(ray_session, references, transport, overlap):
-    """`overlap`: prefill.overlap_encode (the prefill call before the embeddings) or the baseline path."""
-    app = deploy(cluster_config(transport={"embeddings": transport, "kv": transport}, prefill={"overlap_encode": overlap}))
+def test_cluster_equals_generate_under_load(ray_session, references, transport, overlap, aging):
+    """`overlap`: prefill.overlap_encode (the prefill call before the embeddings) or the baseline path;
+    `aging`: prefill.aging_tokens_per_s (10,000: the order is about arrival; the answers must not move)."""
+    prefill = {"overlap_encode": overlap, "aging_tokens_per_s": aging}
+    app = deploy(cluster_config(transport={"embeddings": transport, "kv": transport}, prefill=prefill))
+    assert _prefill_engine_aging(app) == aging  # the setting reached the worker's scheduler
     copies = 3  # 36 requests in flight: encoder batches and decode batches form
     got = asyncio.run(_send_all(app, varied_requests(), copies))
     again = asyncio.run(_send_all(app, varied_requests(), 1))  # the same prompts once more: the prefix cache is warm
@@ -90,6 +96,16 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport, 
     assert max(w["max_batch"] for w in workers["encoder"]) > 1, workers  # batching really happened
     assert max(w["max_batch"] for w in workers["decode"]) > 1, workers
     assert all(w["rows"] == 0 for w in workers["decode"]) and all(w["held_kv"] == 0 for w in workers["prefill"]), workers
+
+
+def _prefill_engine_aging(app) -> float:
+    from cluster.cli import APP_NAME
+    from cluster.controller import NAMESPACE, controller_name
+    from router.types import WorkerKind
+
+    controller = ray.get_actor(controller_name(APP_NAME, app.config), namespace=NAMESPACE)
+    worker = ray.get(controller.snapshot.remote()).pools[WorkerKind.PREFILL][0]
+    return ray.get(worker.__ray_call__.remote(lambda self: self.engine.aging_tokens_per_s))
 
 
 def test_streaming_equals_whole_response(app, references):
