@@ -15,9 +15,10 @@ from tests.integration.test_worker_failures import _requests_total, held, wait_u
 
 @pytest.fixture(scope="module")
 def tight(ray_session):
-    # One request may wait for prefill at a time; prefill is 30x slower; 1 s to the first token.
-    app = deploy(cluster_config(prefill={"slowdown": [30.0]}, limits={"max_waiting_tokens_per_prefill_worker": 1, "request_timeout_s": 1.0}))
-    # A cold first forward, 30x slowed, can outlast the 1 s limit: warm every stage up first.
+    # One request may wait for prefill at a time; prefill is 60x slower; 2 s to the first token. (At 30x
+    # and 1 s, a short request's fixed costs on a busy 2-core CI host once took it past the limit.)
+    app = deploy(cluster_config(prefill={"slowdown": [60.0]}, limits={"max_waiting_tokens_per_prefill_worker": 1, "request_timeout_s": 2.0}))
+    # A cold first forward, 60x slowed, can outlast the 2 s limit: warm every stage up first.
     for _ in range(2):
         app.chat([{"role": "user", "content": "warm up"}], temperature=0, max_tokens=4)
         wait_until_idle(app, within_s=20)
@@ -50,7 +51,7 @@ def test_a_burst_beyond_the_budget_gets_429_with_retry_after(tight):
 
 
 def test_a_request_that_times_out_leaves_nothing_held(tight):
-    long_prompt = "tell me a long story " * 180  # its prefill, 30x slowed, takes about 2 s, twice the limit
+    long_prompt = "tell me a long story " * 180  # its prefill, 60x slowed, takes about 4 s, twice the limit
     r = tight.chat([{"role": "user", "content": long_prompt}], temperature=0, max_tokens=8)
     assert r.status_code == 504 and "timed out" in r.json()["error"]["message"], r.text
     assert not any(wait_until_idle(tight, within_s=20).values()), held(tight)
