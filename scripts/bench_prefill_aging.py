@@ -93,7 +93,7 @@ def plot(results: dict[float, list[np.ndarray]], path: Path, title: str) -> None
     fig.savefig(path, dpi=120)
 
 
-def simulate(args) -> None:
+def simulated_shape_c(args) -> None:
     from bench_busy import two_workers
 
     from router.sim import capacity_rps, simulate
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="with --simulate")
     args = p.parse_args(argv)
     if args.simulate:
-        simulate(args)
+        simulated_shape_c(args)
         return 0
     cfg = load_config(args.config)
     ensure_model(cfg)
