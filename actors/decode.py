@@ -1,4 +1,4 @@
-"""Decode worker: the Ray actor around `DecodeEngine` (actors/engine_decode.py).
+"""Decode worker: the Ray actor around `DecodeEngine` (actors/engine/decode.py).
 
 Requests join and leave the running batch between steps; each request's tokens stream
 back to its caller as they are produced.
@@ -12,10 +12,10 @@ import os
 import ray
 import torch
 
-from actors.adapters import Part
-from actors.engine_decode import DecodeEngine, DecodeOutput
+from actors.engine.decode import DecodeEngine, DecodeOutput
+from actors.engine.lm_runner import LMRunner
 from actors.inbox import TensorInbox
-from actors.lm_runner import LMRunner
+from actors.models.adapter import Part
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import DecodeRequest, FinishReason, TokenChunk
 

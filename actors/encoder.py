@@ -2,7 +2,7 @@
 
 Each item's embeddings stay in the encoder cache, referenced by the requests that asked
 for them until the ingress says they reached the prefill worker (`drop`), then cached
-for reuse and evicted under the byte budget (actors/encoder_cache.py).
+for reuse and evicted under the byte budget (actors/engine/encoder_cache.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 import ray
 import torch
 
-from actors.adapters import Part
-from actors.batching import MicroBatcher
-from actors.encoder_cache import EncoderCache, EntryState
+from actors.engine.batching import MicroBatcher
+from actors.engine.encoder_cache import EncoderCache, EntryState
+from actors.models.adapter import Part
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import EncodeJob, EncodeStats
 

@@ -1,4 +1,4 @@
-"""Prefill worker: the Ray actor around `PrefillEngine` (actors/engine_prefill.py). It keeps
+"""Prefill worker: the Ray actor around `PrefillEngine` (actors/engine/prefill.py). It keeps
 the embeddings that arrive ahead of the prefill call, hands those that arrive after it to
 the engine (encode/prefill overlap), and keeps each prompt's KV until the decode worker
 pulls it."""
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, replace
 import ray
 import torch
 
-from actors.adapters import Part
-from actors.engine_prefill import PrefillEngine, PrefillOutput
+from actors.engine.lm_runner import LMRunner
+from actors.engine.prefill import PrefillEngine, PrefillOutput
 from actors.inbox import TensorInbox
-from actors.lm_runner import LMRunner
+from actors.models.adapter import Part
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import EncodeStats, PrefillRequest, PrefillResult, WorkerRequestError
 

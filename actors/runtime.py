@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from actors.adapters import ModelAdapter, load_adapter
-from actors.checkpoint_source import resolve_checkpoint
 from actors.idle_cores import NodeBoard, ThreadPolicy
+from actors.models.adapter import ModelAdapter, load_adapter
+from actors.models.source import resolve_checkpoint
 
 
 @dataclass(frozen=True)

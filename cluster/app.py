@@ -22,14 +22,15 @@ from ray.exceptions import TaskCancelledError
 
 from actors.types import TokenChunk
 from cluster import controller, responses
-from cluster.admission import Admission, Overloaded, Ticket
 from cluster.admitted import Admitted, Endpoint
+from cluster.backpressure import Admission, Overloaded, Ticket
 from cluster.config import REPO_ROOT, ClusterConfig, load_config
 from cluster.errors import RequestError
 from cluster.fleet_client import FleetClient
 from cluster.metrics import PREFIX, Metrics
 from cluster.metrics_share import MetricsShare
 from cluster.placement import check_placement
+from cluster.prepare import prepare
 from cluster.prompt_plan import PromptPlanner
 from cluster.protocol import SSE_DONE, ModelCard, ModelList, error_body, sse_event
 from cluster.request_log import RequestLog, RequestRecord, bearer_ok
@@ -348,8 +349,6 @@ def app_builder(args: dict):
     port come from the Serve config's http_options; server.host/port apply to `epd serve` only.
     Builds the config's built-in checkpoint here if it is missing (nodes build their own copy
     in cluster.yaml's setup) and pins a repo id to a commit, as `epd serve` does."""
-    from cluster.cli import prepare
-
     parsed = AppArgs.model_validate(args)
     path = Path(parsed.config).expanduser()
     config = load_config(path if path.is_absolute() or path.exists() else REPO_ROOT / path)

@@ -3,41 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
 
 from cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError, load_config
+from cluster.prepare import ensure_model, prepare, with_model
 
 APP_NAME = "epd"  # the Serve application (and so its fleet controller's name)
-
-
-def ensure_model(config: ClusterConfig) -> ClusterConfig:
-    """Before any actor starts: the checkpoint is on this node (built from its recipe, or a
-    repo id fetched through the Hugging Face cache and pinned to the commit found, so every
-    node loads the same files) and of a family epd serves. ConfigError says what is wrong."""
-    from actors.checkpoint_source import CheckpointNotFound, resolve_checkpoint
-    from actors.checkpoints import ensure_checkpoint
-
-    m = config.model
-    try:
-        if m.is_hub_repo:
-            path = resolve_checkpoint(m.checkpoint, m.revision, m.hub_cache_dir)
-            config = config.replace(model={"revision": path.name})  # a snapshot dir is named by its commit
-        else:
-            path = ensure_checkpoint(m.checkpoint_path, m.builtin, progress=True)
-            if not m.checkpoint_path.is_absolute():  # the workers' working directory is not this one
-                config = config.replace(model={"checkpoint": str(path)})
-    except (CheckpointNotFound, FileNotFoundError) as exc:
-        raise ConfigError(str(exc)) from None
-    from actors.adapters import UnsupportedFamily, check_family  # torch: only once there is a checkpoint
-
-    try:
-        check_family(path)
-    except UnsupportedFamily as exc:
-        raise ConfigError(str(exc)) from None
-    return config
 
 
 def start(config: ClusterConfig, *, address: str | None = None) -> str:
@@ -55,22 +28,6 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     return f"http://{config.server.host}:{config.server.port}/v1"
-
-
-def prepare(config: ClusterConfig) -> ClusterConfig:
-    """What `epd serve` and Serve's app builder do before deploying: the API key from
-    $EPD_API_KEY unless the config sets one, and the model built or pinned to a commit."""
-    if os.environ.get("EPD_API_KEY") and not config.server.api_key:
-        config = config.replace(server={"api_key": os.environ["EPD_API_KEY"]})
-    return ensure_model(config)
-
-
-def with_model(config: ClusterConfig, model: str | None, served_name: str | None = None) -> ClusterConfig:
-    """`--model ID_OR_DIR` replaces the config's checkpoint (and its recipe and revision);
-    the served name defaults to it, as in vLLM."""
-    if model is None:
-        return config if served_name is None else config.replace(model={"served_name": served_name})
-    return config.replace(model={"checkpoint": model, "builtin": None, "revision": None, "served_name": served_name or model})
 
 
 def _serve(args: argparse.Namespace) -> int:

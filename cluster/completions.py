@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from cluster.logprobs import CompletionLogprobs
-from cluster.protocol import Usage, _OmitNone
+from cluster.protocol import OmitNone, Usage
 from cluster.sampling_fields import MAX_LOGPROBS, ModelBounds, SamplingFields, refuse_unless
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions (chat's is the rest of the context)
@@ -67,7 +67,7 @@ class CompletionChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class Completion(_OmitNone):
+class Completion(OmitNone):
     """A whole completion, and (with `usage` None until the last) each streamed chunk."""
 
     _omit_if_none: ClassVar[frozenset[str]] = frozenset({"usage", "timings"})

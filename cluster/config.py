@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from actors.types import Modality
+from router.types import Modality
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local_cpu.yaml"
@@ -70,14 +70,14 @@ class ModelConfig(Strict):
 
     @property
     def is_hub_repo(self) -> bool:
-        from actors.checkpoint_source import is_repo_id
+        from actors.models.source import is_repo_id
 
         return is_repo_id(self.checkpoint)
 
     @property
     def checkpoint_path(self) -> Path:
         """The checkpoint's directory on this node (a repo id resolves through this node's cache)."""
-        from actors.checkpoint_source import resolve_checkpoint
+        from actors.models.source import resolve_checkpoint
 
         return resolve_checkpoint(self.checkpoint, self.revision, self.hub_cache_dir)
 

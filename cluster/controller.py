@@ -28,12 +28,11 @@ import time
 
 import ray
 
-from actors.types import Modality
 from cluster.config import ClusterConfig
 from cluster.fleet import Fleet
 from cluster.metrics_merge import MetricsBook
 from cluster.snapshot import FleetSnapshot
-from router.types import WorkerKind
+from router.types import Modality, WorkerKind
 
 log = logging.getLogger(__name__)
 

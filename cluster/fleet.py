@@ -19,10 +19,9 @@ from actors.encoder import EncoderActor
 from actors.idle_cores import BOARD_PREFIX
 from actors.prefill import PrefillActor
 from actors.runtime import WorkerSpec
-from actors.types import Modality
 from cluster.config import ClusterConfig, PoolConfig, Transport
 from cluster.snapshot import FleetSnapshot, GroupRef
-from router.types import WorkerInfo, WorkerKind
+from router.types import Modality, WorkerInfo, WorkerKind
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,16 @@ prompt (placeholders expanded) and check that it and its KV fit. No worker is as
 
 from __future__ import annotations
 
-from actors import kv
-from actors.media import MediaError, MediaOptions, PixelBudget, VideoSampling, load_media_item
+from actors.engine import kv
 from actors.types import MediaItem
 from cluster.admitted import Admitted, Endpoint
 from cluster.config import ClusterConfig
 from cluster.errors import RequestError
+from cluster.media.budget import PixelBudget
+from cluster.media.decoders import MediaOptions
+from cluster.media.errors import MediaError
+from cluster.media.load import load_media_item
+from cluster.media.video import VideoSampling
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
 from cluster.protocol import ChatCompletionRequest, to_template_messages
 from cluster.request_body import BodyError, parse_request

@@ -13,10 +13,11 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoProcessor
 
-from actors.adapter_qwen2_audio import split_windows
-from actors.adapters import PlaceholderSpec, placeholder_spec
-from actors.identifiers import media_identifier
-from actors.types import MediaItem, Modality, PlaceholderRange
+from actors.models.adapter import PlaceholderSpec, placeholder_spec
+from actors.models.qwen2_audio import split_windows
+from actors.types import MediaItem, PlaceholderRange
+from cluster.media.identifiers import media_identifier
+from router.types import Modality
 
 
 class PromptError(ValueError):

@@ -17,9 +17,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
-from actors.types import Modality
 from cluster.logprobs import ChatLogprobs
 from cluster.sampling_fields import MAX_LOGPROBS, SamplingFields, Strict, refuse_unless
+from router.types import Modality
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -254,7 +254,7 @@ def to_template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, An
 # ----------------------------------------------------------------------------- responses
 
 
-class _OmitNone(BaseModel):
+class OmitNone(BaseModel):
     """Drops the fields named in _omit_if_none when they are None (OpenAI omits them)."""
 
     _omit_if_none: ClassVar[frozenset[str]] = frozenset()
@@ -287,7 +287,7 @@ class Choice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletion(_OmitNone):
+class ChatCompletion(OmitNone):
     _omit_if_none: ClassVar[frozenset[str]] = frozenset({"timings"})
     id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     object: Literal["chat.completion"] = "chat.completion"
@@ -298,7 +298,7 @@ class ChatCompletion(_OmitNone):
     timings: dict[str, float] | None = None  # ttft_ms, estimated_ttft_ms, encode_ms, ... (extension)
 
 
-class DeltaMessage(_OmitNone):
+class DeltaMessage(OmitNone):
     _omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content"})
     role: Literal["assistant"] | None = None
     content: str | None = None
@@ -311,7 +311,7 @@ class ChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(_OmitNone):
+class ChatCompletionChunk(OmitNone):
     _omit_if_none: ClassVar[frozenset[str]] = frozenset({"usage", "timings"})
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import ray
 
-from actors.decode_state import finish_reason_of
+from actors.engine.decode_state import finish_reason_of
 from actors.types import DecodeRequest, EncodeJob, FinishReason, PrefillRequest, PrefillResult, TokenChunk
 from cluster.admitted import Admitted, Endpoint, Job
 from cluster.config import ClusterConfig

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from actors.prefix_cache import MediaKey, block_hashes
+from actors.engine.prefix_cache import MediaKey, block_hashes
 from actors.types import PrefillResult
 from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptPlan
@@ -36,7 +36,7 @@ class LiveRouting:
         )
         if not self.prefix_block_tokens:
             return RequestProfile(len(token_ids), jobs, max_tokens=max_tokens)
-        # The very hashes the prefill workers file their blocks under (actors/engine_prefill.py).
+        # The very hashes the prefill workers file their blocks under (actors/engine/prefill.py).
         media = tuple(MediaKey(r.offset, r.length, item.identifier) for r, item in zip(plan.placeholders, plan.items))
         hashes = tuple(block_hashes(token_ids, self.prefix_block_tokens, media))
         return RequestProfile(len(token_ids), jobs, hashes, self.prefix_block_tokens, max_tokens)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from actors.encoder_cache import EntryState
+from actors.engine.encoder_cache import EntryState
 
 WorkerStats = Mapping[str, list[dict]]  # worker kind -> each worker's stats (or {"error": ...})
 

@@ -19,8 +19,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from router.calibration import CalibrationConfig  # noqa: E402
-from router.sim import SimCluster, SimCosts, capacity_rps, make_workload, simulate  # noqa: E402
-from router.sim.workload import Workload  # noqa: E402
+from router.sim.cluster_model import SimCluster, SimCosts, capacity_rps  # noqa: E402
+from router.sim.loop import simulate  # noqa: E402
+from router.sim.workload import (
+    Workload,  # noqa: E402
+    make_workload,  # noqa: E402
+)
 from router.types import RequestProfile  # noqa: E402
 
 RUNS = (("joint, booked wait", "joint", 0.0), ("joint, grown wait", "joint", 0.95), ("least_loaded", "least_loaded", 0.0))

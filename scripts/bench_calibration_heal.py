@@ -21,10 +21,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from router.calibration import CalibrationConfig  # noqa: E402
-from router.sim import SimCluster, capacity_rps, make_workload  # noqa: E402
-from router.sim.engine import _run as run_engine  # noqa: E402
-from router.sim.engine import make_router  # noqa: E402
+from router.sim.cluster_model import SimCluster, capacity_rps  # noqa: E402
+from router.sim.loop import make_router  # noqa: E402
+from router.sim.loop import run_router as run_engine  # noqa: E402
 from router.sim.variability import Variability  # noqa: E402
+from router.sim.workload import make_workload  # noqa: E402
 from router.types import WorkerKind  # noqa: E402
 
 SLOW = 7

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What decoding in a child process costs: one 1080p video (32 frames kept at the default
 sampling) decoded here in-process (limits.decode_in_process) vs in a warm decoding process
-(actors/media_procs.py), whose frames (~199 MB of RGB) come back over a socket. Reports
+(cluster/media/procs.py), whose frames (~199 MB of RGB) come back over a socket. Reports
 the median seconds of each, their ratio, and a plain in-process copy of the same array as
 the floor of the transfer.
 Usage: scripts/bench_decode_copy.py [--repeats 5] [--width 1920 --height 1080]
@@ -20,10 +20,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.media import load_media_item  # noqa: E402
-from actors.media_procs import shutdown_pools  # noqa: E402
-from actors.types import Modality  # noqa: E402
 from cluster.config import LimitsConfig  # noqa: E402
+from cluster.media.load import load_media_item  # noqa: E402
+from cluster.media.procs import shutdown_pools  # noqa: E402
+from router.types import Modality  # noqa: E402
 from tests.unit.test_media_video import encoded_video  # noqa: E402
 
 

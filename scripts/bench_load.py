@@ -231,7 +231,8 @@ def run_cluster(args, reqs: list[Req], idle: list[Req], warmup: list[Req]) -> di
     import ray
     from ray import serve
 
-    from cluster.cli import ensure_model, start
+    from cluster.cli import start
+    from cluster.prepare import ensure_model
 
     cfg = load_config(args.config)
     if args.stream_interval:

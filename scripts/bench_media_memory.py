@@ -80,9 +80,10 @@ MODES = {"unbounded": "unbounded, no trim", "slots": "decode slots in-process + 
 def child(args: argparse.Namespace) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
-    from actors.media import decode_media, load_media_item
-    from actors.types import Modality
     from cluster.config import LimitsConfig
+    from cluster.media.decoders import decode_media
+    from cluster.media.load import load_media_item
+    from router.types import Modality
 
     limits = LimitsConfig(
         max_request_pixels=10**10,

@@ -200,10 +200,11 @@ def encoder_throughput(cfg, args) -> dict:
 
 def sample_items(planner, args) -> dict:
     """Decoded items as the ingress would hand them over (distinct, so no cache hits)."""
-    from actors.media import MediaOptions, load_media_item
-    from actors.media_video import VideoSampling
-    from actors.types import Modality
     from cluster.config import LimitsConfig
+    from cluster.media.decoders import MediaOptions
+    from cluster.media.load import load_media_item
+    from cluster.media.video import VideoSampling
+    from router.types import Modality
 
     rng, limits = np.random.default_rng(3), LimitsConfig()
     options = MediaOptions(audio_sample_rate_hz=planner.spec.audio_sample_rate_hz, video_sampling=VideoSampling(fps=VIDEO_FPS, max_frames=32))
@@ -301,7 +302,8 @@ def main(argv=None) -> int:
     import ray
     from ray import serve
 
-    from cluster.cli import ensure_model, start
+    from cluster.cli import start
+    from cluster.prepare import ensure_model
 
     args = parse_args(argv)
     cfg = load_config(args.config)

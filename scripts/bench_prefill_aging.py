@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Shortest-remaining-first with aging (prefill.aging_tokens_per_s) on the real prefill engine
-(actors/engine_prefill.py, no Ray), the bench-llava LM, one process, in real time.
+(actors/engine/prefill.py, no Ray), the bench-llava LM, one process, in real time.
 
 Text prompts of 120-1343 tokens (shape C's range) arrive as a Poisson stream at `--load` of
 the engine's capacity, measured first from prompts run alone. The same arrivals run once per
@@ -31,12 +31,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from actors.adapters import Part, load_adapter  # noqa: E402
-from actors.engine_prefill import PrefillEngine  # noqa: E402
-from actors.lm_runner import LMRunner  # noqa: E402
+from actors.engine.lm_runner import LMRunner  # noqa: E402
+from actors.engine.prefill import PrefillEngine  # noqa: E402
+from actors.models.adapter import Part, load_adapter  # noqa: E402
 from actors.types import PrefillRequest, SamplingParams  # noqa: E402
-from cluster.cli import ensure_model  # noqa: E402
 from cluster.config import REPO_ROOT, load_config  # noqa: E402
+from cluster.prepare import ensure_model  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 PERCENTILES = (50, 90, 99, 100)
@@ -96,7 +96,8 @@ def plot(results: dict[float, list[np.ndarray]], path: Path, title: str) -> None
 def simulated_shape_c(args) -> None:
     from bench_busy import two_workers
 
-    from router.sim import capacity_rps, simulate
+    from router.sim.cluster_model import capacity_rps
+    from router.sim.loop import simulate
 
     print("shape C, simulated: TTFT ms p50 / p90 / p99 / max (mean over seeds), and against the first setting")
     for load in args.loads:

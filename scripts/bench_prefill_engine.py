@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The prefill engine alone (actors/engine_prefill.py, no Ray), on the bench-llava LM, in
+"""The prefill engine alone (actors/engine/prefill.py, no Ray), on the bench-llava LM, in
 one process, each figure against its baseline in the same run:
 
 1. Multi-turn with the same image: turn 2 repeats turn 1's prompt and image, adds a reply
@@ -34,15 +34,16 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from actors.adapters import Part, load_adapter  # noqa: E402
-from actors.engine_prefill import PrefillEngine  # noqa: E402
-from actors.identifiers import media_identifier  # noqa: E402
-from actors.lm_runner import LMRunner  # noqa: E402
-from actors.prefill_schedule import Order  # noqa: E402
-from actors.types import MediaItem, Modality, PrefillRequest, SamplingParams  # noqa: E402
-from cluster.cli import ensure_model  # noqa: E402
+from actors.engine.lm_runner import LMRunner  # noqa: E402
+from actors.engine.prefill import PrefillEngine  # noqa: E402
+from actors.models.adapter import Part, load_adapter  # noqa: E402
+from actors.types import MediaItem, PrefillRequest, SamplingParams  # noqa: E402
 from cluster.config import REPO_ROOT, load_config  # noqa: E402
+from cluster.media.identifiers import media_identifier  # noqa: E402
+from cluster.prepare import ensure_model  # noqa: E402
 from cluster.prompt_plan import PromptPlanner  # noqa: E402
+from router.prefill_schedule import Order  # noqa: E402
+from router.types import Modality  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 

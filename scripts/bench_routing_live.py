@@ -281,7 +281,7 @@ def calibrate(run: dict, trace: list[dict], pairs: list[tuple[dict, dict]], args
     slowness (random), noise and ingress overhead; "measured host": the same with the host's
     slowness as measured over the run; "deterministic": the last report's model (no contention,
     no noise, the mean overhead). Returns the cluster and what was fitted."""
-    from router.sim import EncodeCost, SimCluster, SimCosts
+    from router.sim.cluster_model import EncodeCost, SimCluster, SimCosts
     from router.sim.variability import Variability, fit_trace
 
     cfg = cluster_config(args, "joint", Path(run["trace"]))
@@ -353,7 +353,8 @@ def model_parts(fit, model: str, trace: list[dict], image_arrivals: list[float])
 
 def replay(cluster, trace: list[dict], path: Path, args, seeds: int) -> list[dict[int, float]]:
     """Per noise seed: simulated TTFT per trace record (by id), replayed at the recorded pace."""
-    from router.sim import load_trace, simulate
+    from router.sim.loop import simulate
+    from router.sim.trace_file import load_trace
 
     path.write_text("".join(json.dumps(rec) + "\n" for rec in trace))
     workload, out = load_trace(path), []
@@ -481,7 +482,7 @@ def live_rounds(args) -> list[dict[str, dict]]:
     import ray
     from ray import serve
 
-    from cluster.cli import ensure_model
+    from cluster.prepare import ensure_model
 
     with socket.socket() as sock:
         port_taken = sock.connect_ex(("127.0.0.1", args.port)) == 0

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_routing_live as live  # noqa: E402
 
 from router.calibration import CalibrationConfig  # noqa: E402
-from router.sim import load_trace, simulate  # noqa: E402
+from router.sim.loop import simulate  # noqa: E402
+from router.sim.trace_file import load_trace  # noqa: E402
 
 POLICIES = ("least_loaded", "joint")
 

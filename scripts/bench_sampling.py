@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from actors.sampling import sample_rows
+from actors.engine.sampling import sample_rows
 from actors.types import SamplingParams, TokenHistory
 
 

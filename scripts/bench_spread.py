@@ -13,8 +13,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from router.calibration import CalibrationConfig  # noqa: E402
-from router.sim import SimCluster, capacity_rps, make_workload, simulate  # noqa: E402
+from router.sim.cluster_model import SimCluster, capacity_rps  # noqa: E402
+from router.sim.loop import simulate  # noqa: E402
 from router.sim.variability import Variability  # noqa: E402
+from router.sim.workload import make_workload  # noqa: E402
 
 RUNS = (("joint z=0", "joint", 0.0), ("joint z=1", "joint", 1.0), ("least_loaded", "least_loaded", 1.0))
 

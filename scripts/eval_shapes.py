@@ -13,8 +13,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from actors import shapes
-from actors.checkpoint_shapes import SHAPES_RECIPES, generate_answer
+from actors.checkpoints import scenes
+from actors.checkpoints.shapes import SHAPES_RECIPES, generate_answer
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     processor = AutoProcessor.from_pretrained(args.checkpoint.expanduser())
     load_s = time.perf_counter() - start
     right, asked = Counter(), Counter()
-    for s in shapes.samples(args.seed, args.num_questions, asks=SHAPES_RECIPES[args.recipe].asks):
+    for s in scenes.samples(args.seed, args.num_questions, asks=SHAPES_RECIPES[args.recipe].asks):
         answer = processor.tokenizer.decode(generate_answer(model, processor, s), skip_special_tokens=True)
         asked[s.ask] += 1
         right[s.ask] += answer == " " + s.answer

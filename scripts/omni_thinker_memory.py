@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 _PROBE = """
 import gc, json, sys, torch
-from actors.adapter_omni import load_thinker
+from actors.models.omni import load_thinker
 from transformers import Qwen2_5OmniForConditionalGeneration
 def rss_mib(): return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 path, which = sys.argv[1], sys.argv[2]
@@ -43,7 +43,7 @@ def probe(checkpoint: Path, which: str) -> dict:
 
 def main() -> None:
     sys.path.insert(0, str(REPO))
-    from actors.checkpoints import ensure_checkpoint
+    from actors.checkpoints.build import ensure_checkpoint
 
     checkpoint = (
         Path(sys.argv[1]) if len(sys.argv) > 1 else ensure_checkpoint(Path("~/.cache/epd/models/tiny-qwen2.5-omni").expanduser(), "tiny-qwen2.5-omni")

@@ -12,12 +12,15 @@ nothing here imports torch or ray (matplotlib is imported lazily, for plots only
     print(result.summary())
 
 `epd simulate --help` (router/sim/cli.py) is the command-line front end.
+
+Imports from this project: router
+Never imports: torch, ray, transformers
 """
 
 from __future__ import annotations
 
 from router.sim.cluster_model import ClusterShapeError, EncodeCost, SimCluster, SimCosts, SimWorker, capacity_rps
-from router.sim.engine import SimResult, simulate
+from router.sim.loop import SimResult, simulate
 from router.sim.trace_file import load_trace, write_trace
 from router.sim.workload import (
     DEFAULT_MIX,

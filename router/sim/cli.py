@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, out=None) -> int:
     from router.sim.cluster_model import SimCluster, capacity_rps
-    from router.sim.engine import simulate
+    from router.sim.loop import simulate
     from router.sim.report import format_table, plot_load_sweep, plot_ttft_cdf, to_json
     from router.sim.trace_file import load_trace
     from router.sim.workload import make_workload

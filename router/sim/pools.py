@@ -1,7 +1,7 @@
 """The simulated workers, one class per pool: its queues, its caches and its service model.
 
 The pools schedule their own completions on the engine's event heap and report what a live
-worker would through the engine's router; the engine (router/sim/engine.py) routes requests,
+worker would through the engine's router; the engine (router/sim/loop.py) routes requests,
 moves them between pools and dispatches events. Per-worker state lives in small slotted
 objects, so a pool's code reads `worker.queue` rather than `queue[index]`.
 
@@ -20,7 +20,7 @@ from router.sim.cluster_model import PREFILL_SHORTEST_FIRST, SimCosts, SimWorker
 from router.types import Placement, WorkerKind
 
 if TYPE_CHECKING:
-    from router.sim.engine import Engine
+    from router.sim.loop import Engine
 
 # event types; the order is the tie-break at equal times: completions before new work
 EV_ENC_DONE = 0

@@ -19,8 +19,9 @@ import ray
 from PIL import Image
 from ray import serve
 
-from cluster.cli import ensure_model, start
+from cluster.cli import start
 from cluster.config import ClusterConfig, builtin_model, load_config
+from cluster.prepare import ensure_model
 
 TEST_PORT = int(os.environ.get("EPD_TEST_PORT", 8765))  # distinct per concurrent run on one machine
 TRACE_PATH = Path(tempfile.gettempdir()) / f"epd-test-trace-{os.getpid()}.jsonl"  # every app records its requests

@@ -56,9 +56,10 @@ def main(port: int) -> None:
     from ray import serve
     from ray.cluster_utils import Cluster
 
-    from cluster.cli import ensure_model, start
+    from cluster.cli import start
     from cluster.config import REPO_ROOT, load_config
     from cluster.placement import PlacementError, check_placement
+    from cluster.prepare import ensure_model
 
     config = load_config(REPO_ROOT / "configs" / "multi_node_cpu.yaml").replace(server={"port": port})
     ensure_model(config)

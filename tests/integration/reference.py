@@ -20,7 +20,7 @@ import torch
 from PIL import Image, ImageSequence
 from transformers import AutoConfig, AutoProcessor
 
-from actors.adapter_qwen2_audio import split_windows
+from actors.models.qwen2_audio import split_windows
 
 
 class TextOnly:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from huggingface_hub import constants
 
-from cluster.cli import ensure_model
+from cluster.prepare import ensure_model
 from tests.hf_cache import fill_hf_cache
 from tests.integration.conftest import cluster_config, deploy
 from tests.integration.reference import reference_generate

@@ -12,10 +12,10 @@ from collections import Counter
 import httpx
 import pytest
 
-from actors import shapes
-from actors.checkpoint_shapes import SHAPES_RECIPES
-from cluster.cli import ensure_model
+from actors.checkpoints import scenes
+from actors.checkpoints.shapes import SHAPES_RECIPES
 from cluster.config import load_config
+from cluster.prepare import ensure_model
 from tests.integration.conftest import TEST_PORT, TRACE_PATH, deploy, png_data_url
 
 HELD_OUT_SEED = 20261123  # the training stream uses the recipe's data_seed, never this
@@ -30,7 +30,7 @@ def default_app(ray_session):
     return deploy(config.replace(server={"port": TEST_PORT, "trace_path": str(TRACE_PATH)}))
 
 
-async def _ask_all(app, held_out: list[shapes.Sample]) -> list[str]:
+async def _ask_all(app, held_out: list[scenes.Sample]) -> list[str]:
     async with httpx.AsyncClient(base_url=app.root, timeout=300) as client:
         calls = [
             client.post(
@@ -52,7 +52,7 @@ async def _ask_all(app, held_out: list[shapes.Sample]) -> list[str]:
 
 def test_default_model_answers_held_out_questions(default_app):
     recipe = SHAPES_RECIPES[default_app.config.model.builtin]  # the default is a trained built-in
-    held_out = shapes.samples(HELD_OUT_SEED, NUM_QUESTIONS, asks=recipe.asks)
+    held_out = scenes.samples(HELD_OUT_SEED, NUM_QUESTIONS, asks=recipe.asks)
     assert {s.ask for s in held_out} == set(recipe.asks), "every kind of question it was taught is asked"
     answers = asyncio.run(_ask_all(default_app, held_out))
     right, asked = Counter(), Counter()

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoConfig
 
-from actors import kv
+from actors.engine import kv
 from tests.integration.conftest import cluster_config, deploy, png_data_url, random_image
 from tests.integration.reference import reference_generate
 from tests.integration.test_worker_failures import held, wait_until_idle

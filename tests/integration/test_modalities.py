@@ -16,8 +16,8 @@ import pytest
 import soundfile
 from PIL import Image
 
-from cluster.cli import ensure_model
 from cluster.config import REPO_ROOT, load_config
+from cluster.prepare import ensure_model
 from tests.integration.conftest import TEST_PORT, TRACE_PATH, deploy, png_data_url, random_image
 from tests.integration.reference import reference_generate
 

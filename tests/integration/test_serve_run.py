@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from actors import shapes
+from actors.checkpoints import scenes
 from cluster.config import REPO_ROOT, load_config
 from tests.integration.conftest import png_data_url
 from tests.integration.test_multi_node import free_port, private_ray_env
@@ -147,7 +147,7 @@ def test_serve_run_serves_the_serve_config(ray_head, tmp_path):
         _wait_ready(root, proc, log)
         served = _served_name()
         assert httpx.get(f"{root}/v1/models").json()["data"][0]["id"] == served
-        sample = shapes.samples(31337, 1, asks=(shapes.Ask.COLOUR,))[0]  # the default model is taught colours
+        sample = scenes.samples(31337, 1, asks=(scenes.Ask.COLOUR,))[0]  # the default model is taught colours
         image = {"type": "image_url", "image_url": {"url": png_data_url(sample.image)}}
         reply = httpx.post(
             f"{root}/v1/chat/completions", timeout=120, json={"model": served, "messages": sample.messages(image), "temperature": 0, "max_tokens": 8}

@@ -21,21 +21,21 @@ def _one_torch_thread():
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory) -> Path:
     """The tiny-llava checkpoint, built once through the same code `epd build-model` runs."""
-    from actors.checkpoints import build_checkpoint
+    from actors.checkpoints.build import build_checkpoint
 
     return build_checkpoint("tiny-llava", tmp_path_factory.mktemp("ck") / "tiny", progress=False)
 
 
 @pytest.fixture(scope="session")
 def omni_ckpt(tmp_path_factory) -> Path:
-    from actors.checkpoints import build_checkpoint
+    from actors.checkpoints.build import build_checkpoint
 
     return build_checkpoint("tiny-omni", tmp_path_factory.mktemp("ck") / "omni", progress=False)
 
 
 @pytest.fixture(scope="session")
 def audio_ckpt(tmp_path_factory) -> Path:
-    from actors.checkpoints import build_checkpoint
+    from actors.checkpoints.build import build_checkpoint
 
     return build_checkpoint("tiny-qwen2-audio", tmp_path_factory.mktemp("ck") / "audio", progress=False)
 
@@ -43,14 +43,14 @@ def audio_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def published_omni_ckpt(tmp_path_factory) -> Path:
     """Qwen2.5-Omni in the published layout: thinker + talker + token2wav in one repo."""
-    from actors.checkpoints import build_checkpoint
+    from actors.checkpoints.build import build_checkpoint
 
     return build_checkpoint("tiny-qwen2.5-omni", tmp_path_factory.mktemp("ck") / "qwen2.5-omni", progress=False)
 
 
 # -- the router tests' shared factories (router/: plain Python, no model) --------------------------
 
-from router.sim import Workload  # noqa: E402
+from router.sim.workload import Workload  # noqa: E402
 from router.types import ALL_MODALITIES, MediaJob, RequestProfile, WorkerInfo, WorkerKind  # noqa: E402
 
 E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
@@ -106,7 +106,9 @@ def assert_idle(router) -> None:
 
 def sim_run(shape: str, n: int, load: float, policy: str, seed: int = 3, **workload):
     """A poisson workload of n requests at `load` x the capacity of the cluster `shape`, simulated."""
-    from router.sim import SimCluster, capacity_rps, make_workload, simulate
+    from router.sim.cluster_model import SimCluster, capacity_rps
+    from router.sim.loop import simulate
+    from router.sim.workload import make_workload
 
     cluster = SimCluster.parse(shape)
     wl = make_workload("poisson", n, seed=seed, **workload)

@@ -1,11 +1,11 @@
-"""Bounded admission (cluster/admission.py): budgets fill, refuse with Overloaded, and every
+"""Bounded admission (cluster/backpressure.py): budgets fill, refuse with Overloaded, and every
 ticket gives back exactly what it took, however the request ends."""
 
 from __future__ import annotations
 
 import pytest
 
-from cluster.admission import Admission, Overloaded
+from cluster.backpressure import Admission, Overloaded
 
 
 def test_waiting_tokens_bound_admission_and_free_at_the_first_token():

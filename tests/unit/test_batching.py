@@ -1,4 +1,4 @@
-"""Unit tests for actors.batching.MicroBatcher (plain asyncio, no Ray, no torch)."""
+"""Unit tests for actors.engine.batching.MicroBatcher (plain asyncio, no Ray, no torch)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from actors.batching import MicroBatcher
+from actors.engine.batching import MicroBatcher
 
 
 class Recorder:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
-from actors.checkpoint_source import CheckpointNotFound, is_repo_id, resolve_checkpoint
-from cluster.cli import ensure_model, with_model
+from actors.models.source import CheckpointNotFound, is_repo_id, resolve_checkpoint
 from cluster.config import ConfigError, load_config
+from cluster.prepare import ensure_model, with_model
 from tests.hf_cache import fill_hf_cache
 
 REPO = Path(__file__).resolve().parents[2]

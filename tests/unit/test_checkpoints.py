@@ -1,4 +1,4 @@
-"""Unit tests for actors.checkpoints: the locally built tiny LLaVA checkpoint (no Ray)."""
+"""Unit tests for actors.checkpoints.llava: the locally built tiny LLaVA checkpoint (no Ray)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from PIL import Image  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoProcessor, LlavaForConditionalGeneration  # noqa: E402
 
-from actors import checkpoints as ck  # noqa: E402
+from actors.checkpoints import build, kit  # noqa: E402
+from actors.checkpoints import llava as ck  # noqa: E402
 
 TINY = ck.RECIPES["tiny-llava"]
 REPO = Path(__file__).resolve().parents[2]
@@ -108,8 +109,8 @@ def test_chat_template(processor):
 def test_tokenizer_round_trip_and_specials(processor):
     tok = processor.tokenizer
     assert len(tok) == TINY.vocab_size
-    ids = {t: tok.convert_tokens_to_ids(t) for t in ck.SPECIAL_TOKENS}
-    assert ids == {t: i for i, t in enumerate(ck.SPECIAL_TOKENS)}
+    ids = {t: tok.convert_tokens_to_ids(t) for t in kit.SPECIAL_TOKENS}
+    assert ids == {t: i for i, t in enumerate(kit.SPECIAL_TOKENS)}
     for text in ["Hello world!\n  two  spaces\n\nnew\tlines ", "ünïcödé 日本 😀", "The cat sees 42."]:
         assert tok.decode(tok(text)["input_ids"]) == text
     # Placeholders are single ids and never merge with neighbouring text.
@@ -130,8 +131,8 @@ def test_greedy_depends_on_image_and_prompt(processor, model):
 
 
 def test_build_is_deterministic(ckpt, tmp_path):
-    again = ck.build_checkpoint("tiny-llava", tmp_path / "again", progress=False)
-    ck.main(["tiny-llava", str(tmp_path / "cli")])
+    again = build.build_checkpoint("tiny-llava", tmp_path / "again", progress=False)
+    build.main(["tiny-llava", str(tmp_path / "cli")])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "cli"]  # no temp dirs left behind
     ref = load_file(ckpt / "model.safetensors")
     assert all(t.dtype == torch.float32 for t in ref.values())
@@ -144,7 +145,7 @@ def test_build_is_deterministic(ckpt, tmp_path):
 
 def test_bpe_is_deterministic_across_processes(ckpt):
     """BPE training hashes words; a process with another hash seed must learn the same merges."""
-    code = "from actors import checkpoints as c; print(c.train_bpe(c.RECIPES['tiny-llava']).to_str())"
+    code = "from actors.checkpoints import kit, llava; print(kit.train_bpe(llava.RECIPES['tiny-llava']).to_str())"
     env = {**os.environ, "PYTHONHASHSEED": "123", "TOKENIZERS_PARALLELISM": "true"}
     cmd = [sys.executable, "-c", code]
     out = subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
@@ -154,16 +155,16 @@ def test_bpe_is_deterministic_across_processes(ckpt):
 
 def test_unknown_recipe_and_existing_dirs(ckpt, tmp_path):
     with pytest.raises(ValueError, match="tiny-llava.*bench-llava|bench-llava.*tiny-llava"):
-        ck.build_checkpoint("huge-llava", tmp_path / "x")
+        build.build_checkpoint("huge-llava", tmp_path / "x")
     with pytest.raises(FileExistsError):
-        ck.build_checkpoint("tiny-llava", ckpt, progress=False)
+        build.build_checkpoint("tiny-llava", ckpt, progress=False)
     with pytest.raises(FileNotFoundError, match="config.json"):
-        ck.ensure_checkpoint(tmp_path / "missing", None)
+        build.ensure_checkpoint(tmp_path / "missing", None)
     before = [(ckpt / f).stat().st_mtime_ns for f in ("config.json", "model.safetensors")]
-    assert ck.ensure_checkpoint(ckpt, "tiny-llava") == ckpt
-    assert ck.ensure_checkpoint(ckpt, None) == ckpt
+    assert build.ensure_checkpoint(ckpt, "tiny-llava") == ckpt
+    assert build.ensure_checkpoint(ckpt, None) == ckpt
     assert [(ckpt / f).stat().st_mtime_ns for f in ("config.json", "model.safetensors")] == before
-    built = ck.ensure_checkpoint(tmp_path / "new", "tiny-llava", progress=False)
+    built = build.ensure_checkpoint(tmp_path / "new", "tiny-llava", progress=False)
     assert (built / "config.json").is_file() and (built / "model.safetensors").is_file()
 
 
@@ -173,7 +174,7 @@ def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ck, "build_model", boom)
     with pytest.raises(RuntimeError):
-        ck.build_checkpoint("tiny-llava", tmp_path / "out", progress=False)
+        build.build_checkpoint("tiny-llava", tmp_path / "out", progress=False)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -8,16 +8,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from cluster.config import (
-    DEFAULT_CONFIG,
-    ClusterConfig,
-    ConfigError,
-    LimitsConfig,
-    Modality,
-    Transport,
-    load_config,
-    repo_configs,
-)
+from cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError, LimitsConfig, Transport, load_config, repo_configs
+from router.types import Modality
 
 CONFIGS = repo_configs()
 MINIMAL = {"model": {"checkpoint": "/tmp/ckpt", "served_name": "m"}}

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from router.calibration import CalibrationConfig
-from router.cost_model import CostModel, CostPriors, LinearCost, OnlineLinear
+from router.calibration import CalibrationConfig, LinearCost, OnlineLinear
+from router.cost_model import CostModel, CostPriors
 from router.types import MediaJob, Placement, RequestProfile, WorkerInfo, WorkerKind
 from router.view import ClusterView
 

@@ -1,8 +1,8 @@
-"""Unit tests for actors.decode_state: the decode worker's scheduler bookkeeping (no torch)."""
+"""Unit tests for actors.engine.decode_state: the decode worker's scheduler bookkeeping (no torch)."""
 
 from __future__ import annotations
 
-from actors.decode_state import DecodeScheduler, SeqStatus, Sequence, finish_reason, finish_reason_of
+from actors.engine.decode_state import DecodeScheduler, SeqStatus, Sequence, finish_reason, finish_reason_of
 from actors.types import DecodeRequest, FinishReason, SamplingParams
 
 EOS = 1
@@ -208,7 +208,7 @@ def test_finish_reason_of_tokens_already_produced():
 
 
 def test_history_is_prompt_plus_every_generated_token_only_when_needed():
-    from actors.engine_prefill import history_of
+    from actors.engine.prefill import history_of
     from actors.types import PrefillRequest, TokenHistory
 
     plain = seq("a")

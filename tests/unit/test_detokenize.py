@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
-from actors.checkpoints import RECIPES, build_tokenizer  # noqa: E402
+from actors.checkpoints.llava import RECIPES, build_tokenizer  # noqa: E402
 from cluster.detokenize import IncrementalText  # noqa: E402
 
 SAMPLE = "USER: What is in this image?\nASSISTANT: The image shows a person standing near a lake."

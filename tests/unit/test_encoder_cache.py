@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from actors.encoder_cache import EncoderCache, EntryState
+from actors.engine.encoder_cache import EncoderCache, EntryState
 
 
 def _encoded(cache: EncoderCache, identifier: str, holder: str, num_bytes: int, value=None) -> None:

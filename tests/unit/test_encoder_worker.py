@@ -13,7 +13,8 @@ torch = pytest.importorskip("torch")
 
 from actors.encoder import EncoderWorker  # noqa: E402
 from actors.runtime import WorkerSpec  # noqa: E402
-from actors.types import EncodeJob, MediaItem, Modality  # noqa: E402
+from actors.types import EncodeJob, MediaItem  # noqa: E402
+from router.types import Modality  # noqa: E402
 
 NUM_EMBEDDINGS = 16  # tiny-llava: one image, 16 placeholder tokens
 

@@ -14,10 +14,11 @@ import pytest
 torch = pytest.importorskip("torch")
 from PIL import Image  # noqa: E402
 
-from actors import kv  # noqa: E402
-from actors.engine_prefill import PrefillEngine, PrefillOutput  # noqa: E402
-from actors.lm_runner import LMRunner  # noqa: E402
-from actors.types import MediaItem, Modality, PrefillRequest  # noqa: E402
+from actors.engine import kv  # noqa: E402
+from actors.engine.lm_runner import LMRunner  # noqa: E402
+from actors.engine.prefill import PrefillEngine, PrefillOutput  # noqa: E402
+from actors.types import MediaItem, PrefillRequest  # noqa: E402
+from router.types import Modality  # noqa: E402
 from tests.unit.test_lm_runner import GREEDY, encoder, hf_greedy, hf_model, lm, placeholder_ranges, processor  # noqa: E402,F401
 
 LONG_TEXT = "Here is a long description of the scene that comes before the picture itself. " * 4

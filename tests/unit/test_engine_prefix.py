@@ -11,9 +11,10 @@ import pytest
 torch = pytest.importorskip("torch")
 from PIL import Image  # noqa: E402
 
-from actors.engine_prefill import PrefillEngine  # noqa: E402
-from actors.lm_runner import LMRunner  # noqa: E402
-from actors.types import MediaItem, Modality, PrefillRequest  # noqa: E402
+from actors.engine.lm_runner import LMRunner  # noqa: E402
+from actors.engine.prefill import PrefillEngine  # noqa: E402
+from actors.types import MediaItem, PrefillRequest  # noqa: E402
+from router.types import Modality  # noqa: E402
 from tests.unit.test_lm_runner import GREEDY, encoder, engines, hf_greedy, hf_model, lm, placeholder_ranges, processor, run_engines  # noqa: E402,F401
 
 BIG_CACHE = 1 << 30

@@ -11,12 +11,13 @@ torch = pytest.importorskip("torch")
 from PIL import Image  # noqa: E402
 from transformers import AutoProcessor, Qwen2_5OmniThinkerForConditionalGeneration  # noqa: E402
 
-from actors import kv  # noqa: E402
-from actors.adapters import Part, load_adapter  # noqa: E402
-from actors.identifiers import media_identifier  # noqa: E402
-from actors.lm_runner import LMRunner  # noqa: E402
-from actors.types import MediaItem, Modality, SamplingParams  # noqa: E402
+from actors.engine import kv  # noqa: E402
+from actors.engine.lm_runner import LMRunner  # noqa: E402
+from actors.models.adapter import Part, load_adapter  # noqa: E402
+from actors.types import MediaItem, SamplingParams  # noqa: E402
+from cluster.media.identifiers import media_identifier  # noqa: E402
 from cluster.prompt_plan import PromptPlanner  # noqa: E402
+from router.types import Modality  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 RNG = np.random.default_rng(7)

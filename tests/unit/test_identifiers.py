@@ -1,4 +1,4 @@
-"""actors/identifiers.py: identifiers follow the decoded content, the model and the layout."""
+"""cluster/media/identifiers.py: identifiers follow the decoded content, the model and the layout."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from actors.identifiers import media_identifier
-from actors.media import decode_image_url
-from actors.types import Modality
+from cluster.media.identifiers import media_identifier
+from cluster.media.image import decode_image_url
+from router.types import Modality
 
 
 def _url(array: np.ndarray, fmt: str, mime: str, **kwargs) -> str:

@@ -1,4 +1,4 @@
-"""Unit tests for actors.kv: packing one request's cache and the left-padded decode batch."""
+"""Unit tests for actors.engine.kv: packing one request's cache and the left-padded decode batch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-from actors import kv  # noqa: E402
+from actors.engine import kv  # noqa: E402
 
 LAYERS, HEADS, DIM = 3, 2, 4
 

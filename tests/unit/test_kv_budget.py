@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from actors import kv
+from actors.engine import kv
 
 
 def test_bytes_per_token_counts_keys_and_values_of_every_layer():

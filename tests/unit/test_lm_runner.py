@@ -1,4 +1,4 @@
-"""Unit tests for actors.lm_runner + actors.adapters on the tiny checkpoint (no Ray).
+"""Unit tests for actors.engine.lm_runner + actors.models.adapter on the tiny checkpoint (no Ray).
 
 The reference is Hugging Face's own `generate` on the whole LlavaForConditionalGeneration:
 chunked prefill, KV packing, the left-padded decode batch with requests joining and
@@ -18,13 +18,14 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 from transformers import AutoProcessor, LlavaForConditionalGeneration  # noqa: E402
 
-from actors.adapter_llava import LlavaAdapter
-from actors.adapters import Part  # noqa: E402
-from actors.checkpoints import SPECIAL_TOKENS  # noqa: E402
-from actors.engine_decode import DecodeEngine  # noqa: E402
-from actors.engine_prefill import PrefillEngine  # noqa: E402
-from actors.lm_runner import LMRunner, splice  # noqa: E402
-from actors.types import DecodeRequest, MediaItem, Modality, PlaceholderRange, PrefillRequest, SamplingParams  # noqa: E402
+from actors.checkpoints.kit import SPECIAL_TOKENS  # noqa: E402
+from actors.engine.decode import DecodeEngine  # noqa: E402
+from actors.engine.lm_runner import LMRunner, splice  # noqa: E402
+from actors.engine.prefill import PrefillEngine  # noqa: E402
+from actors.models.adapter import Part  # noqa: E402
+from actors.models.llava import LlavaAdapter
+from actors.types import DecodeRequest, MediaItem, PlaceholderRange, PrefillRequest, SamplingParams  # noqa: E402
+from router.types import Modality  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -253,7 +254,7 @@ def test_image_embeddings_change_the_output(lm, encoder, processor):
 
 def test_kv_bytes_per_token_from_the_config_is_what_prefill_packs(lm):
     """The ingress sizes a request's KV from the config; the decode worker from the packed tensor."""
-    from actors import kv
+    from actors.engine import kv
 
     _, packed, _ = LMRunner(lm).prefill((10, 11, 12, 13, 14), (), [], GREEDY)
     assert kv.bytes_per_token(lm.config.get_text_config(), packed.element_size()) == kv.packed_bytes_per_token(packed)
@@ -263,7 +264,7 @@ def test_kv_bytes_per_token_from_the_config_is_what_prefill_packs(lm):
 def test_a_kv_budget_queues_a_burst_and_stays_token_exact(lm, hf_model):
     """Six requests arrive at once; the decode KV budget holds about two: the rest wait
     their turn, the reservation never exceeds the budget, and every answer is HF's."""
-    from actors import kv
+    from actors.engine import kv
 
     rnd = random.Random(11)
     vocab = hf_model.config.text_config.vocab_size

@@ -1,4 +1,4 @@
-"""actors/media.py and media_image.py: every rejection names the problem and the part; RGB matches transformers."""
+"""cluster/media/decoders.py and media_image.py: every rejection names the problem and the part; RGB matches transformers."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from actors import media, media_image
-from actors.media import MediaError, decode_image_url, decode_media, load_media_item
-from actors.media_fetch import FetchPolicy
-from actors.types import MediaItem, Modality
+from actors.types import MediaItem
 from cluster.config import LimitsConfig
+from cluster.media import decoders as media
+from cluster.media import image as media_image
+from cluster.media.decoders import decode_media
+from cluster.media.errors import MediaError
+from cluster.media.fetch import FetchPolicy
+from cluster.media.image import decode_image_url
+from cluster.media.load import load_media_item
+from router.types import Modality
 
 PARAM = "messages[1].content[2].image_url"
 LIMIT = 1_000_000

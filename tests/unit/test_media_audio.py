@@ -1,4 +1,4 @@
-"""actors/media_audio.py: any accepted format -> mono float32 at the model's rate; bad input names itself."""
+"""cluster/media/audio.py: any accepted format -> mono float32 at the model's rate; bad input names itself."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from actors import media_audio
-from actors.media import MediaError, MediaOptions, load_media_item
-from actors.media_audio import AUDIO_FORMATS, decode_audio, resample
-from actors.types import Modality
 from cluster.config import LimitsConfig
+from cluster.media import audio as media_audio
+from cluster.media.audio import AUDIO_FORMATS, decode_audio, resample
+from cluster.media.decoders import MediaOptions
+from cluster.media.errors import MediaError
+from cluster.media.load import load_media_item
+from router.types import Modality
 
 PARAM = "messages[0].content[1].input_audio"
 TARGET_HZ = 16_000

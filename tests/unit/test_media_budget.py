@@ -1,4 +1,4 @@
-"""Pixel budgets and header probes (actors/media_budget.py, media_probe.py): media that would
+"""Pixel budgets and header probes (cluster/media/budget.py, media_probe.py): media that would
 decode too much is refused from its headers, before any frame is rendered, with a 400
 naming the limit and the part."""
 
@@ -14,12 +14,15 @@ import numpy as np
 import pytest
 from PIL import Image, ImageSequence
 
-from actors.media import MediaError, MediaOptions, PixelBudget, load_media_item
-from actors.media_probe import probe_animation
-from actors.media_video import VideoSampling
-from actors.types import Modality
 from cluster.config import LimitsConfig
+from cluster.media.budget import PixelBudget
+from cluster.media.decoders import MediaOptions
+from cluster.media.errors import MediaError
+from cluster.media.load import load_media_item
+from cluster.media.probe import probe_animation
+from cluster.media.video import VideoSampling
 from cluster.protocol import MediaPart
+from router.types import Modality
 from tests.unit.test_media_video import animated, data_url, encoded_video, gif_with_partial_frames, red_frames
 from tests.unit.test_request_path_media import path, request_path
 

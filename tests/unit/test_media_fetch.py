@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from actors.media_audio import decode_audio_url
-from actors.media_fetch import FetchPolicy, fetch
-from actors.media_image import decode_image_url
-from actors.media_input import MediaError
-from actors.media_video import VideoSampling, decode_video_url
+from cluster.media.audio import decode_audio_url
+from cluster.media.errors import MediaError
+from cluster.media.fetch import FetchPolicy, fetch
+from cluster.media.image import decode_image_url
+from cluster.media.video import VideoSampling, decode_video_url
 from tests.media_server import FILES, MediaServer
 
 LOCAL = FetchPolicy.of(["*"], ["127.0.0.1/32"], max_bytes=1 << 20, timeout_s=1.0, max_redirects=2)

@@ -1,4 +1,4 @@
-"""actors/media_pool.py: a few decodes at once, and freed memory handed back to the OS."""
+"""cluster/media/pool.py: a few decodes at once, and freed memory handed back to the OS."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import psutil
 import pytest
 
-from actors import media_pool
+from cluster.media import pool as media_pool
 
 MB = 2**20
 

@@ -1,4 +1,4 @@
-"""actors/media_procs.py: media decoded in capped child processes, errors carried back intact,
+"""cluster/media/procs.py: media decoded in capped child processes, errors carried back intact,
 dead or exhausted children replaced, and nothing of the decode left in this process."""
 
 from __future__ import annotations
@@ -12,18 +12,19 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from actors.media import MediaError, MediaOptions, _LimitsSnapshot, decode_media
-from actors.media_procs import DecodePool, PoolShape
-from actors.media_worker import DecodeTask
-from actors.types import Modality
 from cluster.config import LimitsConfig
+from cluster.media.child import DecodeTask
+from cluster.media.decoders import LimitsSnapshot, MediaOptions, decode_media
+from cluster.media.errors import MediaError
+from cluster.media.procs import DecodePool, PoolShape
+from router.types import Modality
 from tests.unit.test_media_budget import png
 
 PARAM = "messages[0].content[1].image_url"
 
 
 def task(url: str, limits: LimitsConfig = LimitsConfig()) -> DecodeTask:
-    return DecodeTask(Modality.IMAGE, url, _LimitsSnapshot.of(limits), PARAM, None, MediaOptions(), None, 0)
+    return DecodeTask(Modality.IMAGE, url, LimitsSnapshot.of(limits), PARAM, None, MediaOptions(), None, 0)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""actors/media_video.py: frames sampled on a time grid, from GIF, WebP, MP4 and WebM; limits hold."""
+"""cluster/media/video.py: frames sampled on a time grid, from GIF, WebP, MP4 and WebM; limits hold."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 from PIL import Image, ImageSequence
 
-from actors import media_video
-from actors.media import MediaError, MediaOptions, load_media_item
-from actors.media_fetch import FetchPolicy
-from actors.media_video import VideoSampling, _Timeline, decode_video_url, sample_times, select_frames
-from actors.types import Modality
 from cluster.config import LimitsConfig
+from cluster.media import video as media_video
+from cluster.media.decoders import MediaOptions
+from cluster.media.errors import MediaError
+from cluster.media.fetch import FetchPolicy
+from cluster.media.load import load_media_item
+from cluster.media.video import VideoSampling, _Timeline, decode_video_url, sample_times, select_frames
+from router.types import Modality
 
 PARAM = "messages[0].content[1].video_url"
 LIMIT = 1_000_000

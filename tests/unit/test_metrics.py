@@ -20,7 +20,7 @@ _SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",),
 
 def exported_series() -> set[str]:
     """Every sample name /metrics can carry, from the registry the ingress serves."""
-    from actors.encoder_cache import EncoderCache
+    from actors.engine.encoder_cache import EncoderCache
 
     metrics = Metrics("m", 120)
     encoder = EncoderCache(1).stats().as_flat_dict()
@@ -65,7 +65,7 @@ def test_latency_buckets_end_at_the_timeout():
 
 
 def test_worker_stats_become_encoder_cache_and_kv_series():
-    from actors.encoder_cache import EncoderCache
+    from actors.engine.encoder_cache import EncoderCache
 
     cache = EncoderCache(capacity_bytes=100)
     assert cache.lookup("a", "r1") is None

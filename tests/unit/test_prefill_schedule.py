@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.prefill_schedule import Chunk, Order, PrefillState, Span, plan_step
+from router.prefill_schedule import Chunk, Order, PrefillState, Span, plan_step
 
 
 def state(request_id: str, num_tokens: int, num_computed: int = 0, spans=(), arrival: int = 0) -> PrefillState:

@@ -28,7 +28,8 @@ def worker(ckpt):  # one per test: its drive task belongs to that test's event l
 
 @pytest.fixture(scope="module")
 def prompt(encoder, processor):
-    from actors.types import MediaItem, Modality
+    from actors.types import MediaItem
+    from router.types import Modality
 
     array = np.random.default_rng(8).integers(0, 256, (40, 40, 3), dtype=np.uint8)
     ids, ranges, _ = text_then_images(processor, encoder.config.image_token_id, [array])

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from actors.prefix_cache import BlockPool, MediaKey, block_hashes
+from actors.engine.prefix_cache import BlockPool, MediaKey, block_hashes
 
 
 def test_hashes_chain_full_blocks_only():
@@ -86,9 +86,10 @@ def test_integrity_check_catches_a_drift():
 def test_router_profile_carries_the_hashes_the_workers_file_blocks_under():
     import numpy as np
 
-    from actors.types import MediaItem, Modality, PlaceholderRange
+    from actors.types import MediaItem, PlaceholderRange
     from cluster.prompt_plan import PromptPlan
     from cluster.routing import LiveRouting
+    from router.types import Modality
 
     item = MediaItem(Modality.IMAGE, "img-a", data=np.zeros((2, 2, 3), np.uint8))
     plan = PromptPlan(tuple(range(40)), (PlaceholderRange(5, 10),), (10,), (item,))

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from actors.types import Modality
 from cluster.protocol import (
     SSE_DONE,
     AssistantMessage,
@@ -27,6 +26,7 @@ from cluster.protocol import (
     validation_error_message,
 )
 from cluster.sampling_fields import ModelBounds, ParamError
+from router.types import Modality
 
 USER = {"role": "user", "content": "hello"}
 

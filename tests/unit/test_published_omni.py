@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 from safetensors import safe_open  # noqa: E402
 from transformers import AutoProcessor, Qwen2_5OmniForConditionalGeneration  # noqa: E402
 
-from actors.adapter_omni import load_thinker  # noqa: E402
-from actors.adapters import Part, load_adapter  # noqa: E402
-from actors.lm_runner import LMRunner  # noqa: E402
+from actors.engine.lm_runner import LMRunner  # noqa: E402
+from actors.models.adapter import Part, load_adapter  # noqa: E402
+from actors.models.omni import load_thinker  # noqa: E402
 from cluster.prompt_plan import PromptPlanner  # noqa: E402
 from tests.integration.reference import TextOnly  # noqa: E402
 from tests.unit.test_families import OMNI_CASES, check_matches_generate  # noqa: E402

@@ -11,9 +11,9 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from actors.types import Modality
 from cluster.config import ClusterConfig
 from cluster.protocol import MediaPart
+from router.types import Modality
 
 request_path = pytest.importorskip("cluster.request_path")  # imports ray (no cluster is started)
 from cluster.intake import Intake  # noqa: E402

@@ -1,4 +1,4 @@
-"""Unit tests for actors.sampling: greedy, seeded sampling, top-k and top-p."""
+"""Unit tests for actors.engine.sampling: greedy, seeded sampling, top-k and top-p."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from actors.sampling import sample  # noqa: E402
+from actors.engine.sampling import sample  # noqa: E402
 from actors.types import SamplingParams  # noqa: E402
 
 VOCAB = 50

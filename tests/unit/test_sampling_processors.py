@@ -1,4 +1,4 @@
-"""Unit tests for the logits processors and logprobs in actors/sampling.py, against HF's
+"""Unit tests for the logits processors and logprobs in actors/engine/sampling.py, against HF's
 own processors where HF has the option, without Ray."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor  # noqa: E402
 
-from actors.sampling import process, sample, sample_rows  # noqa: E402
+from actors.engine.sampling import process, sample, sample_rows  # noqa: E402
 from actors.types import SamplingParams, TokenHistory  # noqa: E402
 
 VOCAB = 40

@@ -10,33 +10,33 @@ import numpy as np
 import pytest
 import torch
 
-from actors import shapes
-from actors.checkpoint_shapes import IGNORE, SHAPES_RECIPES, BatchMaker, build_shapes, generate_answer
-from actors.checkpoints import build_processor, build_tokenizer
+from actors.checkpoints import scenes
+from actors.checkpoints.llava import build_processor, build_tokenizer
+from actors.checkpoints.shapes import IGNORE, SHAPES_RECIPES, BatchMaker, build_shapes, generate_answer
 
 RECIPE = SHAPES_RECIPES["shapes-llava-v2"]
 
 
 def test_samples_are_seeded_and_vary():
-    a, b, other = shapes.samples(5, 30), shapes.samples(5, 30), shapes.samples(6, 30)
+    a, b, other = scenes.samples(5, 30), scenes.samples(5, 30), scenes.samples(6, 30)
     assert [(s.scene, s.question, s.image.tobytes()) for s in a] == [(s.scene, s.question, s.image.tobytes()) for s in b]
     assert [s.image.tobytes() for s in a] != [s.image.tobytes() for s in other]
-    answerable = {a for a in shapes.Ask if a is not shapes.Ask.COUNT or shapes.MAX_COUNT > 1}
-    assert {s.ask for s in shapes.samples(5, 200)} == answerable
-    assert {s.ask for s in shapes.samples(5, 50, asks=(shapes.Ask.SIDE,))} == {shapes.Ask.SIDE}
+    answerable = {a for a in scenes.Ask if a is not scenes.Ask.COUNT or scenes.MAX_COUNT > 1}
+    assert {s.ask for s in scenes.samples(5, 200)} == answerable
+    assert {s.ask for s in scenes.samples(5, 50, asks=(scenes.Ask.SIDE,))} == {scenes.Ask.SIDE}
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_picture_shows_its_scene(seed):
     rng = np.random.default_rng(seed)
-    scene = shapes.random_scene(rng, max_count=3)
-    pixels = np.asarray(shapes.render(scene, rng)).astype(int)
+    scene = scenes.random_scene(rng, max_count=3)
+    pixels = np.asarray(scenes.render(scene, rng)).astype(int)
     coloured = np.abs(pixels - pixels.mean(axis=2, keepdims=True)).sum(axis=2) > 60  # the grey background is not
     if scene.colour == "white":
         coloured = pixels.min(axis=2) > 150
     assert coloured.sum() > 30
     mean = pixels[coloured].mean(axis=0)
-    nearest = min(shapes.COLOURS, key=lambda c: np.abs(np.array(shapes.COLOURS[c]) - mean).sum())
+    nearest = min(scenes.COLOURS, key=lambda c: np.abs(np.array(scenes.COLOURS[c]) - mean).sum())
     assert nearest == scene.colour
     if scene.side is not None:
         centre_x = np.nonzero(coloured)[1].mean() / pixels.shape[1]
@@ -45,19 +45,19 @@ def test_picture_shows_its_scene(seed):
 
 def test_only_one_shape_has_a_side():
     rng = np.random.default_rng(1)
-    for scene in [shapes.random_scene(rng, max_count=3) for _ in range(100)]:
+    for scene in [scenes.random_scene(rng, max_count=3) for _ in range(100)]:
         assert (scene.side is None) == (scene.count > 1)
-    for s in shapes.samples(1, 100):
-        if s.ask is shapes.Ask.SIDE:
-            assert s.answer in shapes.SIDES
+    for s in scenes.samples(1, 100):
+        if s.ask is scenes.Ask.SIDE:
+            assert s.answer in scenes.SIDES
     with pytest.raises(ValueError, match="side"):
-        shapes.Scene("red", "circle", 2, None).answer(shapes.Ask.SIDE)
+        scenes.Scene("red", "circle", 2, None).answer(scenes.Ask.SIDE)
 
 
 def test_batches_score_only_the_answer_and_match_the_served_prompt():
     processor = build_processor(RECIPE.arch, build_tokenizer(RECIPE.arch))
     tok = processor.tokenizer
-    batch_samples = shapes.samples(3, 6)
+    batch_samples = scenes.samples(3, 6)
     batch = BatchMaker(processor, RECIPE.render_px)(batch_samples)
     for row, s in enumerate(batch_samples):
         text = processor.apply_chat_template(s.messages({"type": "image"}), add_generation_prompt=True, tokenize=False)
@@ -85,7 +85,7 @@ def trained():
     """The default config's trained model from the shared cache (trained there on first use, as `epd serve` does)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from actors.checkpoints import ensure_checkpoint
+    from actors.checkpoints.build import ensure_checkpoint
     from cluster.config import builtin_model, load_config
 
     name = load_config().model.builtin
@@ -95,8 +95,8 @@ def trained():
 
 def test_trained_checkpoint_answers_held_out_questions_with_generate(trained):
     recipe, model, processor = trained
-    held_out = shapes.samples(777, 40, asks=recipe.asks)  # not the training seed
-    assert shapes.Ask.SHAPE in {s.ask for s in held_out}, "the default names shapes too"
+    held_out = scenes.samples(777, 40, asks=recipe.asks)  # not the training seed
+    assert scenes.Ask.SHAPE in {s.ask for s in held_out}, "the default names shapes too"
     right = 0
     for s in held_out:
         new = generate_answer(model, processor, s)

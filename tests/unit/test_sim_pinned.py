@@ -13,9 +13,10 @@ import hashlib
 import numpy as np
 import pytest
 
-from router.sim import SimCluster, capacity_rps, make_workload, simulate
-from router.sim.cluster_model import PREFILL_FIFO
+from router.sim.cluster_model import PREFILL_FIFO, SimCluster, capacity_rps
+from router.sim.loop import simulate
 from router.sim.variability import Variability
+from router.sim.workload import make_workload
 from tests.unit.conftest import mixed_workload
 
 

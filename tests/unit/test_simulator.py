@@ -11,20 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router.sim import (
-    ClusterShapeError,
-    EncodeCost,
-    SimCluster,
-    SimCosts,
-    Workload,
-    WorkloadError,
-    capacity_rps,
-    load_trace,
-    make_workload,
-    simulate,
-    write_trace,
-)
 from router.sim.cli import main as cli_main
+from router.sim.cluster_model import ClusterShapeError, EncodeCost, SimCluster, SimCosts, capacity_rps
+from router.sim.loop import simulate
+from router.sim.trace_file import load_trace, write_trace
+from router.sim.workload import Workload, WorkloadError, make_workload
 from router.types import MediaJob, Placement, RequestProfile
 from tests.unit.conftest import sim_run
 
@@ -179,8 +170,8 @@ def test_router_calibrates_toward_simulated_speeds():
     cluster = SimCluster.parse("2x2x2-hetero")
     wl = make_workload("poisson", 3000, seed=5, mix={"text": 1.0})
     wl = wl.at_rate(0.5 * capacity_rps(cluster, wl))
-    from router.sim.engine import _run as run_engine
-    from router.sim.engine import make_router
+    from router.sim.loop import make_router
+    from router.sim.loop import run_router as run_engine
 
     router = make_router(cluster, "joint", seed=5)
     run_engine(cluster, wl, router, "joint", slo_ms=1000, progress=False, record_decisions=False, load=0.5)
@@ -329,7 +320,7 @@ def test_cli_plots(tmp_path, capsys):
 def test_router_sim_imports_neither_torch_nor_ray():
     code = (
         "import sys\n"
-        "import router.sim, router.sim.cli, router.sim.engine, router.sim.report, router.sim.workload\n"
+        "import router.sim, router.sim.cli, router.sim.loop, router.sim.report, router.sim.workload\n"
         "import router.sim.cluster_model, router.router\n"
         "from router.sim import SimCluster, make_workload, simulate\n"
         "simulate(SimCluster.parse('1x1x1'), make_workload('poisson', 50, rate_rps=5.0), 'joint')\n"

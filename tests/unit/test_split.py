@@ -10,9 +10,9 @@ import pytest
 from router.cost_model import CostPriors
 from router.policies import POLICIES
 from router.router import Router
-from router.sim import ClusterShapeError, SimCluster
-from router.sim.engine import _run as run_engine
-from router.sim.engine import make_router
+from router.sim.cluster_model import ClusterShapeError, SimCluster
+from router.sim.loop import make_router
+from router.sim.loop import run_router as run_engine
 from router.types import RequestProfile, WorkerInfo, WorkerKind
 from router.view import NoWorkerError
 from tests.unit.conftest import AUDIO, VISION, assert_idle, audio, fleet, media, mixed_workload, split_fleet

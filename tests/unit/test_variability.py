@@ -6,8 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from router.sim import ClusterShapeError, SimCluster, SimCosts, Workload, make_workload, simulate
+from router.sim.cluster_model import ClusterShapeError, SimCluster, SimCosts
+from router.sim.loop import simulate
 from router.sim.variability import Multipliers, Variability, busy, fit_service, fit_trace, in_flight
+from router.sim.workload import Workload, make_workload
 from router.types import MediaJob, Placement, RequestProfile
 
 FREE = {pl: 0.0 for pl in Placement}
@@ -86,13 +88,13 @@ def simulated_trace(truth: Variability) -> list[dict]:
     its TTFT the prefill queue), route."""
     cluster = text_cluster(prefill=4, variability=truth)
     wl = make_workload("poisson", 3000, seed=4, mix={"text": 1.0}, rate_rps=20.0)  # ~50% load: busy workers vary
-    from router.sim.engine import _run, make_router
+    from router.sim.loop import make_router, run_router
 
     router = make_router(cluster, "round_robin", seed=1)
     decisions = []
     route = router.route
     router.route = lambda profile, now_s: decisions.append(route(profile, now_s)) or decisions[-1]
-    sim = _run(cluster, wl, router, "round_robin", slo_ms=1e3, progress=False, record_decisions=False, load=None)
+    sim = run_router(cluster, wl, router, "round_robin", slo_ms=1e3, progress=False, record_decisions=False, load=None)
     return [
         {
             "arrival_s": a,

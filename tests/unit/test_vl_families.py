@@ -13,14 +13,14 @@ torch = pytest.importorskip("torch")
 from PIL import Image  # noqa: E402
 from transformers import AutoProcessor, LlavaNextForConditionalGeneration, Qwen2_5_VLForConditionalGeneration  # noqa: E402
 
-from actors.adapters import Part, load_adapter  # noqa: E402
-from actors.lm_runner import LMRunner  # noqa: E402
+from actors.engine.lm_runner import LMRunner  # noqa: E402
+from actors.models.adapter import Part, load_adapter  # noqa: E402
 from cluster.prompt_plan import PromptPlanner  # noqa: E402
 from tests.unit.test_families import check_matches_generate, generate_batched, image, media, video  # noqa: E402
 
 
 def _build(tmp_path_factory, recipe: str):
-    from actors.checkpoints import build_checkpoint
+    from actors.checkpoints.build import build_checkpoint
 
     return build_checkpoint(recipe, tmp_path_factory.mktemp("ck") / recipe, progress=False)
 
@@ -165,7 +165,7 @@ def test_llava_next_batched_encode_and_decode(llava_next):
 
 
 def test_vl_models_refuse_audio(qwen_vl, llava_next):
-    from actors.types import Modality
+    from router.types import Modality
     from tests.unit.test_families import item, tone
 
     for family in (qwen_vl, llava_next):

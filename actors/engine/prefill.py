@@ -1,0 +1,327 @@
+"""The prefill loop as a plain object: a step-wise scheduler over the requests in the
+worker, with a prefix cache. No Ray and no asyncio, so tests drive the very loop the
+worker runs.
+
+Each `step()` starts newly added requests (splice the embeddings that are here, take the
+longest cached prefix), lets `plan_step` share the step's token budget among them, runs each
+chunk on top of its request's cache and returns the requests that finished: their first
+token and packed KV. Finished prompts leave their full blocks in the prefix cache.
+
+Encode/prefill overlap: a request may be added before its items' embeddings; the text
+before its first missing item is prefilled meanwhile, and `add_item` splices each item in
+when it comes (a request waiting for one takes no step budget and keeps no loop busy).
+`add` / `add_item` / `abort` may come from another thread than `step`: they only fill the
+intake, which `step` applies in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from actors.engine import kv
+from actors.engine.lm_runner import LMRunner
+from actors.engine.prefix_cache import BlockPool, MediaKey, block_hashes
+from actors.engine.sampling import Sampled
+from actors.types import PrefillRequest, TokenHistory
+from router.prefill_schedule import Order, PrefillState, Span, plan_step
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    request_id: str
+    first: Sampled | None  # None: it could not be sampled (non-finite logits)
+    packed_kv: torch.Tensor
+    rope_delta: int
+    num_cached_tokens: int
+    queue_ms: float  # added -> first chunk
+    prefill_ms: float  # first chunk -> done, less the time spent waiting for items meanwhile
+    item_wait_ms: float = 0.0  # how long it could not advance for want of an item's embeddings
+    compute_ms: float = 0.0  # its own forwards and finish: its service time (prefill_ms also counts those sharing its steps)
+    error: str | None = None  # the request failed alone (e.g. an item that does not fit its placeholders)
+    finished_s: float = 0.0  # perf_counter() at done: the worker adds what passes until it hands the result on
+
+
+@dataclass(frozen=True)
+class _Item:
+    """An item's embeddings that came after its request (`add_item`)."""
+
+    request_id: str
+    slot: int
+    embeddings: torch.Tensor
+
+
+@dataclass
+class _Job:
+    request: PrefillRequest
+    items: dict[int, torch.Tensor]  # by slot, until spliced
+    arrival: int
+    added_s: float
+    min_early_tokens: int = 0  # PrefillState.min_early_tokens
+    embeds: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    rope_delta: int = 0
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    hashes: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)  # blocks referenced while this job runs
+    num_cached: int = 0
+    num_computed: int = 0
+    started_s: float | None = None
+    hidden: torch.Tensor | None = None
+    ready: set[int] = field(default_factory=set)  # slots whose embeddings are spliced in
+    blocked_s: float | None = None  # since when it waits for an item
+    waited_s: float = 0.0  # waiting for items in all
+    waited_running_s: float = 0.0  # of which after its first chunk
+    compute_s: float = 0.0  # in its own forwards
+
+    def state(self) -> PrefillState:
+        here = self.ready | self.items.keys()  # spliced, or given and not started yet
+        spans = tuple(Span(r.offset, r.length, i in here) for i, r in enumerate(self.request.placeholders))
+        return PrefillState(
+            self.request.request_id, len(self.request.prompt_token_ids), self.num_computed, spans, self.arrival, self.added_s, self.min_early_tokens
+        )
+
+    def note_wait(self, now: float) -> None:
+        """Start or end a wait for an item, as the job's state now says."""
+        runnable = self.state().runnable or self.num_computed == len(self.request.prompt_token_ids)
+        if not runnable and self.blocked_s is None:
+            self.blocked_s = now
+        elif runnable and self.blocked_s is not None:
+            self.waited_s += now - self.blocked_s
+            self.waited_running_s += now - self.blocked_s if self.started_s is not None else 0.0
+            self.blocked_s = None
+
+
+def history_of(request: PrefillRequest) -> TokenHistory | None:
+    """What the first token's penalties see; a resumed request's generated tokens are output."""
+    if not request.sampling.needs_history:
+        return None
+    split = len(request.prompt_token_ids) - request.num_output_tokens
+    return TokenHistory(request.prompt_token_ids[:split], request.prompt_token_ids[split:])
+
+
+def media_keys(request: PrefillRequest) -> tuple[MediaKey, ...]:
+    ids = request.media_identifiers if len(request.media_identifiers) == len(request.placeholders) else None
+    return tuple(MediaKey(r.offset, r.length, ids[i] if ids else None) for i, r in enumerate(request.placeholders))
+
+
+class PrefillEngine:
+    def __init__(
+        self,
+        runner: LMRunner,
+        token_budget: int,
+        *,
+        block_size: int = 16,
+        cache_bytes: int = 0,
+        max_media_tokens_per_step: int | None = None,
+        order: Order = Order.SHORTEST_REMAINING,
+        min_early_tokens: int = 0,
+        aging_tokens_per_s: float = 0.0,
+    ):
+        self.runner, self.token_budget, self.block_size, self.order = runner, token_budget, block_size, order
+        self.aging_tokens_per_s = aging_tokens_per_s  # shortest-first with aging (prefill_schedule): bounds a long prompt's wait
+        self.min_early_tokens = min_early_tokens  # overlap: the shortest text worth prefilling ahead of a missing item
+        self.max_media_tokens_per_step = max_media_tokens_per_step
+        self.pool = BlockPool(cache_bytes)
+        self.jobs: dict[str, _Job] = {}
+        self._failed: list[PrefillOutput] = []  # requests that failed alone since the last step
+        self._intake: deque[_Job | _Item | str] = deque()  # new jobs, late items and aborted ids, in the order they came
+        self._parked: dict[str, _Job] = {}  # added, but no chunk can run before an item comes (caller's thread only)
+        self._num_runnable = 0  # jobs that can advance, as of the end of the last step
+        self._arrivals = itertools.count()
+        self._held_version = -1
+        self._snapshot()
+
+    def add(self, request: PrefillRequest, items: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] = ()) -> None:
+        """`items`: the embeddings already here (a sequence: slots 0, 1, ...; a mapping: by
+        slot); the others follow through `add_item`. A request that cannot compute a chunk
+        before an item comes is held aside until one does: it costs no step (and so keeps
+        this worker idle on the node's idle-core board while its encoder runs)."""
+        given = dict(items) if isinstance(items, Mapping) else dict(enumerate(items))
+        job = _Job(request, given, next(self._arrivals), time.perf_counter(), self.min_early_tokens)
+        self._admit(job)
+
+    def add_item(self, request_id: str, slot: int, embeddings: torch.Tensor) -> None:
+        """Item `slot`'s embeddings for a request added before they came; spliced at the next
+        step. Dropped there if the request is gone (aborted, failed or already done)."""
+        if (job := self._parked.pop(request_id, None)) is not None:
+            job.items[slot] = embeddings
+            self._admit(job)
+        else:
+            self._intake.append(_Item(request_id, slot, embeddings))
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request at the next step (no-op for one not added yet or already done)."""
+        if self._parked.pop(request_id, None) is None:  # a parked request holds nothing yet
+            self._intake.append(request_id)
+
+    def _admit(self, job: _Job) -> None:
+        """To the intake, or held aside while no chunk of it could run (its wait is item wait)."""
+        if job.state().runnable:
+            self._intake.append(job)
+        else:
+            job.blocked_s = job.blocked_s or job.added_s
+            self._parked[job.request.request_id] = job
+
+    @property
+    def has_work(self) -> bool:
+        """Something a step would do. Requests that all wait for items are no work: their
+        `add_item` refills the intake."""
+        return bool(self._intake) or self._num_runnable > 0
+
+    def step(self) -> list[PrefillOutput]:
+        try:
+            return self._step()
+        finally:
+            self._snapshot()
+
+    def _step(self) -> list[PrefillOutput]:
+        self._apply_intake()
+        failed, self._failed = self._failed, []
+        if not self.jobs:
+            return failed
+        states = [job.state() for job in self.jobs.values()]
+        chunks = plan_step(states, self.token_budget, self.max_media_tokens_per_step, self.order, self.aging_tokens_per_s)
+        now = time.perf_counter()
+        for chunk in chunks:
+            job = self.jobs[chunk.request_id]
+            job.started_s = job.started_s or now
+            job.hidden = self.runner.forward_chunk(job.embeds, job.positions, job.cache, chunk.start, chunk.end)
+            job.num_computed = chunk.end
+            job.compute_s += time.perf_counter() - now
+            now = time.perf_counter()
+        for job in self.jobs.values():
+            job.note_wait(now)
+        done = [job for job in self.jobs.values() if job.num_computed == len(job.request.prompt_token_ids)]
+        return failed + [self._finish(job) for job in done]
+
+    def fail_all(self) -> list[str]:
+        """After a step raised: every request in the worker is dropped; their ids."""
+        self._apply_intake()
+        ids = list(self.jobs)
+        for request_id in ids:
+            self._drop(request_id)
+        self._snapshot()
+        return ids
+
+    def _apply_intake(self) -> None:
+        while self._intake:
+            entry = self._intake.popleft()
+            if isinstance(entry, str):
+                self._drop(entry)
+            elif isinstance(entry, _Item):
+                self._splice(entry)
+            else:
+                self.jobs[entry.request.request_id] = entry
+                self._start(entry)
+
+    def _start(self, job: _Job) -> None:
+        """Build the prompt's inputs, splice the items that are here and continue from the
+        longest cached prefix."""
+        req = job.request
+        job.embeds, job.positions, job.rope_delta = self.runner.text_inputs(req.prompt_token_ids, req.placeholders)
+        items, job.items = job.items, {}  # spliced: the embeddings are not needed any more
+        for slot, embeddings in items.items():
+            self._splice(_Item(req.request_id, slot, embeddings))
+        self._reuse_prefix(job)
+        job.note_wait(time.perf_counter())
+
+    def _splice(self, item: _Item) -> None:
+        job = self.jobs.get(item.request_id)
+        if job is None or item.slot in job.ready:  # the request is gone: the embeddings are freed here
+            return
+        if error := self._misfit(job.request, item):  # fails this request alone, not the whole step
+            self._drop(job.request.request_id)
+            self._failed.append(PrefillOutput(item.request_id, None, torch.empty(0), 0, 0, 0.0, 0.0, error=error))
+            return
+        r = job.request.placeholders[item.slot]
+        if r.offset + r.length > job.num_computed:  # else its span came from the prefix cache
+            self.runner.splice_item(job.embeds, r, item.embeddings)
+        job.ready.add(item.slot)
+        job.note_wait(time.perf_counter())
+
+    @staticmethod
+    def _misfit(request: PrefillRequest, item: _Item) -> str | None:
+        if not 0 <= item.slot < len(request.placeholders):
+            return f"item slot {item.slot} is out of range: the prompt has {len(request.placeholders)} media items"
+        r = request.placeholders[item.slot]
+        if item.embeddings.shape[0] != r.length:
+            return f"item {item.slot} has {item.embeddings.shape[0]} embeddings for its {r.length} placeholders"
+        return None
+
+    def _reuse_prefix(self, job: _Job) -> None:
+        """Continue from the longest cached prefix (whose media spans need no embeddings)."""
+        req = job.request
+        if self.pool.capacity_bytes <= 0:
+            return
+        job.hashes = block_hashes(req.prompt_token_ids, self.block_size, media_keys(req))
+        # At least the last prompt token is computed: its hidden state gives the first token.
+        usable = job.hashes[: (len(req.prompt_token_ids) - 1) // self.block_size]
+        payloads = self.pool.acquire(usable)
+        job.held = usable[: len(payloads)]
+        if payloads:
+            job.cache = kv.cache_of(torch.cat(payloads, dim=3).to(self.runner.device))
+            job.num_cached = job.num_computed = len(payloads) * self.block_size
+
+    def _finish(self, job: _Job) -> PrefillOutput:
+        req, finishing_s = job.request, time.perf_counter()
+        first = self.runner.first_token(job.hidden, req.sampling, len(req.prompt_token_ids), history_of(req))
+        packed = kv.pack(job.cache)
+        self._keep_blocks(job, packed)
+        self._drop(req.request_id)
+        done = time.perf_counter()
+        waited_before_s = job.waited_s - job.waited_running_s  # for its items, before its first chunk: not queueing
+        queue_ms = (job.started_s - job.added_s - waited_before_s) * 1e3
+        prefill_ms = (done - job.started_s - job.waited_running_s) * 1e3
+        compute_ms = (job.compute_s + done - finishing_s) * 1e3
+        return PrefillOutput(
+            req.request_id, first, packed, job.rope_delta, job.num_cached, queue_ms, prefill_ms, job.waited_s * 1e3, compute_ms, finished_s=done
+        )
+
+    def _keep_blocks(self, job: _Job, packed: torch.Tensor) -> None:
+        bs = self.block_size
+        for i, block_hash in enumerate(job.hashes):
+            if block_hash not in self.pool.blocks:
+                block = packed[:, :, :, i * bs : (i + 1) * bs].clone()  # its own storage: the packed KV leaves
+                if not self.pool.insert(block_hash, block, block.numel() * block.element_size()):
+                    break  # no room even after evicting: the later blocks would be orphans
+        self.pool.touch(job.hashes)
+
+    def _drop(self, request_id: str) -> None:
+        job = self.jobs.pop(request_id, None)
+        if job is not None:
+            self.pool.release(job.held)
+            job.held = []
+
+    def held_hashes(self) -> frozenset[str]:
+        """As of the end of the last step (safe to read from another thread than `step`)."""
+        return self._held
+
+    def stats(self) -> dict[str, int]:
+        """As of the end of the last step, plus requests added since."""
+        parked = len(self._parked)  # queued for this worker and waiting for items, as a started job that waits
+        queued = self._stats["queued"] + parked + sum(1 for j in list(self._intake) if isinstance(j, _Job))
+        return {**self._stats, "queued": queued, "waiting_for_items": self._stats["waiting_for_items"] + parked}
+
+    def _snapshot(self) -> None:
+        s, jobs = self.pool.stats, list(self.jobs.values())
+        if self._held_version != self.pool.version:  # one frozenset per change, not per step: the router compares by identity
+            self._held, self._held_version = self.pool.held(), self.pool.version
+        self._num_runnable = sum(1 for j in jobs if j.state().runnable)
+        self._stats = {
+            "queued": sum(1 for j in jobs if j.started_s is None),
+            "running": sum(1 for j in jobs if j.started_s is not None),
+            "waiting_for_items": sum(1 for j in jobs if j.blocked_s is not None),
+            "prefix_hit_blocks": s.hit_blocks,
+            "prefix_miss_blocks": s.miss_blocks,
+            "prefix_evictions": s.evictions,
+            "prefix_bytes": self.pool.num_bytes,
+            "prefix_blocks": len(self.pool.blocks),
+            "prefix_referenced_blocks": self.pool.num_referenced(),
+        }

@@ -1,0 +1,221 @@
+"""Media decoding in a small pool of child processes with a memory cap.
+
+Why children: decoding a few large images or videos grows a process's heap by hundreds
+of megabytes that glibc keeps (fragmented around live blocks) even after malloc_trim, so
+an ingress that decoded in its own threads never came back to its idle size. A child's
+heap goes away with it: each child serves `max_tasks_per_child` decodes, then exits and
+is replaced. Each is capped by RLIMIT_AS (`max_memory_mb`), so one decode can never take
+the machine's memory; one that needs more fails with a MediaError naming the limit, and
+a child that dies for any reason is replaced, failing only the decode it was running.
+A child that has not answered within `max_decode_s` (hung in a decoder, or stopped) is
+killed and replaced too, so that it cannot hold its slot until the request times out.
+
+Children are started with subprocess (fork + exec of a fresh interpreter; never a plain
+fork of the many-threaded ingress) and talk over a socketpair. The pool is made lazily,
+once per process and configuration, and its children exit with the process (atexit, or
+on their own when the socket closes if the process is killed).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+
+from cluster.media.child import DecodeReply, DecodeTask
+from cluster.media.errors import MediaError
+from cluster.media.pool import release_memory
+
+_ROOT = str(Path(__file__).resolve().parents[2])  # holds the `cluster` package the children import
+_START_TIMEOUT_S = 120.0  # a fresh interpreter importing numpy, Pillow and PyAV, on a loaded machine
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    """How many children, how big, how long-lived."""
+
+    num_workers: int
+    max_memory_mb: int
+    max_tasks_per_child: int
+    max_decode_s: float  # one item's deadline, from sending the task to the last byte of its answer
+
+
+class _Child:
+    """One decoding child and the ingress end of its socket."""
+
+    def __init__(self, shape: PoolShape) -> None:
+        parent_end, child_end = Pipe(duplex=True)
+        fd = child_end.fileno()
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([_ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"
+        )  # one decode, one core
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cluster.media.child",
+                "--fd",
+                str(fd),
+                "--max-memory-mb",
+                str(shape.max_memory_mb),
+                "--max-tasks",
+                str(shape.max_tasks_per_child),
+            ],
+            pass_fds=(fd,),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        child_end.close()  # so that the child's death reads as EOF here
+        self.conn: Connection = parent_end
+        self.tasks_left = shape.max_tasks_per_child
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        if not self.ready:
+            if not self.conn.poll(_START_TIMEOUT_S) or self.conn.recv() != "ready":
+                raise RuntimeError("a media decoding process did not start")
+            self.ready = True
+
+    def close(self) -> None:
+        self.conn.close()
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+class DecodePool:
+    """At most `shape.num_workers` decodes at once, each in a capped child process."""
+
+    def __init__(self, shape: PoolShape) -> None:
+        self.shape = shape
+        self._slots = threading.BoundedSemaphore(shape.num_workers)
+        self._lock = threading.Lock()
+        self._idle: list[_Child] = []
+        self._closed = False
+
+    def decode(self, task: DecodeTask) -> tuple[DecodeReply, np.ndarray]:
+        """Run `task` in a child: (reply, array); MediaError (or the child's own exception) on failure."""
+        with self._slots:
+            child = self._take()
+            try:
+                reply, data = self._exchange(child, task)
+            except BaseException:
+                self._retire(child)  # died, or this thread was interrupted mid-exchange: never reuse it
+                raise
+            finally:
+                release_memory()
+            self._give_back(child, reusable=not reply.out_of_memory)
+        self._raise_failure(reply, task.param)
+        return reply, data
+
+    def _exchange(self, child: _Child, task: DecodeTask) -> tuple[DecodeReply, np.ndarray | None]:
+        """Send `task`, read its answer. A child silent past the deadline is a MediaError naming
+        limits.max_decode_s; `decode` then kills it, as it does any child an exchange failed with."""
+        try:
+            child.wait_ready()  # a child's start is not the item's fault: outside the deadline
+            deadline_s = time.monotonic() + self.shape.max_decode_s
+            child.conn.send(task)
+            child.tasks_left -= 1
+            self._await(child, deadline_s, task.param)
+            reply: DecodeReply = child.conn.recv()
+            if reply.media_error is not None or reply.error is not None or reply.out_of_memory:
+                return reply, None
+            data = np.empty(reply.shape, np.dtype(reply.dtype))
+            self._await(child, deadline_s, task.param)
+            if child.conn.recv_bytes_into(memoryview(data).cast("B")) != data.nbytes:  # straight into the array kept
+                raise OSError("a decoding process sent a short array")
+            return reply, data
+        except (EOFError, OSError):
+            code = child.process.wait()
+            raise MediaError(self._died(code), task.param) from None
+
+    def _await(self, child: _Child, deadline_s: float, param: str) -> None:
+        if not child.conn.poll(max(0.0, deadline_s - time.monotonic())):
+            raise MediaError(
+                f"decoding this item took longer than this server's {self.shape.max_decode_s:g} s per item "
+                "(limits.max_decode_s); its decoding process was stopped. Send a smaller or simpler item",
+                param,
+            )
+
+    def _died(self, code: int) -> str:
+        return (
+            f"decoding this item stopped its decoding process (exit status {code}); it may need more than this "
+            f"server's {self.shape.max_memory_mb} MB per decode (limits.max_decode_memory_mb)"
+        )
+
+    def _raise_failure(self, reply: DecodeReply, param: str) -> None:
+        if reply.media_error is not None:
+            raise MediaError(*reply.media_error)
+        if reply.out_of_memory:
+            raise MediaError(
+                f"decoding this item needs more than this server's {self.shape.max_memory_mb} MB per "
+                "decode (limits.max_decode_memory_mb); send a smaller or shorter item",
+                param,
+            )
+        if reply.error is not None:
+            raise reply.error
+
+    def _take(self) -> _Child:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the media decoding pool is shut down")
+            if self._idle:
+                return self._idle.pop()
+        return _Child(self.shape)
+
+    def _give_back(self, child: _Child, *, reusable: bool) -> None:
+        with self._lock:
+            if reusable and child.tasks_left > 0 and not self._closed:
+                self._idle.append(child)
+                return
+        self._retire(child)
+
+    def _retire(self, child: _Child) -> None:
+        """Stop `child` (its heap goes with it) and start its replacement, which imports while nobody waits."""
+        child.close()
+        with self._lock:
+            if not self._closed:
+                self._idle.append(_Child(self.shape))
+
+    def child_pids(self) -> list[int]:
+        """Process ids of the idle children (for tests and probes)."""
+        with self._lock:
+            return [child.process.pid for child in self._idle]
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for child in idle:
+            child.close()
+
+
+_pools: dict[PoolShape, DecodePool] = {}
+_pools_lock = threading.Lock()
+
+
+def decode_pool(shape: PoolShape) -> DecodePool:
+    """This process's pool of `shape`, made on first use."""
+    with _pools_lock:
+        pool = _pools.get(shape)
+        if pool is None:
+            pool = _pools[shape] = DecodePool(shape)
+        return pool
+
+
+@atexit.register
+def shutdown_pools() -> None:
+    """Stop every pool's children (at exit; tests call it too)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.shutdown()
