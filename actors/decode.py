@@ -21,15 +21,25 @@ from actors.types import DecodeRequest, FinishReason, TokenChunk
 
 
 class DecodeWorker(ModelWorker):
-    def __init__(self, spec: WorkerSpec, max_batch_size: int, kv_budget_bytes: int | None = None, stream_interval: int = 1):
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        max_batch_size: int,
+        kv_budget_bytes: int | None = None,
+        stream_interval: int = 1,
+    ):
         super().__init__(spec, Part.LANGUAGE_MODEL)
         self.stream_interval = stream_interval  # tokens a stream gathers before it yields (fewer Ray objects under load)
-        self.engine = DecodeEngine(LMRunner(self.adapter), max_batch_size, spec.max_model_len, kv_budget_bytes)
+        self.engine = DecodeEngine(
+            LMRunner(self.adapter), max_batch_size, spec.max_model_len, kv_budget_bytes
+        )
         self.inbox = TensorInbox()  # packed KV from prefill, until generate() claims it
         self._outboxes: dict[str, asyncio.Queue] = {}
 
     async def receive(self, request_id: str, slot: int, packed_kv: torch.Tensor) -> None:
-        self.inbox.put(request_id, packed_kv)  # dropped at once if the request was aborted meanwhile
+        self.inbox.put(
+            request_id, packed_kv
+        )  # dropped at once if the request was aborted meanwhile
 
     async def generate(self, request: DecodeRequest, packed_kv: torch.Tensor | None = None):
         """Stream of TokenChunk for the tokens after the first (which prefill produced).
@@ -41,7 +51,9 @@ class DecodeWorker(ModelWorker):
             return  # aborted before it started: nobody is listening
         outbox: asyncio.Queue = asyncio.Queue()
         self._outboxes[request.request_id] = outbox
-        self.engine.add(request, packed_kv if packed_kv is not None else self.inbox.take(request.request_id))
+        self.engine.add(
+            request, packed_kv if packed_kv is not None else self.inbox.take(request.request_id)
+        )
         self.drive(self.engine, self._publish, lambda exc: self._publish(self.engine.fail_all()))
         try:
             while True:
@@ -51,13 +63,17 @@ class DecodeWorker(ModelWorker):
                     return
         finally:
             self._outboxes.pop(request.request_id, None)
-            self.engine.abort(request.request_id)  # no-op once finished; frees the row if the caller left
+            self.engine.abort(
+                request.request_id
+            )  # no-op once finished; frees the row if the caller left
 
     async def _gather(self, outbox: asyncio.Queue) -> TokenChunk:
         """The request's next chunk: everything its outbox holds, and at least `stream_interval`
         tokens unless it finished (a caller that fell behind gets all it missed at once)."""
         tokens, logprobs, last = [], [], None
-        while last is None or not (last.finished or (outbox.empty() and len(tokens) >= self.stream_interval)):
+        while last is None or not (
+            last.finished or (outbox.empty() and len(tokens) >= self.stream_interval)
+        ):
             last = outbox.get_nowait() if not outbox.empty() else await outbox.get()
             tokens.extend(last.token_ids)
             logprobs.extend(last.logprobs)
@@ -67,7 +83,9 @@ class DecodeWorker(ModelWorker):
         self.inbox.close(request_id)
         self.engine.abort(request_id)
         outbox = self._outboxes.get(request_id)
-        if outbox is not None:  # its stream ends now, also if it was still waiting for a row (no step reports those)
+        if (
+            outbox is not None
+        ):  # its stream ends now, also if it was still waiting for a row (no step reports those)
             outbox.put_nowait(TokenChunk((), FinishReason.ABORT))
 
     def drop_owner(self, prefix: str) -> int:
@@ -89,7 +107,12 @@ class DecodeWorker(ModelWorker):
 
     def stats(self) -> dict[str, int]:
         """`rows` counts KV rows held: zero when idle, or a request leaked its cache."""
-        return {"pid": os.getpid(), **self.engine.stats(), "held_kv": len(self.inbox), "step_threads": self.step_threads}
+        return {
+            "pid": os.getpid(),
+            **self.engine.stats(),
+            "held_kv": len(self.inbox),
+            "step_threads": self.step_threads,
+        }
 
 
 # Tensor transport must be declared on the class: a per-handle option is not honoured.

@@ -43,7 +43,9 @@ class EncoderWorker(ModelWorker):
             self._running -= len(jobs)
         for job, emb in zip(jobs, embeddings, strict=True):
             if emb.shape[0] != job.num_embeddings:
-                raise ValueError(f"item {job.item.identifier[:12]} gave {emb.shape[0]} embeddings, planned {job.num_embeddings}")
+                raise ValueError(
+                    f"item {job.item.identifier[:12]} gave {emb.shape[0]} embeddings, planned {job.num_embeddings}"
+                )
         return [(emb, encode_ms) for emb in embeddings]
 
     async def encode(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats]:
@@ -55,8 +57,17 @@ class EncoderWorker(ModelWorker):
         if state is EntryState.ENCODING:  # another request's run of the tower: wait for it
             started = time.perf_counter()
             value = await asyncio.shield(value)
-            return value, EncodeStats(identifier, (time.perf_counter() - started) * 1e3, 0.0, 0, cache_hit=True, finished_at_s=time.time())
-        return value, EncodeStats(identifier, 0.0, 0.0, 0, cache_hit=True, finished_at_s=time.time())
+            return value, EncodeStats(
+                identifier,
+                (time.perf_counter() - started) * 1e3,
+                0.0,
+                0,
+                cache_hit=True,
+                finished_at_s=time.time(),
+            )
+        return value, EncodeStats(
+            identifier, 0.0, 0.0, 0, cache_hit=True, finished_at_s=time.time()
+        )
 
     async def _encode_missed(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats]:
         identifier = job.item.identifier
@@ -74,7 +85,9 @@ class EncoderWorker(ModelWorker):
             raise
         self.cache.fill(identifier, embedding, embedding.numel() * embedding.element_size())
         pending.set_result(embedding)
-        return embedding, EncodeStats(identifier, queue_ms, encode_ms, batch_size, finished_at_s=time.time())
+        return embedding, EncodeStats(
+            identifier, queue_ms, encode_ms, batch_size, finished_at_s=time.time()
+        )
 
     def drop(self, request_id: str) -> int:
         """The request's items reached its prefill worker, or it ended early: release them."""

@@ -42,7 +42,11 @@ def sweep_dead_boards(root: Path, keep: str) -> None:
     without a clean exit, so their files outlive them; each new worker clears what earlier
     fleets left on its node. An empty directory is left alone: a worker may be creating it."""
     for board in root.glob(BOARD_PREFIX + "*"):
-        pids = [int(p.name) for p in board.iterdir() if p.name.isdigit()] if board.is_dir() and board.name != keep else []
+        pids = (
+            [int(p.name) for p in board.iterdir() if p.name.isdigit()]
+            if board.is_dir() and board.name != keep
+            else []
+        )
         if pids and not any(_alive(pid) for pid in pids):
             with contextlib.suppress(OSError):  # another worker swept it first
                 for pid in pids:
@@ -114,7 +118,9 @@ class ThreadPolicy:
     """How many torch threads the next device step uses: `idle_threads` while no peer on
     the board has work, else `threads`. Without a board (or nothing to borrow) always `threads`."""
 
-    def __init__(self, threads: int, idle_threads: int | None = None, board: NodeBoard | None = None):
+    def __init__(
+        self, threads: int, idle_threads: int | None = None, board: NodeBoard | None = None
+    ):
         self.threads, self.board = threads, board
         self.idle_threads = idle_threads if board is not None and idle_threads else threads
 

@@ -26,7 +26,9 @@ class TensorInbox:
         self.ttl_s = ttl_s
         self._items: dict[tuple[str, int], tuple[float, Any]] = {}
         self._closed: dict[str, float] = {}  # request id -> when it was closed
-        self._closed_owners: dict[str, float] = {}  # request-id prefix of a dead replica -> when closed
+        self._closed_owners: dict[
+            str, float
+        ] = {}  # request-id prefix of a dead replica -> when closed
 
     def put(self, request_id: str, value: Any, slot: int = 0) -> bool:
         """Keep `value` until taken; False (and nothing kept) if the request was closed."""
@@ -38,7 +40,9 @@ class TensorInbox:
 
     def is_closed(self, request_id: str) -> bool:
         """The request ended early (or its ingress replica died): refuse what comes for it."""
-        return request_id in self._closed or any(request_id.startswith(owner) for owner in self._closed_owners)
+        return request_id in self._closed or any(
+            request_id.startswith(owner) for owner in self._closed_owners
+        )
 
     def take(self, request_id: str, slot: int = 0) -> Any:
         try:
@@ -48,7 +52,10 @@ class TensorInbox:
 
     def take_all(self, request_id: str) -> dict[int, Any]:
         """Whatever arrived for the request so far, by slot (possibly nothing)."""
-        return {slot: self._items.pop((rid, slot))[1] for rid, slot in [k for k in self._items if k[0] == request_id]}
+        return {
+            slot: self._items.pop((rid, slot))[1]
+            for rid, slot in [k for k in self._items if k[0] == request_id]
+        }
 
     def close(self, request_id: str) -> int:
         """Free everything held for `request_id` and refuse what arrives later; returns how

@@ -61,7 +61,9 @@ class PrefillWorker(ModelWorker):
         self._waiters: dict[str, asyncio.Future] = {}
         self._in_flight: dict[str, _InFlight] = {}  # requests with a prefill call, until it returns
 
-    async def receive(self, request_id: str, slot: int, encoded: tuple[torch.Tensor, EncodeStats]) -> float:
+    async def receive(
+        self, request_id: str, slot: int, encoded: tuple[torch.Tensor, EncodeStats]
+    ) -> float:
         """One item's embeddings: to the engine if its prefill call came first (overlap), else
         kept for that call. Returns the wall clock of arrival, so the ingress can time the
         hand-over against the encoder's finish time."""
@@ -83,7 +85,9 @@ class PrefillWorker(ModelWorker):
         encoded = self.embeddings.take_all(request.request_id)
         done = asyncio.get_running_loop().create_future()
         self._waiters[request.request_id] = done
-        self._in_flight[request.request_id] = _InFlight(len(request.placeholders), {slot: stats for slot, (_, stats) in encoded.items()})
+        self._in_flight[request.request_id] = _InFlight(
+            len(request.placeholders), {slot: stats for slot, (_, stats) in encoded.items()}
+        )
         self.engine.add(request, {slot: embedding for slot, (embedding, _) in encoded.items()})
         self.drive(self.engine, self._publish, self._fail_all)
         try:
@@ -91,11 +95,19 @@ class PrefillWorker(ModelWorker):
         finally:
             stats = self._in_flight.pop(request.request_id).stats
             if self._waiters.pop(request.request_id, None) is not None:
-                self.engine.abort(request.request_id)  # the caller left before the end: free its slot
-                self.drive(self.engine, self._publish, self._fail_all)  # it may be waiting for items: free it now
+                self.engine.abort(
+                    request.request_id
+                )  # the caller left before the end: free its slot
+                self.drive(
+                    self.engine, self._publish, self._fail_all
+                )  # it may be waiting for items: free it now
         if out.first is None:  # nothing to hand to decode; this request alone fails
-            raise WorkerRequestError(f"the first token of request {request.request_id} could not be sampled (the model gave non-finite logits)")
-        self.kv.put(request.request_id, out.packed_kv)  # dropped at once if the request was closed meanwhile
+            raise WorkerRequestError(
+                f"the first token of request {request.request_id} could not be sampled (the model gave non-finite logits)"
+            )
+        self.kv.put(
+            request.request_id, out.packed_kv
+        )  # dropped at once if the request was closed meanwhile
         return PrefillResult(
             request_id=request.request_id,
             first_token_id=out.first.token_id,
@@ -107,17 +119,22 @@ class PrefillWorker(ModelWorker):
             first_logprob=out.first.logprob,
             num_cached_tokens=out.num_cached_tokens,
             item_wait_ms=out.item_wait_ms,
-            compute_ms=out.compute_ms * self.spec.slowdown,  # the emulated slower device sleeps after each step
+            compute_ms=out.compute_ms
+            * self.spec.slowdown,  # the emulated slower device sleeps after each step
         )
 
     def _publish(self, outputs: list[PrefillOutput]) -> None:
-        handed_s = time.perf_counter()  # after the step's end, and an emulated slower device's sleep after it
+        handed_s = (
+            time.perf_counter()
+        )  # after the step's end, and an emulated slower device's sleep after it
         for out in outputs:
             if out.finished_s:  # its first token leaves now: prefill_ms counts until then
                 out = replace(out, prefill_ms=out.prefill_ms + (handed_s - out.finished_s) * 1e3)
             flight = self._in_flight.get(out.request_id)
             if out.error is not None:
-                self._settle(out.request_id, exc=WorkerRequestError(f"request {out.request_id}: {out.error}"))
+                self._settle(
+                    out.request_id, exc=WorkerRequestError(f"request {out.request_id}: {out.error}")
+                )
             elif flight is not None and not flight.complete:
                 # The prefix cache covered an item still being encoded: the result waits for
                 # its encode stats (encoder-cache and transfer accounting), as it did before overlap.
@@ -129,7 +146,9 @@ class PrefillWorker(ModelWorker):
         for request_id in self.engine.fail_all():
             self._settle(request_id, exc=exc)
 
-    def _settle(self, request_id: str, out: PrefillOutput | None = None, exc: Exception | None = None) -> None:
+    def _settle(
+        self, request_id: str, out: PrefillOutput | None = None, exc: Exception | None = None
+    ) -> None:
         done = self._waiters.pop(request_id, None)
         if done is None or done.done():
             return
@@ -148,8 +167,13 @@ class PrefillWorker(ModelWorker):
         self.embeddings.close(request_id)
         if request_id in self._waiters:  # still prefilling: stop, and end the call waiting on it
             self.engine.abort(request_id)
-            self.drive(self.engine, self._publish, self._fail_all)  # a job waiting for items: freed now, not at the next request
-            self._settle(request_id, exc=WorkerRequestError(f"request {request_id} was dropped during its prefill"))
+            self.drive(
+                self.engine, self._publish, self._fail_all
+            )  # a job waiting for items: freed now, not at the next request
+            self._settle(
+                request_id,
+                exc=WorkerRequestError(f"request {request_id} was dropped during its prefill"),
+            )
 
     def prefix_hashes(self) -> frozenset[str]:
         """Block hashes this worker's prefix cache holds (the router's prefix index)."""

@@ -29,7 +29,9 @@ class WorkerSpec:
     slowdown: float = 1.0  # experiments: stretch device work by this factor
     revision: str | None = None  # of a Hub repo id `checkpoint` (pinned to a commit by the CLI)
     hub_cache_dir: str | None = None  # None: huggingface_hub's default cache
-    idle_torch_threads: int | None = None  # threads a step may borrow while the node's other workers are idle
+    idle_torch_threads: int | None = (
+        None  # threads a step may borrow while the node's other workers are idle
+    )
     board: str | None = None  # the fleet's name for its idle-core board (actors/idle_cores.py)
 
 
@@ -53,12 +55,20 @@ class ModelWorker:
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.spec = spec
-        checkpoint = resolve_checkpoint(spec.checkpoint, spec.revision, spec.hub_cache_dir)  # on this worker's node
-        self.adapter: ModelAdapter = load_adapter(checkpoint, part=part, dtype=spec.dtype, device=spec.device)
+        checkpoint = resolve_checkpoint(
+            spec.checkpoint, spec.revision, spec.hub_cache_dir
+        )  # on this worker's node
+        self.adapter: ModelAdapter = load_adapter(
+            checkpoint, part=part, dtype=spec.dtype, device=spec.device
+        )
         self._executor = ThreadPoolExecutor(max_workers=1)
         self._loop_task: asyncio.Task | None = None
         # Every worker posts whether it has work, also one that never borrows: the others must see it.
-        self.threads = ThreadPolicy(spec.torch_threads, spec.idle_torch_threads, NodeBoard(spec.board) if spec.board else None)
+        self.threads = ThreadPolicy(
+            spec.torch_threads,
+            spec.idle_torch_threads,
+            NodeBoard(spec.board) if spec.board else None,
+        )
         self._num_threads = spec.torch_threads
 
     def has_work(self) -> bool:
@@ -73,11 +83,15 @@ class ModelWorker:
 
     async def run_device(self, fn, *args):
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, self._stretched, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._stretched, fn, *args
+            )
         finally:  # on the event loop, where the queues that has_work() reads change
             self.threads.step_done(self.has_work())
 
-    def drive(self, engine, publish: Callable[[list], None], fail: Callable[[Exception], None]) -> None:
+    def drive(
+        self, engine, publish: Callable[[list], None], fail: Callable[[Exception], None]
+    ) -> None:
         """Run `engine.step()` on the device thread while the engine has work (started if not
         running); each step's outputs go to `publish`, a step that raises to `fail`."""
         if self._loop_task is None or self._loop_task.done():
@@ -94,7 +108,9 @@ class ModelWorker:
             await asyncio.sleep(0)  # let callers add and leave between steps
 
     def _stretched(self, fn, *args):
-        if (threads := self.threads.for_step()) != self._num_threads:  # on the device thread: OpenMP's setting is per thread
+        if (
+            threads := self.threads.for_step()
+        ) != self._num_threads:  # on the device thread: OpenMP's setting is per thread
             torch.set_num_threads(threads)
             self._num_threads = threads
         started = time.perf_counter()

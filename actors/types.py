@@ -96,7 +96,12 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         """Whether sampling looks at the tokens so far (penalties, min_tokens)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0 or self.min_tokens > 0
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or self.min_tokens > 0
+        )
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,9 @@ class PrefillRequest:
     prompt_token_ids: tuple[int, ...]
     placeholders: tuple[PlaceholderRange, ...]
     sampling: SamplingParams
-    num_output_tokens: int = 0  # the last ones of prompt_token_ids were generated (a resumed request)
+    num_output_tokens: int = (
+        0  # the last ones of prompt_token_ids were generated (a resumed request)
+    )
     # Content identifier per placeholder (the prefix cache's extra key); empty: media blocks are not cached.
     media_identifiers: tuple[str, ...] = ()
 
@@ -151,10 +158,14 @@ class PrefillResult:
     queue_ms: float
     prefill_ms: float
     encode_stats: tuple[EncodeStats, ...] = ()
-    rope_delta: int = 0  # 3-D rotary models: decode position = cache length + rope_delta (travels with the KV)
+    rope_delta: int = (
+        0  # 3-D rotary models: decode position = cache length + rope_delta (travels with the KV)
+    )
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    item_wait_ms: float = 0.0  # encode/prefill overlap: time the prefill waited for items' embeddings
+    item_wait_ms: float = (
+        0.0  # encode/prefill overlap: time the prefill waited for items' embeddings
+    )
     compute_ms: float = 0.0  # its own device time (prefill_ms, first chunk to done, also counts requests sharing its steps)
 
 
@@ -165,7 +176,9 @@ class DecodeRequest:
     first_token_id: int
     sampling: SamplingParams
     rope_delta: int = 0  # from PrefillResult: the position offset this request's KV was built with
-    history: TokenHistory = NO_HISTORY  # the first token excluded; empty unless sampling.needs_history
+    history: TokenHistory = (
+        NO_HISTORY  # the first token excluded; empty unless sampling.needs_history
+    )
 
 
 @dataclass(frozen=True)

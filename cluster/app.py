@@ -54,8 +54,16 @@ async def _require_api_key(request: Request, call_next):
     """With `server.api_key` set, every /v1 route wants `Authorization: Bearer <key>`;
     /health and /metrics stay open for probes and scrapers."""
     key = getattr(request.app.state, "api_key", None)
-    if key and request.url.path.startswith("/v1") and not bearer_ok(request.headers.get("authorization"), key):
-        body = error_body("a valid API key is required: send `Authorization: Bearer <key>`", type="authentication_error", code="invalid_api_key")
+    if (
+        key
+        and request.url.path.startswith("/v1")
+        and not bearer_ok(request.headers.get("authorization"), key)
+    ):
+        body = error_body(
+            "a valid API key is required: send `Authorization: Bearer <key>`",
+            type="authentication_error",
+            code="invalid_api_key",
+        )
         return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
     return await call_next(request)
 
@@ -85,16 +93,27 @@ class ClosingStreamingResponse(StreamingResponse):
 class Ingress:
     def __init__(self, config: dict):
         self.config = ClusterConfig.model_validate(config)
-        self.config_sha1 = self.config.fingerprint()  # which config this replica serves (rolling updates)
+        self.config_sha1 = (
+            self.config.fingerprint()
+        )  # which config this replica serves (rolling updates)
         self.metrics = Metrics(self.config.model.served_name, self.config.limits.request_timeout_s)
         api.state.api_key = self.config.server.api_key
-        self.request_log = RequestLog(self.config.server.log_requests, self.config.server.log_prompts)
+        self.request_log = RequestLog(
+            self.config.server.log_requests, self.config.server.log_prompts
+        )
         self.checkpoint = self.config.model.checkpoint_path  # resolved on this replica's node
         self.planner = PromptPlanner(self.checkpoint, self.config.model.resolved_dtype)
-        self.config.encoder_modalities(self.planner.spec.modalities)  # every modality has an encoder: check before any actor starts
+        self.config.encoder_modalities(
+            self.planner.spec.modalities
+        )  # every modality has an encoder: check before any actor starts
         check_placement(self.config)  # and every pool has a node type that can hold it
         app_name = serve.get_replica_context().app_name
-        self.fleet = FleetClient(functools.partial(controller.attach, app_name, self.config, self.planner.spec.modalities), self.config)
+        self.fleet = FleetClient(
+            functools.partial(
+                controller.attach, app_name, self.config, self.planner.spec.modalities
+            ),
+            self.config,
+        )
         rc = self.config.router
         self.router = Router(
             self.fleet.snapshot.infos,
@@ -105,18 +124,42 @@ class Ingress:
             dead_after_s=rc.dead_after_s,
             calibration=rc.build_calibration(),
         )
-        prefix_block_tokens = self.config.prefill.prefix_block_tokens if self.config.prefill.prefix_cache_mb > 0 else 0
-        routing = LiveRouting(self.router, self.metrics, self.planner.spec.embedding_bytes_per_token, prefix_block_tokens)
+        prefix_block_tokens = (
+            self.config.prefill.prefix_block_tokens
+            if self.config.prefill.prefix_cache_mb > 0
+            else 0
+        )
+        routing = LiveRouting(
+            self.router,
+            self.metrics,
+            self.planner.spec.embedding_bytes_per_token,
+            prefix_block_tokens,
+        )
         self.supervisor = Supervisor(self.fleet, self.router)
         self.shared_metrics = MetricsShare(self.fleet, self.metrics.exposition)
         self.metrics.track_workers(lambda: self.supervisor.latest_stats)
-        self.path = RequestPath(self.config, self.fleet, self.planner, routing, self.metrics, self.supervisor.handle_lost)
+        self.path = RequestPath(
+            self.config,
+            self.fleet,
+            self.planner,
+            routing,
+            self.metrics,
+            self.supervisor.handle_lost,
+        )
         limits = self.config.limits
         self._admit_pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="admit")
-        share = self.config.server.num_replicas  # each replica admits its share of the cluster's budget
+        share = (
+            self.config.server.num_replicas
+        )  # each replica admits its share of the cluster's budget
         self.admission = Admission(
-            math.ceil(limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers / share),
-            math.ceil(limits.max_generating_per_decode_worker * self.config.decode.num_workers / share),
+            math.ceil(
+                limits.max_waiting_tokens_per_prefill_worker
+                * self.config.prefill.num_workers
+                / share
+            ),
+            math.ceil(
+                limits.max_generating_per_decode_worker * self.config.decode.num_workers / share
+            ),
         )
         self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
 
@@ -153,19 +196,36 @@ class Ingress:
             raise
         except Exception:
             log.exception("request %s failed", request_id)
-            return self._fail(RequestError(500, f"internal error while serving request {request_id}", type="server_error"), request_id)
+            return self._fail(
+                RequestError(
+                    500, f"internal error while serving request {request_id}", type="server_error"
+                ),
+                request_id,
+            )
 
-    async def _respond(self, request: Request, endpoint: Endpoint, request_id: str, arrived_s: float) -> Response:
+    async def _respond(
+        self, request: Request, endpoint: Endpoint, request_id: str, arrived_s: float
+    ) -> Response:
         body = await request.body()
         if len(body) > self.config.limits.max_request_bytes:
-            raise RequestError(413, f"request body is {len(body)} bytes; the limit is {self.config.limits.max_request_bytes}")
+            raise RequestError(
+                413,
+                f"request body is {len(body)} bytes; the limit is {self.config.limits.max_request_bytes}",
+            )
         # Media decoding must not stall the loop; admission has threads of its own, since
         # requests waiting for a decode slot must not hold up text-only ones.
-        adm = await asyncio.get_running_loop().run_in_executor(self._admit_pool, self.path.admit, body, request_id, arrived_s, endpoint)
+        adm = await asyncio.get_running_loop().run_in_executor(
+            self._admit_pool, self.path.admit, body, request_id, arrived_s, endpoint
+        )
         choices = adm.choices()
         tickets = self._tickets(adm, len(choices))
-        collectors = [responses.Collector(choice, self.planner.tokenizer, self.metrics) for choice in choices]
-        chunks = [self._ticketed(t, self.path.run(choice, c.trace)) for t, choice, c in zip(tickets, choices, collectors)]
+        collectors = [
+            responses.Collector(choice, self.planner.tokenizer, self.metrics) for choice in choices
+        ]
+        chunks = [
+            self._ticketed(t, self.path.run(choice, c.trace))
+            for t, choice, c in zip(tickets, choices, collectors)
+        ]
         try:
             firsts = await self._firsts(chunks)
         except BaseException:
@@ -177,7 +237,8 @@ class Ingress:
         shape = responses.Shape(adm, self.planner.tokenizer)
         if adm.request.stream:
             return ClosingStreamingResponse(
-                self._sse(collectors, responses.stream(shape, collectors, streams, self.metrics)), media_type="text/event-stream"
+                self._sse(collectors, responses.stream(shape, collectors, streams, self.metrics)),
+                media_type="text/event-stream",
             )
         answer = await responses.complete(shape, collectors, streams, self.metrics)
         self._log_done(collectors, "ok")
@@ -193,7 +254,11 @@ class Ingress:
             for ticket in tickets:
                 ticket.release()
             raise RequestError(
-                429, exc.message, type="rate_limit_error", code="server_overloaded", retry_after_s=self.config.limits.retry_after_s
+                429,
+                exc.message,
+                type="rate_limit_error",
+                code="server_overloaded",
+                retry_after_s=self.config.limits.retry_after_s,
             ) from None
         return tickets
 
@@ -209,12 +274,18 @@ class Ingress:
 
     async def _first(self, chunks: AsyncIterator[TokenChunk]) -> TokenChunk:
         try:
-            return await asyncio.wait_for(anext(chunks), timeout=self.config.limits.request_timeout_s)
+            return await asyncio.wait_for(
+                anext(chunks), timeout=self.config.limits.request_timeout_s
+            )
         except asyncio.TimeoutError:
-            raise RequestError(504, "the request timed out before its first token", type="server_error") from None
+            raise RequestError(
+                504, "the request timed out before its first token", type="server_error"
+            ) from None
 
     @staticmethod
-    async def _ticketed(ticket: Ticket, chunks: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
+    async def _ticketed(
+        ticket: Ticket, chunks: AsyncIterator[TokenChunk]
+    ) -> AsyncIterator[TokenChunk]:
         """The request's tokens, holding its admission ticket until they end, however they
         end (also when a dropped response is only garbage-collected: asyncio closes it)."""
         try:
@@ -226,7 +297,9 @@ class Ingress:
             responses.close_soon(chunks)
 
     @staticmethod
-    async def _guarded(first: TokenChunk, rest: AsyncIterator[TokenChunk]) -> AsyncIterator[TokenChunk]:
+    async def _guarded(
+        first: TokenChunk, rest: AsyncIterator[TokenChunk]
+    ) -> AsyncIterator[TokenChunk]:
         """The whole token stream; however it ends, closing `rest` frees the request's workers."""
         try:
             yield first
@@ -236,7 +309,9 @@ class Ingress:
         finally:
             responses.close_soon(rest)
 
-    async def _sse(self, collectors: list[responses.Collector], events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def _sse(
+        self, collectors: list[responses.Collector], events: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
         status, request_id = "ok", collectors[0].adm.request_id
         try:
             async for event in events:
@@ -251,7 +326,11 @@ class Ingress:
         except Exception:
             status = "500"
             log.exception("request %s failed while streaming", request_id)
-            yield self._stream_error(RequestError(500, f"internal error while serving request {request_id}", type="server_error"))
+            yield self._stream_error(
+                RequestError(
+                    500, f"internal error while serving request {request_id}", type="server_error"
+                )
+            )
         finally:
             self._log_done(collectors, status)
             responses.close_soon(events)
@@ -260,7 +339,11 @@ class Ingress:
         """One line per request: all choices' tokens, the first choice's TTFT and finish reason."""
         first = collectors[0]
         adm, trace = first.adm, first.trace
-        prompt = self.planner.tokenizer.decode(adm.plan.token_ids) if self.request_log.with_prompts else None
+        prompt = (
+            self.planner.tokenizer.decode(adm.plan.token_ids)
+            if self.request_log.with_prompts
+            else None
+        )
         self.request_log.write(
             RequestRecord(
                 adm.request_id,
@@ -276,7 +359,10 @@ class Ingress:
 
     def _stream_error(self, exc: RequestError) -> bytes:
         self.metrics.requests.labels(str(exc.status)).inc()
-        return sse_event(error_body(exc.message, type=exc.type, param=exc.param, code=exc.code)) + SSE_DONE
+        return (
+            sse_event(error_body(exc.message, type=exc.type, param=exc.param, code=exc.code))
+            + SSE_DONE
+        )
 
     def _fail(self, exc: RequestError, request_id: str) -> JSONResponse:
         self.metrics.requests.labels(str(exc.status)).inc()
@@ -287,14 +373,22 @@ class Ingress:
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        card = ModelCard(id=self.config.model.served_name, root=str(self.checkpoint), max_model_len=self.config.model.max_model_len)
+        card = ModelCard(
+            id=self.config.model.served_name,
+            root=str(self.checkpoint),
+            max_model_len=self.config.model.max_model_len,
+        )
         return ModelList(data=[card]).model_dump()
 
-    @api.api_route("/metrics", methods=["GET", "HEAD"])  # AIPerf's server-metrics discovery probes with HEAD
+    @api.api_route(
+        "/metrics", methods=["GET", "HEAD"]
+    )  # AIPerf's server-metrics discovery probes with HEAD
     async def metrics_endpoint(self) -> Response:
         """The whole app's metrics, whichever replica answers (cluster/metrics_share.py)."""
         self._run_background()
-        body = await self.shared_metrics.exposition() + self.metrics.worker_exposition()  # workers' series once, not per replica
+        body = (
+            await self.shared_metrics.exposition() + self.metrics.worker_exposition()
+        )  # workers' series once, not per replica
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @api.get("/health")
@@ -303,15 +397,24 @@ class Ingress:
         503 with Retry-After when a stage has none. `?verbose=1` adds each worker's own stats
         (or why it could not give them) and this ingress's process."""
         self._run_background()
-        stats = await self.supervisor.check(HEALTH_POLL_TIMEOUT_S)  # a death Ray knows of counts now
+        stats = await self.supervisor.check(
+            HEALTH_POLL_TIMEOUT_S
+        )  # a death Ray knows of counts now
         healthy = {kind.value: sum(self.router.view.healthy[kind]) for kind in WorkerKind}
         serving = all(healthy.values())
         whole = serving and not self.supervisor.restarting
-        body = {"status": "ok" if whole else ("degraded" if serving else "unavailable"), "healthy_workers": healthy}
+        body = {
+            "status": "ok" if whole else ("degraded" if serving else "unavailable"),
+            "healthy_workers": healthy,
+        }
         if verbose:
             body["workers"] = {kind.value: stats[kind] for kind in WorkerKind}
             served = (
-                self.metrics.registry.get_sample_value(f"{PREFIX}requests_total", {"model_name": self.config.model.served_name, "status": "ok"}) or 0
+                self.metrics.registry.get_sample_value(
+                    f"{PREFIX}requests_total",
+                    {"model_name": self.config.model.served_name, "status": "ok"},
+                )
+                or 0
             )
             body["ingress"] = {
                 "pid": os.getpid(),
@@ -321,13 +424,18 @@ class Ingress:
                 "served_ok": int(served),
             }
             snapshot = self.fleet.snapshot
-            body["fleet"] = {"generation": snapshot.generation, "actor_ids": {kind.value: list(snapshot.actor_ids[kind]) for kind in WorkerKind}}
+            body["fleet"] = {
+                "generation": snapshot.generation,
+                "actor_ids": {kind.value: list(snapshot.actor_ids[kind]) for kind in WorkerKind},
+            }
         headers = {} if serving else {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(body, status_code=200 if serving else 503, headers=headers)
 
 
 def build_app(config: ClusterConfig):
-    return Ingress.options(num_replicas=config.server.num_replicas).bind(config.model_dump(mode="json"))
+    return Ingress.options(num_replicas=config.server.num_replicas).bind(
+        config.model_dump(mode="json")
+    )
 
 
 class AppArgs(BaseModel):
@@ -340,7 +448,8 @@ class AppArgs(BaseModel):
         "working directory if it is there, else from the epd checkout (serve deploy builds elsewhere).",
     )
     overrides: dict = Field(
-        default_factory=dict, description="Sections or fields replaced in that config, e.g. {decode: {num_workers: 2}} (ClusterConfig.replace)."
+        default_factory=dict,
+        description="Sections or fields replaced in that config, e.g. {decode: {num_workers: 2}} (ClusterConfig.replace).",
     )
 
 

@@ -23,8 +23,14 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
 
     config = ensure_model(config)
     if not ray.is_initialized():
-        ray.init(address=address, num_cpus=None if address else config.server.num_cpus_ray, include_dashboard=False)
-    check_placement(config)  # a pool pinned to a node type the cluster lacks: a clear error, before any actor starts
+        ray.init(
+            address=address,
+            num_cpus=None if address else config.server.num_cpus_ray,
+            include_dashboard=False,
+        )
+    check_placement(
+        config
+    )  # a pool pinned to a node type the cluster lacks: a clear error, before any actor starts
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     return f"http://{config.server.host}:{config.server.port}/v1"
@@ -61,18 +67,33 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve_p = sub.add_parser("serve", help="start the cluster and the OpenAI endpoint")
     serve_p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    serve_p.add_argument("--address", default=None, help="join a running Ray cluster (e.g. 'auto') instead of starting one")
     serve_p.add_argument(
-        "--model", default=None, metavar="ID_OR_DIR", help="serve this checkpoint (a directory or a Hugging Face repo id) instead of the config's"
+        "--address",
+        default=None,
+        help="join a running Ray cluster (e.g. 'auto') instead of starting one",
     )
-    serve_p.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
-    serve_p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's server.port)")
+    serve_p.add_argument(
+        "--model",
+        default=None,
+        metavar="ID_OR_DIR",
+        help="serve this checkpoint (a directory or a Hugging Face repo id) instead of the config's",
+    )
+    serve_p.add_argument(
+        "--served-model-name", default=None, help="model id clients send (default: --model)"
+    )
+    serve_p.add_argument(
+        "--port", type=int, default=None, help="HTTP port (default: the config's server.port)"
+    )
     serve_p.set_defaults(func=_serve)
-    build_p = sub.add_parser("build-model", help="build the config's built-in checkpoint if it is missing")
+    build_p = sub.add_parser(
+        "build-model", help="build the config's built-in checkpoint if it is missing"
+    )
     build_p.add_argument("--config", default=str(DEFAULT_CONFIG))
     build_p.set_defaults(func=_build_model)
     # The simulator owns its flags (epd simulate --help); they pass through untouched.
-    sub.add_parser("simulate", help="routing-policy simulator, driving the router's own code", add_help=False)
+    sub.add_parser(
+        "simulate", help="routing-policy simulator, driving the router's own code", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "simulate":
         from router.sim.cli import main as simulate_main

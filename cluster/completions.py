@@ -15,12 +15,16 @@ from cluster.logprobs import CompletionLogprobs
 from cluster.protocol import OmitNone, Usage
 from cluster.sampling_fields import MAX_LOGPROBS, ModelBounds, SamplingFields, refuse_unless
 
-DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions (chat's is the rest of the context)
+DEFAULT_MAX_TOKENS = (
+    16  # OpenAI's and vLLM's default for completions (chat's is the rest of the context)
+)
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] = Field(description="one prompt: text, or token ids")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="the chosen token's logprob and the top k")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="the chosen token's logprob and the top k"
+    )
     echo: bool = False
     suffix: None = None
     best_of: int | None = None
@@ -32,7 +36,9 @@ class CompletionRequest(SamplingFields):
         if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
             value = value[0]
         if isinstance(value, list) and any(isinstance(v, (str, list)) for v in value):
-            raise PydanticCustomError("prompt_batch", "a batch of prompts is not supported: send one request per prompt")
+            raise PydanticCustomError(
+                "prompt_batch", "a batch of prompts is not supported: send one request per prompt"
+            )
         if value in ("", []):
             raise PydanticCustomError("empty_prompt", "the prompt is empty")
         return value

@@ -17,7 +17,9 @@ from router.types import Modality
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local_cpu.yaml"
-SERVE_CONFIG = REPO_ROOT / "configs" / "serve.yaml"  # Ray Serve's config (serve run / deploy), not an epd config
+SERVE_CONFIG = (
+    REPO_ROOT / "configs" / "serve.yaml"
+)  # Ray Serve's config (serve run / deploy), not an epd config
 
 
 def repo_configs() -> list[Path]:
@@ -60,13 +62,18 @@ class ModelConfig(Strict):
         description="Hugging Face hub cache for repo ids on every node; unset: "
         "huggingface_hub's default (HF_HUB_CACHE, else ~/.cache/huggingface/hub).",
     )
-    builtin: str | None = Field(None, description="Recipe that builds the checkpoint locally when the directory is missing.")
+    builtin: str | None = Field(
+        None, description="Recipe that builds the checkpoint locally when the directory is missing."
+    )
     served_name: str = Field(description="Model id that clients send and GET /v1/models reports.")
     dtype: str = Field(
-        "float32", description="Weights and activations dtype: float32, bfloat16, float16, or auto (bfloat16 on cuda, float32 on cpu)."
+        "float32",
+        description="Weights and activations dtype: float32, bfloat16, float16, or auto (bfloat16 on cuda, float32 on cpu).",
     )
     device: str = Field("cpu", description="Torch device of every worker: cpu or cuda.")
-    max_model_len: int = Field(2048, gt=0, description="Upper bound on prompt plus generated tokens.")
+    max_model_len: int = Field(
+        2048, gt=0, description="Upper bound on prompt plus generated tokens."
+    )
 
     @property
     def is_hub_repo(self) -> bool:
@@ -136,7 +143,11 @@ class PoolConfig(Strict):
 
     def ray_resources(self) -> dict[str, float]:
         """Everything one actor of this pool reserves, as Ray counts it."""
-        return {k: v for k, v in {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}.items() if v > 0}
+        return {
+            k: v
+            for k, v in {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}.items()
+            if v > 0
+        }
 
     def slowdown_of(self, index: int) -> float:
         return self.slowdown[index] if index < len(self.slowdown) else 1.0
@@ -144,8 +155,12 @@ class PoolConfig(Strict):
 
 class EncoderPoolConfig(PoolConfig):
     max_batch_size: int = Field(8, ge=1, description="Most items one tower forward pass takes.")
-    max_wait_ms: float = Field(5.0, ge=0, description="How long a partial batch waits for more items.")
-    cache_mb: float = Field(256.0, ge=0, description="Encoder cache budget: embeddings kept by media identifier.")
+    max_wait_ms: float = Field(
+        5.0, ge=0, description="How long a partial batch waits for more items."
+    )
+    cache_mb: float = Field(
+        256.0, ge=0, description="Encoder cache budget: embeddings kept by media identifier."
+    )
     modalities: list[Modality] | None = Field(
         None,
         description="Modalities this pool encodes (image, video, audio); unset: every modality the model takes. "
@@ -155,10 +170,14 @@ class EncoderPoolConfig(PoolConfig):
 
 class PrefillPoolConfig(PoolConfig):
     max_chunk_tokens: int = Field(
-        512, ge=16, description="Prompt tokens per prefill step, shared by the requests in the worker (chunked prefill, shortest remaining first)."
+        512,
+        ge=16,
+        description="Prompt tokens per prefill step, shared by the requests in the worker (chunked prefill, shortest remaining first).",
     )
     max_media_tokens_per_step: int = Field(
-        4096, ge=1, description="Encoder-output budget: embedding tokens one prefill step may splice in, over all its requests."
+        4096,
+        ge=1,
+        description="Encoder-output budget: embedding tokens one prefill step may splice in, over all its requests.",
     )
     overlap_encode: bool = Field(
         True,
@@ -182,7 +201,11 @@ class PrefillPoolConfig(PoolConfig):
         "and the longest by 78-80%, and cost 7-9% on p50 and 11-27% on p90; at 30% load it changes next to nothing "
         "(docs/BENCHMARKS.md, scripts/bench_prefill_aging.py).",
     )
-    prefix_block_tokens: int = Field(16, ge=1, description="Tokens per prefix-cache block (the unit of KV reuse and of the router's prefix index).")
+    prefix_block_tokens: int = Field(
+        16,
+        ge=1,
+        description="Tokens per prefix-cache block (the unit of KV reuse and of the router's prefix index).",
+    )
     prefix_cache_mb: float = Field(
         64.0,
         ge=0,
@@ -192,7 +215,9 @@ class PrefillPoolConfig(PoolConfig):
 
 
 class DecodePoolConfig(PoolConfig):
-    max_batch_size: int = Field(32, ge=1, description="Most requests in one decode step (continuous batching).")
+    max_batch_size: int = Field(
+        32, ge=1, description="Most requests in one decode step (continuous batching)."
+    )
     kv_cache_mb: float = Field(
         4096.0,
         gt=0,
@@ -215,7 +240,10 @@ class TransportConfig(Strict):
         "worker); cuda_ipc (experimental: workers sharing one GPU map each other's memory; token-exact on an H200, but "
         "one KV transfer hung under 24 req/s there, docs/GPU_CHECKS.md).",
     )
-    kv: Transport = Field(Transport.OBJECT_STORE, description="How KV caches travel prefill -> decode (the same choices).")
+    kv: Transport = Field(
+        Transport.OBJECT_STORE,
+        description="How KV caches travel prefill -> decode (the same choices).",
+    )
 
 
 class RemoteMediaConfig(Strict):
@@ -232,8 +260,12 @@ class RemoteMediaConfig(Strict):
         "non-public address is refused, also after a redirect.",
     )
     max_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest body fetched for one item.")
-    timeout_s: float = Field(10.0, gt=0, description="One deadline for a whole fetch: connect, redirects and body.")
-    max_redirects: int = Field(3, ge=0, description="Redirects followed, each checked like the first URL.")
+    timeout_s: float = Field(
+        10.0, gt=0, description="One deadline for a whole fetch: connect, redirects and body."
+    )
+    max_redirects: int = Field(
+        3, ge=0, description="Redirects followed, each checked like the first URL."
+    )
 
     @model_validator(mode="after")
     def _networks_parse(self) -> RemoteMediaConfig:
@@ -249,10 +281,22 @@ class RemoteMediaConfig(Strict):
 
 class LimitsConfig(Strict):
     max_items_per_request: int = Field(4, ge=0, description="Most media items in one request.")
-    max_image_pixels: int = Field(16_000_000, gt=0, description="Most pixels in one decoded image or video frame (decompression bombs stop here).")
-    max_audio_s: float = Field(600.0, gt=0, description="Longest audio clip accepted, in seconds (checked from the file header before decoding).")
+    max_image_pixels: int = Field(
+        16_000_000,
+        gt=0,
+        description="Most pixels in one decoded image or video frame (decompression bombs stop here).",
+    )
+    max_audio_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest audio clip accepted, in seconds (checked from the file header before decoding).",
+    )
     max_video_s: float = Field(600.0, gt=0, description="Longest video accepted, in seconds.")
-    max_video_frames: int = Field(256, ge=1, description="Hard cap on the frames kept from one video, whatever media.video_max_frames says.")
+    max_video_frames: int = Field(
+        256,
+        ge=1,
+        description="Hard cap on the frames kept from one video, whatever media.video_max_frames says.",
+    )
     max_video_pixels: int = Field(
         96_000_000,
         gt=0,
@@ -297,7 +341,9 @@ class LimitsConfig(Strict):
         description="Decode media in the ingress process itself (threads, no memory cap): for debugging only, "
         "its memory does not come back after large items.",
     )
-    max_request_bytes: int = Field(32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted.")
+    max_request_bytes: int = Field(
+        32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted."
+    )
 
     @model_validator(mode="after")
     def _process_limits_need_processes(self) -> LimitsConfig:
@@ -306,17 +352,23 @@ class LimitsConfig(Strict):
         if self.decode_in_process:
             for name in ("max_decode_s", "max_decode_memory_mb", "max_decodes_per_process"):
                 if getattr(self, name) != type(self).model_fields[name].default:
-                    raise ValueError(f"limits.{name} applies to decoding processes only; it cannot be enforced with limits.decode_in_process: true")
+                    raise ValueError(
+                        f"limits.{name} applies to decoding processes only; it cannot be enforced with limits.decode_in_process: true"
+                    )
         return self
 
-    remote_media: RemoteMediaConfig = Field(default_factory=RemoteMediaConfig, description="Fetching http(s) media URLs.")
+    remote_media: RemoteMediaConfig = Field(
+        default_factory=RemoteMediaConfig, description="Fetching http(s) media URLs."
+    )
     default_max_tokens: int | None = Field(
         None,
         ge=1,
         description="max_tokens when a request gives none; None: the rest of the context (max_model_len minus "
         "the prompt), as OpenAI and vLLM do for chat (text completions default to 16, as theirs).",
     )
-    request_timeout_s: float = Field(120.0, gt=0, description="A request that has not finished by then fails with 504.")
+    request_timeout_s: float = Field(
+        120.0, gt=0, description="A request that has not finished by then fails with 504."
+    )
     max_waiting_tokens_per_prefill_worker: int = Field(
         16384,
         ge=1,
@@ -328,7 +380,9 @@ class LimitsConfig(Strict):
         ge=1,
         description="Back-pressure: requests past their first token and still generating, per decode worker; beyond it, 429 with Retry-After.",
     )
-    retry_after_s: int = Field(1, ge=1, description="Seconds a 429 tells the client to wait (Retry-After).")
+    retry_after_s: int = Field(
+        1, ge=1, description="Seconds a 429 tells the client to wait (Retry-After)."
+    )
     max_attempts: int = Field(
         3,
         ge=1,
@@ -339,22 +393,37 @@ class LimitsConfig(Strict):
 class MediaConfig(Strict):
     """How inputs are shaped for the model (LimitsConfig says what is allowed at all)."""
 
-    video_fps: float = Field(2.0, gt=0, description="Frames sampled per second of video, evenly spaced over the clip.")
+    video_fps: float = Field(
+        2.0, gt=0, description="Frames sampled per second of video, evenly spaced over the clip."
+    )
     video_max_frames: int = Field(
-        32, ge=1, description="Most frames sampled from one video; longer clips are sampled more sparsely. At most limits.max_video_frames."
+        32,
+        ge=1,
+        description="Most frames sampled from one video; longer clips are sampled more sparsely. At most limits.max_video_frames.",
     )
 
 
 class RouterConfig(Strict):
-    policy: str = Field("joint", description="Routing policy: joint, random, round_robin, least_loaded, affinity.")
+    policy: str = Field(
+        "joint", description="Routing policy: joint, random, round_robin, least_loaded, affinity."
+    )
     seed: int = Field(0, description="Seed of the randomised policies.")
-    priors: dict = Field(default_factory=dict, description="Cost-model priors (router.cost_model.CostPriors fields); calibrated online.")
+    priors: dict = Field(
+        default_factory=dict,
+        description="Cost-model priors (router.cost_model.CostPriors fields); calibrated online.",
+    )
     calibration: dict = Field(
         default_factory=dict,
         description="How the cost model learns online (router.calibration.CalibrationConfig fields: pool_memory, speed_rate, idle_rounds, heal_rounds, max_relative, error_memory, resume_after_heal, spread_z, busy_memory_s, max_busy).",
     )
-    staleness_s: float = Field(5.0, gt=0, description="Cache contents a worker published longer ago than this are ignored.")
-    dead_after_s: float = Field(10.0, gt=0, description="A worker silent this long leaves the candidate set until it reports again.")
+    staleness_s: float = Field(
+        5.0, gt=0, description="Cache contents a worker published longer ago than this are ignored."
+    )
+    dead_after_s: float = Field(
+        10.0,
+        gt=0,
+        description="A worker silent this long leaves the candidate set until it reports again.",
+    )
 
     @model_validator(mode="after")
     def _known(self) -> RouterConfig:
@@ -381,8 +450,13 @@ class RouterConfig(Strict):
 class ServerConfig(Strict):
     host: str = Field("127.0.0.1", description="HTTP bind address.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
-    num_cpus_ray: int = Field(8, ge=1, description="Logical CPUs of a local Ray cluster that `epd serve` starts.")
-    trace_path: str | None = Field(None, description="Append one JSONL record per finished request here (simulator replay format).")
+    num_cpus_ray: int = Field(
+        8, ge=1, description="Logical CPUs of a local Ray cluster that `epd serve` starts."
+    )
+    trace_path: str | None = Field(
+        None,
+        description="Append one JSONL record per finished request here (simulator replay format).",
+    )
     wait_for_nodes_s: float = Field(
         0.0,
         ge=0,
@@ -401,14 +475,20 @@ class ServerConfig(Strict):
         description="When set, /v1/* requires `Authorization: Bearer <key>` (401 otherwise); "
         "/health and /metrics stay open. `epd serve` fills it from $EPD_API_KEY when unset.",
     )
-    log_requests: bool = Field(True, description="One log line per finished request: id, status, tokens, TTFT, e2e.")
-    log_prompts: bool = Field(False, description="Add the prompt's text to each request's log line (off: prompts may be private).")
+    log_requests: bool = Field(
+        True, description="One log line per finished request: id, status, tokens, TTFT, e2e."
+    )
+    log_prompts: bool = Field(
+        False,
+        description="Add the prompt's text to each request's log line (off: prompts may be private).",
+    )
 
 
 class ClusterConfig(Strict):
     model: ModelConfig
     encoder: EncoderPoolConfig | list[EncoderPoolConfig] = Field(
-        EncoderPoolConfig(), description="One encoder pool, or a list of pools that split the modalities between them."
+        EncoderPoolConfig(),
+        description="One encoder pool, or a list of pools that split the modalities between them.",
     )
     prefill: PrefillPoolConfig = PrefillPoolConfig()
     decode: DecodePoolConfig = DecodePoolConfig()
@@ -420,10 +500,15 @@ class ClusterConfig(Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ClusterConfig:
-        if self.model.device == "cuda" and min(p.num_gpus for p in [*self.encoder_pools, self.prefill, self.decode]) <= 0:
+        if (
+            self.model.device == "cuda"
+            and min(p.num_gpus for p in [*self.encoder_pools, self.prefill, self.decode]) <= 0
+        ):
             raise ValueError("model.device cuda needs num_gpus > 0 in every pool")
         if self.model.dtype not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, not {self.model.dtype!r}")
+            raise ValueError(
+                f"model.dtype must be one of {', '.join(DTYPES)}, not {self.model.dtype!r}"
+            )
         self._check_transports()
         if self.media.video_max_frames > self.limits.max_video_frames:
             raise ValueError(
@@ -458,19 +543,30 @@ class ClusterConfig(Strict):
     def named_pools(self) -> list[tuple[str, PoolConfig]]:
         """Every pool with the name errors use: encoder (or encoder[i] in a list), prefill, decode."""
         encoders = (
-            [("encoder", self.encoder)] if not isinstance(self.encoder, list) else [(f"encoder[{i}]", pool) for i, pool in enumerate(self.encoder)]
+            [("encoder", self.encoder)]
+            if not isinstance(self.encoder, list)
+            else [(f"encoder[{i}]", pool) for i, pool in enumerate(self.encoder)]
         )
         return [*encoders, ("prefill", self.prefill), ("decode", self.decode)]
 
-    def encoder_modalities(self, model_modalities: frozenset[Modality]) -> list[frozenset[Modality]]:
+    def encoder_modalities(
+        self, model_modalities: frozenset[Modality]
+    ) -> list[frozenset[Modality]]:
         """What each encoder worker (in pool order) encodes; ConfigError if a modality the
         model takes has no encoder, or a pool names one it does not take."""
-        per_pool = [frozenset(p.modalities) if p.modalities is not None else model_modalities for p in self.encoder_pools]
+        per_pool = [
+            frozenset(p.modalities) if p.modalities is not None else model_modalities
+            for p in self.encoder_pools
+        ]
         for pool in per_pool:
             if extra := pool - model_modalities:
-                raise ConfigError(f"an encoder pool is given {sorted(m.value for m in extra)}, which model {self.model.served_name!r} does not take")
+                raise ConfigError(
+                    f"an encoder pool is given {sorted(m.value for m in extra)}, which model {self.model.served_name!r} does not take"
+                )
         if missing := model_modalities - frozenset().union(*per_pool):
-            raise ConfigError(f"no encoder pool encodes {sorted(m.value for m in missing)}, which model {self.model.served_name!r} takes")
+            raise ConfigError(
+                f"no encoder pool encodes {sorted(m.value for m in missing)}, which model {self.model.served_name!r} takes"
+            )
         return [m for pool, m in zip(self.encoder_pools, per_pool) for _ in range(pool.num_workers)]
 
     def fingerprint(self) -> str:

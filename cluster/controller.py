@@ -51,12 +51,16 @@ def controller_name(app_name: str, config: ClusterConfig) -> str:
     return controller_prefix(app_name) + config.fingerprint()
 
 
-@ray.remote(num_cpus=0, max_concurrency=16)  # threaded: snapshots are served while a worker is replaced
+@ray.remote(
+    num_cpus=0, max_concurrency=16
+)  # threaded: snapshots are served while a worker is replaced
 class FleetController:
     def __init__(self, config: dict, model_modalities: list[str]):
         self._config = ClusterConfig.model_validate(config)
         self._fleet = Fleet(self._config)
-        self._infos = tuple(self._fleet.worker_infos(frozenset(Modality(m) for m in model_modalities)))
+        self._infos = tuple(
+            self._fleet.worker_infos(frozenset(Modality(m) for m in model_modalities))
+        )
         self._generation = 0
         self._lock = threading.Lock()  # one replacement (and group re-formation) at a time
         self._seen_s = time.monotonic()
@@ -117,21 +121,29 @@ class FleetController:
                     continue
                 except ray.exceptions.ActorDiedError:
                     pass
-                except Exception as exc:  # busy (timeout), or unreachable for now: asked again next round
+                except (
+                    Exception
+                ) as exc:  # busy (timeout), or unreachable for now: asked again next round
                     log.info("replica %s did not answer: %s", owner, type(exc).__name__)
                     continue
                 try:
                     self._free_owner(owner)
-                except Exception:  # a worker died meanwhile: its replacement holds nothing of the replica's
+                except (
+                    Exception
+                ):  # a worker died meanwhile: its replacement holds nothing of the replica's
                     log.exception("freeing what replica %s held failed", owner)
 
     def _free_owner(self, owner: str) -> None:
         del self._replicas[owner]
         self._metrics.retire(owner)
         with self._lock:
-            workers = [w for kind in WorkerKind for w in self._fleet.pools[kind]]  # encoders: references to release
+            workers = [
+                w for kind in WorkerKind for w in self._fleet.pools[kind]
+            ]  # encoders: references to release
         freed = ray.get([w.drop_owner.remote(owner) for w in workers], timeout=_PING_TIMEOUT_S)
-        log.warning("replica %s died; its requests' leftovers freed on the workers: %d", owner, sum(freed))
+        log.warning(
+            "replica %s died; its requests' leftovers freed on the workers: %d", owner, sum(freed)
+        )
 
     def _reap_when_orphaned(self) -> None:
         while time.monotonic() - self._seen_s < ORPHAN_AFTER_S:
@@ -140,7 +152,13 @@ class FleetController:
         self.shutdown()
 
 
-def attach(app_name: str, config: ClusterConfig, model_modalities: frozenset[Modality], *, again: bool = False):
+def attach(
+    app_name: str,
+    config: ClusterConfig,
+    model_modalities: frozenset[Modality],
+    *,
+    again: bool = False,
+):
     """The app's controller for `config`, created if none runs yet; a new replica retires
     other configs' controllers. `again`: a running replica lost its controller; None if
     another config's controller runs (this replica is being replaced: it must not
@@ -150,15 +168,19 @@ def attach(app_name: str, config: ClusterConfig, model_modalities: frozenset[Mod
         retire(app_name, keep=name)
     elif any(other != name for other in running(app_name)):
         return None
-    return FleetController.options(name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True).remote(
-        config.model_dump(mode="json"), sorted(m.value for m in model_modalities)
-    )
+    return FleetController.options(
+        name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+    ).remote(config.model_dump(mode="json"), sorted(m.value for m in model_modalities))
 
 
 def running(app_name: str) -> list[str]:
     """Names of the app's controllers that Ray knows of."""
     prefix = controller_prefix(app_name)
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)
+    )
 
 
 def retire(app_name: str, keep: str | None = None) -> list[str]:

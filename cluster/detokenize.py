@@ -19,7 +19,9 @@ class IncrementalText:
         self._stop_after = 0  # a stop string must end past this character (min_tokens)
         self.stopped = False
 
-    def push(self, token_ids: tuple[int, ...] | list[int], final: bool = False, protect: bool = False) -> str:
+    def push(
+        self, token_ids: tuple[int, ...] | list[int], final: bool = False, protect: bool = False
+    ) -> str:
         """`protect`: no stop string may end in the text so far (vLLM checks none before
         min_tokens); one may still begin in it and end in later text."""
         self._ids.extend(t for t in token_ids if t not in self._hidden)

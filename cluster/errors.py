@@ -16,5 +16,11 @@ class RequestError(Exception):
         retry_after_s: int | None = None,
     ):
         super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.status, self.message, self.param, self.type, self.code = (
+            status,
+            message,
+            param,
+            type,
+            code,
+        )
         self.retry_after_s = retry_after_s  # sent as Retry-After (429, 503)

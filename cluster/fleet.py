@@ -31,7 +31,11 @@ _BACKEND = {Transport.GLOO: "torch_gloo", Transport.NCCL: "nccl"}
 # (measured: a 2-thread encoder at idle took 160 ms instead of 26). A short spin keeps the
 # within-forward hand-offs fast. An operator's own setting wins.
 _OPENMP_ENV = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000")}
-_WORKER_ENV = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "TOKENIZERS_PARALLELISM": "false", **_OPENMP_ENV}
+_WORKER_ENV = {
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    **_OPENMP_ENV,
+}
 
 
 def _rdt_transport(config: ClusterConfig) -> Transport | None:
@@ -54,7 +58,9 @@ class Fleet:
             m.max_model_len,
             revision=m.revision,
             hub_cache_dir=m.hub_cache_dir,
-            board=f"{BOARD_PREFIX}{uuid.uuid4().hex[:12]}" if self._borrows(config) else None,  # idle-core board on each node
+            board=f"{BOARD_PREFIX}{uuid.uuid4().hex[:12]}"
+            if self._borrows(config)
+            else None,  # idle-core board on each node
         )
         self.pools: dict[WorkerKind, list] = {kind: [] for kind in WorkerKind}
         for kind in WorkerKind:
@@ -66,10 +72,17 @@ class Fleet:
     @staticmethod
     def _borrows(config: ClusterConfig) -> bool:
         """Whether any pool borrows idle cores (then every worker posts its work on the board)."""
-        return any(pool.idle_torch_threads for pool in [*config.encoder_pools, config.prefill, config.decode])
+        return any(
+            pool.idle_torch_threads
+            for pool in [*config.encoder_pools, config.prefill, config.decode]
+        )
 
     def _num_workers(self, kind: WorkerKind) -> int:
-        pools = self.config.encoder_pools if kind == WorkerKind.ENCODER else [getattr(self.config, kind.value)]
+        pools = (
+            self.config.encoder_pools
+            if kind == WorkerKind.ENCODER
+            else [getattr(self.config, kind.value)]
+        )
         return sum(pool.num_workers for pool in pools)
 
     def _pool_config(self, kind: WorkerKind, index: int) -> tuple[PoolConfig, int]:
@@ -85,17 +98,24 @@ class Fleet:
     def _start(self, kind: WorkerKind, index: int):
         pool, in_pool = self._pool_config(kind, index)
         spec = dataclasses.replace(
-            self.spec, torch_threads=pool.torch_threads, idle_torch_threads=pool.idle_torch_threads, slowdown=pool.slowdown_of(in_pool)
+            self.spec,
+            torch_threads=pool.torch_threads,
+            idle_torch_threads=pool.idle_torch_threads,
+            slowdown=pool.slowdown_of(in_pool),
         )
         options = dict(
             num_cpus=pool.num_cpus,
             num_gpus=pool.num_gpus,
-            resources=dict(pool.resources),  # custom resources pin the pool to the node types that declare them
+            resources=dict(
+                pool.resources
+            ),  # custom resources pin the pool to the node types that declare them
             runtime_env={"env_vars": _WORKER_ENV},
             max_concurrency=1000,
         )
         if kind == WorkerKind.ENCODER:
-            return EncoderActor.options(**options).remote(spec, pool.max_batch_size, pool.max_wait_ms, pool.cache_mb)
+            return EncoderActor.options(**options).remote(
+                spec, pool.max_batch_size, pool.max_wait_ms, pool.cache_mb
+            )
         if kind == WorkerKind.PREFILL:
             return PrefillActor.options(**options).remote(
                 spec,
@@ -106,17 +126,25 @@ class Fleet:
                 pool.overlap_min_tokens,
                 pool.aging_tokens_per_s,
             )
-        return DecodeActor.options(**options).remote(spec, pool.max_batch_size, int(pool.kv_cache_mb * 2**20), pool.stream_interval)
+        return DecodeActor.options(**options).remote(
+            spec, pool.max_batch_size, int(pool.kv_cache_mb * 2**20), pool.stream_interval
+        )
 
     def worker_infos(self, model_modalities: frozenset[Modality]) -> list[WorkerInfo]:
         """The router's static picture of the fleet: kind, index, node (for placements) and,
         for encoders, the modalities each encodes."""
-        per_encoder = [frozenset(m.value for m in ms) for ms in self.config.encoder_modalities(model_modalities)]
+        per_encoder = [
+            frozenset(m.value for m in ms)
+            for ms in self.config.encoder_modalities(model_modalities)
+        ]
         infos = []
         for kind in WorkerKind:
             nodes = ray.get([actor.node_id.remote() for actor in self.pools[kind]])
             modalities = per_encoder if kind == WorkerKind.ENCODER else [frozenset()] * len(nodes)
-            infos += [WorkerInfo(kind, i, node=node, modalities=m) for i, (node, m) in enumerate(zip(nodes, modalities))]
+            infos += [
+                WorkerInfo(kind, i, node=node, modalities=m)
+                for i, (node, m) in enumerate(zip(nodes, modalities))
+            ]
         return infos
 
     def actor_id(self, kind: WorkerKind, index: int) -> str:
@@ -138,7 +166,9 @@ class Fleet:
             except Exception as exc:  # the group dies with any of its members
                 log.info("old collective group already gone: %s", exc)
         self._group_name = f"epd-{uuid.uuid4().hex[:8]}"
-        create_collective_group(self.all_actors(), backend=_BACKEND[self.rdt], name=self._group_name)
+        create_collective_group(
+            self.all_actors(), backend=_BACKEND[self.rdt], name=self._group_name
+        )
 
     def replace(self, kind: WorkerKind, index: int) -> None:
         """Restart one worker; with RDT the whole group is re-formed (a failed transfer
@@ -149,7 +179,10 @@ class Fleet:
         try:
             self._form_group()
         except Exception as exc:
-            log.warning("re-forming the collective group failed (%s); restarting every worker", type(exc).__name__)
+            log.warning(
+                "re-forming the collective group failed (%s); restarting every worker",
+                type(exc).__name__,
+            )
             self._restart([(k, i) for k in WorkerKind for i in range(len(self.pools[k]))])
             self._form_group()
 

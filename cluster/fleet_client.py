@@ -29,7 +29,9 @@ class FleetClient:
         """`attach(again=False)` returns the controller's handle, creating the controller if
         none runs (controller.attach)."""
         self._attach, self.config = attach, config
-        self.owner = f"{uuid.uuid4().hex[:8]}:"  # starts this replica's request ids: what its death frees
+        self.owner = (
+            f"{uuid.uuid4().hex[:8]}:"  # starts this replica's request ids: what its death frees
+        )
         self.controller = attach(again=False)
         self.snapshot: FleetSnapshot | None = None
         self._transfer_lock: asyncio.Lock | None = None  # one RDT transfer at a time (receiving())
@@ -62,19 +64,27 @@ class FleetClient:
 
         manager = RemoteCommunicatorManager.get()
         if snapshot.group is not None:
-            manager.add_remote_communicator(CommunicatorHandle(snapshot.all_actors(), snapshot.group.name, snapshot.group.backend))
+            manager.add_remote_communicator(
+                CommunicatorHandle(
+                    snapshot.all_actors(), snapshot.group.name, snapshot.group.backend
+                )
+            )
         if old is not None and old.group is not None and old.group != snapshot.group:
             manager.remove_remote_communicator(old.group.name)
         self.snapshot = snapshot
         changed = snapshot.changed_since(old)
         if changed or (old is not None and old.group != snapshot.group):
-            self._transfer_lock = None  # a transfer hung in the old group must not hold up the new one
+            self._transfer_lock = (
+                None  # a transfer hung in the old group must not hold up the new one
+            )
         return changed
 
     def replace(self, kind: WorkerKind, index: int) -> list[tuple[WorkerKind, int]]:
         """Blocking (run it in a thread): have the controller replace a dead worker, or learn
         that it did already; returns what changed."""
-        return self.adopt(ray.get(self.controller.replace.remote(kind, index, self.actor_id(kind, index))))
+        return self.adopt(
+            ray.get(self.controller.replace.remote(kind, index, self.actor_id(kind, index)))
+        )
 
     async def sync(self) -> list[tuple[WorkerKind, int]]:
         """Adopt the controller's snapshot if its generation moved. A controller that is gone
@@ -91,7 +101,9 @@ class FleetClient:
             log.warning("the fleet controller was gone; attached to a new one")
             self.controller = handle
             await self._register()
-            return self.adopt(await self.controller.snapshot.remote(), force=True)  # its generations start over
+            return self.adopt(
+                await self.controller.snapshot.remote(), force=True
+            )  # its generations start over
 
     def transport_option(self, transport: Transport) -> dict:
         """Call options that make an actor method return its tensors over `transport`."""

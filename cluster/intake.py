@@ -26,14 +26,19 @@ class Intake:
     def __init__(self, config: ClusterConfig, planner: PromptPlanner):
         self.config, self.planner = config, planner
 
-    def admit(self, body: bytes, request_id: str, arrived_s: float, endpoint: Endpoint = Endpoint.CHAT) -> Admitted:
+    def admit(
+        self, body: bytes, request_id: str, arrived_s: float, endpoint: Endpoint = Endpoint.CHAT
+    ) -> Admitted:
         try:
             request = parse_request(body, endpoint.request_model)
         except BodyError as exc:
             raise RequestError(400, exc.message, exc.param) from None
         if request.model != self.config.model.served_name:
             raise RequestError(
-                404, f"model {request.model!r} does not exist; this server serves {self.config.model.served_name!r}", "model", code="model_not_found"
+                404,
+                f"model {request.model!r} does not exist; this server serves {self.config.model.served_name!r}",
+                "model",
+                code="model_not_found",
             )
         if isinstance(request, ChatCompletionRequest):
             hf_messages, media = to_template_messages(request.messages)
@@ -44,14 +49,20 @@ class Intake:
             sampling = request.to_sampling_params(len(plan.token_ids), self.bounds)
         except ParamError as exc:
             raise RequestError(400, exc.message, exc.param) from None
-        self._kv_fits(len(plan.token_ids), sampling.max_tokens, "messages" if isinstance(request, ChatCompletionRequest) else "prompt")
+        self._kv_fits(
+            len(plan.token_ids),
+            sampling.max_tokens,
+            "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+        )
         return Admitted(request_id, request, plan.items, plan, sampling, arrived_s)
 
     def _kv_fits(self, num_prompt_tokens: int, max_tokens: int, prompt_param: str) -> None:
         """Refuse a request whose KV (prompt plus max_tokens) a decode worker could never hold:
         queued, it would wait for room that never comes."""
         per_token, limit_mb = self.planner.spec.kv_bytes_per_token, self.config.decode.kv_cache_mb
-        need = kv.sequence_bytes(per_token, num_prompt_tokens, max_tokens, self.config.model.max_model_len)
+        need = kv.sequence_bytes(
+            per_token, num_prompt_tokens, max_tokens, self.config.model.max_model_len
+        )
         if need <= limit_mb * 2**20:
             return
         raise RequestError(
@@ -66,7 +77,10 @@ class Intake:
     @property
     def bounds(self) -> ModelBounds:
         return ModelBounds(
-            self.config.model.max_model_len, len(self.planner.tokenizer), self.planner.eos_token_ids, self.config.limits.default_max_tokens
+            self.config.model.max_model_len,
+            len(self.planner.tokenizer),
+            self.planner.eos_token_ids,
+            self.config.limits.default_max_tokens,
         )
 
     def _media_options(self) -> MediaOptions:
@@ -80,11 +94,19 @@ class Intake:
     def _decode_media(self, media) -> list[MediaItem]:
         limits, options = self.config.limits, self._media_options()
         if len(media) > limits.max_items_per_request:
-            raise RequestError(400, f"request has {len(media)} media items; the limit is {limits.max_items_per_request}", "messages")
+            raise RequestError(
+                400,
+                f"request has {len(media)} media items; the limit is {limits.max_items_per_request}",
+                "messages",
+            )
         items, budget = [], PixelBudget(limits.max_request_pixels)  # shared by the request's items
         for part in media:
             if part.modality not in self.planner.spec.modalities:
-                raise RequestError(400, f"model {self.config.model.served_name!r} does not take {part.modality.value} input", part.param)
+                raise RequestError(
+                    400,
+                    f"model {self.config.model.served_name!r} does not take {part.modality.value} input",
+                    part.param,
+                )
             try:
                 items.append(
                     load_media_item(
@@ -118,6 +140,9 @@ class Intake:
         limit = self.config.model.max_model_len
         if len(plan.token_ids) >= limit:
             raise RequestError(
-                400, f"prompt is {len(plan.token_ids)} tokens; this model's context is {limit} tokens", param, code="context_length_exceeded"
+                400,
+                f"prompt is {len(plan.token_ids)} tokens; this model's context is {limit} tokens",
+                param,
+                code="context_length_exceeded",
             )
         return plan

@@ -20,7 +20,10 @@ import contextvars
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import TypeVar
 
-CLOSE_RETRY_S, CLOSE_RETRY_FOR_S = 0.02, 30.0  # close_soon: a running stream is closed once its step ends
+CLOSE_RETRY_S, CLOSE_RETRY_FOR_S = (
+    0.02,
+    30.0,
+)  # close_soon: a running stream is closed once its step ends
 DRAIN_FOR_S = 60.0  # drain_soon: a worker told to abort ends its stream within a step; this bounds a stuck one
 
 T = TypeVar("T")

@@ -12,7 +12,9 @@ from pydantic import BaseModel
 
 from actors.types import TokenLogprob
 
-LOGPROB_FLOOR = -9999.0  # as vLLM: a token the model gives no chance has -inf, which JSON cannot carry
+LOGPROB_FLOOR = (
+    -9999.0
+)  # as vLLM: a token the model gives no chance has -inf, which JSON cannot carry
 
 
 class TopLogprob(BaseModel):
@@ -52,12 +54,17 @@ class LogprobText:
 
     def chat(self, pairs: Iterable[tuple[int, TokenLogprob]]) -> ChatLogprobs:
         content = [
-            ChatTokenLogprob(**self._top(token_id, lp.logprob).model_dump(), top_logprobs=[self._top(t, v) for t, v in lp.top])
+            ChatTokenLogprob(
+                **self._top(token_id, lp.logprob).model_dump(),
+                top_logprobs=[self._top(t, v) for t, v in lp.top],
+            )
             for token_id, lp in pairs
         ]
         return ChatLogprobs(content=content)
 
-    def completion(self, pairs: Iterable[tuple[int, TokenLogprob]], text_offset: int = 0) -> CompletionLogprobs:
+    def completion(
+        self, pairs: Iterable[tuple[int, TokenLogprob]], text_offset: int = 0
+    ) -> CompletionLogprobs:
         """`text_offset`: where the first token's text starts in the choice's text so far."""
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for token_id, lp in pairs:

@@ -99,42 +99,105 @@ class Metrics:
         latency = latency_buckets_s(request_timeout_s)
         # vLLM's names
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", latency)
-        self.itl = self._histogram("inter_token_latency_seconds", "Time between two output chunks of a request.", STEP_BUCKETS_S)
-        self.tpot = self._histogram(
-            "request_time_per_output_token_seconds", "A request's mean time per output token after the first.", STEP_BUCKETS_S
+        self.itl = self._histogram(
+            "inter_token_latency_seconds",
+            "Time between two output chunks of a request.",
+            STEP_BUCKETS_S,
         )
-        self.e2e = self._histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.", latency)
-        self.queue_time = self._histogram("request_queue_time_seconds", "Time a request waited in a prefill worker's queue.", latency)
-        self.prefill_time = self._histogram("request_prefill_time_seconds", "Time a request's prefill ran.", latency)
-        self.decode_time = self._histogram("request_decode_time_seconds", "First token to last token.", latency)
-        self.request_prompt_tokens = self._histogram("request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS)
-        self.request_generation_tokens = self._histogram("request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
+        self.tpot = self._histogram(
+            "request_time_per_output_token_seconds",
+            "A request's mean time per output token after the first.",
+            STEP_BUCKETS_S,
+        )
+        self.e2e = self._histogram(
+            "e2e_request_latency_seconds", "Request latency, arrival to last token.", latency
+        )
+        self.queue_time = self._histogram(
+            "request_queue_time_seconds",
+            "Time a request waited in a prefill worker's queue.",
+            latency,
+        )
+        self.prefill_time = self._histogram(
+            "request_prefill_time_seconds", "Time a request's prefill ran.", latency
+        )
+        self.decode_time = self._histogram(
+            "request_decode_time_seconds", "First token to last token.", latency
+        )
+        self.request_prompt_tokens = self._histogram(
+            "request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = self._histogram(
+            "request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS
+        )
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens prefilled.")
         self.completion_tokens = self._counter("generation_tokens", "Tokens generated.")
-        self.success = self._counter("request_success", "Finished requests by finish reason.", "finished_reason")
-        self.running = self._gauge("num_requests_running", "Requests past their first token, still generating.")
-        self.waiting = self._gauge("num_requests_waiting", "Admitted requests waiting for their first token.")
-        self.prefix_cache_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.mm_cache_queries = self._counter("mm_cache_queries", "Media items looked up in the encoder cache.")
-        self.mm_cache_hits = self._counter("mm_cache_hits", "Media items found in the encoder cache.")
+        self.success = self._counter(
+            "request_success", "Finished requests by finish reason.", "finished_reason"
+        )
+        self.running = self._gauge(
+            "num_requests_running", "Requests past their first token, still generating."
+        )
+        self.waiting = self._gauge(
+            "num_requests_waiting", "Admitted requests waiting for their first token."
+        )
+        self.prefix_cache_queries = self._counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = self._counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.mm_cache_queries = self._counter(
+            "mm_cache_queries", "Media items looked up in the encoder cache."
+        )
+        self.mm_cache_hits = self._counter(
+            "mm_cache_hits", "Media items found in the encoder cache."
+        )
         # epd's own
-        self.requests = self._counter("requests", "Requests by outcome: ok, an HTTP status, or aborted by the client.", "status")
-        self.estimated_ttft = self._histogram("estimated_ttft_seconds", "The router's TTFT estimate for the workers it chose.", latency)
-        self.ttft_estimate_error = self._histogram("ttft_estimate_abs_error_seconds", "|measured - estimated| TTFT.", latency)
-        self.stage = self._histogram("stage_latency_seconds", "Latency of one pipeline stage.", latency, "stage")
-        self.encoder_batch = self._histogram("encoder_batch_size", "Items per encoder forward pass.", (1, 2, 4, 8, 16, 32, 64))
+        self.requests = self._counter(
+            "requests",
+            "Requests by outcome: ok, an HTTP status, or aborted by the client.",
+            "status",
+        )
+        self.estimated_ttft = self._histogram(
+            "estimated_ttft_seconds",
+            "The router's TTFT estimate for the workers it chose.",
+            latency,
+        )
+        self.ttft_estimate_error = self._histogram(
+            "ttft_estimate_abs_error_seconds", "|measured - estimated| TTFT.", latency
+        )
+        self.stage = self._histogram(
+            "stage_latency_seconds", "Latency of one pipeline stage.", latency, "stage"
+        )
+        self.encoder_batch = self._histogram(
+            "encoder_batch_size", "Items per encoder forward pass.", (1, 2, 4, 8, 16, 32, 64)
+        )
         self.queue_depth = self._gauge("queue_depth", "Outstanding jobs per worker kind.", "kind")
-        self.retries = self._counter("retries", "Requests resumed on other workers after a worker failed, by the failed kind.", "kind")
+        self.retries = self._counter(
+            "retries",
+            "Requests resumed on other workers after a worker failed, by the failed kind.",
+            "kind",
+        )
 
     def _histogram(self, name: str, doc: str, buckets, *labels: str) -> _Bound:
-        return _Bound(Histogram(PREFIX + name, doc, ["model_name", *labels], buckets=buckets, registry=self.registry), self.model_name)
+        return _Bound(
+            Histogram(
+                PREFIX + name, doc, ["model_name", *labels], buckets=buckets, registry=self.registry
+            ),
+            self.model_name,
+        )
 
     def _counter(self, name: str, doc: str, *labels: str) -> _Bound:
-        return _Bound(Counter(PREFIX + name, doc, ["model_name", *labels], registry=self.registry), self.model_name)
+        return _Bound(
+            Counter(PREFIX + name, doc, ["model_name", *labels], registry=self.registry),
+            self.model_name,
+        )
 
     def _gauge(self, name: str, doc: str, *labels: str) -> _Bound:
-        return _Bound(Gauge(PREFIX + name, doc, ["model_name", *labels], registry=self.registry), self.model_name)
+        return _Bound(
+            Gauge(PREFIX + name, doc, ["model_name", *labels], registry=self.registry),
+            self.model_name,
+        )
 
     def track_load(self, waiting: Callable[[], float], running: Callable[[], float]) -> None:
         """Read the admission counts at scrape time rather than mirroring every change."""

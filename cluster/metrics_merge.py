@@ -41,7 +41,11 @@ class _Family:
 
     def add(self, key: SeriesKey, value: float) -> None:
         old = self.values.get(key)
-        self.values[key] = value if old is None else (min(old, value) if key[0].endswith(_CREATED) else old + value)
+        self.values[key] = (
+            value
+            if old is None
+            else (min(old, value) if key[0].endswith(_CREATED) else old + value)
+        )
 
 
 class Merged:
@@ -59,7 +63,9 @@ class Merged:
                 continue
             family = self._families.get(parsed.name)
             if family is None:
-                family = self._families[parsed.name] = _Family(parsed.name, parsed.documentation, parsed.type)
+                family = self._families[parsed.name] = _Family(
+                    parsed.name, parsed.documentation, parsed.type
+                )
             for sample in parsed.samples:
                 family.add((sample.name, tuple(sorted(sample.labels.items()))), sample.value)
         return self
@@ -127,7 +133,9 @@ class MetricsBook:
     def others(self, owner: str) -> list[str | bytes]:
         """What a scrape on `owner`'s replica adds to its own live registry."""
         with self._lock:
-            found: list[str | bytes] = [text for other, (_, text) in self._latest.items() if other != owner]
+            found: list[str | bytes] = [
+                text for other, (_, text) in self._latest.items() if other != owner
+            ]
             return found + ([self._retired] if self._retired is not None else [])
 
     def owners(self) -> list[str]:

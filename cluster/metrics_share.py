@@ -31,8 +31,12 @@ class MetricsShare:
         """`own()`: this replica's exposition (Metrics.exposition)."""
         self._fleet, self._own = fleet, own
         self._task: asyncio.Task | None = None
-        self._peers: list[str | bytes] = []  # the last answer, for a scrape while the controller is busy or gone
-        self._renderings = itertools.count(1)  # numbers each exposition handed over: the book keeps the latest
+        self._peers: list[
+            str | bytes
+        ] = []  # the last answer, for a scrape while the controller is busy or gone
+        self._renderings = itertools.count(
+            1
+        )  # numbers each exposition handed over: the book keeps the latest
 
     def ensure_running(self) -> None:
         if self._task is None or self._task.done():
@@ -42,14 +46,21 @@ class MetricsShare:
         while True:
             try:
                 await self.push()
-            except Exception as exc:  # pushing must outlive a controller's restart; the next push tries again
+            except (
+                Exception
+            ) as exc:  # pushing must outlive a controller's restart; the next push tries again
                 log.info("pushing metrics to the fleet controller failed: %s", type(exc).__name__)
             await asyncio.sleep(PUSH_PERIOD_S)
 
     async def push(self) -> None:
         seq = next(self._renderings)
-        own = await asyncio.to_thread(self._own)  # ~10 ms of rendering each second: off the event loop
-        await asyncio.wait_for(self._fleet.controller.report_metrics.remote(self._fleet.owner, own, seq), _CONTROLLER_TIMEOUT_S)
+        own = await asyncio.to_thread(
+            self._own
+        )  # ~10 ms of rendering each second: off the event loop
+        await asyncio.wait_for(
+            self._fleet.controller.report_metrics.remote(self._fleet.owner, own, seq),
+            _CONTROLLER_TIMEOUT_S,
+        )
 
     async def exposition(self) -> bytes:
         """This replica's live metrics plus every other replica's (live: latest push; dead: retired)."""
@@ -58,7 +69,12 @@ class MetricsShare:
             share = self._fleet.controller.share_metrics.remote(self._fleet.owner, own, seq)
             self._peers = await asyncio.wait_for(share, _CONTROLLER_TIMEOUT_S)
         except Exception as exc:  # the others' last known counts beat none: totals must not drop
-            log.warning("the fleet controller gave no peer metrics (%s); merging the last seen", type(exc).__name__)
+            log.warning(
+                "the fleet controller gave no peer metrics (%s); merging the last seen",
+                type(exc).__name__,
+            )
         if not self._peers:  # the only replica there ever was
             return own
-        return await asyncio.to_thread(merge, [own, *self._peers])  # tens of ms of parsing: not on the event loop
+        return await asyncio.to_thread(
+            merge, [own, *self._peers]
+        )  # tens of ms of parsing: not on the event loop

@@ -60,7 +60,9 @@ def unplaceable(config: ClusterConfig, shapes: list[NodeShape]) -> list[str]:
             )
         elif not any(shape.holds(bundle) for shape in shapes):
             largest = [f"{s.source}: {_shown(s.resources)}" for s in shapes]
-            problems.append(f"no single node can hold one actor of pool {name!r} ({bundle}); nodes: {largest}")
+            problems.append(
+                f"no single node can hold one actor of pool {name!r} ({bundle}); nodes: {largest}"
+            )
     return problems or _short(config, shapes)
 
 
@@ -68,18 +70,27 @@ def _short(config: ClusterConfig, shapes: list[NodeShape]) -> list[str]:
     """Resources the pools need more of, all actors together, than the nodes offer."""
     problems = []
     for resource in sorted({r for _, pool in config.named_pools() for r in pool.ray_resources()}):
-        parts = {name: pool.num_workers * pool.ray_resources().get(resource, 0.0) for name, pool in config.named_pools()}
+        parts = {
+            name: pool.num_workers * pool.ray_resources().get(resource, 0.0)
+            for name, pool in config.named_pools()
+        }
         offered = sum(shape.resources.get(resource, 0.0) * shape.count for shape in shapes)
         if (needed := sum(parts.values())) > offered:
             split = ", ".join(f"{name} {amount:g}" for name, amount in parts.items() if amount)
-            problems.append(f"the pools reserve {needed:g} {resource} in all ({split}); the cluster offers {offered:g}")
+            problems.append(
+                f"the pools reserve {needed:g} {resource} in all ({split}); the cluster offers {offered:g}"
+            )
     return problems
 
 
 def live_shapes() -> list[NodeShape]:
     import ray
 
-    return [NodeShape(f"node {n['NodeManagerAddress']}", n["Resources"]) for n in ray.nodes() if n["Alive"]]
+    return [
+        NodeShape(f"node {n['NodeManagerAddress']}", n["Resources"])
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
 
 
 def autoscaler_shapes() -> list[NodeShape]:
@@ -110,5 +121,7 @@ def check_placement(config: ClusterConfig, wait_s: float | None = None) -> None:
     deadline = time.monotonic() + (config.server.wait_for_nodes_s if wait_s is None else wait_s)
     while problems := unplaceable(config, live_shapes() + autoscaler_shapes()):
         if time.monotonic() >= deadline:
-            raise PlacementError("cannot place the worker pools on this Ray cluster: " + "; ".join(problems))
+            raise PlacementError(
+                "cannot place the worker pools on this Ray cluster: " + "; ".join(problems)
+            )
         time.sleep(POLL_S)

@@ -19,14 +19,21 @@ def ensure_model(config: ClusterConfig) -> ClusterConfig:
     try:
         if m.is_hub_repo:
             path = resolve_checkpoint(m.checkpoint, m.revision, m.hub_cache_dir)
-            config = config.replace(model={"revision": path.name})  # a snapshot dir is named by its commit
+            config = config.replace(
+                model={"revision": path.name}
+            )  # a snapshot dir is named by its commit
         else:
             path = ensure_checkpoint(m.checkpoint_path, m.builtin, progress=True)
-            if not m.checkpoint_path.is_absolute():  # the workers' working directory is not this one
+            if (
+                not m.checkpoint_path.is_absolute()
+            ):  # the workers' working directory is not this one
                 config = config.replace(model={"checkpoint": str(path)})
     except (CheckpointNotFound, FileNotFoundError) as exc:
         raise ConfigError(str(exc)) from None
-    from actors.models.adapter import UnsupportedFamily, check_family  # torch: only once there is a checkpoint
+    from actors.models.adapter import (
+        UnsupportedFamily,
+        check_family,
+    )  # torch: only once there is a checkpoint
 
     try:
         check_family(path)
@@ -43,9 +50,18 @@ def prepare(config: ClusterConfig) -> ClusterConfig:
     return ensure_model(config)
 
 
-def with_model(config: ClusterConfig, model: str | None, served_name: str | None = None) -> ClusterConfig:
+def with_model(
+    config: ClusterConfig, model: str | None, served_name: str | None = None
+) -> ClusterConfig:
     """`--model ID_OR_DIR` replaces the config's checkpoint (and its recipe and revision);
     the served name defaults to it, as in vLLM."""
     if model is None:
         return config if served_name is None else config.replace(model={"served_name": served_name})
-    return config.replace(model={"checkpoint": model, "builtin": None, "revision": None, "served_name": served_name or model})
+    return config.replace(
+        model={
+            "checkpoint": model,
+            "builtin": None,
+            "revision": None,
+            "served_name": served_name or model,
+        }
+    )

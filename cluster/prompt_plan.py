@@ -29,7 +29,9 @@ class PromptPlan:
     token_ids: tuple[int, ...]
     placeholders: tuple[PlaceholderRange, ...]  # one per item, in request order
     num_embeddings: tuple[int, ...]
-    items: tuple[MediaItem, ...] = ()  # what is encoded: the request's items, long audio split into windows
+    items: tuple[
+        MediaItem, ...
+    ] = ()  # what is encoded: the request's items, long audio split into windows
 
 
 class PromptPlanner:
@@ -43,16 +45,22 @@ class PromptPlanner:
         return (self.tokenizer.eos_token_id,)
 
     def render(self, hf_messages: list[dict]) -> str:
-        return self.processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+        return self.processor.apply_chat_template(
+            hf_messages, add_generation_prompt=True, tokenize=False
+        )
 
     def plan(self, hf_messages: list[dict], items: list[MediaItem]) -> PromptPlan:
         hf_messages, items = self.window_audio(hf_messages, items)
         layouts = [self.spec.layout(item) for item in items]
         counts = tuple(layout.num_embeddings for layout in layouts)
         text = self._expand(self.render(hf_messages), items, counts)
-        ids = np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+        ids = np.asarray(
+            self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64
+        )
         ranges = tuple(
-            PlaceholderRange(r.offset, r.length, item.modality, layout.grid_thw, layout.seconds_per_grid)
+            PlaceholderRange(
+                r.offset, r.length, item.modality, layout.grid_thw, layout.seconds_per_grid
+            )
             for r, item, layout in zip(self._ranges(ids, items, counts), items, layouts)
         )
         return PromptPlan(tuple(ids.tolist()), ranges, counts, tuple(items))
@@ -62,21 +70,30 @@ class PromptPlanner:
         (as vLLM); token ids as given. Media placeholders have no media here: refused."""
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer(prompt)["input_ids"]
         vocab = len(self.tokenizer)
-        reserved = {self.spec.token_id_by_modality[m]: token for m, token in self.spec.token_by_modality.items()}
+        reserved = {
+            self.spec.token_id_by_modality[m]: token
+            for m, token in self.spec.token_by_modality.items()
+        }
         for token_id in ids:
             if not 0 <= token_id < vocab:
-                raise PromptError(f"token id {token_id} is not in this model's vocabulary of {vocab} tokens")
+                raise PromptError(
+                    f"token id {token_id} is not in this model's vocabulary of {vocab} tokens"
+                )
             if token_id in reserved:
                 raise PromptError(f"the prompt holds the reserved media token {reserved[token_id]}")
         if not ids:
             raise PromptError("the prompt has no tokens")
         return PromptPlan(tuple(ids), (), ())
 
-    def window_audio(self, hf_messages: list[dict], items: list[MediaItem]) -> tuple[list[dict], list[MediaItem]]:
+    def window_audio(
+        self, hf_messages: list[dict], items: list[MediaItem]
+    ) -> tuple[list[dict], list[MediaItem]]:
         """Split clips longer than the model's audio window into windows, each its own audio
         part of the message (the way the model's processor takes several clips)."""
         window = self.spec.audio_window_samples
-        if window is None or not any(i.modality == Modality.AUDIO and len(i.data) > window for i in items):
+        if window is None or not any(
+            i.modality == Modality.AUDIO and len(i.data) > window for i in items
+        ):
             return hf_messages, items
         pending, out_items, out_messages = iter(items), [], []
         for message in hf_messages:
@@ -97,7 +114,12 @@ class PromptPlanner:
             return [item]
         namespace = item.identifier  # a window's identity derives from its clip's
         return [
-            MediaItem(Modality.AUDIO, media_identifier(namespace, Modality.AUDIO, part, rate=item.sample_rate_hz), part, item.sample_rate_hz)
+            MediaItem(
+                Modality.AUDIO,
+                media_identifier(namespace, Modality.AUDIO, part, rate=item.sample_rate_hz),
+                part,
+                item.sample_rate_hz,
+            )
             for part in split_windows(item.data, self.spec.audio_window_samples)
         ]
 
@@ -114,15 +136,21 @@ class PromptPlanner:
             text = pieces[0] + "".join(token * n + rest for n, rest in zip(mine, pieces[1:]))
         return text
 
-    def _ranges(self, ids: np.ndarray, items: list[MediaItem], counts: tuple[int, ...]) -> tuple[PlaceholderRange, ...]:
+    def _ranges(
+        self, ids: np.ndarray, items: list[MediaItem], counts: tuple[int, ...]
+    ) -> tuple[PlaceholderRange, ...]:
         """Items take consecutive runs of their modality's placeholder positions, in order."""
-        positions = {m: np.flatnonzero(ids == tid) for m, tid in self.spec.token_id_by_modality.items()}
+        positions = {
+            m: np.flatnonzero(ids == tid) for m, tid in self.spec.token_id_by_modality.items()
+        }
         taken = {m: 0 for m in positions}
         ranges = []
         for item, n in zip(items, counts):
             run = positions[item.modality][taken[item.modality] : taken[item.modality] + n]
             if len(run) != n or run[-1] - run[0] != n - 1:
-                raise PromptError(f"placeholder run for a {item.modality.value} item is not contiguous after tokenization")
+                raise PromptError(
+                    f"placeholder run for a {item.modality.value} item is not contiguous after tokenization"
+                )
             taken[item.modality] += n
             ranges.append(PlaceholderRange(int(run[0]), n))
         return tuple(ranges)

@@ -14,7 +14,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from cluster.logprobs import ChatLogprobs
@@ -44,7 +52,9 @@ class VideoURL(Strict):
     url: str
 
 
-class AudioURL(Strict):  # vLLM's extension: a data URL or an http(s) URL, the MIME type names the format
+class AudioURL(
+    Strict
+):  # vLLM's extension: a data URL or an http(s) URL, the MIME type names the format
     url: str
 
 
@@ -73,7 +83,11 @@ class ContentPart(Strict):
     @model_validator(mode="after")
     def _payload_present(self) -> ContentPart:
         if getattr(self, self.type) is None:
-            raise PydanticCustomError("missing_payload", "content part of type '{t}' needs a '{t}' field", {"t": self.type})
+            raise PydanticCustomError(
+                "missing_payload",
+                "content part of type '{t}' needs a '{t}' field",
+                {"t": self.type},
+            )
         return self
 
     @property
@@ -109,14 +123,18 @@ class ChatMessage(Strict):
         if isinstance(value, str):
             return [{"type": "text", "text": value}] if value else []
         if value is not None and not isinstance(value, list):
-            raise PydanticCustomError("content_type", "content must be a string or a list of content parts")
+            raise PydanticCustomError(
+                "content_type", "content must be a string or a list of content parts"
+            )
         return value
 
     @field_validator("content")
     @classmethod
     def _not_empty(cls, value: list[ContentPart] | None) -> list[ContentPart]:
         if not value:
-            raise PydanticCustomError("empty_content", "message has no content (missing, null or empty)")
+            raise PydanticCustomError(
+                "empty_content", "message has no content (missing, null or empty)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -125,7 +143,9 @@ class ChatMessage(Strict):
             for index, part in enumerate(self.content or ()):
                 if part.is_media:
                     raise PydanticCustomError(
-                        "media_not_allowed", "content[{i}] is an '{t}' part, but media is only allowed in user messages", {"i": index, "t": part.type}
+                        "media_not_allowed",
+                        "content[{i}] is an '{t}' part, but media is only allowed in user messages",
+                        {"i": index, "t": part.type},
                     )
         return self
 
@@ -135,12 +155,16 @@ class ChatMessage(Strict):
 
 
 class ResponseFormat(Strict):
-    type: Literal["text"] = Field(description="only plain text: json_object and json_schema are not built")
+    type: Literal["text"] = Field(
+        description="only plain text: json_object and json_schema are not built"
+    )
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name for max_tokens; wins over it")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="OpenAI's newer name for max_tokens; wins over it"
+    )
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # OpenAI fields declared only to be refused by name with a reason (until they are built).
@@ -159,18 +183,24 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice_none(cls, value: Any) -> Any:
-        return refuse_unless(value, ("none",), 'this server does not call tools (only "none" is accepted)')
+        return refuse_unless(
+            value, ("none",), 'this server does not call tools (only "none" is accepted)'
+        )
 
     @field_validator("response_format", mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
-        return refuse_unless(value, ({"type": "text"},), 'only {"type": "text"} (structured output is not built)')
+        return refuse_unless(
+            value, ({"type": "text"},), 'only {"type": "text"} (structured output is not built)'
+        )
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value and not info.data.get("logprobs"):
-            raise PydanticCustomError("top_logprobs_without_logprobs", 'top_logprobs needs "logprobs": true')
+            raise PydanticCustomError(
+                "top_logprobs_without_logprobs", 'top_logprobs needs "logprobs": true'
+            )
         return value
 
     @property
@@ -201,7 +231,10 @@ def validation_error_message(exc: ValidationError) -> tuple[str, str | None]:
     if error["type"] == "missing" and param:
         return f"Missing required parameter: '{param}'.", param
     if error["type"] == "extra_forbidden":
-        return f"Unrecognized request argument supplied: '{param}' (this server does not honour it)", param
+        return (
+            f"Unrecognized request argument supplied: '{param}' (this server does not honour it)",
+            param,
+        )
     if error["type"] == "json_invalid":
         return f"Request body is not valid JSON: {error.get('ctx', {}).get('error', msg)}", None
     return (f"Invalid '{param}': {msg}" if param else f"Invalid request: {msg}"), param
@@ -222,7 +255,9 @@ class MediaPart:
 
 
 def _media_part(part: ContentPart, param: str) -> MediaPart:
-    body = getattr(part, part.type)  # ImageURL, InputAudio, AudioURL or VideoURL; the validator ensured it is set
+    body = getattr(
+        part, part.type
+    )  # ImageURL, InputAudio, AudioURL or VideoURL; the validator ensured it is set
     return MediaPart(
         MEDIA_PART_TYPES[part.type],
         body.data if part.type == "input_audio" else body.url,
@@ -232,7 +267,9 @@ def _media_part(part: ContentPart, param: str) -> MediaPart:
     )
 
 
-def to_template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[MediaPart]]:
+def to_template_messages(
+    messages: list[ChatMessage],
+) -> tuple[list[dict[str, Any]], list[MediaPart]]:
     """(HF chat-template messages, media parts), both in the client's order so placeholders line up.
 
     Every content becomes a list of {"type": "text", "text": ...} / {"type": "image"} / ... entries.
@@ -272,7 +309,11 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class AssistantMessage(BaseModel):
@@ -295,7 +336,9 @@ class ChatCompletion(OmitNone):
     model: str
     choices: list[Choice]
     usage: Usage
-    timings: dict[str, float] | None = None  # ttft_ms, estimated_ttft_ms, encode_ms, ... (extension)
+    timings: dict[str, float] | None = (
+        None  # ttft_ms, estimated_ttft_ms, encode_ms, ... (extension)
+    )
 
 
 class DeltaMessage(OmitNone):
@@ -336,12 +379,22 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
     """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def sse_event(obj: BaseModel | dict[str, Any]) -> bytes:
     """One server-sent event: `data: {json}\\n\\n`."""
-    body = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, separators=(",", ":"))
+    body = (
+        obj.model_dump_json()
+        if isinstance(obj, BaseModel)
+        else json.dumps(obj, separators=(",", ":"))
+    )
     return f"data: {body}\n\n".encode()

@@ -24,7 +24,9 @@ def is_transport_failure(exc: BaseException) -> bool:
     if isinstance(exc, ValueError):  # a call made after the group was destroyed
         return "does not have tensor transport" in str(exc)
     cause = getattr(exc, "cause", None) if isinstance(exc, rx.RayTaskError) else None
-    return isinstance(cause, TimeoutError) and "RDT object store" in str(cause)  # a receive whose transfer was aborted
+    return isinstance(cause, TimeoutError) and "RDT object store" in str(
+        cause
+    )  # a receive whose transfer was aborted
 
 
 class WorkerLost(Exception):
@@ -41,12 +43,19 @@ class WorkerLost(Exception):
 
 def _decision_workers(decision: RouteDecision) -> list[tuple[WorkerKind, int]]:
     encoders = {decision.encoder_for(item.modality) for item in decision.items}
-    return [(WorkerKind.ENCODER, e) for e in sorted(encoders)] + [(WorkerKind.PREFILL, decision.prefill), (WorkerKind.DECODE, decision.decode)]
+    return [(WorkerKind.ENCODER, e) for e in sorted(encoders)] + [
+        (WorkerKind.PREFILL, decision.prefill),
+        (WorkerKind.DECODE, decision.decode),
+    ]
 
 
 def lost_worker(exc: BaseException, fleet, decision: RouteDecision) -> WorkerLost:
     """Name the worker behind `exc`, by the dead actor's id where Ray gives it."""
     used = _decision_workers(decision)
     actor_id = getattr(exc, "actor_id", None)
-    named = [(kind, index) for kind, index in used if actor_id is not None and fleet.actor_id(kind, index) == actor_id]
+    named = [
+        (kind, index)
+        for kind, index in used
+        if actor_id is not None and fleet.actor_id(kind, index) == actor_id
+    ]
     return WorkerLost(named or used, exc)

@@ -19,7 +19,9 @@ from cluster.protocol import ChatCompletionRequest, format_param, validation_err
 Request = TypeVar("Request", bound=BaseModel)
 
 MAX_JSON_DEPTH = 32  # a chat request nests about 6 deep
-MAX_INT_DIGITS = 19  # an int64; longer numbers are mistakes or attacks (int() of 5,000 digits raises)
+MAX_INT_DIGITS = (
+    19  # an int64; longer numbers are mistakes or attacks (int() of 5,000 digits raises)
+)
 
 
 class BodyError(ValueError):
@@ -37,7 +39,9 @@ class _BadNumber:
 
 def _parse_int(text: str) -> int | _BadNumber:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        return _BadNumber(text, f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+        return _BadNumber(
+            text, f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})"
+        )
     return int(text)
 
 
@@ -54,7 +58,9 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
         if key in out:
-            raise BodyError(f"Invalid '{key}': the key appears more than once in its JSON object", key)
+            raise BodyError(
+                f"Invalid '{key}': the key appears more than once in its JSON object", key
+            )
         out[key] = value
     return out
 
@@ -65,17 +71,28 @@ def _load(body: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise BodyError(f"request body is not UTF-8: {exc.reason} at byte {exc.start}") from None
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
+        return json.loads(
+            text,
+            object_pairs_hook=_unique_keys,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+            parse_constant=_parse_constant,
+        )
     except json.JSONDecodeError as exc:
         raise BodyError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
-        raise BodyError(f"request JSON is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)") from None
+        raise BodyError(
+            f"request JSON is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)"
+        ) from None
 
 
 def _check(value: Any, path: tuple[int | str, ...] = ()) -> None:
     """Depth, numbers and strings of the parsed body, each error naming its JSON path."""
     if len(path) > MAX_JSON_DEPTH:
-        raise BodyError(f"request JSON is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)", format_param(path[:4]))
+        raise BodyError(
+            f"request JSON is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)",
+            format_param(path[:4]),
+        )
     if isinstance(value, _BadNumber):
         raise BodyError(f"Invalid '{format_param(path)}': {value.why}", format_param(path))
     if isinstance(value, str):
@@ -95,7 +112,8 @@ def _check_text(text: str, path: tuple[int | str, ...]) -> None:
     except UnicodeEncodeError as exc:
         where = format_param(path) or "request"
         raise BodyError(
-            f"Invalid '{where}': lone UTF-16 surrogate {text[exc.start]!r} at character {exc.start} is not valid Unicode", format_param(path)
+            f"Invalid '{where}': lone UTF-16 surrogate {text[exc.start]!r} at character {exc.start} is not valid Unicode",
+            format_param(path),
         ) from None
 
 

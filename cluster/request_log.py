@@ -33,7 +33,11 @@ class RequestRecord:
         ]
         if self.finish_reason:
             parts.append(f"finish_reason={self.finish_reason}")
-        parts += [f"{name}={value:.1f}" for name, value in (("ttft_ms", self.ttft_ms), ("e2e_ms", self.e2e_ms)) if value is not None]
+        parts += [
+            f"{name}={value:.1f}"
+            for name, value in (("ttft_ms", self.ttft_ms), ("e2e_ms", self.e2e_ms))
+            if value is not None
+        ]
         if self.prompt is not None:
             parts.append(f"prompt={self.prompt!r}")
         return " ".join(parts)
@@ -61,4 +65,6 @@ def _serve_request_id() -> str | None:
 def bearer_ok(authorization: str | None, api_key: str) -> bool:
     """Whether an Authorization header carries `Bearer <api_key>` (constant-time compare)."""
     scheme, _, token = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        token.strip().encode(), api_key.encode()
+    )

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 import ray
 
 from actors.engine.decode_state import finish_reason_of
-from actors.types import DecodeRequest, EncodeJob, FinishReason, PrefillRequest, PrefillResult, TokenChunk
+from actors.types import (
+    DecodeRequest,
+    EncodeJob,
+    FinishReason,
+    PrefillRequest,
+    PrefillResult,
+    TokenChunk,
+)
 from cluster.admitted import Admitted, Endpoint, Job
 from cluster.config import ClusterConfig
 from cluster.errors import RequestError
@@ -59,12 +66,16 @@ class RequestPath:
     ):
         self.config, self.fleet, self.planner = config, fleet, planner
         self.routing, self.metrics = routing, metrics
-        self.on_worker_lost = on_worker_lost  # the supervisor confirms the death and restarts the worker
+        self.on_worker_lost = (
+            on_worker_lost  # the supervisor confirms the death and restarts the worker
+        )
         self.trace = TraceWriter(config.server.trace_path) if config.server.trace_path else None
         self.intake = Intake(config, planner)
 
     # -- 1. admit -------------------------------------------------------------------------
-    def admit(self, body: bytes, request_id: str, arrived_s: float, endpoint: Endpoint = Endpoint.CHAT) -> Admitted:
+    def admit(
+        self, body: bytes, request_id: str, arrived_s: float, endpoint: Endpoint = Endpoint.CHAT
+    ) -> Admitted:
         """Parse, validate, decode media and plan the prompt (cluster/intake.py)."""
         return self.intake.admit(body, request_id, arrived_s, endpoint)
 
@@ -79,7 +90,9 @@ class RequestPath:
                 return trace.route
             except RoutingUnavailable as exc:
                 if time.perf_counter() + ROUTE_RETRY_S > job.deadline_s:
-                    raise RequestError(503, str(exc), type="server_error", retry_after_s=RETRY_AFTER_S) from None
+                    raise RequestError(
+                        503, str(exc), type="server_error", retry_after_s=RETRY_AFTER_S
+                    ) from None
             await asyncio.sleep(ROUTE_RETRY_S)
 
     # -- 3..5. encode, prefill, decode --------------------------------------------------------
@@ -103,7 +116,9 @@ class RequestPath:
                 failure = lost
             finally:  # closed now, not whenever the garbage collector gets to it: its clean-up frees KV
                 close_soon(attempt_stream)
-            if done := self._finished_already(adm, produced):  # the worker died after the last token
+            if done := self._finished_already(
+                adm, produced
+            ):  # the worker died after the last token
                 yield done
                 return
         raise RequestError(
@@ -117,7 +132,9 @@ class RequestPath:
         """The closing chunk if the tokens produced so far already end the request."""
         if not produced:
             return None
-        reason = finish_reason_of(len(adm.plan.token_ids), adm.sampling, produced, self.config.model.max_model_len)
+        reason = finish_reason_of(
+            len(adm.plan.token_ids), adm.sampling, produced, self.config.model.max_model_len
+        )
         return TokenChunk((), reason) if reason is not None else None
 
     async def _attempt(self, job: Job, trace: Trace) -> AsyncIterator[TokenChunk]:
@@ -147,7 +164,9 @@ class RequestPath:
                 raise lost_worker(exc, self.fleet, decision) from exc
             if not isinstance(exc, ray.exceptions.RayTaskError):
                 raise
-            raise RequestError(500, f"a worker failed on this request: {exc.cause!r}", type="server_error") from None
+            raise RequestError(
+                500, f"a worker failed on this request: {exc.cause!r}", type="server_error"
+            ) from None
         finally:
             # Whatever the prefill worker still holds for this attempt (embeddings, KV that
             # decode never pulled) is freed, and late arrivals are refused.
@@ -158,7 +177,9 @@ class RequestPath:
         trace.ttft_ms = (time.perf_counter() - job.adm.arrived_s) * 1e3
         self.routing.record_ttft(decision, trace.ttft_ms)
         if self.trace is not None:
-            self.trace.record(job.adm.arrived_s, trace.profile, decision, trace.ttft_ms, timings=trace)
+            self.trace.record(
+                job.adm.arrived_s, trace.profile, decision, trace.ttft_ms, timings=trace
+            )
 
     def encode(self, job: Job, decision: RouteDecision) -> list:
         """One encode call per item, on the encoder of its modality (pools may be split by
@@ -167,7 +188,9 @@ class RequestPath:
         option = self.fleet.transport_option(self.config.transport.embeddings)
         plan = job.adm.plan
         return [
-            encoders[decision.encoder_for(item.modality.value)].encode.options(**option).remote(EncodeJob(job.job_id, item, n))
+            encoders[decision.encoder_for(item.modality.value)]
+            .encode.options(**option)
+            .remote(EncodeJob(job.job_id, item, n))
             for item, n in zip(plan.items, plan.num_embeddings)
         ]
 
@@ -177,17 +200,28 @@ class RequestPath:
         for index in {decision.encoder_for(item.modality.value) for item in job.adm.plan.items}:
             detached(encoders[index].drop.remote, job.job_id)
 
-    async def deliver(self, kind: WorkerKind, index: int, request_id: str, refs: list, transport) -> list:
+    async def deliver(
+        self, kind: WorkerKind, index: int, request_id: str, refs: list, transport
+    ) -> list:
         """Hand tensors (as refs) to a worker's inbox, one receive call per item; they move
         worker-to-worker, never here. Returns each receive's answer."""
         worker = self.fleet.pools[kind][index]
-        calls = lambda: [detached(worker.receive.remote, request_id, slot, ref) for slot, ref in enumerate(refs)]
+        calls = lambda: [
+            detached(worker.receive.remote, request_id, slot, ref) for slot, ref in enumerate(refs)
+        ]
         if not transport.collective:
             return await asyncio.gather(*calls())
-        async with self.fleet.receiving(transport):  # one RDT transfer at a time (FleetClient.receiving)
-            return [await detached(worker.receive.remote, request_id, slot, ref) for slot, ref in enumerate(refs)]
+        async with self.fleet.receiving(
+            transport
+        ):  # one RDT transfer at a time (FleetClient.receiving)
+            return [
+                await detached(worker.receive.remote, request_id, slot, ref)
+                for slot, ref in enumerate(refs)
+            ]
 
-    async def prefill(self, job: Job, decision: RouteDecision, encoded: list) -> tuple[PrefillResult, float | None]:
+    async def prefill(
+        self, job: Job, decision: RouteDecision, encoded: list
+    ) -> tuple[PrefillResult, float | None]:
         """The prefill result, and how long the embeddings took from encoder to prefill worker.
 
         With `prefill.overlap_encode` the prefill call goes at once and each item's embeddings
@@ -204,11 +238,15 @@ class RequestPath:
         )
         result, received = await self._prefill_call(job, decision, request, encoded)
         received_at = max(received) if received else None
-        ready_at = max((s.finished_at_s for s in result.encode_stats if not s.cache_hit), default=None)
+        ready_at = max(
+            (s.finished_at_s for s in result.encode_stats if not s.cache_hit), default=None
+        )
         transfer_ms = (received_at - ready_at) * 1e3 if received_at and ready_at else None
         return result, (max(transfer_ms, 0.0) if transfer_ms is not None else None)
 
-    async def _prefill_call(self, job: Job, decision: RouteDecision, request: PrefillRequest, encoded: list) -> tuple[PrefillResult, list | None]:
+    async def _prefill_call(
+        self, job: Job, decision: RouteDecision, request: PrefillRequest, encoded: list
+    ) -> tuple[PrefillResult, list | None]:
         """The prefill call with its embeddings delivered (overlapped or first); the result and
         the receive answers. The encoders' references go once the embeddings are delivered."""
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
@@ -216,7 +254,9 @@ class RequestPath:
             return await prefill.prefill.remote(request), None
         released = False
 
-        def release() -> None:  # the embeddings reached the prefill worker (or never will): the encoders may evict them
+        def release() -> (
+            None
+        ):  # the embeddings reached the prefill worker (or never will): the encoders may evict them
             nonlocal released
             if not released:
                 released = True
@@ -224,7 +264,13 @@ class RequestPath:
 
         async def deliver() -> list:
             try:
-                return await self.deliver(WorkerKind.PREFILL, decision.prefill, job.job_id, encoded, self.config.transport.embeddings)
+                return await self.deliver(
+                    WorkerKind.PREFILL,
+                    decision.prefill,
+                    job.job_id,
+                    encoded,
+                    self.config.transport.embeddings,
+                )
             finally:
                 release()
 
@@ -237,15 +283,31 @@ class RequestPath:
             release()  # a delivery cancelled before it ever started released nothing
 
     def _first_chunk(self, job: Job, result: PrefillResult) -> TokenChunk:
-        reason = finish_reason_of(result.num_prompt_tokens, job.sampling, [result.first_token_id], self.config.model.max_model_len)
+        reason = finish_reason_of(
+            result.num_prompt_tokens,
+            job.sampling,
+            [result.first_token_id],
+            self.config.model.max_model_len,
+        )
         logprobs = (result.first_logprob,) if result.first_logprob is not None else ()
         return TokenChunk((result.first_token_id,), reason, logprobs=logprobs)
 
-    async def decode(self, job: Job, decision: RouteDecision, result: PrefillResult) -> AsyncIterator[TokenChunk]:
+    async def decode(
+        self, job: Job, decision: RouteDecision, result: PrefillResult
+    ) -> AsyncIterator[TokenChunk]:
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         decoder = self.fleet.pools[WorkerKind.DECODE][decision.decode]
-        kv_ref = prefill.pop_kv.options(**self.fleet.transport_option(self.config.transport.kv)).remote(job.job_id)
-        request = DecodeRequest(job.job_id, result.num_prompt_tokens, result.first_token_id, job.sampling, result.rope_delta, job.history)
+        kv_ref = prefill.pop_kv.options(
+            **self.fleet.transport_option(self.config.transport.kv)
+        ).remote(job.job_id)
+        request = DecodeRequest(
+            job.job_id,
+            result.num_prompt_tokens,
+            result.first_token_id,
+            job.sampling,
+            result.rope_delta,
+            job.history,
+        )
         finished, stream = False, None
         try:
             stream = await self._start_decode(decoder, decision, request, kv_ref)
@@ -254,14 +316,22 @@ class RequestPath:
                 if chunk.step_ms:
                     self.metrics.stage.labels("decode_step").observe(chunk.step_ms / 1e3)
                 if chunk.finish_reason == FinishReason.ERROR:
-                    raise RequestError(500, "decoding failed for this request (its next token could not be sampled)", type="server_error")
+                    raise RequestError(
+                        500,
+                        "decoding failed for this request (its next token could not be sampled)",
+                        type="server_error",
+                    )
                 finished = chunk.finished
                 yield chunk
         finally:
-            if not finished:  # the client left, a stop string matched or a worker failed: free the row and the KV
+            if (
+                not finished
+            ):  # the client left, a stop string matched or a worker failed: free the row and the KV
                 detached(decoder.abort.remote, job.job_id)
                 if stream is not None:
-                    drain_soon(stream)  # never dropped unfinished: that cancels the call, which can crash this process
+                    drain_soon(
+                        stream
+                    )  # never dropped unfinished: that cancels the call, which can crash this process
 
     async def _start_decode(self, decoder, decision: RouteDecision, request: DecodeRequest, kv_ref):
         """Over the object store (and CUDA IPC) the KV rides on the generate call itself: no
@@ -270,14 +340,22 @@ class RequestPath:
         streaming = decoder.generate.options(num_returns="streaming")
         if not self.config.transport.kv.collective:
             return detached(streaming.remote, request, kv_ref)
-        await self.deliver(WorkerKind.DECODE, decision.decode, request.request_id, [kv_ref], self.config.transport.kv)
+        await self.deliver(
+            WorkerKind.DECODE,
+            decision.decode,
+            request.request_id,
+            [kv_ref],
+            self.config.transport.kv,
+        )
         return streaming.remote(request)
 
     def _record_prefill(self, result: PrefillResult, trace: Trace) -> None:
         stage = self.metrics.stage
         stage.labels("prefill").observe(result.prefill_ms / 1e3)
         stage.labels("prefill_queue").observe(result.queue_ms / 1e3)
-        stage.labels("prefill_item_wait").observe(result.item_wait_ms / 1e3)  # overlap: the prefill waited for embeddings
+        stage.labels("prefill_item_wait").observe(
+            result.item_wait_ms / 1e3
+        )  # overlap: the prefill waited for embeddings
         self.metrics.prefill_time.observe(result.prefill_ms / 1e3)
         self.metrics.queue_time.observe(result.queue_ms / 1e3)
         for stats in result.encode_stats:

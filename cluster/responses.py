@@ -36,7 +36,9 @@ from cluster.request_path import Trace
 class Delta:
     text: str
     finish_reason: str | None
-    logprobs: list[tuple[int, TokenLogprob]] = field(default_factory=list)  # the tokens behind `text`
+    logprobs: list[tuple[int, TokenLogprob]] = field(
+        default_factory=list
+    )  # the tokens behind `text`
     text_offset: int = 0  # where `text` starts in the choice's whole text
 
 
@@ -45,7 +47,9 @@ class Collector:
 
     def __init__(self, adm: Admitted, tokenizer, metrics: Metrics):
         self.adm, self.metrics = adm, metrics
-        self.text = IncrementalText(tokenizer, tuple(adm.request.stop or ()), adm.sampling.stop_token_ids)
+        self.text = IncrementalText(
+            tokenizer, tuple(adm.request.stop or ()), adm.sampling.stop_token_ids
+        )
         self.num_tokens = 0
         self.num_chars = 0
         self.trace = Trace()
@@ -141,18 +145,30 @@ class Shape:
 
     def whole(self, deltas: list[Delta], usage: Usage, timings: dict[str, float]) -> BaseModel:
         """One answer from each choice's text merged into one delta."""
-        base = dict(id=self.adm.request_id, model=self.adm.request.model, usage=usage, timings=timings)
+        base = dict(
+            id=self.adm.request_id, model=self.adm.request.model, usage=usage, timings=timings
+        )
         if self.is_chat:
             return ChatCompletion(
                 **base,
                 choices=[
-                    Choice(index=i, message=AssistantMessage(content=d.text), finish_reason=d.finish_reason, logprobs=self._logprobs(d))
+                    Choice(
+                        index=i,
+                        message=AssistantMessage(content=d.text),
+                        finish_reason=d.finish_reason,
+                        logprobs=self._logprobs(d),
+                    )
                     for i, d in enumerate(deltas)
                 ],
             )
         return Completion(
             **base,
-            choices=[CompletionChoice(index=i, text=d.text, finish_reason=d.finish_reason, logprobs=self._logprobs(d)) for i, d in enumerate(deltas)],
+            choices=[
+                CompletionChoice(
+                    index=i, text=d.text, finish_reason=d.finish_reason, logprobs=self._logprobs(d)
+                )
+                for i, d in enumerate(deltas)
+            ],
         )
 
     def chunk(self, index: int, delta: Delta | None, **extra) -> bytes:
@@ -164,7 +180,10 @@ class Shape:
                 if delta is None
                 else [
                     ChunkChoice(
-                        index=index, delta=DeltaMessage(content=delta.text or None), finish_reason=delta.finish_reason, logprobs=self._logprobs(delta)
+                        index=index,
+                        delta=DeltaMessage(content=delta.text or None),
+                        finish_reason=delta.finish_reason,
+                        logprobs=self._logprobs(delta),
                     )
                 ]
             )
@@ -172,7 +191,14 @@ class Shape:
         choices = (
             []
             if delta is None
-            else [CompletionChoice(index=index, text=delta.text, finish_reason=delta.finish_reason, logprobs=self._logprobs(delta))]
+            else [
+                CompletionChoice(
+                    index=index,
+                    text=delta.text,
+                    finish_reason=delta.finish_reason,
+                    logprobs=self._logprobs(delta),
+                )
+            ]
         )
         return sse_event(Completion(**base, choices=choices))
 
@@ -180,7 +206,11 @@ class Shape:
         if not self.is_chat:
             return None
         choice = ChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
-        return sse_event(ChatCompletionChunk(id=self.adm.request_id, model=self.adm.request.model, choices=[choice]))
+        return sse_event(
+            ChatCompletionChunk(
+                id=self.adm.request_id, model=self.adm.request.model, choices=[choice]
+            )
+        )
 
 
 async def _whole_choice(collector: Collector, chunks: AsyncIterator[TokenChunk]) -> Delta:
@@ -195,7 +225,12 @@ async def _whole_choice(collector: Collector, chunks: AsyncIterator[TokenChunk])
     return merged
 
 
-async def complete(shape: Shape, collectors: list[Collector], streams: list[AsyncIterator[TokenChunk]], metrics: Metrics) -> BaseModel:
+async def complete(
+    shape: Shape,
+    collectors: list[Collector],
+    streams: list[AsyncIterator[TokenChunk]],
+    metrics: Metrics,
+) -> BaseModel:
     """The whole answer. Choices are read one after another: all are generating already,
     and a later one's tokens wait in its stream meanwhile."""
     try:
@@ -207,7 +242,12 @@ async def complete(shape: Shape, collectors: list[Collector], streams: list[Asyn
     return shape.whole(deltas, _usage(collectors), collectors[0].timings())
 
 
-async def stream(shape: Shape, collectors: list[Collector], streams: list[AsyncIterator[TokenChunk]], metrics: Metrics) -> AsyncIterator[bytes]:
+async def stream(
+    shape: Shape,
+    collectors: list[Collector],
+    streams: list[AsyncIterator[TokenChunk]],
+    metrics: Metrics,
+) -> AsyncIterator[bytes]:
     """SSE events: each choice's role chunk, then each choice's deltas in turn, then usage."""
     try:
         for index in range(len(collectors)):
@@ -216,7 +256,9 @@ async def stream(shape: Shape, collectors: list[Collector], streams: list[AsyncI
         for index, (collector, chunks) in enumerate(zip(collectors, streams)):
             async for delta in collector.deltas(chunks):
                 yield shape.chunk(index, delta)
-            close_soon(chunks)  # a stop string ended it early: free its workers before the next choice
+            close_soon(
+                chunks
+            )  # a stop string ended it early: free its workers before the next choice
     finally:
         for s in streams:
             close_soon(s)

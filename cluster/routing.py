@@ -22,22 +22,41 @@ class RoutingUnavailable(RuntimeError):
 
 
 class LiveRouting:
-    def __init__(self, router: Router, metrics: Metrics, embedding_bytes_per_token: int, prefix_block_tokens: int = 0):
+    def __init__(
+        self,
+        router: Router,
+        metrics: Metrics,
+        embedding_bytes_per_token: int,
+        prefix_block_tokens: int = 0,
+    ):
         self.router, self.metrics = router, metrics
         self.embedding_bytes_per_token = embedding_bytes_per_token
-        self.prefix_block_tokens = prefix_block_tokens  # 0: the prefill workers keep no prefix cache
+        self.prefix_block_tokens = (
+            prefix_block_tokens  # 0: the prefill workers keep no prefix cache
+        )
 
-    def profile(self, plan: PromptPlan, token_ids: tuple[int, ...], max_tokens: int) -> RequestProfile:
+    def profile(
+        self, plan: PromptPlan, token_ids: tuple[int, ...], max_tokens: int
+    ) -> RequestProfile:
         """What the router weighs; `token_ids` are the plan's prompt plus any tokens a
         resumed request prefills again."""
         jobs = tuple(
-            MediaJob(item.identifier, item.modality.value, item.size / 1e6, n, n * self.embedding_bytes_per_token)
+            MediaJob(
+                item.identifier,
+                item.modality.value,
+                item.size / 1e6,
+                n,
+                n * self.embedding_bytes_per_token,
+            )
             for item, n in zip(plan.items, plan.num_embeddings)
         )
         if not self.prefix_block_tokens:
             return RequestProfile(len(token_ids), jobs, max_tokens=max_tokens)
         # The very hashes the prefill workers file their blocks under (actors/engine/prefill.py).
-        media = tuple(MediaKey(r.offset, r.length, item.identifier) for r, item in zip(plan.placeholders, plan.items))
+        media = tuple(
+            MediaKey(r.offset, r.length, item.identifier)
+            for r, item in zip(plan.placeholders, plan.items)
+        )
         hashes = tuple(block_hashes(token_ids, self.prefix_block_tokens, media))
         return RequestProfile(len(token_ids), jobs, hashes, self.prefix_block_tokens, max_tokens)
 
@@ -49,23 +68,49 @@ class LiveRouting:
         self._publish_queues()
         return decision
 
-    def prefill_finished(self, decision: RouteDecision, result: PrefillResult, transfer_ms: float | None) -> None:
+    def prefill_finished(
+        self, decision: RouteDecision, result: PrefillResult, transfer_ms: float | None
+    ) -> None:
         """Release the encode and prefill bookings and calibrate from what the workers measured."""
         now = time.monotonic()
         by_id = {item.identifier: item for item in decision.items}
-        encoded = [(by_id[s.identifier], s) for s in result.encode_stats if not s.cache_hit and s.identifier in by_id]
-        for item, stats in encoded:  # a batch's time is shared by the items in it; each item on its own encoder
-            self.router.observe_encode(decision.encoder_for(item.modality), item.modality, item.size, stats.encode_ms / max(stats.batch_size, 1))
+        encoded = [
+            (by_id[s.identifier], s)
+            for s in result.encode_stats
+            if not s.cache_hit and s.identifier in by_id
+        ]
+        for (
+            item,
+            stats,
+        ) in encoded:  # a batch's time is shared by the items in it; each item on its own encoder
+            self.router.observe_encode(
+                decision.encoder_for(item.modality),
+                item.modality,
+                item.size,
+                stats.encode_ms / max(stats.batch_size, 1),
+            )
         self.router.encode_done(decision, now)  # releases every encoder a split request used
         # Its own device time, not first chunk to done: the worker shares steps among its requests
         # (shortest remaining first), and what they took is their queueing, not this prompt's cost.
         uncached = result.num_prompt_tokens - result.num_cached_tokens
-        self.router.prefill_done(decision, now, duration_ms=result.compute_ms or result.prefill_ms, uncached_tokens=uncached)
+        self.router.prefill_done(
+            decision,
+            now,
+            duration_ms=result.compute_ms or result.prefill_ms,
+            uncached_tokens=uncached,
+        )
         # A request split across encoders measures parallel transfers from several places as one
         # interval: no single placement's fit should learn from it.
-        if transfer_ms is not None and decision.encoder is not None and decision.items and not decision.shares:
+        if (
+            transfer_ms is not None
+            and decision.encoder is not None
+            and decision.items
+            and not decision.shares
+        ):
             num_bytes = sum(item.embedding_bytes for item in decision.items)
-            self.router.observe_transfer(self.router.placement(decision.encoder, decision.prefill), num_bytes, transfer_ms)
+            self.router.observe_transfer(
+                self.router.placement(decision.encoder, decision.prefill), num_bytes, transfer_ms
+            )
         self._publish_queues()
 
     def release(self, decision: RouteDecision, *, before_prefill: bool) -> None:

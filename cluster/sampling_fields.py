@@ -17,8 +17,12 @@ from pydantic_core import PydanticCustomError
 
 from actors.types import SamplingParams
 
-MIN_TEMPERATURE = 0.01  # as vLLM: below it, sampling is numerically unsafe and barely differs from greedy
-MIN_TOP_P = 1e-5  # vLLM's sampling epsilon: a smaller nucleus is the top token alone (use temperature 0)
+MIN_TEMPERATURE = (
+    0.01  # as vLLM: below it, sampling is numerically unsafe and barely differs from greedy
+)
+MIN_TOP_P = (
+    1e-5  # vLLM's sampling epsilon: a smaller nucleus is the top token alone (use temperature 0)
+)
 MAX_N = 16  # choices per request: each is a sequence of its own on the workers
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
 MAX_STOPS = 4  # as OpenAI
@@ -63,15 +67,23 @@ class SamplingFields(Strict):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="-1 or 0: off (vLLM extension); at most the vocabulary")
+    top_k: int = Field(
+        0, ge=-1, description="-1 or 0: off (vLLM extension); at most the vocabulary"
+    )
     seed: int | None = None
-    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(None, max_length=MAX_STOPS)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
+        None, max_length=MAX_STOPS
+    )
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = None  # an end-user id for the caller's own bookkeeping; no effect on output
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM/HF: over prompt and output; 1 = off")
-    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, description="vLLM/HF: over prompt and output; 1 = off"
+    )
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS
+    )
     min_tokens: int = Field(0, ge=0, description="vLLM: no stop token before this many tokens")
     ignore_eos: bool = Field(False, description="vLLM: generate on past the end-of-sequence token")
 
@@ -87,10 +99,14 @@ class SamplingFields(Strict):
 
     @field_validator("stream_options")
     @classmethod
-    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+    def _only_when_streaming(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
         # Accepting it without `stream` would silently drop it (OpenAI and vLLM refuse it too).
         if value is not None and not info.data.get("stream"):
-            raise PydanticCustomError("stream_options_without_stream", "only allowed when `stream` is true")
+            raise PydanticCustomError(
+                "stream_options_without_stream", "only allowed when `stream` is true"
+            )
         return value
 
     @field_validator("stop", mode="before")
@@ -103,14 +119,22 @@ class SamplingFields(Strict):
     def _numerically_safe_temperature(cls, value: float) -> float:
         # logits / t overflows float32 for tiny t, and one row's NaN must not reach a batch.
         if 0.0 < value < MIN_TEMPERATURE:
-            raise PydanticCustomError("temperature_too_small", "must be 0 (greedy) or at least {m}, got {t}", {"m": MIN_TEMPERATURE, "t": value})
+            raise PydanticCustomError(
+                "temperature_too_small",
+                "must be 0 (greedy) or at least {m}, got {t}",
+                {"m": MIN_TEMPERATURE, "t": value},
+            )
         return value
 
     @field_validator("top_p")
     @classmethod
     def _numerically_safe_top_p(cls, value: float) -> float:
         if value < MIN_TOP_P:
-            raise PydanticCustomError("top_p_too_small", "must be in [{m}, 1] (temperature 0 for greedy), got {p}", {"m": MIN_TOP_P, "p": value})
+            raise PydanticCustomError(
+                "top_p_too_small",
+                "must be in [{m}, 1] (temperature 0 for greedy), got {p}",
+                {"m": MIN_TOP_P, "p": value},
+            )
         return value
 
     @field_validator("logit_bias")
@@ -118,7 +142,11 @@ class SamplingFields(Strict):
     def _token_ids_as_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
             if not key.isdigit() or len(key) > 10:
-                raise PydanticCustomError("logit_bias_key", "keys must be token ids (non-negative integers), got '{k}'", {"k": key[:20]})
+                raise PydanticCustomError(
+                    "logit_bias_key",
+                    "keys must be token ids (non-negative integers), got '{k}'",
+                    {"k": key[:20]},
+                )
         return value
 
     @property
@@ -163,7 +191,10 @@ class SamplingFields(Strict):
         bias = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
         for token_id, _ in bias:
             if token_id >= vocab_size:
-                raise ParamError(f"Invalid 'logit_bias': token id {token_id} is not in this model's vocabulary of {vocab_size} tokens", "logit_bias")
+                raise ParamError(
+                    f"Invalid 'logit_bias': token id {token_id} is not in this model's vocabulary of {vocab_size} tokens",
+                    "logit_bias",
+                )
         return bias
 
     def to_sampling_params(self, num_prompt_tokens: int, bounds: ModelBounds) -> SamplingParams:
@@ -178,7 +209,8 @@ class SamplingFields(Strict):
             )
         if self.top_k > bounds.vocab_size:
             raise ParamError(
-                f"Invalid 'top_k': {self.top_k} is more than this model's vocabulary of {bounds.vocab_size} tokens (-1 or 0: off)", "top_k"
+                f"Invalid 'top_k': {self.top_k} is more than this model's vocabulary of {bounds.vocab_size} tokens (-1 or 0: off)",
+                "top_k",
             )
         return SamplingParams(
             temperature=self.temperature,
@@ -199,5 +231,7 @@ class SamplingFields(Strict):
 def refuse_unless(value: Any, allowed: tuple[Any, ...], why: str) -> Any:
     """For an OpenAI field this server does not build: any value but `allowed` is refused."""
     if value is not None and value not in allowed:
-        raise PydanticCustomError("unsupported_field", "not supported by this server: {why}", {"why": why})
+        raise PydanticCustomError(
+            "unsupported_field", "not supported by this server: {why}", {"why": why}
+        )
     return value

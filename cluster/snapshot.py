@@ -49,7 +49,9 @@ class FleetSnapshot:
             (kind, index)
             for kind in WorkerKind
             for index, actor_id in enumerate(self.actor_ids[kind])
-            if older is None or index >= len(older.actor_ids[kind]) or older.actor_ids[kind][index] != actor_id
+            if older is None
+            or index >= len(older.actor_ids[kind])
+            or older.actor_ids[kind][index] != actor_id
         ]
 
     def newer_than(self, other: FleetSnapshot | None) -> bool:

@@ -32,7 +32,9 @@ log = logging.getLogger(__name__)
 
 CHECK_PERIOD_S = 0.2  # also how fresh other replicas' load is in this one's routing view
 PING_TIMEOUT_S = 5.0
-CONFIRM_TIMEOUT_S = 2.0  # a suspect named by a failed request answers within this, or is presumed busy
+CONFIRM_TIMEOUT_S = (
+    2.0  # a suspect named by a failed request answers within this, or is presumed busy
+)
 HUNG_AFTER_S = 60.0
 
 
@@ -50,7 +52,9 @@ class Supervisor:
         self._restart_lock: asyncio.Lock | None = None  # one re-formation of the group at a time
         self._busy_since: dict[tuple[WorkerKind, int], float] = {}
         self.num_restarts = 0
-        self.latest_stats: dict[str, list[dict]] = {}  # worker kind -> the last check's stats (for /metrics)
+        self.latest_stats: dict[
+            str, list[dict]
+        ] = {}  # worker kind -> the last check's stats (for /metrics)
 
     def ensure_running(self) -> None:
         if self._task is None or self._task.done():
@@ -68,8 +72,12 @@ class Supervisor:
     async def check(self, timeout_s: float = PING_TIMEOUT_S) -> dict[WorkerKind, list[dict]]:
         """Poll every worker at once (a slow one must not delay the others' heartbeats), act
         on what is learnt, and return each worker's stats (or why there are none)."""
-        workers = [(kind, index) for kind in WorkerKind for index in range(len(self.fleet.pools[kind]))]
-        results = await asyncio.gather(*[self._poll(kind, index, timeout_s) for kind, index in workers])
+        workers = [
+            (kind, index) for kind in WorkerKind for index in range(len(self.fleet.pools[kind]))
+        ]
+        results = await asyncio.gather(
+            *[self._poll(kind, index, timeout_s) for kind, index in workers]
+        )
         stats: dict[WorkerKind, list[dict]] = {kind: [] for kind in WorkerKind}
         for (kind, index), (outcome, report) in zip(workers, results):
             if (kind, index) in self._restarting:
@@ -77,7 +85,13 @@ class Supervisor:
                 continue
             self._judge(kind, index, outcome, report)
             stats[kind].append(
-                report[0] if report else {"error": f"{outcome.value} (no answer within {timeout_s} s)" if outcome is Poll.BUSY else outcome.value}
+                report[0]
+                if report
+                else {
+                    "error": f"{outcome.value} (no answer within {timeout_s} s)"
+                    if outcome is Poll.BUSY
+                    else outcome.value
+                }
             )
         self.latest_stats = {kind.value: workers for kind, workers in stats.items()}
         return stats
@@ -92,7 +106,12 @@ class Supervisor:
             if now - since < HUNG_AFTER_S:
                 self.router.publish(kind, index, now_s=now)  # a heartbeat: busy, not gone
             else:
-                log.warning("%s worker %d has not answered for %.0f s; restarting it as hung", kind.value, index, now - since)
+                log.warning(
+                    "%s worker %d has not answered for %.0f s; restarting it as hung",
+                    kind.value,
+                    index,
+                    now - since,
+                )
                 self.restart(kind, index)
         else:
             self.restart(kind, index)
@@ -103,7 +122,9 @@ class Supervisor:
             stats = await asyncio.wait_for(actor.stats.remote(), timeout=timeout_s)
             cached = None  # encoders: media identifiers; prefill workers: prefix block hashes
             if kind == WorkerKind.ENCODER:
-                cached = await asyncio.wait_for(actor.cached_identifiers.remote(), timeout=timeout_s)
+                cached = await asyncio.wait_for(
+                    actor.cached_identifiers.remote(), timeout=timeout_s
+                )
             elif kind == WorkerKind.PREFILL:
                 cached = await asyncio.wait_for(actor.prefix_hashes.remote(), timeout=timeout_s)
             return Poll.ALIVE, (stats, cached)
@@ -113,7 +134,9 @@ class Supervisor:
             log.info("%s worker %d failed its poll: %s", kind.value, index, type(exc).__name__)
             return Poll.DEAD, None
 
-    def _publish(self, kind: WorkerKind, index: int, stats: dict, cached: frozenset[str] | None) -> None:
+    def _publish(
+        self, kind: WorkerKind, index: int, stats: dict, cached: frozenset[str] | None
+    ) -> None:
         self.router.publish(
             kind,
             index,
@@ -127,7 +150,9 @@ class Supervisor:
     async def handle_lost(self, lost: WorkerLost) -> None:
         """A request saw a worker fail: confirm which (a poll) and take it out at once."""
         suspects = [s for s in lost.suspects if s not in self._restarting]
-        results = await asyncio.gather(*[self._poll(kind, index, CONFIRM_TIMEOUT_S) for kind, index in suspects])
+        results = await asyncio.gather(
+            *[self._poll(kind, index, CONFIRM_TIMEOUT_S) for kind, index in suspects]
+        )
         for (kind, index), (outcome, _) in zip(suspects, results):
             if outcome is Poll.DEAD:
                 self.restart(kind, index)
@@ -138,7 +163,9 @@ class Supervisor:
             return
         log.warning("%s worker %d is down; restarting it", kind.value, index)
         self.router.set_healthy(kind, index, False)
-        self._restarting[(kind, index)] = asyncio.get_running_loop().create_task(self._replace(kind, index))
+        self._restarting[(kind, index)] = asyncio.get_running_loop().create_task(
+            self._replace(kind, index)
+        )
 
     async def _replace(self, kind: WorkerKind, index: int) -> None:
         self._restart_lock = self._restart_lock or asyncio.Lock()
@@ -146,10 +173,14 @@ class Supervisor:
             async with self._restart_lock:
                 changed = await asyncio.to_thread(self.fleet.replace, kind, index)
             self._back_in_routing(changed)
-            self.router.set_healthy(kind, index, True)  # also when another replica had it replaced already
+            self.router.set_healthy(
+                kind, index, True
+            )  # also when another replica had it replaced already
             self.num_restarts += 1
         except Exception:
-            log.exception("restarting %s worker %d failed; the next check tries again", kind.value, index)
+            log.exception(
+                "restarting %s worker %d failed; the next check tries again", kind.value, index
+            )
         finally:
             self._restarting.pop((kind, index), None)
             self._busy_since.pop((kind, index), None)

@@ -20,11 +20,20 @@ class TraceWriter:
         # token, so a later-written request may have arrived earlier (the loader sorts them).
         self._start_s = time.perf_counter()
 
-    def record(self, arrived_s: float, profile: RequestProfile, decision: RouteDecision, ttft_ms: float, timings=None) -> None:
+    def record(
+        self,
+        arrived_s: float,
+        profile: RequestProfile,
+        decision: RouteDecision,
+        ttft_ms: float,
+        timings=None,
+    ) -> None:
         """`arrived_s` is a perf_counter reading; the trace counts from the writer's creation.
         `timings`: anything with the measured encode_ms, prefill_queue_ms and prefill_ms (the
         request path's Trace), recorded so the simulator can fit its variability from the trace."""
-        measured = None if timings is None else {key: getattr(timings, key) for key in MEASURED_STAGES}
+        measured = (
+            None if timings is None else {key: getattr(timings, key) for key in MEASURED_STAGES}
+        )
         rec = profile_to_record(arrived_s - self._start_s, profile, ttft_ms, measured)
         rec["estimated_ttft_ms"] = round(decision.estimated_ttft_ms, 3)
         # its parts, so each stage's estimate can be set against what was measured

@@ -19,7 +19,9 @@ class WorkerStatsCollector:
     def __init__(self, prefix: str, model_name: str, latest: Callable[[], WorkerStats]):
         self.prefix, self.model_name, self.latest = prefix, model_name, latest
 
-    def describe(self) -> list:  # nothing until the first scrape: the workers' answers decide the series
+    def describe(
+        self,
+    ) -> list:  # nothing until the first scrape: the workers' answers decide the series
         return []
 
     def collect(self) -> Iterator[Metric]:
@@ -31,13 +33,33 @@ class WorkerStatsCollector:
         return kind(self.prefix + name, doc, labels=["model_name", *labels])
 
     def _encoder_cache(self, encoders: list[dict]) -> Iterator[Metric]:
-        entries = self._family(GaugeMetricFamily, "encoder_cache_entries", "Encoder cache entries by state.", "encoder", "state")
-        held = self._family(GaugeMetricFamily, "encoder_cache_bytes", "Encoder cache bytes by state.", "encoder", "state")
-        capacity = self._family(GaugeMetricFamily, "encoder_cache_capacity_bytes", "Encoder cache budget (encoder.cache_mb).", "encoder")
+        entries = self._family(
+            GaugeMetricFamily,
+            "encoder_cache_entries",
+            "Encoder cache entries by state.",
+            "encoder",
+            "state",
+        )
+        held = self._family(
+            GaugeMetricFamily,
+            "encoder_cache_bytes",
+            "Encoder cache bytes by state.",
+            "encoder",
+            "state",
+        )
+        capacity = self._family(
+            GaugeMetricFamily,
+            "encoder_cache_capacity_bytes",
+            "Encoder cache budget (encoder.cache_mb).",
+            "encoder",
+        )
         counters = {
             name: self._family(CounterMetricFamily, f"encoder_cache_{name}", doc, "encoder")
             for name, doc in (
-                ("hits", "Encoder cache lookups served without a new tower pass (since the worker started)."),
+                (
+                    "hits",
+                    "Encoder cache lookups served without a new tower pass (since the worker started).",
+                ),
                 ("misses", "Encoder cache lookups that ran the tower."),
                 ("evictions", "Unreferenced encoder cache entries evicted under the budget."),
             )
@@ -56,9 +78,15 @@ class WorkerStatsCollector:
 
     def _decode_kv(self, decoders: list[dict]) -> Iterator[Metric]:
         usage = self._family(
-            GaugeMetricFamily, "kv_cache_usage_perc", "Share of the decode KV budget (decode.kv_cache_mb) reserved by running sequences.", "decode"
+            GaugeMetricFamily,
+            "kv_cache_usage_perc",
+            "Share of the decode KV budget (decode.kv_cache_mb) reserved by running sequences.",
+            "decode",
         )
         for index, worker in enumerate(decoders):
             if worker.get("kv_budget_bytes"):
-                usage.add_metric([self.model_name, str(index)], worker["kv_reserved_bytes"] / worker["kv_budget_bytes"])
+                usage.add_metric(
+                    [self.model_name, str(index)],
+                    worker["kv_reserved_bytes"] / worker["kv_budget_bytes"],
+                )
         yield usage

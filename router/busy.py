@@ -28,7 +28,9 @@ _REBASE = 50.0  # rebase when the reference is this many memories old (keeps e**
 class BusyRates:
     def __init__(self, num_workers: int, memory_s: float, max_busy: float):
         self.memory_ms, self.max_busy = memory_s * 1e3, max_busy
-        self.value = [0.0] * num_workers  # rho of each worker at the reference time, scaled by e**((t - ref) / memory)
+        self.value = (
+            [0.0] * num_workers
+        )  # rho of each worker at the reference time, scaled by e**((t - ref) / memory)
         self.ref_ms = 0.0
         self._cache: tuple[float, int, list[float]] | None = None  # (now, version, factors)
         self.version = 0
@@ -43,7 +45,9 @@ class BusyRates:
             decay = math.exp(-(now_ms - self.ref_ms) / self.memory_ms)
             self.value = [v * decay for v in self.value]
             self.ref_ms = now_ms
-        self.value[worker] += ms / self.memory_ms * math.exp((now_ms - self.ref_ms) / self.memory_ms)
+        self.value[worker] += (
+            ms / self.memory_ms * math.exp((now_ms - self.ref_ms) / self.memory_ms)
+        )
         self.version += 1
 
     def utilisation(self, now_s: float) -> list[float]:

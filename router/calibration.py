@@ -42,14 +42,22 @@ class CalibrationConfig:
     """How the cost model learns from observed timings (see the module doc)."""
 
     pool_memory: float = 10.0  # observations: the pool curve's memory (short: it follows the host)
-    speed_rate: float = 0.05  # per own observation: how far a worker's log relative time moves toward what it saw
+    speed_rate: float = (
+        0.05  # per own observation: how far a worker's log relative time moves toward what it saw
+    )
     idle_rounds: float = 16.0  # a worker unobserved for this many rounds of its pool starts to heal
-    heal_rounds: float = 16.0  # rounds of healing in which a worker's log relative time is halved toward the pool's
+    heal_rounds: float = (
+        16.0  # rounds of healing in which a worker's log relative time is halved toward the pool's
+    )
     max_relative: float = 16.0  # relative times are held within [1/max_relative, max_relative]
     error_memory: float = 50.0  # observations: the memory of each fit's own error
-    resume_after_heal: bool = True  # a probe that finds a healed worker as slow as before restores its estimate
+    resume_after_heal: bool = (
+        True  # a probe that finds a healed worker as slow as before restores its estimate
+    )
     spread_z: float = 1.0  # joint: candidates within spread_z x the fit's error of the best are near-ties (0: argmin)
-    busy_memory_s: float = 20.0  # seconds: memory of each prefill worker's utilisation (router/busy.py)
+    busy_memory_s: float = (
+        20.0  # seconds: memory of each prefill worker's utilisation (router/busy.py)
+    )
     # joint ranks prefill workers by booked / (1 - utilisation), utilisation capped here; 0 (the default):
     # by booked work alone. An experiment: it helps in simulation, it hurt p99 live (router/busy.py)
     max_busy: float = 0.0
@@ -63,9 +71,13 @@ class CalibrationConfig:
                 raise ValueError(f"calibration spread_z must be >= 0, got {value!r}")
         for name in ("pool_memory", "error_memory", "heal_rounds", "idle_rounds"):
             if not getattr(self, name) >= 1:
-                raise ValueError(f"calibration {name} must be >= 1 (observations / rounds), got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"calibration {name} must be >= 1 (observations / rounds), got {getattr(self, name)!r}"
+                )
         if not self.busy_memory_s > 0:
-            raise ValueError(f"calibration busy_memory_s must be > 0 (seconds), got {self.busy_memory_s!r}")
+            raise ValueError(
+                f"calibration busy_memory_s must be > 0 (seconds), got {self.busy_memory_s!r}"
+            )
         if not 0 <= self.max_busy < 1:
             raise ValueError(f"calibration max_busy must be in [0, 1), got {self.max_busy!r}")
         if not 0 < self.speed_rate <= 1:
@@ -77,9 +89,13 @@ class CalibrationConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> CalibrationConfig:
         known = {f.name for f in fields(cls)}
         if unknown := set(data) - known:
-            raise ValueError(f"unknown calibration setting(s) {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown calibration setting(s) {sorted(unknown)}; known: {sorted(known)}"
+            )
         if "busy_memory_s" in data and not data.get("max_busy"):
-            raise ValueError("calibration busy_memory_s has no effect while max_busy is 0 (the default): set max_busy > 0 or drop it")
+            raise ValueError(
+                "calibration busy_memory_s has no effect while max_busy is 0 (the default): set max_busy > 0 or drop it"
+            )
         return cls(**data)
 
 
@@ -94,12 +110,28 @@ class OnlineLinear:
 
     DECAY, RATIO_ALPHA, MIN_WEIGHT, MIN_CV = 0.9, 0.2, 3.0, 0.1
 
-    __slots__ = ("prior", "_p0", "_p1", "ratio", "sw", "sx", "sy", "sxx", "sxy", "_coefficients", "stale", "decay")
+    __slots__ = (
+        "prior",
+        "_p0",
+        "_p1",
+        "ratio",
+        "sw",
+        "sx",
+        "sy",
+        "sxx",
+        "sxy",
+        "_coefficients",
+        "stale",
+        "decay",
+    )
 
     def __init__(self, prior: LinearCost, decay: float | None = None):
         self.prior, self.ratio = prior, 1.0
         self.decay = self.DECAY if decay is None else decay
-        self._p0, self._p1 = prior.fixed_ms, prior.per_unit_ms  # the prior's coefficients, for observe()
+        self._p0, self._p1 = (
+            prior.fixed_ms,
+            prior.per_unit_ms,
+        )  # the prior's coefficients, for observe()
         self.sw = self.sx = self.sy = self.sxx = self.sxy = 0.0
         self._coefficients = (prior.fixed_ms, prior.per_unit_ms)  # (a, b) as of the last fit
         self.stale = False  # observed since the last fit
@@ -141,7 +173,9 @@ class OnlineLinear:
         if sw >= self.MIN_WEIGHT:
             mx, my = self.sx / sw, self.sy / sw
             var = self.sxx / sw - mx * mx
-            if var > (self.MIN_CV * mx) ** 2 and var > 1e-12:  # else (nearly) one size seen: a slope would be noise
+            if (
+                var > (self.MIN_CV * mx) ** 2 and var > 1e-12
+            ):  # else (nearly) one size seen: a slope would be noise
                 b = (self.sxy / sw - mx * my) / var
                 if b >= 0:
                     a = my - b * mx
@@ -149,7 +183,10 @@ class OnlineLinear:
                         a, b = 0.0, self.sxy / self.sxx
                     if -_INF < a < _INF and -_INF < b < _INF:  # both finite (NaN fails too)
                         return a, b
-        return self.ratio * self.prior.fixed_ms, self.ratio * self.prior.per_unit_ms  # the prior, scaled
+        return (
+            self.ratio * self.prior.fixed_ms,
+            self.ratio * self.prior.per_unit_ms,
+        )  # the prior, scaled
 
 
 class RelativeTimes:
@@ -160,7 +197,9 @@ class RelativeTimes:
         self.n, self.config = max(num_workers, 1), config  # n >= 1: the mean of an empty pool is 0
         self.log = [0.0] * num_workers  # log t_w before the mean is taken off
         self.sum = 0.0  # of self.log
-        self.last_seen = [0] * num_workers  # the pool observation count at each worker's last observation
+        self.last_seen = [
+            0
+        ] * num_workers  # the pool observation count at each worker's last observation
         self.count = 0  # observations of the pool
         self.version = 0  # bumped on every change, so fits know to refresh their per-worker lists
         self.exp = [1.0] * num_workers  # exp(self.log), kept up to date: t_w = exp[w] * scale()
@@ -187,7 +226,11 @@ class RelativeTimes:
         """The worker took exp(log_ratio) x the pool curve's time: move its relative time a little toward it."""
         mean = self.sum / self.n
         current = start = self.log[worker] - mean
-        if self.config.resume_after_heal and self.healed[worker] and abs(log_ratio - self.learned[worker]) < abs(log_ratio - current):
+        if (
+            self.config.resume_after_heal
+            and self.healed[worker]
+            and abs(log_ratio - self.learned[worker]) < abs(log_ratio - current)
+        ):
             start = self.learned[worker]  # healing went the wrong way: resume from before it
         moved = start + self.config.speed_rate * (log_ratio - start)
         bound = self._bound
@@ -237,13 +280,17 @@ class PoolFit:
             return  # a broken timing (NaN, infinite, negative, zero) must not poison the fit
         times = self.times
         log_rel = times.log_relative(worker)
-        pool = self.curve.predict(x)  # refitted if stale: a burst between two reads is judged against itself
+        pool = self.curve.predict(
+            x
+        )  # refitted if stale: a burst between two reads is judged against itself
         if pool > 0.0:
             log_ratio = math.log(y / pool)
             residual = log_ratio - log_rel  # against this worker's estimate: the fit's own error
             self.err2 += self._err_alpha * (residual * residual - self.err2)
             times.learn(worker, log_ratio)
-        self.curve.observe(x, y * math.exp(-log_rel))  # as the pool's typical worker (t = 1) would have taken
+        self.curve.observe(
+            x, y * math.exp(-log_rel)
+        )  # as the pool's typical worker (t = 1) would have taken
 
     @property
     def error(self) -> float:

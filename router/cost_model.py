@@ -41,8 +41,16 @@ _TIER_INDEX = {placement: i for i, placement in enumerate(_TIERS)}
 
 
 # Seed table (ViT-L/14, Whisper-small): a 0.113 MP image ~5 ms, 30 video frames ~48 ms, 30 s audio ~85 ms.
-DEFAULT_ENCODE = {Modality.IMAGE.value: LinearCost(1.0, 35.0), Modality.VIDEO.value: LinearCost(3.0, 1.5), Modality.AUDIO.value: LinearCost(1.0, 2.8)}
-DEFAULT_BANDWIDTH_GBPS = {Placement.SAME_PROCESS: 2000.0, Placement.SAME_NODE: 600.0, Placement.CROSS_NODE: 50.0}
+DEFAULT_ENCODE = {
+    Modality.IMAGE.value: LinearCost(1.0, 35.0),
+    Modality.VIDEO.value: LinearCost(3.0, 1.5),
+    Modality.AUDIO.value: LinearCost(1.0, 2.8),
+}
+DEFAULT_BANDWIDTH_GBPS = {
+    Placement.SAME_PROCESS: 2000.0,
+    Placement.SAME_NODE: 600.0,
+    Placement.CROSS_NODE: 50.0,
+}
 
 
 @dataclass(frozen=True)
@@ -53,14 +61,23 @@ class CostPriors:
     unknown_modality: LinearCost = LinearCost(5.0, 0.0)
     prefill_tokens_per_ms: float = 20.0
     prefill_fixed_ms: float = 2.0
-    bandwidth_gbps: Mapping[Placement, float] = field(default_factory=lambda: dict(DEFAULT_BANDWIDTH_GBPS))
+    bandwidth_gbps: Mapping[Placement, float] = field(
+        default_factory=lambda: dict(DEFAULT_BANDWIDTH_GBPS)
+    )
     decode_step_ms: float = 8.0  # one decode step with an empty batch
     decode_per_seq_ms: float = 0.05  # what each running sequence adds to a step
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CostPriors:
         """From config: any subset of the fields; `encode` and `bandwidth_gbps` merge over the defaults."""
-        known = {"encode", "prefill_tokens_per_ms", "prefill_fixed_ms", "bandwidth_gbps", "decode_step_ms", "decode_per_seq_ms"}
+        known = {
+            "encode",
+            "prefill_tokens_per_ms",
+            "prefill_fixed_ms",
+            "bandwidth_gbps",
+            "decode_step_ms",
+            "decode_per_seq_ms",
+        }
         if unknown := set(data) - known:
             raise ValueError(f"unknown cost prior(s) {sorted(unknown)}; known: {sorted(known)}")
         encode = dict(DEFAULT_ENCODE)
@@ -72,9 +89,15 @@ class CostPriors:
         bandwidth = dict(DEFAULT_BANDWIDTH_GBPS)
         for name, gbps in dict(data.get("bandwidth_gbps", {})).items():
             bandwidth[Placement(name)] = _positive(f"bandwidth_gbps.{name}", gbps)
-        scalars = {k: _non_negative(k, data[k]) for k in ("prefill_fixed_ms", "decode_step_ms", "decode_per_seq_ms") if k in data}
+        scalars = {
+            k: _non_negative(k, data[k])
+            for k in ("prefill_fixed_ms", "decode_step_ms", "decode_per_seq_ms")
+            if k in data
+        }
         if "prefill_tokens_per_ms" in data:
-            scalars["prefill_tokens_per_ms"] = _positive("prefill_tokens_per_ms", data["prefill_tokens_per_ms"])
+            scalars["prefill_tokens_per_ms"] = _positive(
+                "prefill_tokens_per_ms", data["prefill_tokens_per_ms"]
+            )
         return cls(encode=encode, bandwidth_gbps=bandwidth, **scalars)
 
 
@@ -93,7 +116,12 @@ def _positive(name: str, value: Any) -> float:
 
 class CostModel:
     def __init__(
-        self, priors: CostPriors | None = None, *, num_encoders: int = 0, num_prefill: int = 0, calibration: CalibrationConfig | None = None
+        self,
+        priors: CostPriors | None = None,
+        *,
+        num_encoders: int = 0,
+        num_prefill: int = 0,
+        calibration: CalibrationConfig | None = None,
     ):
         self.priors = priors or CostPriors()
         self.calibration = calibration or CalibrationConfig()
@@ -103,11 +131,20 @@ class CostModel:
         self._encode: dict[str, PoolFit] = {}
         for modality in self.priors.encode:
             self._modality(modality)
-        prefill_prior = LinearCost(self.priors.prefill_fixed_ms, 1.0 / self.priors.prefill_tokens_per_ms)
-        self.prefill_fit = PoolFit(prefill_prior, RelativeTimes(num_prefill, self.calibration), self.calibration)
+        prefill_prior = LinearCost(
+            self.priors.prefill_fixed_ms, 1.0 / self.priors.prefill_tokens_per_ms
+        )
+        self.prefill_fit = PoolFit(
+            prefill_prior, RelativeTimes(num_prefill, self.calibration), self.calibration
+        )
         self.prefill_a, self.prefill_b = self.prefill_fit.a, self.prefill_fit.b  # updated in place
-        self.busy = BusyRates(num_prefill, self.calibration.busy_memory_s, self.calibration.max_busy)
-        self._transfer = {pl: OnlineLinear(LinearCost(0.0, 1.0 / (gbps * 1e6))) for pl, gbps in self.priors.bandwidth_gbps.items()}
+        self.busy = BusyRates(
+            num_prefill, self.calibration.busy_memory_s, self.calibration.max_busy
+        )
+        self._transfer = {
+            pl: OnlineLinear(LinearCost(0.0, 1.0 / (gbps * 1e6)))
+            for pl, gbps in self.priors.bandwidth_gbps.items()
+        }
         if missing := [pl.value for pl in _TIERS if pl not in self._transfer]:
             raise ValueError(f"cost priors lack bandwidth_gbps for {missing}")
         # the three transfer fits' coefficients, in _TIERS order, for transfer_tiers()
@@ -118,8 +155,18 @@ class CostModel:
         self._pending = False
 
     @classmethod
-    def for_view(cls, priors: CostPriors | None, view: ClusterView, calibration: CalibrationConfig | None = None) -> CostModel:
-        return cls(priors, num_encoders=len(view.workers[_E]), num_prefill=len(view.workers[_P]), calibration=calibration)
+    def for_view(
+        cls,
+        priors: CostPriors | None,
+        view: ClusterView,
+        calibration: CalibrationConfig | None = None,
+    ) -> CostModel:
+        return cls(
+            priors,
+            num_encoders=len(view.workers[_E]),
+            num_prefill=len(view.workers[_P]),
+            calibration=calibration,
+        )
 
     def _modality(self, modality: str) -> tuple[PoolFit, list[float], list[float]]:
         """The modality's fit and its per-encoder coefficient lists, up to date."""
@@ -200,7 +247,11 @@ class CostModel:
         """Transfer ms per placement, made monotone (closer is never slower) so the joint
         policy may price a pair by its best-case placement."""
         proc, node, cross = self.transfer_tiers(num_bytes)
-        return {Placement.SAME_PROCESS: proc, Placement.SAME_NODE: node, Placement.CROSS_NODE: cross}
+        return {
+            Placement.SAME_PROCESS: proc,
+            Placement.SAME_NODE: node,
+            Placement.CROSS_NODE: cross,
+        }
 
     def transfer_tiers(self, num_bytes: int) -> tuple[float, float, float]:
         """(same process, same node, cross node) transfer ms, non-decreasing."""
@@ -215,7 +266,13 @@ class CostModel:
 
     def transfer_ms(self, placement: Placement, num_bytes: int) -> float:
         proc, node, cross = self.transfer_tiers(num_bytes)
-        return cross if placement is Placement.CROSS_NODE else node if placement is Placement.SAME_NODE else proc
+        return (
+            cross
+            if placement is Placement.CROSS_NODE
+            else node
+            if placement is Placement.SAME_NODE
+            else proc
+        )
 
     def decode_step_ms(self, running: int) -> float:
         return self.priors.decode_step_ms + self.priors.decode_per_seq_ms * running
@@ -242,7 +299,9 @@ class CostModel:
             return self.pair_estimate(profile, view, None, prefill, (), [], (0.0, 0.0, 0.0))
         items = unique_items(profile.items)
         tiers = self.transfer_tiers(embedding_bytes(profile.items))
-        return self.pair_estimate(profile, view, encoder, prefill, items, view.item_holders(items), tiers)
+        return self.pair_estimate(
+            profile, view, encoder, prefill, items, view.item_holders(items), tiers
+        )
 
     def pair_estimate(
         self,
@@ -273,7 +332,10 @@ class CostModel:
             else:
                 item = items[0]
                 _, a, b = self._modality(item.modality)
-                misses, encode = items, 0.0 + (a[encoder] + b[encoder] * item.size)  # _encode_sum(encoder, items)
+                misses, encode = (
+                    items,
+                    0.0 + (a[encoder] + b[encoder] * item.size),
+                )  # _encode_sum(encoder, items)
         else:
             misses = tuple([item for item, held in zip(items, holders) if not held >> encoder & 1])
             encode = self._encode_sum(encoder, misses)
@@ -282,7 +344,9 @@ class CostModel:
         if encoder in view.colocated[prefill]:
             transfer = t_proc
         else:
-            transfer = t_node if view.node_ids[_E][encoder] == view.node_ids[_P][prefill] else t_cross
+            transfer = (
+                t_node if view.node_ids[_E][encoder] == view.node_ids[_P][prefill] else t_cross
+            )
         return TTFTEstimate.of(queue, encode, transfer, prefill_queue, prefill_ms), misses, uncached
 
     # A prefill worker's booked ms include the whole of the job it is serving, which has on average
@@ -291,11 +355,16 @@ class CostModel:
     @staticmethod
     def prefill_queue_ms(view: ClusterView, prefill: int) -> float:
         """Estimated ms of booked work ahead of a request reaching `prefill` now."""
-        queued, elapsed = view.outstanding_ms[_P][prefill], view.now_s * 1e3 - view.service_started_ms[prefill]
+        queued, elapsed = (
+            view.outstanding_ms[_P][prefill],
+            view.now_s * 1e3 - view.service_started_ms[prefill],
+        )
         if elapsed > 0.0:
             done = view.service_ms[prefill]
             queued -= done if done < elapsed else elapsed
-        return queued if queued > 0.0 else 0.0  # never below 0 while service_ms <= outstanding_ms (see ClusterView)
+        return (
+            queued if queued > 0.0 else 0.0
+        )  # never below 0 while service_ms <= outstanding_ms (see ClusterView)
 
     @staticmethod
     def uncached_tokens(profile: RequestProfile, cached_blocks: int) -> int:
@@ -307,7 +376,9 @@ class CostModel:
         items = unique_items(profile.items)
         return self.encoder_costs_of(items, view.item_holders(items), view)
 
-    def encoder_costs_of(self, items: tuple[MediaJob, ...], holders: list[int], view: ClusterView) -> list[float]:
+    def encoder_costs_of(
+        self, items: tuple[MediaJob, ...], holders: list[int], view: ClusterView
+    ) -> list[float]:
         """encoder_costs() of the unique `items` and their holder bitmasks: O(E x modalities) for
         the all-miss case, then exact sums for the few cache holders."""
         if self._pending:
@@ -330,7 +401,9 @@ class CostModel:
                 costs = [c + count * ai + size * bi for c, ai, bi in zip(costs, a, b)]
             if costs is queue:  # no items: a copy, never the view's own list
                 costs = list(queue)
-        if view.num_foreign[_E]:  # other replicas' items queued there, each priced as this request's mean item
+        if view.num_foreign[
+            _E
+        ]:  # other replicas' items queued there, each priced as this request's mean item
             n, foreign = len(items) or 1, view.foreign[_E]
             costs = [c + (c - q) * f / n if f else c for c, q, f in zip(costs, queue, foreign)]
         held_any = 0
@@ -357,7 +430,14 @@ class CostModel:
         # and without its clamp at 0, which the view's invariant service_ms <= outstanding_ms makes moot;
         # times what shorter arrivals add to the wait (router/busy.py)
         costs = [
-            (queued - (done if done < now_ms - started else now_ms - started) if now_ms > started else queued) * g + a + b * t
+            (
+                queued - (done if done < now_ms - started else now_ms - started)
+                if now_ms > started
+                else queued
+            )
+            * g
+            + a
+            + b * t
             for queued, started, done, g, a, b, t in zip(
                 view.outstanding_ms[_P],
                 view.service_started_ms,
@@ -369,10 +449,17 @@ class CostModel:
             )
         ]
         if view.num_foreign[_P]:  # other replicas' jobs queued there, each priced as this request
-            costs = [c + (a + b * t) * f if f else c for c, a, b, t, f in zip(costs, self.prefill_a, self.prefill_b, tokens, view.foreign[_P])]
+            costs = [
+                c + (a + b * t) * f if f else c
+                for c, a, b, t, f in zip(
+                    costs, self.prefill_a, self.prefill_b, tokens, view.foreign[_P]
+                )
+            ]
         return costs
 
 
 def embedding_bytes(items: tuple[MediaJob, ...]) -> int:
     """Bytes of all the request's embeddings (cache hits travel too)."""
-    return items[0].embedding_bytes if len(items) == 1 else sum(item.embedding_bytes for item in items)
+    return (
+        items[0].embedding_bytes if len(items) == 1 else sum(item.embedding_bytes for item in items)
+    )

@@ -30,7 +30,9 @@ class HolderIndex:
         self._recent: dict[str, int] = {}  # the optimistic part, newer generation
         self._older: dict[str, int] = {}
         self._rotate_at = -math.inf
-        self.due = -math.inf  # refresh() has nothing to do before this time (min of the two deadlines)
+        self.due = (
+            -math.inf
+        )  # refresh() has nothing to do before this time (min of the two deadlines)
         self.version = 0  # bumped on every change, so callers may memoise lookups
 
     def publish(self, worker: int, keys: frozenset[str], now_s: float) -> None:
@@ -63,7 +65,9 @@ class HolderIndex:
             key = keys[0]
             recent[key] = recent.get(key, 0) | bit
             return
-        held = {key: recent[key] | bit for key in recent.keys() & keys}  # usually none: found at C speed
+        held = {
+            key: recent[key] | bit for key in recent.keys() & keys
+        }  # usually none: found at C speed
         recent.update(dict.fromkeys(keys, bit))
         recent.update(held)
 
@@ -85,14 +89,20 @@ class HolderIndex:
         self.due = min(self._rotate_at, self._fresh_until)
 
     def holders(self, key: str) -> int:
-        return (self._mask.get(key, 0) & self._fresh) | self._recent.get(key, 0) | self._older.get(key, 0)
+        return (
+            (self._mask.get(key, 0) & self._fresh)
+            | self._recent.get(key, 0)
+            | self._older.get(key, 0)
+        )
 
     def longest_runs(self, keys: tuple[str, ...], among: int) -> dict[int, int]:
         """For each worker in `among` holding keys[0]: how many leading keys it holds."""
         out: dict[int, int] = {}
         alive, pub, fresh, recent, older = among, self._mask, self._fresh, self._recent, self._older
         for k, key in enumerate(keys):
-            held = alive & pub.get(key, 0) & fresh  # the small published index first: usually enough
+            held = (
+                alive & pub.get(key, 0) & fresh
+            )  # the small published index first: usually enough
             if held != alive:
                 held |= alive & (recent.get(key, 0) | older.get(key, 0))
                 if held != alive:
@@ -113,4 +123,6 @@ class HolderIndex:
             for key in keys:
                 rebuilt[key] = rebuilt.get(key, 0) | 1 << worker
         assert rebuilt == self._mask, "the mask index differs from the published sets"
-        assert all(self._published_at[w] is not None for w in bits(self._fresh)), "a worker that never published is fresh"
+        assert all(self._published_at[w] is not None for w in bits(self._fresh)), (
+            "a worker that never published is fresh"
+        )

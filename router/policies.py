@@ -30,21 +30,38 @@ class Policy(abc.ABC):
         self.rng = random.Random(seed)
         self._fallback: tuple[ClusterView, CostModel] | None = None
 
-    def pick(self, profile: RequestProfile, view: ClusterView, cost: CostModel | None = None, now_s: float | None = None) -> RouteDecision:
+    def pick(
+        self,
+        profile: RequestProfile,
+        view: ClusterView,
+        cost: CostModel | None = None,
+        now_s: float | None = None,
+    ) -> RouteDecision:
         """`cost` and `now_s` may be left out by callers that predate the cost model (priors, wall clock)."""
         cost = cost or self._default_cost(view)
         view.refresh(time.monotonic() if now_s is None else now_s)
         return self.decision(profile, view, cost)
 
-    def decision(self, profile: RequestProfile, view: ClusterView, cost: CostModel) -> RouteDecision:
+    def decision(
+        self, profile: RequestProfile, view: ClusterView, cost: CostModel
+    ) -> RouteDecision:
         """pick() at the view's clock as it stands (the caller refreshed it): choose the workers,
         then price the pair. Joint overrides this to reuse what it priced while choosing."""
-        if profile.items and not view.encoders_for(profile.items)[0]:  # no encoder hosts all its modalities
+        if (
+            profile.items and not view.encoders_for(profile.items)[0]
+        ):  # no encoder hosts all its modalities
             return split_decision(self, profile, view, cost)
         encoder, prefill, decode = self._choose(profile, view, cost)
         return decide(profile, view, cost, encoder, prefill, decode)
 
-    def share_encoder(self, modality: str, items: tuple[MediaJob, ...], encoders: list[int], view: ClusterView, cost: CostModel) -> int:
+    def share_encoder(
+        self,
+        modality: str,
+        items: tuple[MediaJob, ...],
+        encoders: list[int],
+        view: ClusterView,
+        cost: CostModel,
+    ) -> int:
         """The encoder, of `encoders` (those hosting `modality`), for the `items` (unique, all of
         `modality`) of a request split by modality that are not routed with the prefill worker."""
         return least_cost_encoder(items, encoders, view, cost)
@@ -55,13 +72,17 @@ class Policy(abc.ABC):
         return self._fallback[1]
 
     @abc.abstractmethod
-    def _choose(self, profile: RequestProfile, view: ClusterView, cost: CostModel) -> tuple[int | None, int, int]: ...
+    def _choose(
+        self, profile: RequestProfile, view: ClusterView, cost: CostModel
+    ) -> tuple[int | None, int, int]: ...
 
 
 class StagewisePolicy(Policy):
     """A baseline: each stage chosen on its own."""
 
-    def _choose(self, profile: RequestProfile, view: ClusterView, cost: CostModel) -> tuple[int | None, int, int]:
+    def _choose(
+        self, profile: RequestProfile, view: ClusterView, cost: CostModel
+    ) -> tuple[int | None, int, int]:
         encoder = self._encoder(profile, view) if profile.items else None
         return encoder, self._prefill(profile, view), self._decode(view)
 
@@ -75,7 +96,14 @@ class StagewisePolicy(Policy):
         return least_decode(view)
 
 
-def decide(profile: RequestProfile, view: ClusterView, cost: CostModel, encoder: int | None, prefill: int, decode: int) -> RouteDecision:
+def decide(
+    profile: RequestProfile,
+    view: ClusterView,
+    cost: CostModel,
+    encoder: int | None,
+    prefill: int,
+    decode: int,
+) -> RouteDecision:
     estimate, misses, uncached = cost.evaluate(profile, view, encoder, prefill)
     return RouteDecision.of(encoder, prefill, decode, estimate, profile.items, misses, uncached)
 
@@ -110,11 +138,15 @@ class Joint(Policy):
 
     name = "joint"
 
-    def _choose(self, profile: RequestProfile, view: ClusterView, cost: CostModel) -> tuple[int | None, int, int]:
+    def _choose(
+        self, profile: RequestProfile, view: ClusterView, cost: CostModel
+    ) -> tuple[int | None, int, int]:
         decision = self.decision(profile, view, cost)
         return decision.encoder, decision.prefill, decision.decode
 
-    def decision(self, profile: RequestProfile, view: ClusterView, cost: CostModel) -> RouteDecision:
+    def decision(
+        self, profile: RequestProfile, view: ClusterView, cost: CostModel
+    ) -> RouteDecision:
         # The per-request parts of the estimate (unique items, who holds them, transfer tiers) are
         # worked out once, used to rank every pair, and reused to price the chosen one.
         if profile.items:
@@ -123,28 +155,43 @@ class Joint(Policy):
                 return split_decision(self, profile, view, cost)
         prefills = view.candidates(_P)
         prefill_costs = cost.prefill_costs(profile, view)
-        spread = cost.calibration.spread_z * cost.prefill_error  # the slack per ms of the best estimate
+        spread = (
+            cost.calibration.spread_z * cost.prefill_error
+        )  # the slack per ms of the best estimate
         if not profile.items:
             encoder, prefill = None, argmin(prefills, prefill_costs)
             if spread > 0.0 and len(prefills) > 1:
-                prefill = _least_booked(view, [(prefill_costs[p], None, p) for p in prefills], prefill_costs[prefill], spread)[1]
+                prefill = _least_booked(
+                    view,
+                    [(prefill_costs[p], None, p) for p in prefills],
+                    prefill_costs[prefill],
+                    spread,
+                )[1]
             items, holders, tiers = (), [], (0.0, 0.0, 0.0)
         else:
             items = profile.items if len(profile.items) == 1 else unique_items(profile.items)
             holders = view.item_holders(items)
             enc_cost = cost.encoder_costs_of(items, holders, view)
             tiers = cost.transfer_tiers(embedding_bytes(profile.items))
-            encoder, prefill = _pair(view, encoders, encoders_on, enc_cost, tiers, prefills, prefill_costs, spread)
+            encoder, prefill = _pair(
+                view, encoders, encoders_on, enc_cost, tiers, prefills, prefill_costs, spread
+            )
         decode = view.least_loaded_decode()  # least_decode()
-        estimate, misses, uncached = cost.pair_estimate(profile, view, encoder, prefill, items, holders, tiers)
+        estimate, misses, uncached = cost.pair_estimate(
+            profile, view, encoder, prefill, items, holders, tiers
+        )
         return RouteDecision.of(encoder, prefill, decode, estimate, profile.items, misses, uncached)
 
 
-def _least_booked(view: ClusterView, pairs: list[tuple[float, int | None, int]], top: float, spread: float) -> tuple[int | None, int]:
+def _least_booked(
+    view: ClusterView, pairs: list[tuple[float, int | None, int]], top: float, spread: float
+) -> tuple[int | None, int]:
     """Of the (total, encoder, prefill) `pairs` within spread * top of the best `top`: the
     (encoder, prefill) whose prefill worker has the fewest requests booked (see Joint)."""
     limit, jobs = top * (1.0 + spread), view.outstanding[_P]
-    _, _, p, e = min([(jobs[p], total, p, e) for total, e, p in pairs if total <= limit])  # p unique: e never compared
+    _, _, p, e = min(
+        [(jobs[p], total, p, e) for total, e, p in pairs if total <= limit]
+    )  # p unique: e never compared
     return e, p
 
 
@@ -175,7 +222,9 @@ def _pair(
     # The most that can save, loosened by far more than float rounding so no tied minimum is missed.
     saving = (t_cross - t_node) * (1 + 1e-9) + 1e-9
     pnode = view.node_ids[_P]
-    via: dict[int, tuple[float, int]] = {}  # node -> (encoder-side cost for a prefill worker there, its encoder)
+    via: dict[
+        int, tuple[float, int]
+    ] = {}  # node -> (encoder-side cost for a prefill worker there, its encoder)
     order = sorted(prefills, key=prefill_costs.__getitem__)  # cheapest first, ties in index order
     bound = prefill_costs[order[0]] + saving
     if spread > 0.0:  # a pair estimated within the slack of the best may win too
@@ -189,14 +238,26 @@ def _pair(
         if found is None:
             group = encoders_on.get(n)
             e = min(group, key=cost_of) if group else best
-            found = via[n] = (enc_cost[e] + t_node, e) if group and enc_cost[e] <= limit else (cross, best)
+            found = via[n] = (
+                (enc_cost[e] + t_node, e) if group and enc_cost[e] <= limit else (cross, best)
+            )
         total = found[0] + prefill_costs[p]
         if spread > 0.0:
             seen.append((total, found[1], p))
         if total < top or (total == top and p < pair[1]):
             top, pair = total, (found[1], p)
     if view.any_colocated:  # an encoder in the prefill worker's own process: cheaper still
-        top, pair = _colocated(view, t_proc, encoders, enc_cost, prefills, prefill_costs, top, pair, seen if spread > 0.0 else None)
+        top, pair = _colocated(
+            view,
+            t_proc,
+            encoders,
+            enc_cost,
+            prefills,
+            prefill_costs,
+            top,
+            pair,
+            seen if spread > 0.0 else None,
+        )
     if spread > 0.0 and len(seen) > 1:
         pair = _least_booked(view, seen, top, spread)
     return pair
@@ -240,7 +301,14 @@ class Random(StagewisePolicy):
     def _decode(self, view: ClusterView) -> int:
         return self.rng.choice(view.candidates(_D))
 
-    def share_encoder(self, modality: str, items: tuple[MediaJob, ...], encoders: list[int], view: ClusterView, cost: CostModel) -> int:
+    def share_encoder(
+        self,
+        modality: str,
+        items: tuple[MediaJob, ...],
+        encoders: list[int],
+        view: ClusterView,
+        cost: CostModel,
+    ) -> int:
         return self.rng.choice(encoders)
 
 
@@ -251,13 +319,22 @@ class RoundRobin(StagewisePolicy):
 
     def __init__(self, seed: int = 0):
         super().__init__(seed)
-        self.turn: dict[WorkerKind | str, int] = {kind: 0 for kind in WorkerKind}  # a modality: split requests' other groups
+        self.turn: dict[WorkerKind | str, int] = {
+            kind: 0 for kind in WorkerKind
+        }  # a modality: split requests' other groups
 
     def _next(self, key: WorkerKind | str, workers: list[int]) -> int:
         turn = self.turn[key] = self.turn.get(key, 0) + 1
         return workers[(turn - 1) % len(workers)]
 
-    def share_encoder(self, modality: str, items: tuple[MediaJob, ...], encoders: list[int], view: ClusterView, cost: CostModel) -> int:
+    def share_encoder(
+        self,
+        modality: str,
+        items: tuple[MediaJob, ...],
+        encoders: list[int],
+        view: ClusterView,
+        cost: CostModel,
+    ) -> int:
         return self._next(modality, encoders)
 
     def _encoder(self, profile: RequestProfile, view: ClusterView) -> int:
@@ -321,7 +398,9 @@ class Affinity(StagewisePolicy):
         return least_ms(view, kind, sorted(w for w, n in held.items() if n == top))
 
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Joint, Random, RoundRobin, LeastLoaded, Affinity)}
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (Joint, Random, RoundRobin, LeastLoaded, Affinity)
+}
 
 
 def make_policy(name: str, seed: int = 0) -> Policy:

@@ -64,7 +64,10 @@ class PrefillState:
     def computable_end(self) -> int:
         """How far the prompt can be computed now: up to the first span still missing its
         embeddings (encode/prefill overlap: the text before it goes while the encoder runs)."""
-        return min((s.offset for s in self.spans if not s.ready and s.end > self.num_computed), default=self.num_tokens)
+        return min(
+            (s.offset for s in self.spans if not s.ready and s.end > self.num_computed),
+            default=self.num_tokens,
+        )
 
     @property
     def runnable(self) -> bool:
@@ -104,7 +107,9 @@ def plan_step(
         key = lambda s: (s.remaining + aging_tokens_per_s * s.added_s, s.arrival)  # noqa: E731
     else:
         key = lambda s: s.arrival  # noqa: E731
-    for state in sorted((s for s in states if s.runnable), key=key):  # a request waiting for an item costs nothing
+    for state in sorted(
+        (s for s in states if s.runnable), key=key
+    ):  # a request waiting for an item costs nothing
         if budget <= 0:
             break
         start = state.num_computed

@@ -49,7 +49,13 @@ class Router:
         self.cost.busy.book(decision.prefill, decision.estimate.prefill_ms, now_s)
         return decision
 
-    def encode_done(self, decision: RouteDecision, now_s: float, duration_ms: float | None = None, items: tuple[MediaJob, ...] | None = None) -> None:
+    def encode_done(
+        self,
+        decision: RouteDecision,
+        now_s: float,
+        duration_ms: float | None = None,
+        items: tuple[MediaJob, ...] | None = None,
+    ) -> None:
         """The request's items are encoded; `duration_ms` is the compute time of `items`
         (default: the items the router expected to miss the cache), split by their estimates.
         A request split by modality is released on each of its encoders."""
@@ -64,21 +70,35 @@ class Router:
         if duration_ms is not None and encoded:
             self._calibrate_encode(decision, encoded, duration_ms)
 
-    def _calibrate_encode(self, decision: RouteDecision, items: tuple[MediaJob, ...], duration_ms: float) -> None:
+    def _calibrate_encode(
+        self, decision: RouteDecision, items: tuple[MediaJob, ...], duration_ms: float
+    ) -> None:
         split = decision.shares
         if len(items) == 1:  # the usual case: all of it is that item's (what the split below gives)
             item = items[0]
             encoder = decision.encoder_for(item.modality) if split else decision.encoder
             self.cost.observe_encode(encoder, item.modality, item.size, duration_ms)
             return
-        encoders = [decision.encoder_for(item.modality) for item in items] if split else [decision.encoder] * len(items)
-        expected = [self.cost.encode_ms(e, item.modality, item.size) for e, item in zip(encoders, items)]
+        encoders = (
+            [decision.encoder_for(item.modality) for item in items]
+            if split
+            else [decision.encoder] * len(items)
+        )
+        expected = [
+            self.cost.encode_ms(e, item.modality, item.size) for e, item in zip(encoders, items)
+        ]
         total = sum(expected)
         for e, item, part in zip(encoders, items, expected):
             share = part / total if total > 0 else 1 / len(items)
             self.cost.observe_encode(e, item.modality, item.size, duration_ms * share)
 
-    def prefill_done(self, decision: RouteDecision, now_s: float, duration_ms: float | None = None, uncached_tokens: int | None = None) -> None:
+    def prefill_done(
+        self,
+        decision: RouteDecision,
+        now_s: float,
+        duration_ms: float | None = None,
+        uncached_tokens: int | None = None,
+    ) -> None:
         """The first token is out; `uncached_tokens` defaults to the router's expectation."""
         self.view.refresh(now_s)
         self.view.end(_P, decision.prefill, 1, decision.estimate.prefill_ms)
@@ -111,7 +131,13 @@ class Router:
         prefix_hashes: frozenset[str] | None = None,
     ) -> None:
         self.view.publish(
-            kind, index, now_s=now_s, queued=queued, running=running, cached_identifiers=cached_identifiers, prefix_hashes=prefix_hashes
+            kind,
+            index,
+            now_s=now_s,
+            queued=queued,
+            running=running,
+            cached_identifiers=cached_identifiers,
+            prefix_hashes=prefix_hashes,
         )
 
     def set_healthy(self, kind: WorkerKind, index: int, healthy: bool) -> None:

@@ -44,7 +44,9 @@ class WorkerInfo:
     index: int
     node: str = "node-0"
     modalities: frozenset[str] = frozenset()  # encoders: the towers it hosts (Modality values)
-    process: str | None = None  # an encoder and a prefill worker sharing one process: SAME_PROCESS transfer
+    process: str | None = (
+        None  # an encoder and a prefill worker sharing one process: SAME_PROCESS transfer
+    )
 
 
 @dataclass(frozen=True)
@@ -58,14 +60,22 @@ class MediaJob:
     embedding_bytes: int
 
     @classmethod
-    def of(cls, identifier: str, modality: str, size: float, num_embeddings: int, embedding_bytes: int) -> MediaJob:
+    def of(
+        cls, identifier: str, modality: str, size: float, num_embeddings: int, embedding_bytes: int
+    ) -> MediaJob:
         """MediaJob(...) with every field given, at about half the cost (see TTFTEstimate.of): the
         simulator builds one per media item, a million requests' worth."""
         record = object.__new__(cls)
         object.__setattr__(
             record,
             "__dict__",
-            {"identifier": identifier, "modality": modality, "size": size, "num_embeddings": num_embeddings, "embedding_bytes": embedding_bytes},
+            {
+                "identifier": identifier,
+                "modality": modality,
+                "size": size,
+                "num_embeddings": num_embeddings,
+                "embedding_bytes": embedding_bytes,
+            },
         )
         return record
 
@@ -82,7 +92,12 @@ class RequestProfile:
 
     @classmethod
     def of(
-        cls, num_prompt_tokens: int, items: tuple[MediaJob, ...], prefix_hashes: tuple[str, ...], block_size: int, max_tokens: int
+        cls,
+        num_prompt_tokens: int,
+        items: tuple[MediaJob, ...],
+        prefix_hashes: tuple[str, ...],
+        block_size: int,
+        max_tokens: int,
     ) -> RequestProfile:
         """RequestProfile(...) with every field given, at about half the cost (see MediaJob.of)."""
         record = object.__new__(cls)
@@ -119,7 +134,14 @@ class TTFTEstimate:
     prefill_ms: float = 0.0
 
     @classmethod
-    def of(cls, encoder_queue_ms: float, encode_ms: float, transfer_ms: float, prefill_queue_ms: float, prefill_ms: float) -> TTFTEstimate:
+    def of(
+        cls,
+        encoder_queue_ms: float,
+        encode_ms: float,
+        transfer_ms: float,
+        prefill_queue_ms: float,
+        prefill_ms: float,
+    ) -> TTFTEstimate:
         """TTFTEstimate(...) with every field given, at about half the cost: the router builds one per
         request, and a frozen dataclass's generated __init__ sets each field through
         object.__setattr__. tests/unit/test_router.py checks both build equal records."""
@@ -141,7 +163,13 @@ class TTFTEstimate:
     def total_ms(self) -> float:
         # A sum, not a max: the ingress queues the prefill only once the embeddings are
         # in, so the prefill queue does not overlap encoding.
-        return self.encoder_queue_ms + self.encode_ms + self.transfer_ms + self.prefill_queue_ms + self.prefill_ms
+        return (
+            self.encoder_queue_ms
+            + self.encode_ms
+            + self.transfer_ms
+            + self.prefill_queue_ms
+            + self.prefill_ms
+        )
 
 
 @dataclass(frozen=True)
@@ -202,9 +230,13 @@ class RouteDecision:
     estimate: TTFTEstimate = field(default_factory=TTFTEstimate)
     # What the completions need to release the dispatched work and calibrate the cost model:
     items: tuple[MediaJob, ...] = ()  # all media items of the request
-    encode_items: tuple[MediaJob, ...] = ()  # the ones the chosen encoder(s) were expected to encode (cache misses)
+    encode_items: tuple[
+        MediaJob, ...
+    ] = ()  # the ones the chosen encoder(s) were expected to encode (cache misses)
     uncached_tokens: int = 0  # prompt tokens the chosen prefill worker was expected to compute
-    shares: tuple[EncoderShare, ...] = ()  # empty unless the request is split across encoders by modality
+    shares: tuple[
+        EncoderShare, ...
+    ] = ()  # empty unless the request is split across encoders by modality
 
     @classmethod
     def of(

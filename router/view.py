@@ -45,39 +45,77 @@ class NoWorkerError(RuntimeError):
     pass
 
 
-def _as_infos(workers: Iterable[WorkerInfo] | Mapping[WorkerKind, int]) -> dict[WorkerKind, list[WorkerInfo]]:
-    if isinstance(workers, Mapping):  # the stand-in's {kind: count}: one node, encoders host everything
-        workers = [WorkerInfo(kind, i, modalities=ALL_MODALITIES if kind is _E else frozenset()) for kind, n in workers.items() for i in range(n)]
+def _as_infos(
+    workers: Iterable[WorkerInfo] | Mapping[WorkerKind, int],
+) -> dict[WorkerKind, list[WorkerInfo]]:
+    if isinstance(
+        workers, Mapping
+    ):  # the stand-in's {kind: count}: one node, encoders host everything
+        workers = [
+            WorkerInfo(kind, i, modalities=ALL_MODALITIES if kind is _E else frozenset())
+            for kind, n in workers.items()
+            for i in range(n)
+        ]
     by_kind: dict[WorkerKind, list[WorkerInfo]] = {kind: [] for kind in WorkerKind}
     for info in sorted(workers, key=lambda w: w.index):
         by_kind[info.kind].append(info)
     for kind, infos in by_kind.items():
         if [w.index for w in infos] != list(range(len(infos))):
-            raise ValueError(f"{kind.value} worker indices must be 0..n-1, got {[w.index for w in infos]}")
+            raise ValueError(
+                f"{kind.value} worker indices must be 0..n-1, got {[w.index for w in infos]}"
+            )
     return by_kind
 
 
 class ClusterView:
-    def __init__(self, workers: Iterable[WorkerInfo] | Mapping[WorkerKind, int], *, staleness_s: float = 5.0, dead_after_s: float = 10.0):
+    def __init__(
+        self,
+        workers: Iterable[WorkerInfo] | Mapping[WorkerKind, int],
+        *,
+        staleness_s: float = 5.0,
+        dead_after_s: float = 10.0,
+    ):
         self.workers = _as_infos(workers)
         self.staleness_s, self.dead_after_s = staleness_s, dead_after_s
         sizes = {kind: len(infos) for kind, infos in self.workers.items()}
         # Per kind, lists indexed by worker. The hot paths bind the list of one kind to a local
         # once; the lists are only ever updated in place, so such a binding never goes stale.
-        self.outstanding = {kind: [0] * n for kind, n in sizes.items()}  # jobs (encoder: items) dispatched, not done
+        self.outstanding = {
+            kind: [0] * n for kind, n in sizes.items()
+        }  # jobs (encoder: items) dispatched, not done
         self.outstanding_ms = {kind: [0.0] * n for kind, n in sizes.items()}  # their estimated work
         self.healthy = {kind: [True] * n for kind, n in sizes.items()}  # explicit set_healthy
-        self.reports: dict[WorkerKind, list[WorkerReport | None]] = {kind: [None] * n for kind, n in sizes.items()}
-        self.foreign = {kind: [0] * n for kind, n in sizes.items()}  # reported jobs beyond our own (module doc)
-        self.num_foreign = {kind: 0 for kind in sizes}  # sum of each: 0 lets the cost model skip them
+        self.reports: dict[WorkerKind, list[WorkerReport | None]] = {
+            kind: [None] * n for kind, n in sizes.items()
+        }
+        self.foreign = {
+            kind: [0] * n for kind, n in sizes.items()
+        }  # reported jobs beyond our own (module doc)
+        self.num_foreign = {
+            kind: 0 for kind in sizes
+        }  # sum of each: 0 lets the cost model skip them
         self.encoder_cache = HolderIndex(sizes[_E], staleness_s)
         self.prefix_cache = HolderIndex(sizes[_P], staleness_s)
         nodes = sorted({w.node for infos in self.workers.values() for w in infos})
-        self.node_ids = {kind: [nodes.index(w.node) for w in infos] for kind, infos in self.workers.items()}
+        self.node_ids = {
+            kind: [nodes.index(w.node) for w in infos] for kind, infos in self.workers.items()
+        }
         self.num_nodes = len(nodes)
-        self.colocated = [tuple(e.index for e in self.workers[_E] if p.process is not None and e.process == p.process) for p in self.workers[_P]]
+        self.colocated = [
+            tuple(
+                e.index
+                for e in self.workers[_E]
+                if p.process is not None and e.process == p.process
+            )
+            for p in self.workers[_P]
+        ]
         self.any_colocated = any(self.colocated)
-        self._prefix_memo: tuple[tuple[str, ...] | None, int, int, dict[int, int]] = (None, 0, -1, {})
+        self._prefix_memo: tuple[tuple[str, ...] | None, int, int, dict[int, int]] = (
+            None,
+            0,
+            -1,
+            {},
+        )
         # The prefill job presumably in service on each worker: when it started, in ms on the view's
         # clock (inf: none), and its booked ms; the cost model credits the part of it already done
         # (CostModel.prefill_queue_ms). The router sees no start events, so it infers them: a job
@@ -89,16 +127,24 @@ class ClusterView:
         self.service_ms = [0.0] * sizes[_P]
         # decode_loads(), kept up to date on every change instead of rebuilt per decision:
         self._loads = [0] * sizes[_D]  # max(own running, reported running) per decode worker
-        self._reported_running = [0] * sizes[_D]  # `running` of each fresh report (0: none or stale)
-        self._oldest_running_at = math.inf  # at_s of the oldest report counted there: recount once it is stale
+        self._reported_running = [0] * sizes[
+            _D
+        ]  # `running` of each fresh report (0: none or stale)
+        self._oldest_running_at = (
+            math.inf
+        )  # at_s of the oldest report counted there: recount once it is stale
         self.now_s = -math.inf
-        self._dirty = True  # candidate lists are recomputed when dirty or once now_s passes _valid_until
+        self._dirty = (
+            True  # candidate lists are recomputed when dirty or once now_s passes _valid_until
+        )
         self._valid_until = math.inf
         self._candidates: dict[WorkerKind, list[int]] = {}
         self._masks: dict[WorkerKind, int] = {}
         # modalities (or one modality's name) -> (candidate encoders hosting them, the same per node id)
         self._by_modalities: dict[frozenset[str] | str, tuple[list[int], dict[int, list[int]]]] = {}
-        self._splittable: set[frozenset[str]] = set()  # modality sets no encoder hosts together, each hosted by some
+        self._splittable: set[frozenset[str]] = (
+            set()
+        )  # modality sets no encoder hosts together, each hosted by some
 
     # -- time, liveness, candidates -----------------------------------------------------------
     def refresh(self, now_s: float) -> None:
@@ -174,10 +220,14 @@ class ClusterView:
             raise self._unhosted(frozenset([modality]))
         return found
 
-    def _hosting(self, key: frozenset[str] | str, modalities: frozenset[str]) -> tuple[list[int], dict[int, list[int]]]:
+    def _hosting(
+        self, key: frozenset[str] | str, modalities: frozenset[str]
+    ) -> tuple[list[int], dict[int, list[int]]]:
         found = self._by_modalities.get(key)
         if found is None:
-            encoders = [i for i in self._candidates[_E] if modalities <= self.workers[_E][i].modalities]
+            encoders = [
+                i for i in self._candidates[_E] if modalities <= self.workers[_E][i].modalities
+            ]
             on_node: dict[int, list[int]] = {}
             for e in encoders:
                 on_node.setdefault(self.node_ids[_E][e], []).append(e)
@@ -216,7 +266,9 @@ class ClusterView:
         """A worker's report (also its heartbeat); None fields leave what the router knew."""
         self.now_s = max(self.now_s, now_s)
         was_silent = self.state(kind, index) is WorkerState.SILENT
-        self.reports[kind][index] = WorkerReport(now_s, queued, running, cached_identifiers, prefix_hashes)
+        self.reports[kind][index] = WorkerReport(
+            now_s, queued, running, cached_identifiers, prefix_hashes
+        )
         if kind is _D:
             self._report_running(index, running, now_s)
         elif queued is not None:
@@ -251,9 +303,16 @@ class ClusterView:
 
     def prefix_blocks(self, prefill: int, prefix_hashes: tuple[str, ...]) -> int:
         memo = self._prefix_memo  # the policy usually just matched this very prompt
-        if memo[0] is prefix_hashes and memo[1] >> prefill & 1 and memo[2] == self.prefix_cache.version:
+        if (
+            memo[0] is prefix_hashes
+            and memo[1] >> prefill & 1
+            and memo[2] == self.prefix_cache.version
+        ):
             return memo[3].get(prefill, 0)
-        version, found = self.prefix_cache.version, self.prefix_cache.longest_runs(prefix_hashes, 1 << prefill)
+        version, found = (
+            self.prefix_cache.version,
+            self.prefix_cache.longest_runs(prefix_hashes, 1 << prefill),
+        )
         self._prefix_memo = (prefix_hashes, 1 << prefill, version, found)  # dispatch() asks again
         return found.get(prefill, 0)
 
@@ -265,7 +324,12 @@ class ClusterView:
         if memo[0] is prefix_hashes and memo[1] == among and memo[2] == version:
             return memo[3]
         found = self.prefix_cache.longest_runs(prefix_hashes, among)
-        self._prefix_memo = (prefix_hashes, among, version, found)  # holds the tuple, so `is` stays sound
+        self._prefix_memo = (
+            prefix_hashes,
+            among,
+            version,
+            found,
+        )  # holds the tuple, so `is` stays sound
         return found
 
     # -- decode load ------------------------------------------------------------------------------
@@ -277,7 +341,9 @@ class ClusterView:
             self._recount_running()
         if not decoders:
             raise NoWorkerError(f"no healthy {_D.value} worker")
-        if len(decoders) == len(loads):  # all are candidates (the usual case): the first minimum, at C speed
+        if len(decoders) == len(
+            loads
+        ):  # all are candidates (the usual case): the first minimum, at C speed
             return loads.index(min(loads))
         return min(decoders, key=loads.__getitem__)
 
@@ -318,7 +384,9 @@ class ClusterView:
             if kind is _D:
                 self._set_load(index)
 
-    def end(self, kind: WorkerKind, index: int | None, amount: int = 1, ms: float | None = None) -> None:
+    def end(
+        self, kind: WorkerKind, index: int | None, amount: int = 1, ms: float | None = None
+    ) -> None:
         """Release finished work; without `ms`, the finished jobs' share of the worker's ms."""
         if index is None:
             return
@@ -342,7 +410,12 @@ class ClusterView:
 
     def begin_route(self, decision: RouteDecision, num_items: int) -> None:
         """begin() for each stage of the decision (encoder: its items and their estimated ms)."""
-        estimate, encoder, prefill, decode = decision.estimate, decision.encoder, decision.prefill, decision.decode
+        estimate, encoder, prefill, decode = (
+            decision.estimate,
+            decision.encoder,
+            decision.prefill,
+            decision.decode,
+        )
         counts, booked = self.outstanding, self.outstanding_ms
         if decision.shares:  # split by modality: each encoder books its own part
             for share in decision.shares:
@@ -368,12 +441,18 @@ class ClusterView:
         self.begin_route(decision, len(profile.items))
         if decision.shares:
             for share in decision.shares:
-                self.encoder_cache.add(share.encoder, tuple([item.identifier for item in share.encode_items]))
+                self.encoder_cache.add(
+                    share.encoder, tuple([item.identifier for item in share.encode_items])
+                )
         elif decision.encode_items:
-            self.encoder_cache.add(decision.encoder, tuple([item.identifier for item in decision.encode_items]))
+            self.encoder_cache.add(
+                decision.encoder, tuple([item.identifier for item in decision.encode_items])
+            )
         if profile.prefix_hashes:
             held = self.prefix_blocks(decision.prefill, profile.prefix_hashes)
-            self.prefix_cache.add(decision.prefill, profile.prefix_hashes[held:OPTIMISTIC_PREFIX_BLOCKS])
+            self.prefix_cache.add(
+                decision.prefill, profile.prefix_hashes[held:OPTIMISTIC_PREFIX_BLOCKS]
+            )
 
     def queue_depth(self, kind: WorkerKind) -> int:
         return sum(self.outstanding[kind])

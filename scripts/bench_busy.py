@@ -27,25 +27,53 @@ from router.sim.workload import (
 )
 from router.types import RequestProfile  # noqa: E402
 
-RUNS = (("joint, booked wait", "joint", 0.0), ("joint, grown wait", "joint", 0.95), ("least_loaded", "least_loaded", 0.0))
+RUNS = (
+    ("joint, booked wait", "joint", 0.0),
+    ("joint, grown wait", "joint", 0.95),
+    ("least_loaded", "least_loaded", 0.0),
+)
 
 
 def two_workers(requests: int, seed: int) -> tuple[SimCluster, Workload]:
-    costs = SimCosts(prefill_fixed_ms=0.0, prefill_tokens_per_ms=1 / 0.65, prefill_chunk_tokens=512, decode_step_ms=1.0, decode_step_per_seq_ms=0.0)
-    cluster = SimCluster.build(1, 2, 1, prefill_speeds=[1.0, 0.25], costs=costs, name="2 prefill, 1 and 0.25")
+    costs = SimCosts(
+        prefill_fixed_ms=0.0,
+        prefill_tokens_per_ms=1 / 0.65,
+        prefill_chunk_tokens=512,
+        decode_step_ms=1.0,
+        decode_step_per_seq_ms=0.0,
+    )
+    cluster = SimCluster.build(
+        1, 2, 1, prefill_speeds=[1.0, 0.25], costs=costs, name="2 prefill, 1 and 0.25"
+    )
     rng = np.random.default_rng(seed)
     profiles = [RequestProfile(int(n), max_tokens=8) for n in rng.integers(120, 1344, requests)]
-    return cluster, Workload("text 120-1343 tokens", profiles, np.cumsum(rng.exponential(1.0, requests)))
+    return cluster, Workload(
+        "text 120-1343 tokens", profiles, np.cumsum(rng.exponential(1.0, requests))
+    )
 
 
-def percentiles(cluster: SimCluster, wl: Workload, policy: str, max_busy: float, seed: int) -> np.ndarray:
-    r = simulate(cluster, wl, policy, seed=seed, router_kwargs={"calibration": CalibrationConfig(max_busy=max_busy)})
+def percentiles(
+    cluster: SimCluster, wl: Workload, policy: str, max_busy: float, seed: int
+) -> np.ndarray:
+    r = simulate(
+        cluster,
+        wl,
+        policy,
+        seed=seed,
+        router_kwargs={"calibration": CalibrationConfig(max_busy=max_busy)},
+    )
     return np.percentile(r.ttft_ms, [50, 99])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="two-workers", help="two-workers (shape C), or a simulator shape such as 16x16x16-hetero")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shape",
+        default="two-workers",
+        help="two-workers (shape C), or a simulator shape such as 16x16x16-hetero",
+    )
     parser.add_argument("--requests", type=int, default=6000)
     parser.add_argument("--loads", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.8, 0.9])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
@@ -57,9 +85,15 @@ def main() -> None:
             if args.shape == "two-workers":
                 cluster, wl = two_workers(args.requests, seed)
             else:
-                cluster, wl = SimCluster.parse(args.shape), make_workload("poisson", args.requests, seed=seed)
+                cluster, wl = (
+                    SimCluster.parse(args.shape),
+                    make_workload("poisson", args.requests, seed=seed),
+                )
             wl = wl.at_rate(load * capacity_rps(cluster, wl))
-            got = {label: percentiles(cluster, wl, policy, max_busy, seed) for label, policy, max_busy in RUNS}
+            got = {
+                label: percentiles(cluster, wl, policy, max_busy, seed)
+                for label, policy, max_busy in RUNS
+            }
             for label in ratios:
                 ratios[label].append(got[label] / got["least_loaded"])
         for label, _, _ in RUNS[:2]:

@@ -32,11 +32,15 @@ SLOW = 7
 
 
 def run(requests: int, seed: int, resume: bool) -> tuple[float, float, float]:
-    cluster = SimCluster.build(8, 8, 8, prefill_speeds=[1.0] * SLOW + [0.25], name="8x8x8, prefill 7 slowed 4x")
+    cluster = SimCluster.build(
+        8, 8, 8, prefill_speeds=[1.0] * SLOW + [0.25], name="8x8x8, prefill 7 slowed 4x"
+    )
     workload = make_workload("poisson", requests, seed=seed, mix={"text": 0.5, "image": 0.5})
     workload = workload.at_rate(0.6 * capacity_rps(cluster, workload))
     cluster = cluster.with_costs(variability=Variability(sigma=0.2, seed=seed))
-    router = make_router(cluster, "joint", seed=seed, calibration=CalibrationConfig(resume_after_heal=resume))
+    router = make_router(
+        cluster, "joint", seed=seed, calibration=CalibrationConfig(resume_after_heal=resume)
+    )
     believed, report = [], router.prefill_done
 
     def prefill_done(decision, now_s, duration_ms=None, uncached_tokens=None):
@@ -45,13 +49,28 @@ def run(requests: int, seed: int, resume: bool) -> tuple[float, float, float]:
         believed.append(times[SLOW] / math.exp(np.mean(np.log(times[:SLOW]))))
 
     router.prefill_done = prefill_done
-    result = run_engine(cluster, workload, router, "joint", slo_ms=1500.0, progress=False, record_decisions=False, load=0.6)
+    result = run_engine(
+        cluster,
+        workload,
+        router,
+        "joint",
+        slo_ms=1500.0,
+        progress=False,
+        record_decisions=False,
+        load=0.6,
+    )
     late = np.array(believed[len(believed) // 2 :])
-    return float(np.median(late)), float(np.percentile(late, 10)), float(np.percentile(result.ttft_ms, 99))
+    return (
+        float(np.median(late)),
+        float(np.percentile(late, 10)),
+        float(np.percentile(result.ttft_ms, 99)),
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--requests", type=int, default=30_000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     args = parser.parse_args()

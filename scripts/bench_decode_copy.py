@@ -44,20 +44,28 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1920)
     parser.add_argument("--height", type=int, default=1080)
     args = parser.parse_args()
-    video = encoded_video(num_frames=64, fps=4, width=args.width, height=args.height)  # 16 s: 32 frames at 2 fps
+    video = encoded_video(
+        num_frames=64, fps=4, width=args.width, height=args.height
+    )  # 16 s: 32 frames at 2 fps
     url = "data:video/mp4;base64," + base64.b64encode(video).decode()
     here, there = LimitsConfig(decode_in_process=True), LimitsConfig()
-    load = lambda limits: load_media_item(Modality.VIDEO, url, namespace="b", limits=limits, param="p").data
+    load = lambda limits: (
+        load_media_item(Modality.VIDEO, url, namespace="b", limits=limits, param="p").data
+    )
     frames = load(there)  # starts the child
     assert np.array_equal(frames, load(here)), "the child decoded something else"
-    in_process_s, child_s, copy_s = median_s([lambda: load(here), lambda: load(there), frames.copy], args.repeats)
+    in_process_s, child_s, copy_s = median_s(
+        [lambda: load(here), lambda: load(there), frames.copy], args.repeats
+    )
     shutdown_pools()
     print(
         f"video: {args.width}x{args.height}, {len(video) // 1024} KB mp4, frames {frames.shape} = "
         f"{frames.nbytes / 2**20:.0f} MiB; median of {args.repeats}"
     )
     print(f"in-process decode   {in_process_s:.3f} s")
-    print(f"child-process decode {child_s:.3f} s  (ratio {child_s / in_process_s:.2f}x, +{(child_s - in_process_s) * 1e3:.0f} ms)")
+    print(
+        f"child-process decode {child_s:.3f} s  (ratio {child_s / in_process_s:.2f}x, +{(child_s - in_process_s) * 1e3:.0f} ms)"
+    )
     print(f"plain copy of the array here {copy_s * 1e3:.0f} ms")
 
 

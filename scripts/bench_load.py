@@ -30,7 +30,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cluster.config import REPO_ROOT, load_config  # noqa: E402
 
-SUBJECTS = "a red car|the old bridge|two cats|a quiet lake|the tall tree|a small boat|the city at night|a green field".split("|")
+SUBJECTS = "a red car|the old bridge|two cats|a quiet lake|the tall tree|a small boat|the city at night|a green field".split(
+    "|"
+)
 ASKS = [
     "Describe {s}.",
     "What is near {s}?",
@@ -95,8 +97,13 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def summarize(results: list[Result], wall_s: float) -> dict:
-    ttft, tpot = [r.ttft_s * 1e3 for r in results], [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
-    out = {f"ttft_p{q}_ms": pct(ttft, q) for q in (50, 90, 99)} | {f"tpot_p{q}_ms": pct(tpot, q) for q in (50, 90, 99)}
+    ttft, tpot = (
+        [r.ttft_s * 1e3 for r in results],
+        [r.tpot_s * 1e3 for r in results if r.tpot_s is not None],
+    )
+    out = {f"ttft_p{q}_ms": pct(ttft, q) for q in (50, 90, 99)} | {
+        f"tpot_p{q}_ms": pct(tpot, q) for q in (50, 90, 99)
+    }
     tokens = sum(r.tokens for r in results)
     return out | {
         "requests": len(results),
@@ -136,15 +143,24 @@ class CpuWatch:
         used = {k: round(v - self.start.get(k, 0.0), 2) for k, v in end.items()}
         self.by_process = dict(sorted(used.items(), key=lambda kv: -kv[1]))
         if self.other_cpu_s > 2.0:
-            print(f"warning: other processes used {self.other_cpu_s:.1f} CPU-s during this phase", file=sys.stderr)
+            print(
+                f"warning: other processes used {self.other_cpu_s:.1f} CPU-s during this phase",
+                file=sys.stderr,
+            )
 
     @staticmethod
     def _snapshot() -> dict[str, float]:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        busy = sum(fields[i] for i in (0, 1, 2, 5, 6)) / os.sysconf("SC_CLK_TCK")  # user nice system irq softirq
+        busy = sum(fields[i] for i in (0, 1, 2, 5, 6)) / os.sysconf(
+            "SC_CLK_TCK"
+        )  # user nice system irq softirq
         table, tree, frontier = procs(), {os.getpid()}, [os.getpid()]
         while frontier:
-            kids = [pid for pid, (_, ppid, _) in table.items() if ppid == frontier[-1] and pid not in tree]
+            kids = [
+                pid
+                for pid, (_, ppid, _) in table.items()
+                if ppid == frontier[-1] and pid not in tree
+            ]
             frontier = frontier[:-1] + kids
             tree.update(kids)
         out = {}
@@ -177,7 +193,9 @@ def chat_body(req: Req, model: str, max_tokens: int) -> bytes:
 async def stream_one(client, url: str, body: bytes, arrival: float, t0: float) -> Result:
     first = last = None
     usage, timings = {}, None
-    async with client.stream("POST", url, content=body, headers={"content-type": "application/json"}) as resp:
+    async with client.stream(
+        "POST", url, content=body, headers={"content-type": "application/json"}
+    ) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -190,13 +208,25 @@ async def stream_one(client, url: str, body: bytes, arrival: float, t0: float) -
                 first, last = first or now, now
             usage, timings = event.get("usage") or usage, event.get("timings") or timings
     n = usage.get("completion_tokens", 0)
-    return Result(first - (t0 + arrival), (last - first) / (n - 1) if n > 1 else None, n, first - t0, last - t0, timings)
+    return Result(
+        first - (t0 + arrival),
+        (last - first) / (n - 1) if n > 1 else None,
+        n,
+        first - t0,
+        last - t0,
+        timings,
+    )
 
 
 async def replay_cluster(url: str, reqs: list[Req], model: str, args) -> tuple[list[Result], float]:
     bodies = [chat_body(r, model, args.max_tokens) for r in reqs]
-    sem, bar = asyncio.Semaphore(args.concurrency), tqdm(total=len(reqs), desc="cluster load", unit="req")
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    sem, bar = (
+        asyncio.Semaphore(args.concurrency),
+        tqdm(total=len(reqs), desc="cluster load", unit="req"),
+    )
+    limits = httpx.Limits(
+        max_connections=args.concurrency, max_keepalive_connections=args.concurrency
+    )
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         t0 = time.perf_counter()
 
@@ -212,19 +242,29 @@ async def replay_cluster(url: str, reqs: list[Req], model: str, args) -> tuple[l
     return list(results), max(r.done_s for r in results)
 
 
-async def sequential_cluster(url: str, reqs: list[Req], model: str, args, desc: str) -> list[Result]:
+async def sequential_cluster(
+    url: str, reqs: list[Req], model: str, args, desc: str
+) -> list[Result]:
     """One request at a time, nothing else in flight (warm-up and idle TTFT)."""
     async with httpx.AsyncClient(timeout=300) as client:
         return [
-            await stream_one(client, url, chat_body(r, model, args.max_tokens), 0.0, time.perf_counter()) for r in tqdm(reqs, desc=desc, unit="req")
+            await stream_one(
+                client, url, chat_body(r, model, args.max_tokens), 0.0, time.perf_counter()
+            )
+            for r in tqdm(reqs, desc=desc, unit="req")
         ]
 
 
 def server_profile(results: list[Result]) -> dict:
     """Medians of the server's own `timings` (image requests only for encode_ms)."""
     ts = [r.timings for r in results if r.timings]
-    out = {f"{k}_p50": pct([t[k] for t in ts if k in t], 50) for k in ("ttft_ms", "prefill_queue_ms", "prefill_ms")}
-    return out | {"encode_ms_p50_images": pct([t["encode_ms"] for t in ts if t.get("encode_ms")], 50)}
+    out = {
+        f"{k}_p50": pct([t[k] for t in ts if k in t], 50)
+        for k in ("ttft_ms", "prefill_queue_ms", "prefill_ms")
+    }
+    return out | {
+        "encode_ms_p50_images": pct([t["encode_ms"] for t in ts if t.get("encode_ms")], 50)
+    }
 
 
 def run_cluster(args, reqs: list[Req], idle: list[Req], warmup: list[Req]) -> dict:
@@ -238,8 +278,12 @@ def run_cluster(args, reqs: list[Req], idle: list[Req], warmup: list[Req]) -> di
     if args.stream_interval:
         cfg = cfg.replace(decode={"stream_interval": args.stream_interval})
     ensure_model(cfg)
-    if any(name in ("raylet", "gcs_server") for name, _, _ in procs().values()):  # `ray status` misses token-auth ones
-        sys.exit("a Ray cluster is already running on this host; wait for it to stop before benchmarking")
+    if any(
+        name in ("raylet", "gcs_server") for name, _, _ in procs().values()
+    ):  # `ray status` misses token-auth ones
+        sys.exit(
+            "a Ray cluster is already running on this host; wait for it to stop before benchmarking"
+        )
     base = start(cfg)
     url, model = f"{base}/chat/completions", cfg.model.served_name
     try:
@@ -267,7 +311,9 @@ class Baseline:
     """One process, one request at a time: PNG decode, preprocessing, `generate`, on the
     config's device and dtype (so on a GPU the cluster is compared with `generate` on that GPU)."""
 
-    def __init__(self, checkpoint: Path, max_tokens: int, *, device: str = "cpu", dtype: str = "float32"):
+    def __init__(
+        self, checkpoint: Path, max_tokens: int, *, device: str = "cpu", dtype: str = "float32"
+    ):
         import torch
         from transformers import AutoProcessor, LlavaForConditionalGeneration
         from transformers.generation.streamers import BaseStreamer
@@ -286,8 +332,17 @@ class Baseline:
             def end(self):
                 pass
 
-        self.torch, self.max_tokens, self.streamer_cls, self.device = torch, max_tokens, TimingStreamer, device
-        self.model = LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=getattr(torch, dtype)).to(device).eval()
+        self.torch, self.max_tokens, self.streamer_cls, self.device = (
+            torch,
+            max_tokens,
+            TimingStreamer,
+            device,
+        )
+        self.model = (
+            LlavaForConditionalGeneration.from_pretrained(checkpoint, dtype=getattr(torch, dtype))
+            .to(device)
+            .eval()
+        )
         self.processor = AutoProcessor.from_pretrained(checkpoint)
 
     def serve(self, req: Req) -> tuple[float, list[float]]:
@@ -296,34 +351,58 @@ class Baseline:
         if req.png is not None:
             content.insert(0, {"type": "image"})
             images = [Image.open(io.BytesIO(req.png)).convert("RGB")]
-        text = self.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-        inputs, streamer = self.processor(images=images, text=text, return_tensors="pt"), self.streamer_cls()
-        inputs = inputs.to(self.device, dtype=self.model.dtype)  # floats take the model's dtype; ids stay ints
+        text = self.processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True
+        )
+        inputs, streamer = (
+            self.processor(images=images, text=text, return_tensors="pt"),
+            self.streamer_cls(),
+        )
+        inputs = inputs.to(
+            self.device, dtype=self.model.dtype
+        )  # floats take the model's dtype; ids stay ints
         with self.torch.inference_mode():
-            self.model.generate(**inputs, max_new_tokens=self.max_tokens, do_sample=False, streamer=streamer)
+            self.model.generate(
+                **inputs, max_new_tokens=self.max_tokens, do_sample=False, streamer=streamer
+            )
         return started, streamer.times
 
     def replay(self, reqs: list[Req], desc: str) -> tuple[list[Result], float]:
         results, t0 = [], time.perf_counter()
         for req in tqdm(reqs, desc=desc, unit="req"):
-            time.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))  # FIFO: a request waits its turn
+            time.sleep(
+                max(0.0, t0 + req.arrival_s - time.perf_counter())
+            )  # FIFO: a request waits its turn
             _, ts = self.serve(req)
             tpot = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else None
-            results.append(Result(ts[0] - (t0 + req.arrival_s), tpot, len(ts), ts[0] - t0, ts[-1] - t0))
+            results.append(
+                Result(ts[0] - (t0 + req.arrival_s), tpot, len(ts), ts[0] - t0, ts[-1] - t0)
+            )
         return results, max(r.done_s for r in results)
 
 
 def run_baselines(args, reqs: list[Req], idle: list[Req], warmup: list[Req]) -> dict:
     model = load_config(args.config).model
-    base, out = Baseline(model.checkpoint_path, args.max_tokens, device=model.device, dtype=model.resolved_dtype), {}
+    base, out = (
+        Baseline(
+            model.checkpoint_path, args.max_tokens, device=model.device, dtype=model.resolved_dtype
+        ),
+        {},
+    )
     for threads in args.baseline_threads:
         base.torch.set_num_threads(threads)
         for req in warmup:
             base.serve(req)
         with CpuWatch() as watch:
-            idle_ms = [(ts[0] - t) * 1e3 for t, ts in map(base.serve, tqdm(idle, desc=f"baseline {threads}t idle"))]
+            idle_ms = [
+                (ts[0] - t) * 1e3
+                for t, ts in map(base.serve, tqdm(idle, desc=f"baseline {threads}t idle"))
+            ]
             results, wall = base.replay(reqs, f"baseline {threads}t load")
-        out[f"baseline_{threads}t"] = summarize(results, wall) | {"idle_ttft_p50_ms": pct(idle_ms, 50), "other_cpu_s": watch.other_cpu_s}
+        out[f"baseline_{threads}t"] = summarize(results, wall) | {
+            "idle_ttft_p50_ms": pct(idle_ms, 50),
+            "other_cpu_s": watch.other_cpu_s,
+        }
     return out
 
 
@@ -364,13 +443,24 @@ def print_table(report: dict) -> None:
         ("wall_s", "wall s"),
         ("other_cpu_s", "other CPU"),
     ]
-    print("\n" + f"{'system':<12}" + "".join(f"{h:>10}" for _, h in cols) + "   (ms; tok/s, req/s, s)")
+    print(
+        "\n" + f"{'system':<12}" + "".join(f"{h:>10}" for _, h in cols) + "   (ms; tok/s, req/s, s)"
+    )
     for name in [k for k in report if k == "cluster" or k.startswith("baseline_")]:
-        print(f"{name:<12}" + "".join(f"{report[name][k]:>10.1f}" if report[name].get(k) is not None else f"{'-':>10}" for k, _ in cols))
+        print(
+            f"{name:<12}"
+            + "".join(
+                f"{report[name][k]:>10.1f}" if report[name].get(k) is not None else f"{'-':>10}"
+                for k, _ in cols
+            )
+        )
     print("\nratios:", json.dumps(report.get("ratios", {}), indent=1))
     print("cluster, server-side under load:", json.dumps(report["cluster"]["server_profile_load"]))
     print("cluster, server-side idle:", json.dumps(report["cluster"]["server_profile_idle"]))
-    print("cluster, CPU-s by process under load:", json.dumps(report["cluster"]["cpu_s_by_process_load"]))
+    print(
+        "cluster, CPU-s by process under load:",
+        json.dumps(report["cluster"]["cpu_s_by_process_load"]),
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -380,13 +470,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=5.0, help="mean arrivals per second (Poisson)")
     p.add_argument("--image-fraction", type=float, default=0.5)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=64, help="most requests in flight at the cluster")
+    p.add_argument(
+        "--concurrency", type=int, default=64, help="most requests in flight at the cluster"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--idle-requests", type=int, default=8, help="sequential single-image requests for idle TTFT")
+    p.add_argument(
+        "--idle-requests",
+        type=int,
+        default=8,
+        help="sequential single-image requests for idle TTFT",
+    )
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--baseline-threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    p.add_argument(
+        "--baseline-threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2]
+    )
     p.add_argument("--skip-baseline", action="store_true", help="cluster only (tuning runs)")
-    p.add_argument("--stream-interval", type=int, help="override the config's decode.stream_interval (tokens per streamed chunk)")
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        help="override the config's decode.stream_interval (tokens per streamed chunk)",
+    )
     p.add_argument("--out", default="bench_load.json")
     return p.parse_args(argv)
 
@@ -395,10 +498,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     reqs = make_workload(args.num_requests, args.rate, args.image_fraction, args.seed)
     idle = make_workload(args.idle_requests, 0.0, 1.0, args.seed + 1)
-    warmup = make_workload(args.warmup, 0.0, 1.0, args.seed + 2)  # own images: the encoder caches by content
+    warmup = make_workload(
+        args.warmup, 0.0, 1.0, args.seed + 2
+    )  # own images: the encoder caches by content
     report = {
         "args": vars(args),
-        "workload": {"requests": len(reqs), "images": sum(r.png is not None for r in reqs), "arrival_span_s": reqs[-1].arrival_s},
+        "workload": {
+            "requests": len(reqs),
+            "images": sum(r.png is not None for r in reqs),
+            "arrival_span_s": reqs[-1].arrival_s,
+        },
     }
     report["cluster"] = run_cluster(args, reqs, idle, warmup)
     if not args.skip_baseline:

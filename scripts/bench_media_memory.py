@@ -35,9 +35,13 @@ def image_url(megapixels: float, fmt: str, seed: int) -> str:
     ramp = np.linspace(0, 255, side, dtype=np.float32)
     noise = np.random.default_rng(seed).integers(0, 16, (side, side), dtype=np.uint8)
     channel = (ramp[None, :] * 0.5 + ramp[:, None] * 0.5).astype(np.uint8) + noise
-    bands = [channel, channel[::-1], channel.T] + ([np.full_like(channel, 200)] if fmt == "png" else [])
+    bands = [channel, channel[::-1], channel.T] + (
+        [np.full_like(channel, 200)] if fmt == "png" else []
+    )
     buf = io.BytesIO()
-    Image.fromarray(np.dstack(bands)).save(buf, fmt.upper(), **({"compress_level": 1} if fmt == "png" else {}))
+    Image.fromarray(np.dstack(bands)).save(
+        buf, fmt.upper(), **({"compress_level": 1} if fmt == "png" else {})
+    )
     return f"data:image/{fmt};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
@@ -74,7 +78,11 @@ def children_rss(process: psutil.Process) -> int:
     return total
 
 
-MODES = {"unbounded": "unbounded, no trim", "slots": "decode slots in-process + malloc_trim", "procs": "capped decoding processes"}
+MODES = {
+    "unbounded": "unbounded, no trim",
+    "slots": "decode slots in-process + malloc_trim",
+    "procs": "capped decoding processes",
+}
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -95,7 +103,10 @@ def child(args: argparse.Namespace) -> dict:
 
     def request(_) -> int:  # one request's items, held until all are decoded
         if args.mode != "unbounded":
-            items = [load_media_item(Modality.IMAGE, u, namespace="m", limits=limits, param="p").data for u in urls]
+            items = [
+                load_media_item(Modality.IMAGE, u, namespace="m", limits=limits, param="p").data
+                for u in urls
+            ]
         else:
             items = [decode_media(Modality.IMAGE, u, limits=limits, param="p").data for u in urls]
         return sum(i.nbytes for i in items)
@@ -124,10 +135,14 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=4, help="images per request")
     parser.add_argument("--megapixels", type=float, default=16.0)
     parser.add_argument("--format", choices=["png", "jpeg"], default="png")
-    parser.add_argument("--slots", type=int, default=2, help="limits.max_concurrent_decodes for the ingress path")
+    parser.add_argument(
+        "--slots", type=int, default=2, help="limits.max_concurrent_decodes for the ingress path"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=list(MODES), default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--modes", default=",".join(MODES), help="which of unbounded, slots, procs to run, in order")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="which of unbounded, slots, procs to run, in order"
+    )
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args)), flush=True)
@@ -156,7 +171,10 @@ def main() -> None:
             flush=True,
         )
         command = [sys.executable, __file__, "--child", *common, "--mode", mode]
-        print(subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip(), flush=True)
+        print(
+            subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip(),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -48,8 +48,13 @@ VIDEO_FRAMES, VIDEO_FPS, AUDIO_S, IMAGE_SIDE = 30, 3, 30.0, 336
 
 def image_part(rng: np.random.Generator) -> dict:
     buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)).save(buf, format="PNG")
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+    Image.fromarray(rng.integers(0, 256, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)).save(
+        buf, format="PNG"
+    )
+    return {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+    }
 
 
 def video_part(rng: np.random.Generator) -> dict:
@@ -57,18 +62,39 @@ def video_part(rng: np.random.Generator) -> dict:
     (random indices into one random 256-colour palette): RGB frames make Pillow quantize each
     one, 3.6 s a clip, which on a GPU host took longer than the phases the clips were for."""
     palette = rng.integers(0, 256, 768, dtype=np.uint8).tobytes()
-    frames = [Image.frombytes("P", (224, 224), rng.integers(0, 256, 224 * 224, dtype=np.uint8).tobytes()) for _ in range(VIDEO_FRAMES)]
+    frames = [
+        Image.frombytes("P", (224, 224), rng.integers(0, 256, 224 * 224, dtype=np.uint8).tobytes())
+        for _ in range(VIDEO_FRAMES)
+    ]
     for frame in frames:
         frame.putpalette(palette)
     buf = io.BytesIO()
-    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=1000 // VIDEO_FPS, loop=0)
-    return {"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()}}
+    frames[0].save(
+        buf,
+        format="GIF",
+        save_all=True,
+        append_images=frames[1:],
+        duration=1000 // VIDEO_FPS,
+        loop=0,
+    )
+    return {
+        "type": "video_url",
+        "video_url": {"url": "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()},
+    }
 
 
 def audio_part(rng: np.random.Generator) -> dict:
     buf = io.BytesIO()
-    soundfile.write(buf, (0.1 * rng.standard_normal(int(AUDIO_S * 16000))).astype(np.float32), 16000, format="WAV")
-    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
+    soundfile.write(
+        buf,
+        (0.1 * rng.standard_normal(int(AUDIO_S * 16000))).astype(np.float32),
+        16000,
+        format="WAV",
+    )
+    return {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"},
+    }
 
 
 def request_body(kind: str, rng: np.random.Generator, model: str, max_tokens: int) -> bytes:
@@ -79,7 +105,9 @@ def request_body(kind: str, rng: np.random.Generator, model: str, max_tokens: in
         "video": [video_part(rng)],
         "audio": [audio_part(rng)],
     }[kind]
-    content = media + [{"type": "text", "text": f"Describe what you see and hear, case {rng.integers(1e6)}."}]
+    content = media + [
+        {"type": "text", "text": f"Describe what you see and hear, case {rng.integers(1e6)}."}
+    ]
     return json.dumps(
         {
             "model": model,
@@ -92,7 +120,9 @@ def request_body(kind: str, rng: np.random.Generator, model: str, max_tokens: in
     ).encode()
 
 
-def workload(kinds: list[str], rate_rps: float, seed: int, model: str, max_tokens: int) -> list[tuple[str, float, bytes]]:
+def workload(
+    kinds: list[str], rate_rps: float, seed: int, model: str, max_tokens: int
+) -> list[tuple[str, float, bytes]]:
     """(kind, arrival_s, body) with Poisson arrivals at `rate_rps`."""
     rnd, rng, t, out = random.Random(seed), np.random.default_rng(seed), 0.0, []
     for kind in kinds:
@@ -101,7 +131,9 @@ def workload(kinds: list[str], rate_rps: float, seed: int, model: str, max_token
     return out
 
 
-async def replay(url: str, reqs: list[tuple[str, float, bytes]], desc: str) -> dict[str, list[float]]:
+async def replay(
+    url: str, reqs: list[tuple[str, float, bytes]], desc: str
+) -> dict[str, list[float]]:
     """TTFT in ms per request kind."""
     bar = tqdm(total=len(reqs), desc=desc, unit="req")
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
@@ -151,12 +183,39 @@ def text_vs_video(url: str, model: str, args) -> dict:
     rounds = []
     for r in range(args.rounds):
         texts, mixed = ["text"] * args.text_requests, mixed_kinds(args.text_requests, r)
-        alone = asyncio.run(replay(url, workload(texts, text_rate, 100 + r, model, args.max_tokens), f"round {r}: text only"))
-        with_video = asyncio.run(replay(url, workload(mixed, text_rate * 1.25, 100 + r, model, args.max_tokens), f"round {r}: text + 20% video"))
-        rounds.append({"text_alone_ms": alone["text"], "text_with_video_ms": with_video["text"], "video_ms": with_video.get("video", [])})
+        alone = asyncio.run(
+            replay(
+                url,
+                workload(texts, text_rate, 100 + r, model, args.max_tokens),
+                f"round {r}: text only",
+            )
+        )
+        with_video = asyncio.run(
+            replay(
+                url,
+                workload(mixed, text_rate * 1.25, 100 + r, model, args.max_tokens),
+                f"round {r}: text + 20% video",
+            )
+        )
+        rounds.append(
+            {
+                "text_alone_ms": alone["text"],
+                "text_with_video_ms": with_video["text"],
+                "video_ms": with_video.get("video", []),
+            }
+        )
     stat = lambda key, q: float(np.median([pct(rd[key], q) for rd in rounds]))
-    out = {f"{key}_p{q}": stat(key, q) for key in ("text_alone_ms", "text_with_video_ms", "video_ms") for q in (50, 99)}
-    out |= {"mixed_capacity_rps": capacity, "load_fraction": args.load_fraction, "text_rate_rps": text_rate, "mixed_rate_rps": text_rate * 1.25}
+    out = {
+        f"{key}_p{q}": stat(key, q)
+        for key in ("text_alone_ms", "text_with_video_ms", "video_ms")
+        for q in (50, 99)
+    }
+    out |= {
+        "mixed_capacity_rps": capacity,
+        "load_fraction": args.load_fraction,
+        "text_rate_rps": text_rate,
+        "mixed_rate_rps": text_rate * 1.25,
+    }
     out["ratio_p50"] = out["text_with_video_ms_p50"] / out["text_alone_ms_p50"]
     out["ratio_p99"] = out["text_with_video_ms_p99"] / out["text_alone_ms_p99"]
     out["rounds"] = [{k: [round(x, 1) for x in v] for k, v in rd.items()} for rd in rounds]
@@ -166,8 +225,13 @@ def text_vs_video(url: str, model: str, args) -> dict:
 def seed_mix(url: str, model: str, args) -> dict:
     rnd = random.Random(7)
     kinds = rnd.choices(list(DEFAULT_MIX), weights=list(DEFAULT_MIX.values()), k=args.mix_requests)
-    ttft = asyncio.run(replay(url, workload(kinds, args.mix_rate, 7, model, args.max_tokens), "seed mix"))
-    return {kind: {"n": len(v), "ttft_p50_ms": pct(v, 50), "ttft_p99_ms": pct(v, 99)} for kind, v in sorted(ttft.items())}
+    ttft = asyncio.run(
+        replay(url, workload(kinds, args.mix_rate, 7, model, args.max_tokens), "seed mix")
+    )
+    return {
+        kind: {"n": len(v), "ttft_p50_ms": pct(v, 50), "ttft_p99_ms": pct(v, 99)}
+        for kind, v in sorted(ttft.items())
+    }
 
 
 def encoder_throughput(cfg, args) -> dict:
@@ -180,18 +244,29 @@ def encoder_throughput(cfg, args) -> dict:
     from cluster.prompt_plan import PromptPlanner
 
     planner, pool = PromptPlanner(cfg.model.checkpoint_path), cfg.encoder_pools[0]
-    spec = WorkerSpec(str(cfg.model.checkpoint_path), cfg.model.resolved_dtype, cfg.model.device, pool.torch_threads, cfg.model.max_model_len)
+    spec = WorkerSpec(
+        str(cfg.model.checkpoint_path),
+        cfg.model.resolved_dtype,
+        cfg.model.device,
+        pool.torch_threads,
+        cfg.model.max_model_len,
+    )
     items = sample_items(planner, args)
     out = {}
     for batch in (1, pool.max_batch_size):
         actor = EncoderActor.options(num_cpus=0).remote(spec, batch, pool.max_wait_ms, 0.0)
         ray.get(actor.ready.remote())
         for modality, group in items.items():
-            jobs = [EncodeJob(f"bench-{i}", item, planner.spec.num_embeddings(item)) for i, item in enumerate(group)]
+            jobs = [
+                EncodeJob(f"bench-{i}", item, planner.spec.num_embeddings(item))
+                for i, item in enumerate(group)
+            ]
             ray.get([actor.encode.remote(job) for job in jobs[:1]])  # warm-up
             started = time.perf_counter()
             ray.get([actor.encode.remote(job) for job in jobs])
-            out.setdefault(modality, {})[f"batch_{batch}_items_per_s"] = len(jobs) / (time.perf_counter() - started)
+            out.setdefault(modality, {})[f"batch_{batch}_items_per_s"] = len(jobs) / (
+                time.perf_counter() - started
+            )
         ray.kill(actor)
     for row in out.values():
         row["ratio"] = row[f"batch_{pool.max_batch_size}_items_per_s"] / row["batch_1_items_per_s"]
@@ -207,7 +282,10 @@ def sample_items(planner, args) -> dict:
     from router.types import Modality
 
     rng, limits = np.random.default_rng(3), LimitsConfig()
-    options = MediaOptions(audio_sample_rate_hz=planner.spec.audio_sample_rate_hz, video_sampling=VideoSampling(fps=VIDEO_FPS, max_frames=32))
+    options = MediaOptions(
+        audio_sample_rate_hz=planner.spec.audio_sample_rate_hz,
+        video_sampling=VideoSampling(fps=VIDEO_FPS, max_frames=32),
+    )
     make = {
         Modality.IMAGE: (image_part, "image_url", 16),
         Modality.VIDEO: (video_part, "video_url", 4),
@@ -217,7 +295,15 @@ def sample_items(planner, args) -> dict:
     for modality, (part, key, n) in make.items():
         payloads = [part(rng)[key] for _ in range(n)]
         items[modality.value] = [
-            load_media_item(modality, p.get("url") or p["data"], namespace="bench", limits=limits, param="x", format=p.get("format"), options=options)
+            load_media_item(
+                modality,
+                p.get("url") or p["data"],
+                namespace="bench",
+                limits=limits,
+                param="x",
+                format=p.get("format"),
+                options=options,
+            )
             for p in payloads
         ]
     return items
@@ -226,7 +312,9 @@ def sample_items(planner, args) -> dict:
 def prefix_tokens(base_url: str) -> dict[str, float]:
     """Prompt tokens found in the prefix cache (hit) and computed (miss), from the ingress's /metrics."""
     text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
-    total = lambda name: sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    total = lambda name: sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)
+    )
     hits, queries = total("epd:prefix_cache_hits_total"), total("epd:prefix_cache_queries_total")
     return {"hit": hits, "miss": queries - hits}
 
@@ -249,15 +337,32 @@ def multi_turn(url: str, model: str, args) -> dict:
         turn1, turn2, hits = [], [], {"hit": 0.0, "miss": 0.0}
         async with httpx.AsyncClient(timeout=600) as client:
             for i in tqdm(range(args.conversations), desc="multi-turn", unit="conv"):
-                first = [{"role": "user", "content": [image_part(rng), {"type": "text", "text": f"What is in this picture, case {i}?"}]}]
-                turn1.append((await stream_one(client, url, body(first), 0.0, time.perf_counter())).ttft_s * 1e3)
+                first = [
+                    {
+                        "role": "user",
+                        "content": [
+                            image_part(rng),
+                            {"type": "text", "text": f"What is in this picture, case {i}?"},
+                        ],
+                    }
+                ]
+                turn1.append(
+                    (await stream_one(client, url, body(first), 0.0, time.perf_counter())).ttft_s
+                    * 1e3
+                )
                 # A fixed reply stands in for the answer: the prefix turn 2 shares is turn 1's whole prompt either way.
                 second = first + [
                     {"role": "assistant", "content": "A picture of coloured noise."},
-                    {"role": "user", "content": [{"type": "text", "text": "Which colour is most common?"}]},
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "Which colour is most common?"}],
+                    },
                 ]
                 before = prefix_tokens(base)
-                turn2.append((await stream_one(client, url, body(second), 0.0, time.perf_counter())).ttft_s * 1e3)
+                turn2.append(
+                    (await stream_one(client, url, body(second), 0.0, time.perf_counter())).ttft_s
+                    * 1e3
+                )
                 after = prefix_tokens(base)
                 for r in hits:
                     hits[r] += after[r] - before[r]
@@ -287,13 +392,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         help="offer the text+video phase this fraction of the mix's measured capacity (overrides --text-rate)",
     )
-    p.add_argument("--capacity-text-requests", type=int, default=16, help="capacity probe: text requests (plus a quarter as many videos)")
+    p.add_argument(
+        "--capacity-text-requests",
+        type=int,
+        default=16,
+        help="capacity probe: text requests (plus a quarter as many videos)",
+    )
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--mix-requests", type=int, default=40)
     p.add_argument("--mix-rate", type=float, default=0.5)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--conversations", type=int, default=10, help="multi-turn: conversations, one at a time")
-    p.add_argument("--skip", nargs="*", default=[], choices=["text_vs_video", "seed_mix", "encoder_throughput", "multi_turn"])
+    p.add_argument(
+        "--conversations", type=int, default=10, help="multi-turn: conversations, one at a time"
+    )
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["text_vs_video", "seed_mix", "encoder_throughput", "multi_turn"],
+    )
     p.add_argument("--out", default="/tmp/bench_modalities.json")
     return p.parse_args(argv)
 
@@ -309,10 +426,18 @@ def main(argv=None) -> int:
     cfg = load_config(args.config)
     ensure_model(cfg)
     if any(name in ("raylet", "gcs_server") for name, _, _ in procs().values()):
-        sys.exit("a Ray cluster is already running on this host; wait for it to stop before benchmarking")
+        sys.exit(
+            "a Ray cluster is already running on this host; wait for it to stop before benchmarking"
+        )
     url, report = f"{start(cfg)}/chat/completions", {"config": args.config, "args": vars(args)}
     try:
-        asyncio.run(replay(url, workload(["text", "image", "video", "audio"], 100.0, 1, cfg.model.served_name, 4), "warm-up"))
+        asyncio.run(
+            replay(
+                url,
+                workload(["text", "image", "video", "audio"], 100.0, 1, cfg.model.served_name, 4),
+                "warm-up",
+            )
+        )
         phases = {
             "text_vs_video": lambda: text_vs_video(url, cfg.model.served_name, args),
             "seed_mix": lambda: seed_mix(url, cfg.model.served_name, args),
@@ -325,11 +450,15 @@ def main(argv=None) -> int:
             with CpuWatch() as watch:
                 report[name] = phase()
             report[f"{name}_other_cpu_s"] = watch.other_cpu_s
-            Path(args.out).write_text(json.dumps(report, indent=2))  # each phase kept even if a later one fails
+            Path(args.out).write_text(
+                json.dumps(report, indent=2)
+            )  # each phase kept even if a later one fails
     finally:
         serve.shutdown()
         ray.shutdown()
-    print(json.dumps({k: v for k, v in report.items() if k != "args"}, indent=2, default=str)[:4000])
+    print(
+        json.dumps({k: v for k, v in report.items() if k != "args"}, indent=2, default=str)[:4000]
+    )
     return 0
 
 

@@ -57,7 +57,9 @@ def ms_per_token(lm, budget: int, prompts: list[tuple[int, ...]]) -> float:
     return (time.perf_counter() - started) * 1e3 / tokens
 
 
-def replay(lm, budget: int, aging: float, prompts: list[tuple[int, ...]], arrivals_s: np.ndarray, bar) -> np.ndarray:
+def replay(
+    lm, budget: int, aging: float, prompts: list[tuple[int, ...]], arrivals_s: np.ndarray, bar
+) -> np.ndarray:
     """Feed the prompts at their arrival times, step while there is work; TTFT ms of each."""
     engine = PrefillEngine(LMRunner(lm, budget), budget, aging_tokens_per_s=aging)
     ttft_ms, nxt, t0 = np.full(len(prompts), np.nan), 0, time.perf_counter()
@@ -85,8 +87,12 @@ def plot(results: dict[float, list[np.ndarray]], path: Path, title: str) -> None
     fig, ax = plt.subplots(figsize=(7, 4))
     for aging, runs in results.items():
         ttft = np.sort(np.concatenate(runs))
-        ax.plot(ttft / 1e3, np.arange(1, len(ttft) + 1) / len(ttft), label=f"aging {aging:g} tokens/s")
-    ax.set(xscale="log", xlabel="TTFT (s), prefill only", ylabel="fraction of requests", title=title)
+        ax.plot(
+            ttft / 1e3, np.arange(1, len(ttft) + 1) / len(ttft), label=f"aging {aging:g} tokens/s"
+        )
+    ax.set(
+        xscale="log", xlabel="TTFT (s), prefill only", ylabel="fraction of requests", title=title
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -99,7 +105,9 @@ def simulated_shape_c(args) -> None:
     from router.sim.cluster_model import capacity_rps
     from router.sim.loop import simulate
 
-    print("shape C, simulated: TTFT ms p50 / p90 / p99 / max (mean over seeds), and against the first setting")
+    print(
+        "shape C, simulated: TTFT ms p50 / p90 / p99 / max (mean over seeds), and against the first setting"
+    )
     for load in args.loads:
         for policy in ("joint", "least_loaded"):
             base = None
@@ -108,7 +116,9 @@ def simulated_shape_c(args) -> None:
                 for seed in args.seeds:
                     cluster, wl = two_workers(6000, seed)
                     cluster = cluster.with_costs(prefill_aging_tokens_per_s=aging)
-                    r = simulate(cluster, wl.at_rate(load * capacity_rps(cluster, wl)), policy, seed=seed)
+                    r = simulate(
+                        cluster, wl.at_rate(load * capacity_rps(cluster, wl)), policy, seed=seed
+                    )
                     rows.append(np.percentile(r.ttft_ms, PERCENTILES))
                 q = np.mean(rows, axis=0)
                 base = q if base is None else base
@@ -123,15 +133,25 @@ def simulated_shape_c(args) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(REPO_ROOT / "configs" / "bench_cpu.yaml"))
-    p.add_argument("--aging", type=float, nargs="+", default=[0.0, 100.0], help="settings to compare; the first is the baseline")
+    p.add_argument(
+        "--aging",
+        type=float,
+        nargs="+",
+        default=[0.0, 100.0],
+        help="settings to compare; the first is the baseline",
+    )
     p.add_argument("--load", type=float, default=0.85, help="share of the measured capacity")
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--budget", type=int, default=512, help="tokens per prefill step")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="/tmp/bench_prefill_aging.json")
-    p.add_argument("--simulate", action="store_true", help="the simulator on shape C instead of the engine")
-    p.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.8, 0.9], help="with --simulate")
+    p.add_argument(
+        "--simulate", action="store_true", help="the simulator on shape C instead of the engine"
+    )
+    p.add_argument(
+        "--loads", type=float, nargs="+", default=[0.5, 0.8, 0.9], help="with --simulate"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="with --simulate")
     args = p.parse_args(argv)
     if args.simulate:
@@ -140,7 +160,12 @@ def main(argv=None) -> int:
     cfg = load_config(args.config)
     ensure_model(cfg)
     torch.set_num_threads(1)  # as the workers run
-    lm = load_adapter(cfg.model.checkpoint_path, part=Part.LANGUAGE_MODEL, dtype=cfg.model.dtype, device=cfg.model.device)
+    lm = load_adapter(
+        cfg.model.checkpoint_path,
+        part=Part.LANGUAGE_MODEL,
+        dtype=cfg.model.dtype,
+        device=cfg.model.device,
+    )
     vocab, rng = lm.config.text_config.vocab_size, np.random.default_rng(args.seed)
     lengths = rng.integers(120, 1344, args.requests)
     prompts = [prompt(rng, int(n), vocab) for n in lengths]
@@ -148,7 +173,9 @@ def main(argv=None) -> int:
     rate = args.load / (per_token_ms * lengths.mean() / 1e3)
     arrivals_s = np.cumsum(rng.exponential(1.0 / rate, args.requests))
     results: dict[float, list[np.ndarray]] = {a: [] for a in args.aging}
-    with tqdm(total=args.rounds * len(args.aging) * args.requests, desc="prefills", unit="req") as bar:
+    with tqdm(
+        total=args.rounds * len(args.aging) * args.requests, desc="prefills", unit="req"
+    ) as bar:
         for r in range(args.rounds):
             for aging in args.aging if r % 2 == 0 else list(reversed(args.aging)):
                 results[aging].append(replay(lm, args.budget, aging, prompts, arrivals_s, bar))
@@ -156,13 +183,27 @@ def main(argv=None) -> int:
     report = {"args": vars(args), "ms_per_token": per_token_ms, "rate_rps": rate, "settings": {}}
     for aging, runs in results.items():
         pct = [np.percentile(t, PERCENTILES) for t in runs]
-        ratios = [(q / np.percentile(b, PERCENTILES)).round(3).tolist() for q, b in zip(pct, results[base])]  # round by round
-        report["settings"][str(aging)] = {"ttft_ms_p50_p90_p99_max": [q.round(1).tolist() for q in pct], f"vs_aging_{base:g}": ratios}
+        ratios = [
+            (q / np.percentile(b, PERCENTILES)).round(3).tolist()
+            for q, b in zip(pct, results[base])
+        ]  # round by round
+        report["settings"][str(aging)] = {
+            "ttft_ms_p50_p90_p99_max": [q.round(1).tolist() for q in pct],
+            f"vs_aging_{base:g}": ratios,
+        }
     Path(args.out).write_text(json.dumps(report, indent=2))
-    plot(results, Path(args.out).with_suffix(".png"), f"one prefill worker at {args.load:.0%} load, {args.requests} prompts x {args.rounds}")
-    print(f"{per_token_ms:.3f} ms a token alone; {rate:.2f} req/s offered ({args.load:.0%}); TTFT ms p50 / p90 / p99 / max, per round:")
+    plot(
+        results,
+        Path(args.out).with_suffix(".png"),
+        f"one prefill worker at {args.load:.0%} load, {args.requests} prompts x {args.rounds}",
+    )
+    print(
+        f"{per_token_ms:.3f} ms a token alone; {rate:.2f} req/s offered ({args.load:.0%}); TTFT ms p50 / p90 / p99 / max, per round:"
+    )
     for aging, row in report["settings"].items():
-        for r, (q, ratio) in enumerate(zip(row["ttft_ms_p50_p90_p99_max"], row[f"vs_aging_{base:g}"])):
+        for r, (q, ratio) in enumerate(
+            zip(row["ttft_ms_p50_p90_p99_max"], row[f"vs_aging_{base:g}"])
+        ):
             print(
                 f"  aging {float(aging):6g}  round {r}: "
                 + " / ".join(f"{v:8.0f}" for v in q)

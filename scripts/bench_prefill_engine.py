@@ -48,7 +48,9 @@ from router.types import Modality  # noqa: E402
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
-def run(engine: PrefillEngine, requests: list[tuple[PrefillRequest, list[torch.Tensor]]]) -> dict[str, tuple[float, int]]:
+def run(
+    engine: PrefillEngine, requests: list[tuple[PrefillRequest, list[torch.Tensor]]]
+) -> dict[str, tuple[float, int]]:
     """Add all at once, step to the end: per request (ms from the add to its first token, cached tokens)."""
     started, out = time.perf_counter(), {}
     for request, items in requests:
@@ -61,7 +63,13 @@ def run(engine: PrefillEngine, requests: list[tuple[PrefillRequest, list[torch.T
 
 def request(planner, name: str, messages: list[dict], items: list[MediaItem]) -> PrefillRequest:
     plan = planner.plan(messages, items)
-    return PrefillRequest(name, plan.token_ids, plan.placeholders, GREEDY, media_identifiers=tuple(i.identifier for i in plan.items))
+    return PrefillRequest(
+        name,
+        plan.token_ids,
+        plan.placeholders,
+        GREEDY,
+        media_identifiers=tuple(i.identifier for i in plan.items),
+    )
 
 
 def multi_turn(planner, lm, encoder, args) -> dict:
@@ -71,9 +79,19 @@ def multi_turn(planner, lm, encoder, args) -> dict:
     t1, t2, t2_cold, hit, total = [], [], [], 0, 0
     for i in range(args.conversations):
         array = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
-        item = MediaItem(Modality.IMAGE, media_identifier("bench", Modality.IMAGE, array), data=array)
+        item = MediaItem(
+            Modality.IMAGE, media_identifier("bench", Modality.IMAGE, array), data=array
+        )
         [emb] = encoder.encode([item])
-        first = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"What is in this picture, case {i}?"}]}]
+        first = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image"},
+                    {"type": "text", "text": f"What is in this picture, case {i}?"},
+                ],
+            }
+        ]
         second = first + [
             {"role": "assistant", "content": "A picture of coloured noise."},
             {"role": "user", "content": [{"type": "text", "text": "Which colour is most common?"}]},
@@ -99,20 +117,42 @@ def multi_turn(planner, lm, encoder, args) -> dict:
 
 def short_behind_long(lm, args) -> dict:
     rng = np.random.default_rng(5)
-    long = PrefillRequest("long", tuple(int(t) for t in rng.integers(10, 1000, args.long_tokens)), (), GREEDY)
-    shorts = [PrefillRequest(f"s{i}", tuple(int(t) for t in rng.integers(10, 1000, 40)), (), GREEDY) for i in range(args.shorts)]
+    long = PrefillRequest(
+        "long", tuple(int(t) for t in rng.integers(10, 1000, args.long_tokens)), (), GREEDY
+    )
+    shorts = [
+        PrefillRequest(f"s{i}", tuple(int(t) for t in rng.integers(10, 1000, 40)), (), GREEDY)
+        for i in range(args.shorts)
+    ]
     out = {}
-    for order in (Order.ARRIVAL, Order.SHORTEST_REMAINING, Order.ARRIVAL, Order.SHORTEST_REMAINING):  # twice each: this host is noisy
-        got = run(PrefillEngine(LMRunner(lm), args.budget, order=order), [(r, []) for r in [long, *shorts]])
+    for order in (
+        Order.ARRIVAL,
+        Order.SHORTEST_REMAINING,
+        Order.ARRIVAL,
+        Order.SHORTEST_REMAINING,
+    ):  # twice each: this host is noisy
+        got = run(
+            PrefillEngine(LMRunner(lm), args.budget, order=order),
+            [(r, []) for r in [long, *shorts]],
+        )
         row = out.setdefault(order.value, {"short_ms": [], "long_ms": []})
         row["short_ms"].append(statistics.median(got[r.request_id][0] for r in shorts))
         row["long_ms"].append(got["long"][0])
     summary = {order: {k: min(v) for k, v in row.items()} for order, row in out.items()}
     srf, queue = summary[Order.SHORTEST_REMAINING.value], summary[Order.ARRIVAL.value]
-    return {**summary, "short_ratio_srf_vs_queue": srf["short_ms"] / queue["short_ms"], "long_ratio_srf_vs_queue": srf["long_ms"] / queue["long_ms"]}
+    return {
+        **summary,
+        "short_ratio_srf_vs_queue": srf["short_ms"] / queue["short_ms"],
+        "long_ratio_srf_vs_queue": srf["long_ms"] / queue["long_ms"],
+    }
 
 
-def ttft_ms(engine: PrefillEngine, request: PrefillRequest, encode: Callable[[], torch.Tensor], overlap: bool) -> float:
+def ttft_ms(
+    engine: PrefillEngine,
+    request: PrefillRequest,
+    encode: Callable[[], torch.Tensor],
+    overlap: bool,
+) -> float:
     """ms from the start to the first token; `encode` runs in a thread of its own."""
     started, encoded = time.perf_counter(), {}
 
@@ -149,22 +189,42 @@ def encoders(encoder, item: MediaItem) -> dict[str, Callable[[], torch.Tensor]]:
         torch.set_num_threads(1)  # as the workers run
         return encoder.encode([item])[0]
 
-    return {"separate": lambda: time.sleep(encode_s) or emb, "same_process": here, "encode_ms": encode_s * 1e3}
+    return {
+        "separate": lambda: time.sleep(encode_s) or emb,
+        "same_process": here,
+        "encode_ms": encode_s * 1e3,
+    }
 
 
 def overlap_encode(planner, lm, encoder, args) -> dict:
-    rng, text = np.random.default_rng(13), " ".join(f"note{i % 97}" for i in range(args.text_tokens * 2 // 7))
+    rng, text = (
+        np.random.default_rng(13),
+        " ".join(f"note{i % 97}" for i in range(args.text_tokens * 2 // 7)),
+    )
     rows: dict[tuple[str, bool], list[float]] = {}
     encode_ms = []
     for trial in range(-1, args.overlap_trials):  # trial -1 warms up, untimed
         array = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
-        item = MediaItem(Modality.IMAGE, media_identifier("bench", Modality.IMAGE, array), data=array)
-        messages = [{"role": "user", "content": [{"type": "text", "text": text}, {"type": "image"}, {"type": "text", "text": "What now?"}]}]
+        item = MediaItem(
+            Modality.IMAGE, media_identifier("bench", Modality.IMAGE, array), data=array
+        )
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": text},
+                    {"type": "image"},
+                    {"type": "text", "text": "What now?"},
+                ],
+            }
+        ]
         req = request(planner, f"o{trial}", messages, [item])
         arms = encoders(encoder, item)
         encode_ms.append(arms.pop("encode_ms"))
         for mode, encode in arms.items():
-            for overlap in (False, True) if trial % 2 else (True, False):  # alternate who goes first: this host drifts
+            for overlap in (
+                (False, True) if trial % 2 else (True, False)
+            ):  # alternate who goes first: this host drifts
                 measured = ttft_ms(PrefillEngine(LMRunner(lm), args.budget), req, encode, overlap)
                 rows.setdefault((mode, overlap), []).extend([measured] if trial >= 0 else [])
     med = statistics.median
@@ -180,8 +240,11 @@ def overlap_encode(planner, lm, encoder, args) -> dict:
             "ttft_ms_p50_overlap_off": med(off),
             "ttft_ms_p50_overlap_on": med(on),
             "ratio_on_vs_off_p50": med(on) / med(off),
-            "ratio_on_vs_off_min": min(on) / min(off),  # the least disturbed run of each: this host is shared
-            "ratio_paired_p50": med(a / b for a, b in zip(on, off)),  # each trial's on/off pair ran back to back
+            "ratio_on_vs_off_min": min(on)
+            / min(off),  # the least disturbed run of each: this host is shared
+            "ratio_paired_p50": med(
+                a / b for a, b in zip(on, off)
+            ),  # each trial's on/off pair ran back to back
         }
     return report
 
@@ -194,16 +257,27 @@ def main(argv=None) -> int:
     p.add_argument("--block", type=int, default=16, help="prefix block tokens")
     p.add_argument("--long-tokens", type=int, default=2000)
     p.add_argument("--shorts", type=int, default=4)
-    p.add_argument("--text-tokens", type=int, default=1000, help="overlap: about this much text before the image")
+    p.add_argument(
+        "--text-tokens",
+        type=int,
+        default=1000,
+        help="overlap: about this much text before the image",
+    )
     p.add_argument("--overlap-trials", type=int, default=6)
-    p.add_argument("--only", choices=["multi_turn", "short_behind_long", "overlap_encode"], help="run one phase")
+    p.add_argument(
+        "--only",
+        choices=["multi_turn", "short_behind_long", "overlap_encode"],
+        help="run one phase",
+    )
     p.add_argument("--out", default="/tmp/bench_prefill_engine.json")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
     ensure_model(cfg)
     torch.set_num_threads(1)  # as the workers run
     ckpt = cfg.model.checkpoint_path
-    lm = load_adapter(ckpt, part=Part.LANGUAGE_MODEL, dtype=cfg.model.dtype, device=cfg.model.device)
+    lm = load_adapter(
+        ckpt, part=Part.LANGUAGE_MODEL, dtype=cfg.model.dtype, device=cfg.model.device
+    )
     encoder = load_adapter(ckpt, part=Part.ENCODER, dtype=cfg.model.dtype, device=cfg.model.device)
     planner = PromptPlanner(ckpt)
     phases = {
@@ -212,7 +286,9 @@ def main(argv=None) -> int:
         "overlap_encode": lambda: overlap_encode(planner, lm, encoder, args),
     }
     report = {"config": args.config, "args": vars(args)}
-    report.update({name: run_phase() for name, run_phase in phases.items() if args.only in (None, name)})
+    report.update(
+        {name: run_phase() for name, run_phase in phases.items() if args.only in (None, name)}
+    )
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     return 0

@@ -44,7 +44,14 @@ CLASSES = {
     "audio": ("audio", 30, 1_500, 1),
 }
 MIX = {"text": 0.3, "image": 0.4, "images4": 0.1, "video": 0.1, "audio": 0.1}
-SPLIT_MIX = {"text": 0.3, "image": 0.3, "images4": 0.1, "video": 0.1, "audio": 0.1, "image+audio": 0.1}
+SPLIT_MIX = {
+    "text": 0.3,
+    "image": 0.3,
+    "images4": 0.1,
+    "video": 0.1,
+    "audio": 0.1,
+    "image+audio": 0.1,
+}
 BYTES_PER_EMBEDDING = 4096 * 2
 
 
@@ -71,8 +78,12 @@ class Workload:
     def __init__(self, seed: int, mix: dict[str, float] = MIX):
         self.rng = random.Random(seed)
         self.mix = mix
-        self.recent: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=200))
-        self.prompts = [tuple(f"sys{k}-{b}" for b in range(self.rng.randint(16, 64))) for k in range(8)]
+        self.recent: dict[str, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=200)
+        )
+        self.prompts = [
+            tuple(f"sys{k}-{b}" for b in range(self.rng.randint(16, 64))) for k in range(8)
+        ]
         self.count = 0
 
     def _items(self, cls: str) -> tuple[MediaJob, ...]:
@@ -98,7 +109,9 @@ class Workload:
         return RequestProfile(tokens, items, shared + own, 16, 64)
 
 
-def publish_all(router: Router, now_s: float, sent: dict[int, set[str]], prefixes: dict[int, set[str]]) -> None:
+def publish_all(
+    router: Router, now_s: float, sent: dict[int, set[str]], prefixes: dict[int, set[str]]
+) -> None:
     for e, ids in sent.items():
         router.publish(E, e, now_s=now_s, cached_identifiers=frozenset(ids))
     for p, hashes in prefixes.items():
@@ -112,7 +125,9 @@ def complete(router: Router, decision: RouteDecision, now_s: float, rng: random.
     router.decode_done(decision, now_s)
 
 
-def bench(n: int, policy: str, decisions: int, warmup: int, seed: int, bar: tqdm, split: bool = False) -> tuple[list[float], list[float]]:
+def bench(
+    n: int, policy: str, decisions: int, warmup: int, seed: int, bar: tqdm, split: bool = False
+) -> tuple[list[float], list[float]]:
     """Wall-clock and this thread's CPU time of each timed route() call, in microseconds."""
     router = Router(fleet(n, split), CostPriors(), policy, seed=seed)
     work, rng = Workload(seed, SPLIT_MIX if split else MIX), random.Random(seed)
@@ -148,14 +163,26 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", type=int, nargs="+", default=[16, 256], help="workers of each kind (N means NxNxN)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shapes",
+        type=int,
+        nargs="+",
+        default=[16, 256],
+        help="workers of each kind (N means NxNxN)",
+    )
     parser.add_argument("--policies", nargs="+", default=sorted(POLICIES), choices=sorted(POLICIES))
-    parser.add_argument("--decisions", type=int, default=20_000, help="timed decisions per (shape, policy)")
+    parser.add_argument(
+        "--decisions", type=int, default=20_000, help="timed decisions per (shape, policy)"
+    )
     parser.add_argument("--warmup", type=int, default=2_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--split", action="store_true", help="encoders split by tower (every 4th audio only, the rest image + video) and 10%% image + audio requests"
+        "--split",
+        action="store_true",
+        help="encoders split by tower (every 4th audio only, the rest image + video) and 10%% image + audio requests",
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
@@ -164,7 +191,9 @@ def main() -> None:
     with tqdm(total=total, desc="route() calls", unit="call") as bar:
         for n in args.shapes:
             for policy in args.policies:
-                wall, cpu = bench(n, policy, args.decisions, args.warmup, args.seed, bar, args.split)
+                wall, cpu = bench(
+                    n, policy, args.decisions, args.warmup, args.seed, bar, args.split
+                )
                 rows.append(
                     {
                         "shape": f"{n}x{n}x{n}" + ("-split" if args.split else ""),
@@ -178,13 +207,26 @@ def main() -> None:
                         "cpu_p99_us": round(percentile(cpu, 0.99), 1),
                     }
                 )
-    columns = {"p50_us": "p50 us", "p99_us": "p99 us", "mean_us": "mean us", "max_us": "max us", "cpu_p50_us": "cpu p50", "cpu_p99_us": "cpu p99"}
+    columns = {
+        "p50_us": "p50 us",
+        "p99_us": "p99 us",
+        "mean_us": "mean us",
+        "max_us": "max us",
+        "cpu_p50_us": "cpu p50",
+        "cpu_p99_us": "cpu p99",
+    }
     print(f"\n{'shape':<18}{'policy':<14}" + "".join(f"{title:>9}" for title in columns.values()))
     for row in rows:
-        print(f"{row['shape']:<18}{row['policy']:<14}" + "".join(f"{row[key]:>9}" for key in columns))
-    print("wall: perf_counter around route(); cpu: this thread's CPU time (excludes time the OS ran other processes)")
+        print(
+            f"{row['shape']:<18}{row['policy']:<14}" + "".join(f"{row[key]:>9}" for key in columns)
+        )
+    print(
+        "wall: perf_counter around route(); cpu: this thread's CPU time (excludes time the OS ran other processes)"
+    )
     if args.json:
-        args.json.write_text(json.dumps({"python": sys.version.split()[0], "results": rows}, indent=2))
+        args.json.write_text(
+            json.dumps({"python": sys.version.split()[0], "results": rows}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -36,10 +36,28 @@ POLICIES = ("least_loaded", "joint")
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="variable", choices=live.MODELS, help="the simulator's calibration (bench_routing_live)")
-    p.add_argument("--seeds", type=int, default=4, help="noise seeds per policy; the percentiles are their means")
-    p.add_argument("--calibration", nargs="*", default=[], metavar="KEY=VALUE", help="router CalibrationConfig settings")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        default="variable",
+        choices=live.MODELS,
+        help="the simulator's calibration (bench_routing_live)",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=4,
+        help="noise seeds per policy; the percentiles are their means",
+    )
+    p.add_argument(
+        "--calibration",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="router CalibrationConfig settings",
+    )
     ours, rest = p.parse_known_args(argv)
     return ours, live.parse_args(["--analyze", *rest])
 
@@ -57,12 +75,16 @@ def calibration(pairs: list[str]) -> CalibrationConfig:
         raise SystemExit(f"--calibration: {exc}") from exc
 
 
-def simulated_percentiles(cluster, path: Path, load_mask: np.ndarray, policy: str, seeds: int, seed: int, config) -> np.ndarray:
+def simulated_percentiles(
+    cluster, path: Path, load_mask: np.ndarray, policy: str, seeds: int, seed: int, config
+) -> np.ndarray:
     """Mean over noise seeds of the load phase's simulated TTFT p50, p90, p99."""
     workload, out = load_trace(path), []
     for s in range(seeds if cluster.costs.variability.enabled else 1):
         seeded = cluster.with_costs(variability=replace(cluster.costs.variability, seed=seed + s))
-        ttft = simulate(seeded, workload, policy, seed=seed + s, router_kwargs={"calibration": config}).ttft_ms
+        ttft = simulate(
+            seeded, workload, policy, seed=seed + s, router_kwargs={"calibration": config}
+        ).ttft_ms
         out.append(np.percentile(ttft[load_mask], [50, 90, 99]))
     return np.mean(out, axis=0)
 
@@ -76,7 +98,10 @@ def replay_round(k: int, runs: dict[str, dict], ours, args, config) -> dict:
     path.write_text("".join(json.dumps(rec) + "\n" for rec in trace))
     in_load = {id(t) for t, _ in pairs}
     mask = np.array([id(rec) in in_load for rec in trace])
-    sim = {pol: simulated_percentiles(cluster, path, mask, pol, ours.seeds, args.seed, config) for pol in POLICIES}
+    sim = {
+        pol: simulated_percentiles(cluster, path, mask, pol, ours.seeds, args.seed, config)
+        for pol in POLICIES
+    }
     ratio = sim["joint"] / sim["least_loaded"]
     measured = {pol: live.live_summary(r)["client_ttft_ms"] for pol, r in runs.items()}
     live_ratio = [measured["joint"][q] / measured["least_loaded"][q] for q in ("p50", "p90", "p99")]
@@ -95,10 +120,15 @@ def two_places(values: list[float]) -> str:
 def main(argv=None) -> int:
     ours, args = parse_args(argv)
     config = calibration(ours.calibration)
-    print(f"joint / least_loaded, p50 p90 p99: live, and simulated ({ours.model} model, {ours.seeds} noise seeds)")
+    print(
+        f"joint / least_loaded, p50 p90 p99: live, and simulated ({ours.model} model, {ours.seeds} noise seeds)"
+    )
     for k, runs in enumerate(live.saved_rounds(args)):
         r = replay_round(k, runs, ours, args, config)
-        print(f"round {k}: live {two_places(r['live'])}   simulated {two_places(r['simulated'])}   (simulated p99 ms: {r['sim_p99_ms']})", flush=True)
+        print(
+            f"round {k}: live {two_places(r['live'])}   simulated {two_places(r['simulated'])}   (simulated p99 ms: {r['sim_p99_ms']})",
+            flush=True,
+        )
     return 0
 
 

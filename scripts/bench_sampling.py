@@ -35,17 +35,26 @@ def main() -> None:
     torch.set_num_threads(1)  # a shared machine: one thread, as the workers run
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(args.batch, args.vocab, generator=gen)
-    ids = torch.randint(0, args.vocab, (args.batch, args.prompt + args.output), generator=gen).tolist()
+    ids = torch.randint(
+        0, args.vocab, (args.batch, args.prompt + args.output), generator=gen
+    ).tolist()
     histories = [TokenHistory(tuple(r[: args.prompt]), tuple(r[args.prompt :])) for r in ids]
     positions = [args.prompt + args.output] * args.batch
     cases = {
         "greedy, no processor": [SamplingParams(temperature=0.0)] * args.batch,
-        "greedy, all penalties": [SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5)] * args.batch,
+        "greedy, all penalties": [
+            SamplingParams(
+                temperature=0.0, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.5
+            )
+        ]
+        * args.batch,
         "greedy, top_logprobs 5": [SamplingParams(temperature=0.0, num_logprobs=5)] * args.batch,
     }
     base = None
     for name, params in cases.items():
-        ms = per_call_ms(lambda params=params: sample_rows(logits, params, positions, histories), args.repeats)
+        ms = per_call_ms(
+            lambda params=params: sample_rows(logits, params, positions, histories), args.repeats
+        )
         base = base or ms
         print(f"{name:26s} {ms:8.3f} ms/step  x{ms / base:.2f}")
 

@@ -59,11 +59,22 @@ def main() -> None:
     for mib in tqdm(args.sizes_mib, desc="sizes"):
         num_bytes = int(mib * 2**20)
         for name, transport in (("object_store", None), ("gloo", "gloo")):
-            median_s = statistics.median(measure(sender, receiver, num_bytes, transport, args.repeats))
-            rows.append({"transport": name, "size_mib": mib, "median_ms": median_s * 1e3, "gib_per_s": num_bytes / median_s / 2**30})
+            median_s = statistics.median(
+                measure(sender, receiver, num_bytes, transport, args.repeats)
+            )
+            rows.append(
+                {
+                    "transport": name,
+                    "size_mib": mib,
+                    "median_ms": median_s * 1e3,
+                    "gib_per_s": num_bytes / median_s / 2**30,
+                }
+            )
     print(f"{'transport':<14}{'MiB':>8}{'median ms':>12}{'GiB/s':>8}")
     for row in rows:
-        print(f"{row['transport']:<14}{row['size_mib']:>8g}{row['median_ms']:>12.2f}{row['gib_per_s']:>8.2f}")
+        print(
+            f"{row['transport']:<14}{row['size_mib']:>8g}{row['median_ms']:>12.2f}{row['gib_per_s']:>8.2f}"
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=2)

@@ -21,7 +21,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--recipe", default="shapes-llava-v2", choices=sorted(SHAPES_RECIPES))
-    parser.add_argument("--seed", type=int, default=4242, help="held-out pictures (training uses the recipe's data_seed)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=4242,
+        help="held-out pictures (training uses the recipe's data_seed)",
+    )
     parser.add_argument("--num-questions", type=int, default=200)
     args = parser.parse_args()
     from transformers import AutoProcessor, LlavaForConditionalGeneration
@@ -32,7 +37,9 @@ def main() -> None:
     load_s = time.perf_counter() - start
     right, asked = Counter(), Counter()
     for s in scenes.samples(args.seed, args.num_questions, asks=SHAPES_RECIPES[args.recipe].asks):
-        answer = processor.tokenizer.decode(generate_answer(model, processor, s), skip_special_tokens=True)
+        answer = processor.tokenizer.decode(
+            generate_answer(model, processor, s), skip_special_tokens=True
+        )
         asked[s.ask] += 1
         right[s.ask] += answer == " " + s.answer
     by_kind = ", ".join(f"{a.value} {right[a]}/{asked[a]}" for a in asked)

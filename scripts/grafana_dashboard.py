@@ -29,7 +29,14 @@ def _ratio(hits: str, queries: str) -> str:
 
 # (title, unit, [(legend, PromQL)])
 PANELS = [
-    ("Time to first token", "s", [("p50", _q("epd:time_to_first_token_seconds", 0.5)), ("p99", _q("epd:time_to_first_token_seconds", 0.99))]),
+    (
+        "Time to first token",
+        "s",
+        [
+            ("p50", _q("epd:time_to_first_token_seconds", 0.5)),
+            ("p99", _q("epd:time_to_first_token_seconds", 0.99)),
+        ],
+    ),
     (
         "Estimated vs measured TTFT (p50)",
         "s",
@@ -39,14 +46,54 @@ PANELS = [
             ("|error| p90", _q("epd:ttft_estimate_abs_error_seconds", 0.9)),
         ],
     ),
-    ("Inter-token latency", "s", [("p50", _q("epd:inter_token_latency_seconds", 0.5)), ("p99", _q("epd:inter_token_latency_seconds", 0.99))]),
-    ("End-to-end latency", "s", [("p50", _q("epd:e2e_request_latency_seconds", 0.5)), ("p99", _q("epd:e2e_request_latency_seconds", 0.99))]),
+    (
+        "Inter-token latency",
+        "s",
+        [
+            ("p50", _q("epd:inter_token_latency_seconds", 0.5)),
+            ("p99", _q("epd:inter_token_latency_seconds", 0.99)),
+        ],
+    ),
+    (
+        "End-to-end latency",
+        "s",
+        [
+            ("p50", _q("epd:e2e_request_latency_seconds", 0.5)),
+            ("p99", _q("epd:e2e_request_latency_seconds", 0.99)),
+        ],
+    ),
     ("Requests by outcome", "reqps", [("{{status}}", _rate("epd:requests_total", "status"))]),
-    ("Finished by reason", "reqps", [("{{finished_reason}}", _rate("epd:request_success_total", "finished_reason"))]),
-    ("Running / waiting", "short", [("running", f"sum(epd:num_requests_running{SEL})"), ("waiting", f"sum(epd:num_requests_waiting{SEL})")]),
-    ("Tokens per second", "short", [("prompt", _rate("epd:prompt_tokens_total")), ("generation", _rate("epd:generation_tokens_total"))]),
-    ("Prefix cache hit rate", "percentunit", [("tokens", _ratio("epd:prefix_cache_hits_total", "epd:prefix_cache_queries_total"))]),
-    ("Encoder cache hit rate", "percentunit", [("items", _ratio("epd:mm_cache_hits_total", "epd:mm_cache_queries_total"))]),
+    (
+        "Finished by reason",
+        "reqps",
+        [("{{finished_reason}}", _rate("epd:request_success_total", "finished_reason"))],
+    ),
+    (
+        "Running / waiting",
+        "short",
+        [
+            ("running", f"sum(epd:num_requests_running{SEL})"),
+            ("waiting", f"sum(epd:num_requests_waiting{SEL})"),
+        ],
+    ),
+    (
+        "Tokens per second",
+        "short",
+        [
+            ("prompt", _rate("epd:prompt_tokens_total")),
+            ("generation", _rate("epd:generation_tokens_total")),
+        ],
+    ),
+    (
+        "Prefix cache hit rate",
+        "percentunit",
+        [("tokens", _ratio("epd:prefix_cache_hits_total", "epd:prefix_cache_queries_total"))],
+    ),
+    (
+        "Encoder cache hit rate",
+        "percentunit",
+        [("items", _ratio("epd:mm_cache_hits_total", "epd:mm_cache_queries_total"))],
+    ),
     ("Stage latency p99", "s", [("{{stage}}", _q("epd:stage_latency_seconds", 0.99, "le, stage"))]),
     (
         "Queue and prefill time p90",
@@ -57,13 +104,43 @@ PANELS = [
             ("decode", _q("epd:request_decode_time_seconds", 0.9)),
         ],
     ),
-    ("Encoder batch size (mean)", "short", [("items", f"{_rate('epd:encoder_batch_size_sum')} / {_rate('epd:encoder_batch_size_count')}")]),
-    ("Outstanding jobs per worker kind", "short", [("{{kind}}", f"sum by(kind) (epd:queue_depth{SEL})")]),
+    (
+        "Encoder batch size (mean)",
+        "short",
+        [
+            (
+                "items",
+                f"{_rate('epd:encoder_batch_size_sum')} / {_rate('epd:encoder_batch_size_count')}",
+            )
+        ],
+    ),
+    (
+        "Outstanding jobs per worker kind",
+        "short",
+        [("{{kind}}", f"sum by(kind) (epd:queue_depth{SEL})")],
+    ),
     ("Retries after a worker failed", "reqps", [("{{kind}}", _rate("epd:retries_total", "kind"))]),
     # Worker series: every replica exposes the same polled values, hence max over replicas first.
-    ("Encoder cache bytes by state", "bytes", [("{{state}}", f"sum by(state) (max by(state, encoder) (epd:encoder_cache_bytes{SEL}))")]),
-    ("Encoder cache evictions", "ops", [("evictions", f"sum (max by(encoder) (rate(epd:encoder_cache_evictions_total{SEL}[$__rate_interval])))")]),
-    ("Decode KV budget reserved", "percentunit", [("decode {{decode}}", f"max by(decode) (epd:kv_cache_usage_perc{SEL})")]),
+    (
+        "Encoder cache bytes by state",
+        "bytes",
+        [("{{state}}", f"sum by(state) (max by(state, encoder) (epd:encoder_cache_bytes{SEL}))")],
+    ),
+    (
+        "Encoder cache evictions",
+        "ops",
+        [
+            (
+                "evictions",
+                f"sum (max by(encoder) (rate(epd:encoder_cache_evictions_total{SEL}[$__rate_interval])))",
+            )
+        ],
+    ),
+    (
+        "Decode KV budget reserved",
+        "percentunit",
+        [("decode {{decode}}", f"max by(decode) (epd:kv_cache_usage_perc{SEL})")],
+    ),
 ]
 
 
@@ -75,7 +152,10 @@ def _panel(index: int, title: str, unit: str, targets: list[tuple[str, str]]) ->
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
         "gridPos": {"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)},
         "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "targets": [{"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend} for i, (legend, expr) in enumerate(targets)],
+        "targets": [
+            {"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend}
+            for i, (legend, expr) in enumerate(targets)
+        ],
     }
 
 

@@ -46,12 +46,18 @@ def main() -> None:
     from actors.checkpoints.build import ensure_checkpoint
 
     checkpoint = (
-        Path(sys.argv[1]) if len(sys.argv) > 1 else ensure_checkpoint(Path("~/.cache/epd/models/tiny-qwen2.5-omni").expanduser(), "tiny-qwen2.5-omni")
+        Path(sys.argv[1])
+        if len(sys.argv) > 1
+        else ensure_checkpoint(
+            Path("~/.cache/epd/models/tiny-qwen2.5-omni").expanduser(), "tiny-qwen2.5-omni"
+        )
     )
     thinker, whole = probe(checkpoint, "thinker"), probe(checkpoint, "whole")
     print(f"checkpoint {checkpoint}")
     for name, row in (("thinker only (epd)", thinker), ("whole model (baseline)", whole)):
-        print(f"{name:24s} params {row['param_mib']:8.2f} MiB   RSS growth {row['rss_growth_mib']:8.2f} MiB")
+        print(
+            f"{name:24s} params {row['param_mib']:8.2f} MiB   RSS growth {row['rss_growth_mib']:8.2f} MiB"
+        )
     print(f"ratio thinker/whole: params {thinker['param_mib'] / whole['param_mib']:.3f}")
 
 

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-LIMIT_BYTES = 32 * 1024 * 1024  # the default limits.max_request_bytes; the oversize case goes just past it
+LIMIT_BYTES = (
+    32 * 1024 * 1024
+)  # the default limits.max_request_bytes; the oversize case goes just past it
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,9 @@ class Case:
     name: str
     body: bytes
     content_type: str = "application/json"
-    modality: str | None = None  # the media the case is about: meaningful only if the model takes it
+    modality: str | None = (
+        None  # the media the case is about: meaningful only if the model takes it
+    )
 
 
 # ----------------------------------------------------------------------------- request bodies
@@ -35,7 +39,13 @@ class Case:
 def chat(model: str, content=None, **extra) -> dict:
     """A small, valid, greedy chat request; `extra` overrides or adds fields."""
     content = "Say hi." if content is None else content
-    return {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 4, **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "temperature": 0,
+        "max_tokens": 4,
+        **extra,
+    }
 
 
 def enc(obj) -> bytes:
@@ -80,7 +90,9 @@ def photo_jpeg(megapixels: float, seed: int = 0) -> bytes:
     noise = np.random.default_rng(seed).integers(0, 16, (side, side), dtype=np.uint8)
     channel = (ramp[None, :] * 0.5 + ramp[:, None] * 0.5).astype(np.uint8) + noise
     out = io.BytesIO()
-    Image.fromarray(np.dstack([channel, channel[::-1], channel.T])).save(out, format="JPEG", quality=85)
+    Image.fromarray(np.dstack([channel, channel[::-1], channel.T])).save(
+        out, format="JPEG", quality=85
+    )
     return out.getvalue()
 
 
@@ -92,17 +104,28 @@ def png_header_bomb(width: int = 20000, height: int = 20000) -> bytes:
     """A valid-looking PNG whose IHDR claims width x height RGB pixels; the IDAT is one row."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     idat = zlib.compress(b"\x00" + b"\x00" * 3 * 16)
-    return b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", idat) + _png_chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", ihdr)
+        + _png_chunk(b"IDAT", idat)
+        + _png_chunk(b"IEND", b"")
+    )
 
 
-def gif(width: int, height: int, frames: int, delay_cs: int, canvas: tuple[int, int] | None = None) -> bytes:
+def gif(
+    width: int, height: int, frames: int, delay_cs: int, canvas: tuple[int, int] | None = None
+) -> bytes:
     """GIF89a by hand: `frames` frames of width x height on a `canvas` (default: the frame size).
     A 1x1 frame is the classic smallest LZW stream; larger frames repeat colour 0 uncompressed-ish."""
     cw, ch = canvas or (width, height)
-    out = bytearray(b"GIF89a" + struct.pack("<HHBBB", cw, ch, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff")
+    out = bytearray(
+        b"GIF89a" + struct.pack("<HHBBB", cw, ch, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff"
+    )
     out += b"!\xff\x0bNETSCAPE2.0\x03\x01\x00\x00\x00"  # loop forever, as real animated GIFs do
     for _ in range(frames):
-        out += b"!\xf9\x04\x00" + struct.pack("<H", delay_cs) + b"\x00\x00"  # graphic control: delay
+        out += (
+            b"!\xf9\x04\x00" + struct.pack("<H", delay_cs) + b"\x00\x00"
+        )  # graphic control: delay
         out += b"," + struct.pack("<HHHHB", 0, 0, width, height, 0)
         out += _lzw_zeros(width * height)
     return bytes(out + b";")
@@ -121,7 +144,9 @@ def _lzw_zeros(count: int) -> bytes:
         bits |= code << nbits
         nbits += 3
     data = bits.to_bytes((nbits + 7) // 8, "little")
-    blocks = b"".join(bytes([len(data[i : i + 255])]) + data[i : i + 255] for i in range(0, len(data), 255))
+    blocks = b"".join(
+        bytes([len(data[i : i + 255])]) + data[i : i + 255] for i in range(0, len(data), 255)
+    )
     return b"\x02" + blocks + b"\x00"
 
 
@@ -147,7 +172,9 @@ def valid_media_cases(model: str) -> dict[str, bytes]:
 
 def _raw(model: str, tail: bytes) -> bytes:
     """A request whose last field is written by hand (JSON a serializer would not emit)."""
-    head = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})[:-1].encode()
+    head = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})[
+        :-1
+    ].encode()
     return head + b", " + tail + b"}"
 
 
@@ -160,15 +187,34 @@ def parsing_cases(model: str) -> list[Case]:
         Case("empty_body", b""),
         Case("json_array", b"[]"),
         Case("json_null", b"null"),
-        Case("nested_100k_lists", b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
-        Case("nested_100k_objects", b'{"model": "m", "x": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}"),
+        Case(
+            "nested_100k_lists",
+            b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        ),
+        Case(
+            "nested_100k_objects",
+            b'{"model": "m", "x": ' + b'{"a":' * 100_000 + b"1" + b"}" * 100_000 + b"}",
+        ),
         Case("max_tokens_5000_digits", _raw(model, b'"max_tokens": ' + b"7" * 5000)),
-        Case("lone_surrogate", b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", "content": "\\ud800"}]}'),
-        Case("invalid_utf8", b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", "content": "\xff\xfe"}]}'),
+        Case(
+            "lone_surrogate",
+            b'{"model": "'
+            + model.encode()
+            + b'", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        ),
+        Case(
+            "invalid_utf8",
+            b'{"model": "'
+            + model.encode()
+            + b'", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+        ),
         Case("utf16_body", json.dumps(ok).encode("utf-16")),
         Case("temperature_NaN", _raw(model, b'"temperature": NaN')),
         Case("temperature_Infinity", _raw(model, b'"temperature": Infinity')),
-        Case("duplicate_keys", b'{"model": "x", "model": "' + model.encode() + b'", "messages": ' + msgs + b"}"),
+        Case(
+            "duplicate_keys",
+            b'{"model": "x", "model": "' + model.encode() + b'", "messages": ' + msgs + b"}",
+        ),
     ]
 
 
@@ -217,25 +263,71 @@ def message_cases(model: str) -> list[Case]:
 def media_cases(model: str) -> list[Case]:
     small = png(8, 8)
     audio = base64.b64encode(wav()).decode()
-    assistant_image = {**chat(model), "messages": [{"role": "assistant", "content": [image_part(small)]}, {"role": "user", "content": "hi"}]}
+    assistant_image = {
+        **chat(model),
+        "messages": [
+            {"role": "assistant", "content": [image_part(small)]},
+            {"role": "user", "content": "hi"},
+        ],
+    }
     url = lambda u: {"type": "image_url", "image_url": {"url": u}}  # noqa: E731
     return [
-        Case("image_not_an_image", media_chat(model, image_part(b"hello, not a png")), modality="image"),
-        Case("image_bad_base64", media_chat(model, url("data:image/png;base64,!!!not base64!!!")), modality="image"),
-        Case("image_text_mime", media_chat(model, image_part(small, "text/plain")), modality="image"),
-        Case("image_truncated_png", media_chat(model, image_part(png(64, 64)[:200])), modality="image"),
-        Case("image_20000x20000_header", media_chat(model, image_part(png_header_bomb())), modality="image"),
-        Case("image_file_url", media_chat(model, url("file:///etc/passwd")), modality="image"),
-        Case("image_metadata_url", media_chat(model, url("http://169.254.169.254/latest/meta-data/")), modality="image"),
-        Case("image_too_many", media_chat(model, *[image_part(png(8, 8, seed=s)) for s in range(9)]), modality="image"),
-        Case("image_in_assistant_msg", enc(assistant_image), modality="image"),
-        Case("video_1x1_gif", media_chat(model, video_part(gif(1, 1, frames=1, delay_cs=10))), modality="video"),
         Case(
-            "video_gif_4000x4000_canvas_20s", media_chat(model, video_part(gif(1, 1, frames=2, delay_cs=1000, canvas=(4000, 4000)))), modality="video"
+            "image_not_an_image",
+            media_chat(model, image_part(b"hello, not a png")),
+            modality="image",
         ),
-        Case("audio_not_base64", media_chat(model, audio_part("%%% not base64 %%%")), modality="audio"),
+        Case(
+            "image_bad_base64",
+            media_chat(model, url("data:image/png;base64,!!!not base64!!!")),
+            modality="image",
+        ),
+        Case(
+            "image_text_mime", media_chat(model, image_part(small, "text/plain")), modality="image"
+        ),
+        Case(
+            "image_truncated_png",
+            media_chat(model, image_part(png(64, 64)[:200])),
+            modality="image",
+        ),
+        Case(
+            "image_20000x20000_header",
+            media_chat(model, image_part(png_header_bomb())),
+            modality="image",
+        ),
+        Case("image_file_url", media_chat(model, url("file:///etc/passwd")), modality="image"),
+        Case(
+            "image_metadata_url",
+            media_chat(model, url("http://169.254.169.254/latest/meta-data/")),
+            modality="image",
+        ),
+        Case(
+            "image_too_many",
+            media_chat(model, *[image_part(png(8, 8, seed=s)) for s in range(9)]),
+            modality="image",
+        ),
+        Case("image_in_assistant_msg", enc(assistant_image), modality="image"),
+        Case(
+            "video_1x1_gif",
+            media_chat(model, video_part(gif(1, 1, frames=1, delay_cs=10))),
+            modality="video",
+        ),
+        Case(
+            "video_gif_4000x4000_canvas_20s",
+            media_chat(model, video_part(gif(1, 1, frames=2, delay_cs=1000, canvas=(4000, 4000)))),
+            modality="video",
+        ),
+        Case(
+            "audio_not_base64",
+            media_chat(model, audio_part("%%% not base64 %%%")),
+            modality="audio",
+        ),
         Case("audio_wrong_format", media_chat(model, audio_part(audio, "aiff")), modality="audio"),
-        Case("audio_png_as_wav", media_chat(model, audio_part(base64.b64encode(small).decode())), modality="audio"),
+        Case(
+            "audio_png_as_wav",
+            media_chat(model, audio_part(base64.b64encode(small).decode())),
+            modality="audio",
+        ),
         Case("audio_empty", media_chat(model, audio_part("")), modality="audio"),
     ]
 
@@ -247,4 +339,10 @@ def size_cases(model: str) -> list[Case]:
 
 
 def all_cases(model: str) -> list[Case]:
-    return parsing_cases(model) + sampling_cases(model) + message_cases(model) + media_cases(model) + size_cases(model)
+    return (
+        parsing_cases(model)
+        + sampling_cases(model)
+        + message_cases(model)
+        + media_cases(model)
+        + size_cases(model)
+    )

@@ -38,13 +38,22 @@ def is_openai_error(text: str) -> bool:
     return isinstance(err, dict) and {"message", "type", "param", "code"} <= err.keys()
 
 
-def chat_body(model: str, words: int = 8, max_tokens: int = 16, stream: bool = False, image: bytes | None = None, seed: int = 0) -> dict:
+def chat_body(
+    model: str,
+    words: int = 8,
+    max_tokens: int = 16,
+    stream: bool = False,
+    image: bytes | None = None,
+    seed: int = 0,
+) -> dict:
     text = " ".join(PROMPT_WORDS[(seed + i) % len(PROMPT_WORDS)] for i in range(words))
     content = [pc.image_part(image), {"type": "text", "text": text}] if image else text
     return pc.chat(model, content, max_tokens=max_tokens, stream=stream)
 
 
-async def run_chat(client: httpx.AsyncClient, url: str, body: dict, timeout: float, stop_after: int = 0) -> Outcome:
+async def run_chat(
+    client: httpx.AsyncClient, url: str, body: dict, timeout: float, stop_after: int = 0
+) -> Outcome:
     """Send one chat; `stop_after` > 0 closes a stream after that many content events."""
     out, t0 = Outcome(), time.perf_counter()
     try:
@@ -63,7 +72,10 @@ async def _send(client, url, body, out: Outcome, stop_after: int) -> None:
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
         out.status, out.retry_after = resp.status_code, "retry-after" in resp.headers
         if resp.status_code != 200:
-            out.lost, out.clean_error = True, is_openai_error((await resp.aread()).decode(errors="replace"))
+            out.lost, out.clean_error = (
+                True,
+                is_openai_error((await resp.aread()).decode(errors="replace")),
+            )
             return
         if not body.get("stream"):
             text = (await resp.aread()).decode(errors="replace")

@@ -20,7 +20,9 @@ REFRESH_S = 2.0  # pids change when a worker is restarted
 
 def _health(url: str) -> dict:
     resp = httpx.get(f"{url}/health", params={"verbose": 1}, timeout=3)
-    return resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
+    return (
+        resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
+    )
 
 
 def worker_pids(url: str) -> dict[str, list[int]]:
@@ -28,7 +30,10 @@ def worker_pids(url: str) -> dict[str, list[int]]:
         workers = _health(url).get("workers") or {}
     except (httpx.HTTPError, ValueError):
         return {}
-    return {kind: [w["pid"] for w in ws if isinstance(w, dict) and w.get("pid")] for kind, ws in workers.items()}
+    return {
+        kind: [w["pid"] for w in ws if isinstance(w, dict) and w.get("pid")]
+        for kind, ws in workers.items()
+    }
 
 
 def ingress_pid(url: str, known_workers: list[int] | None = None) -> int | None:
@@ -38,7 +43,9 @@ def ingress_pid(url: str, known_workers: list[int] | None = None) -> int | None:
         body = {}
     if isinstance(body.get("ingress"), dict) and body["ingress"].get("pid"):
         return body["ingress"]["pid"]
-    workers = known_workers or [p for ws in (body.get("workers") or {}).values() for p in (w.get("pid") for w in ws) if p]
+    workers = known_workers or [
+        p for ws in (body.get("workers") or {}).values() for p in (w.get("pid") for w in ws) if p
+    ]
     return _scan_ingress(workers)
 
 
@@ -75,7 +82,10 @@ class RssSampler(threading.Thread):
         if workers:  # keep the last known pids while the server cannot say
             flat = [p for ws in workers.values() for p in ws]
             ingress = ingress_pid(self.url, flat)
-            self.pids = {**workers, "ingress": [ingress] if ingress else self.pids.get("ingress", [])}
+            self.pids = {
+                **workers,
+                "ingress": [ingress] if ingress else self.pids.get("ingress", []),
+            }
 
     def sample(self) -> dict[str, float]:
         out = {}

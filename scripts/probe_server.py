@@ -35,7 +35,16 @@ from probe_client import Outcome, chat_body, is_openai_error, run_chat  # noqa: 
 from probe_rss import GROUPS, RssSampler, ingress_pid, worker_pids  # noqa: E402
 
 KINDS = ("encoder", "prefill", "decode")
-DRAIN_FIELDS = ("held_kv", "held_embeddings", "rows", "running", "queued", "kv_reserved_bytes", "cache_encoding_entries", "cache_referenced_entries")
+DRAIN_FIELDS = (
+    "held_kv",
+    "held_embeddings",
+    "rows",
+    "running",
+    "queued",
+    "kv_reserved_bytes",
+    "cache_encoding_entries",
+    "cache_referenced_entries",
+)
 
 
 @dataclass
@@ -70,7 +79,9 @@ def count(result: PhaseResult, outcomes: list[Outcome]) -> None:
         result.cases += 1
         result.n2xx += 200 <= status < 300 and not (o.lost or o.broken)
         result.n4xx += 400 <= status < 500
-        result.n5xx += status >= 500 or (status == 200 and (o.lost or o.broken))  # in-band errors are server errors
+        result.n5xx += status >= 500 or (
+            status == 200 and (o.lost or o.broken)
+        )  # in-band errors are server errors
         result.hangs += o.hang
         result.lost += o.lost and not o.hang
 
@@ -85,13 +96,18 @@ async def phase_bad(ctx) -> PhaseResult:
         row = await send_case(ctx, case)
         row.applies = case.modality is None or case.modality in takes
         result.rows.append(row)
-        if i % 5 == 4 or (row.status or 500) >= 500:  # every 5th case and after every failure: still serving?
+        if (
+            i % 5 == 4 or (row.status or 500) >= 500
+        ):  # every 5th case and after every failure: still serving?
             canaries += 1
             if not (await run_chat(ctx.client, ctx.url, chat_body(ctx.model), ctx.timeout)).ok:
                 harmed.append(case.name)
     statuses = [r.status or 0 for r in result.rows]
     result.cases, result.hangs = len(statuses), statuses.count(0)
-    result.n2xx, result.n4xx = sum(200 <= s < 300 for s in statuses), sum(400 <= s < 500 for s in statuses)
+    result.n2xx, result.n4xx = (
+        sum(200 <= s < 300 for s in statuses),
+        sum(400 <= s < 500 for s in statuses),
+    )
     result.n5xx = sum(s >= 500 for s in statuses)
     names = lambda pred: ", ".join(r.case for r in result.rows if pred(r)) or "none"  # noqa: E731
     result.note = (
@@ -113,7 +129,11 @@ async def detect_modalities(ctx) -> set[str]:
 async def send_case(ctx, case: pc.Case) -> BadRow:
     t0 = time.perf_counter()
     try:
-        resp = await ctx.client.post(f"{ctx.url}/v1/chat/completions", content=case.body, headers={"content-type": case.content_type})
+        resp = await ctx.client.post(
+            f"{ctx.url}/v1/chat/completions",
+            content=case.body,
+            headers={"content-type": case.content_type},
+        )
         status, text = resp.status_code, resp.text
     except httpx.TimeoutException:
         status, text = None, "HANG: no answer within --timeout"
@@ -123,17 +143,23 @@ async def send_case(ctx, case: pc.Case) -> BadRow:
     message = json.loads(text)["error"]["message"] if shaped else text
     if status == 200:  # the body is a completion, not worth printing
         message = "(SSE stream)" if text.startswith("data:") else "(completion)"
-    return BadRow(case.name, case.modality, True, status, shaped, ms, " ".join(message.split())[:70])
+    return BadRow(
+        case.name, case.modality, True, status, shaped, ms, " ".join(message.split())[:70]
+    )
 
 
 async def phase_burst(ctx) -> PhaseResult:
     result = PhaseResult("burst")
     bodies = [chat_body(ctx.model, seed=i) for i in range(ctx.args.burst)]
-    outcomes = await gather_bar([run_chat(ctx.client, ctx.url, b, ctx.timeout) for b in bodies], "burst")
+    outcomes = await gather_bar(
+        [run_chat(ctx.client, ctx.url, b, ctx.timeout) for b in bodies], "burst"
+    )
     count(result, outcomes)
     lat = sorted(o.latency_s for o in outcomes if o.ok)
     by = lambda pred: sum(1 for o in outcomes if pred(o))  # noqa: E731
-    p50, p99 = (lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]) if lat else (None, None)
+    p50, p99 = (
+        (lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]) if lat else (None, None)
+    )
     result.rows = [
         {
             "200": by(lambda o: o.status == 200),
@@ -146,7 +172,9 @@ async def phase_burst(ctx) -> PhaseResult:
             "p99_s": p99,
         }
     ]
-    result.note = " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.rows[0].items())
+    result.note = " ".join(
+        f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.rows[0].items()
+    )
     return result
 
 
@@ -156,11 +184,19 @@ async def phase_media(ctx) -> PhaseResult:
     images = [pc.photo_jpeg(a.media_megapixels, seed=i) for i in range(a.media_images)]
     bodies = [
         pc.chat(
-            ctx.model, [*(pc.image_part(img, "image/jpeg") for img in images), {"type": "text", "text": f"Describe picture set {i}."}], max_tokens=4
+            ctx.model,
+            [
+                *(pc.image_part(img, "image/jpeg") for img in images),
+                {"type": "text", "text": f"Describe picture set {i}."},
+            ],
+            max_tokens=4,
         )
         for i in range(a.media_burst)
     ]
-    count(result, await gather_bar([run_chat(ctx.client, ctx.url, b, ctx.timeout) for b in bodies], "media"))
+    count(
+        result,
+        await gather_bar([run_chat(ctx.client, ctx.url, b, ctx.timeout) for b in bodies], "media"),
+    )
     result.note = f"{a.media_burst} requests x {a.media_images} x {a.media_megapixels:g} MP JPEG"
     await asyncio.sleep(2.0)  # let the ingress settle before the 'after' sample
     return result
@@ -183,14 +219,26 @@ async def gather_bar(coros, desc: str) -> list:
 
 async def phase_kill(ctx, kind: str) -> PhaseResult:
     result = PhaseResult(f"kill:{kind}")
-    pids = [await asyncio.to_thread(ingress_pid, ctx.url)] if kind == "ingress" else (await asyncio.to_thread(worker_pids, ctx.url)).get(kind, [])
+    pids = (
+        [await asyncio.to_thread(ingress_pid, ctx.url)]
+        if kind == "ingress"
+        else (await asyncio.to_thread(worker_pids, ctx.url)).get(kind, [])
+    )
     pid = next((p for p in pids if p), None)
     if pid is None:
         result.note = f"no {kind} pid found; skipped"
         return result
-    images = [pc.png(96, 96, seed=1000 + i) for i in range(20)] if kind == "encoder" else [None] * 20
-    bodies = [chat_body(ctx.model, words=24, max_tokens=32, stream=i % 2 == 0, image=img, seed=i) for i, img in enumerate(images)]
-    requests = [asyncio.ensure_future(staggered(ctx, b, i * ctx.args.kill_spread / len(bodies))) for i, b in enumerate(bodies)]
+    images = (
+        [pc.png(96, 96, seed=1000 + i) for i in range(20)] if kind == "encoder" else [None] * 20
+    )
+    bodies = [
+        chat_body(ctx.model, words=24, max_tokens=32, stream=i % 2 == 0, image=img, seed=i)
+        for i, img in enumerate(images)
+    ]
+    requests = [
+        asyncio.ensure_future(staggered(ctx, b, i * ctx.args.kill_spread / len(bodies)))
+        for i, b in enumerate(bodies)
+    ]
     await asyncio.sleep(ctx.args.kill_delay)
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -235,7 +283,9 @@ async def wait_recovered(ctx, kind: str, pid: int, since: float) -> float | None
 
 async def phase_disconnect(ctx) -> PhaseResult:
     result = PhaseResult("disconnect")
-    bodies = [chat_body(ctx.model, words=400, max_tokens=64, stream=True, seed=i) for i in range(30)]
+    bodies = [
+        chat_body(ctx.model, words=400, max_tokens=64, stream=True, seed=i) for i in range(30)
+    ]
 
     async def drop(body, n):  # own client per stream: closing it surely closes the socket
         async with httpx.AsyncClient(timeout=ctx.timeout) as client:
@@ -246,8 +296,14 @@ async def phase_disconnect(ctx) -> PhaseResult:
     closed_at = time.monotonic()
     leaked, drained_s = await wait_drained(ctx, closed_at + ctx.args.drain_s)
     result.rows = [{"worker": w, "field": f, "value": v} for w, f, v in leaked]
-    drained = f"drained in {drained_s - closed_at:.1f}s" if drained_s else f"NOT drained after {ctx.args.drain_s:.0f}s"
-    result.note = f"{drained}; leaked: " + (", ".join(f"{w}.{f}={v}" for w, f, v in leaked) or "none")
+    drained = (
+        f"drained in {drained_s - closed_at:.1f}s"
+        if drained_s
+        else f"NOT drained after {ctx.args.drain_s:.0f}s"
+    )
+    result.note = f"{drained}; leaked: " + (
+        ", ".join(f"{w}.{f}={v}" for w, f, v in leaked) or "none"
+    )
     return result
 
 
@@ -257,7 +313,13 @@ async def wait_drained(ctx, deadline: float) -> tuple[list, float | None]:
         try:
             resp = await ctx.client.get(f"{ctx.url}/health", params={"verbose": 1}, timeout=5)
             workers = resp.json().get("workers") or {}
-            leaked = [(f"{kind}{i}", f, w[f]) for kind, ws in workers.items() for i, w in enumerate(ws) for f in DRAIN_FIELDS if w.get(f)]
+            leaked = [
+                (f"{kind}{i}", f, w[f])
+                for kind, ws in workers.items()
+                for i, w in enumerate(ws)
+                for f in DRAIN_FIELDS
+                if w.get(f)
+            ]
             if resp.status_code == 200 and not leaked:
                 return [], time.monotonic()
         except (httpx.HTTPError, ValueError):
@@ -271,8 +333,13 @@ async def wait_drained(ctx, deadline: float) -> tuple[list, float | None]:
 
 
 def table(headers: list[str], rows: list[list]) -> str:
-    cells = [[("-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)) for v in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    cells = [
+        [("-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)) for v in r]
+        for r in rows
+    ]
+    widths = [
+        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
+    ]
     line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
 
@@ -297,7 +364,12 @@ def print_phase(result: PhaseResult) -> None:
                 ],
             )
         )
-    print(table(["process", "RSS MB before", "peak", "after"], [[g, *result.rss.get(g, [None] * 3)] for g in GROUPS]))
+    print(
+        table(
+            ["process", "RSS MB before", "peak", "after"],
+            [[g, *result.rss.get(g, [None] * 3)] for g in GROUPS],
+        )
+    )
 
 
 def print_summary(results: list[PhaseResult]) -> None:
@@ -305,9 +377,39 @@ def print_summary(results: list[PhaseResult]) -> None:
         vals = [r.rss.get(g) for g in groups if r.rss.get(g)]
         return "/".join(f"{sum(v[i] for v in vals):.0f}" for i in range(3)) if vals else "-"
 
-    rows = [[r.phase, r.cases, r.n2xx, r.n4xx, r.n5xx, r.hangs, r.lost, r.recover_s, mb(r, ["ingress"]), mb(r, KINDS)] for r in results]
+    rows = [
+        [
+            r.phase,
+            r.cases,
+            r.n2xx,
+            r.n4xx,
+            r.n5xx,
+            r.hangs,
+            r.lost,
+            r.recover_s,
+            mb(r, ["ingress"]),
+            mb(r, KINDS),
+        ]
+        for r in results
+    ]
     print("\n== summary (RSS in MB: before/peak/after; workers summed)")
-    print(table(["phase", "cases", "2xx", "4xx", "5xx", "hangs", "lost", "recover_s", "ingress RSS", "worker RSS"], rows))
+    print(
+        table(
+            [
+                "phase",
+                "cases",
+                "2xx",
+                "4xx",
+                "5xx",
+                "hangs",
+                "lost",
+                "recover_s",
+                "ingress RSS",
+                "worker RSS",
+            ],
+            rows,
+        )
+    )
     print("\n".join(f"  {r.phase}: {r.note}" for r in results))
 
 
@@ -332,7 +434,11 @@ async def run_phases(args) -> list[PhaseResult]:
         sampler.start()
         try:
             for phase in args.phases:
-                kinds = [*args.kill_kinds, *(["ingress"] if args.kill_ingress else [])] if phase == "kill" else [None]
+                kinds = (
+                    [*args.kill_kinds, *(["ingress"] if args.kill_ingress else [])]
+                    if phase == "kill"
+                    else [None]
+                )
                 for kind in kinds:
                     t0, before = time.monotonic(), sampler.snapshot()
                     res = await (phase_kill(ctx, kind) if kind else PHASES[phase](ctx))
@@ -344,27 +450,57 @@ async def run_phases(args) -> list[PhaseResult]:
     return results
 
 
-PHASES = {"bad": phase_bad, "burst": phase_burst, "disconnect": phase_disconnect, "media": phase_media}
+PHASES = {
+    "bad": phase_bad,
+    "burst": phase_burst,
+    "disconnect": phase_disconnect,
+    "media": phase_media,
+}
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--phases", default="bad,burst,kill,disconnect")
     ap.add_argument("--burst", type=int, default=200)
     ap.add_argument("--media-burst", type=int, default=6, help="media phase: concurrent requests")
     ap.add_argument("--media-images", type=int, default=4, help="media phase: images per request")
-    ap.add_argument("--media-megapixels", type=float, default=16.0, help="media phase: size of each image")
-    ap.add_argument("--timeout", type=float, default=30.0, help="no answer within this many seconds = a hang")
-    ap.add_argument("--kill-delay", type=float, default=1.0, help="seconds between the first request and the SIGKILL")
-    ap.add_argument("--kill-spread", type=float, default=3.0, help="the 20 kill-phase requests start over this many seconds")
-    ap.add_argument("--kill-kinds", default=",".join(KINDS), help="worker kinds the kill phase kills, in turn")
-    ap.add_argument("--kill-ingress", action="store_true", help="also SIGKILL the ingress Serve replica")
+    ap.add_argument(
+        "--media-megapixels", type=float, default=16.0, help="media phase: size of each image"
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=30.0, help="no answer within this many seconds = a hang"
+    )
+    ap.add_argument(
+        "--kill-delay",
+        type=float,
+        default=1.0,
+        help="seconds between the first request and the SIGKILL",
+    )
+    ap.add_argument(
+        "--kill-spread",
+        type=float,
+        default=3.0,
+        help="the 20 kill-phase requests start over this many seconds",
+    )
+    ap.add_argument(
+        "--kill-kinds", default=",".join(KINDS), help="worker kinds the kill phase kills, in turn"
+    )
+    ap.add_argument(
+        "--kill-ingress", action="store_true", help="also SIGKILL the ingress Serve replica"
+    )
     ap.add_argument("--recover-timeout", type=float, default=120.0)
-    ap.add_argument("--drain-s", type=float, default=10.0, help="worker state must return to 0 within this")
+    ap.add_argument(
+        "--drain-s", type=float, default=10.0, help="worker state must return to 0 within this"
+    )
     ap.add_argument("--json", default=None, help="also write all results here")
     args = ap.parse_args()
-    args.url, args.phases = args.url.rstrip("/"), [p.strip() for p in args.phases.split(",") if p.strip()]
+    args.url, args.phases = (
+        args.url.rstrip("/"),
+        [p.strip() for p in args.phases.split(",") if p.strip()],
+    )
     args.kill_kinds = [k for k in args.kill_kinds.split(",") if k in KINDS]
     host = httpx.URL(args.url).host
     if host not in ("127.0.0.1", "localhost", "::1"):

@@ -10,7 +10,12 @@ import shutil
 from pathlib import Path
 
 
-def fill_hf_cache(cache_dir: Path, repo_id: str, checkpoint: Path, commit: str = "0123456789abcdef" * 2 + "01234567") -> Path:
+def fill_hf_cache(
+    cache_dir: Path,
+    repo_id: str,
+    checkpoint: Path,
+    commit: str = "0123456789abcdef" * 2 + "01234567",
+) -> Path:
     """Put `checkpoint`'s files into `cache_dir` as revision `commit` (main) of `repo_id`; the snapshot dir."""
     repo = cache_dir / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / commit

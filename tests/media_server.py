@@ -33,7 +33,10 @@ def wav_bytes(seconds: float = 0.5, rate_hz: int = 16000) -> bytes:
 
 def gif_bytes(num_frames: int = 4, size: int = 32) -> bytes:
     rng = np.random.default_rng(5)
-    frames = [Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(num_frames)]
+    frames = [
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+        for _ in range(num_frames)
+    ]
     buf = io.BytesIO()
     frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=250, loop=0)
     return buf.getvalue()
@@ -90,7 +93,10 @@ def _handler():
                 return self._redirect("/loop")
             if path == "/big":
                 self.send_response(200)
-                self.send_header("Content-Type", "image/png"), self.send_header("Content-Length", str(50 << 20))
+                (
+                    self.send_header("Content-Type", "image/png"),
+                    self.send_header("Content-Length", str(50 << 20)),
+                )
                 self.end_headers()
                 return self._drip(b"\0" * 65536, 0, 1 << 20)
             if path == "/endless":
@@ -107,7 +113,10 @@ def _handler():
 
         def _send(self, status: int, body: bytes, mime: str) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", mime), self.send_header("Content-Length", str(len(body)))
+            (
+                self.send_header("Content-Type", mime),
+                self.send_header("Content-Length", str(len(body))),
+            )
             self.end_headers()
             self.wfile.write(body)
 

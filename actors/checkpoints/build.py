@@ -44,7 +44,9 @@ def _save(recipe, model, processor, out: Path) -> None:
         return save_published(model, processor, out, recipe.seed)
     model.save_pretrained(out)
     processor.save_pretrained(out)  # also writes the tokenizer and chat_template.jinja
-    getattr(recipe, "publish_layout", lambda _: None)(out)  # recipes that mirror a Hub repo's file names
+    getattr(recipe, "publish_layout", lambda _: None)(
+        out
+    )  # recipes that mirror a Hub repo's file names
 
 
 def build_checkpoint(recipe: str, out_dir: str | Path, *, progress: bool = True) -> Path:
@@ -89,14 +91,18 @@ def ensure_checkpoint(out_dir: str | Path, recipe: str | None, *, progress: bool
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m actors.checkpoints", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m actors.checkpoints", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("recipe", choices=sorted(_recipes()))
     parser.add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     path = build_checkpoint(args.recipe, args.out_dir)
     size_mb = sum(f.stat().st_size for f in path.iterdir()) / 2**20
-    print(f"built {args.recipe} at {path} in {time.perf_counter() - start:.1f}s ({size_mb:.1f} MiB)")
+    print(
+        f"built {args.recipe} at {path} in {time.perf_counter() - start:.1f}s ({size_mb:.1f} MiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,10 @@ def _lcg(x: int) -> Iterator[int]:
 def _corpus(n_sentences: int) -> list[str]:
     """Fixed English-like text: real words plus syllable pseudo-words, digits, punctuation, newlines."""
     rnd = _lcg(7)
-    pseudo = ["".join(_SYLLABLES[next(rnd) % len(_SYLLABLES)] for _ in range(2 + next(rnd) % 3)) for _ in range(3000)]
+    pseudo = [
+        "".join(_SYLLABLES[next(rnd) % len(_SYLLABLES)] for _ in range(2 + next(rnd) % 3))
+        for _ in range(3000)
+    ]
     vocab = _WORDS * 12 + pseudo  # real words dominate, pseudo-words add merge diversity
     ends = [".", ".", ".", "?", "!", ",", ":"]
     sentences = []
@@ -123,7 +126,9 @@ def init_weights(model, recipe, gains: dict[str, float] = GAINS) -> None:
             p.normal_(0.0, gain / math.sqrt(fan_in), generator=gen)
 
 
-def mute_unprintable(model, tokenizer: PreTrainedTokenizerFast, num_specials: int = len(SPECIAL_TOKENS)) -> None:
+def mute_unprintable(
+    model, tokenizer: PreTrainedTokenizerFast, num_specials: int = len(SPECIAL_TOKENS)
+) -> None:
     """Zero lm_head rows of specials (except </s>) and of non-printable byte tokens.
 
     Why: a zero logit sits mid-distribution, so greedy never emits <image>/<s> (which would
@@ -145,5 +150,8 @@ def greedy_generation_config(tokenizer: PreTrainedTokenizerFast):
     from transformers import GenerationConfig
 
     return GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
     )

@@ -12,10 +12,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from actors.checkpoints.kit import greedy_generation_config, init_weights, mute_unprintable, text_config_fields, train_bpe
+from actors.checkpoints.kit import (
+    greedy_generation_config,
+    init_weights,
+    mute_unprintable,
+    text_config_fields,
+    train_bpe,
+)
 
 if TYPE_CHECKING:
-    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast
+    from transformers import (
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        PreTrainedTokenizerFast,
+    )
 
 # LLaVA-style template; `<s>` comes from the template, never from the tokenizer.
 CHAT_TEMPLATE = (
@@ -106,7 +117,11 @@ def build_tokenizer(recipe: Recipe) -> PreTrainedTokenizerFast:
         eos_token="</s>",
         pad_token="<pad>",
         unk_token="<unk>",
-        extra_special_tokens={"image_token": "<image>", "video_token": "<video>", "audio_token": "<audio>"},
+        extra_special_tokens={
+            "image_token": "<image>",
+            "video_token": "<video>",
+            "audio_token": "<audio>",
+        },
         add_bos_token=False,
         add_eos_token=False,  # the chat template supplies <s>
         chat_template=CHAT_TEMPLATE,
@@ -161,7 +176,9 @@ def build_processor(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> Llava
     )
 
 
-def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> LlavaForConditionalGeneration:
+def build_model(
+    recipe: Recipe, tokenizer: PreTrainedTokenizerFast
+) -> LlavaForConditionalGeneration:
     import torch
     from transformers import LlavaForConditionalGeneration
 

@@ -48,7 +48,11 @@ def _talker_config(recipe, thinker_config) -> dict:
         tts_text_start_token_id=t.vision_start_token_id,
         tts_text_end_token_id=t.vision_end_token_id,
         tts_text_pad_token_id=t.text_config.pad_token_id,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [head_dim // 2 - 2 * third, third, third]},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [head_dim // 2 - 2 * third, third, third],
+        },
     )
 
 
@@ -80,7 +84,9 @@ def with_talker(thinker, recipe):
     from actors.checkpoints.kit import init_weights
 
     config = Qwen2_5OmniConfig(
-        thinker_config=thinker.config.to_dict(), token2wav_config=_TOKEN2WAV, talker_config=_talker_config(recipe, thinker.config)
+        thinker_config=thinker.config.to_dict(),
+        token2wav_config=_TOKEN2WAV,
+        talker_config=_talker_config(recipe, thinker.config),
     )
     model = Qwen2_5OmniForConditionalGeneration(config).to(torch.float32).eval()
     model.thinker = thinker
@@ -114,9 +120,17 @@ def save_published(model, processor, out: Path, seed: int) -> None:
     # The published repo predates processor_config.json / chat_template.jinja: one
     # preprocessor_config.json (feature extractor + image processor) and chat_template.json.
     merged = json.loads((out / "processor_config.json").read_text())
-    legacy = {**merged["feature_extractor"], **merged["image_processor"], "processor_class": merged["processor_class"]}
-    (out / "preprocessor_config.json").write_text(json.dumps(legacy, indent=2, sort_keys=True) + "\n")
+    legacy = {
+        **merged["feature_extractor"],
+        **merged["image_processor"],
+        "processor_class": merged["processor_class"],
+    }
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(legacy, indent=2, sort_keys=True) + "\n"
+    )
     template = (out / "chat_template.jinja").read_text()
-    (out / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2) + "\n")
+    (out / "chat_template.json").write_text(
+        json.dumps({"chat_template": template}, indent=2) + "\n"
+    )
     (out / "processor_config.json").unlink()
     (out / "chat_template.jinja").unlink()

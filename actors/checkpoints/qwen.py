@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.checkpoints.kit import greedy_generation_config, init_weights, mute_unprintable, text_config_fields, train_bpe
+from actors.checkpoints.kit import (
+    greedy_generation_config,
+    init_weights,
+    mute_unprintable,
+    text_config_fields,
+    train_bpe,
+)
 
 QWEN_SPECIALS = [
     "<|endoftext|>",
@@ -41,7 +47,10 @@ CHAT_TEMPLATE = (
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- else -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
-    + "".join(f"{{%- elif part['type'] == '{kind}' -%}}{{{{- '{text}' -}}}}" for kind, text in _PLACEHOLDERS.items())
+    + "".join(
+        f"{{%- elif part['type'] == '{kind}' -%}}{{{{- '{text}' -}}}}"
+        for kind, text in _PLACEHOLDERS.items()
+    )
     + "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
@@ -64,7 +73,9 @@ class QwenRecipe:
     audio_layers: int = 2
     audio_heads: int = 2
     num_mel_bins: int = 32
-    window_s: int = 4  # feature-extractor window: longer clips are split into windows of this length
+    window_s: int = (
+        4  # feature-extractor window: longer clips are split into windows of this length
+    )
     vision_hidden: int = 32
     vision_layers: int = 2
     vision_heads: int = 2
@@ -73,9 +84,15 @@ class QwenRecipe:
 
 
 QWEN_RECIPES: dict[str, QwenRecipe] = {
-    "tiny-qwen2-audio": QwenRecipe(name="tiny-qwen2-audio", family="qwen2_audio", seed=2024, vocab_size=1000),
-    "tiny-omni": QwenRecipe(name="tiny-omni", family="qwen2_5_omni_thinker", seed=2025, vocab_size=1000),
-    "tiny-qwen2.5-omni": QwenRecipe(name="tiny-qwen2.5-omni", family="qwen2_5_omni", seed=2027, vocab_size=1000),
+    "tiny-qwen2-audio": QwenRecipe(
+        name="tiny-qwen2-audio", family="qwen2_audio", seed=2024, vocab_size=1000
+    ),
+    "tiny-omni": QwenRecipe(
+        name="tiny-omni", family="qwen2_5_omni_thinker", seed=2025, vocab_size=1000
+    ),
+    "tiny-qwen2.5-omni": QwenRecipe(
+        name="tiny-qwen2.5-omni", family="qwen2_5_omni", seed=2027, vocab_size=1000
+    ),
     "bench-omni": QwenRecipe(
         name="bench-omni",
         family="qwen2_5_omni_thinker",
@@ -129,7 +146,13 @@ def build_tokenizer(recipe: QwenRecipe):
 def _feature_extractor(recipe: QwenRecipe):
     from transformers import WhisperFeatureExtractor
 
-    return WhisperFeatureExtractor(feature_size=recipe.num_mel_bins, sampling_rate=16000, hop_length=160, chunk_length=recipe.window_s, n_fft=400)
+    return WhisperFeatureExtractor(
+        feature_size=recipe.num_mel_bins,
+        sampling_rate=16000,
+        hop_length=160,
+        chunk_length=recipe.window_s,
+        n_fft=400,
+    )
 
 
 def _audio_config(recipe: QwenRecipe, **extra) -> dict:
@@ -159,7 +182,11 @@ def qwen_vision_config(recipe, **extra) -> dict:
 
 
 def _audio_model(recipe: QwenRecipe, tokenizer):
-    from transformers import Qwen2AudioConfig, Qwen2AudioForConditionalGeneration, Qwen2AudioProcessor
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+    )
 
     # The tower takes exactly one window of mel frames: 2 frames per source position.
     window_frames = recipe.window_s * 100
@@ -168,7 +195,11 @@ def _audio_model(recipe: QwenRecipe, tokenizer):
         text_config=text_config_fields(recipe, tokenizer, model_type="qwen2"),
         audio_token_index=tokenizer.audio_token_id,
     )
-    processor = Qwen2AudioProcessor(feature_extractor=_feature_extractor(recipe), tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    processor = Qwen2AudioProcessor(
+        feature_extractor=_feature_extractor(recipe),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
     return Qwen2AudioForConditionalGeneration(config), processor
 
 
@@ -190,7 +221,11 @@ def _omni_model(recipe: QwenRecipe, tokenizer):
         text_config=text_config_fields(
             recipe,
             tokenizer,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [head_dim // 2 - 2 * third, third, third]},
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [head_dim // 2 - 2 * third, third, third],
+            },
         ),
         audio_token_index=tokenizer.audio_token_id,
         image_token_index=tokenizer.image_token_id,
@@ -202,7 +237,9 @@ def _omni_model(recipe: QwenRecipe, tokenizer):
     )
     pixels = 28 * 28
     processor = Qwen2_5OmniProcessor(
-        image_processor=Qwen2VLImageProcessor(min_pixels=4 * pixels, max_pixels=recipe.image_max_tokens * pixels),
+        image_processor=Qwen2VLImageProcessor(
+            min_pixels=4 * pixels, max_pixels=recipe.image_max_tokens * pixels
+        ),
         video_processor=Qwen2VLVideoProcessor(),
         feature_extractor=_feature_extractor(recipe),
         tokenizer=tokenizer,
@@ -216,7 +253,9 @@ def build_qwen(recipe: QwenRecipe):
     import torch
 
     tokenizer = build_tokenizer(recipe)
-    model, processor = (_audio_model if recipe.family == "qwen2_audio" else _omni_model)(recipe, tokenizer)
+    model, processor = (_audio_model if recipe.family == "qwen2_audio" else _omni_model)(
+        recipe, tokenizer
+    )
     model = model.to(torch.float32).eval()
     init_weights(model, recipe, _GAINS)
     mute_unprintable(model, tokenizer, len(QWEN_SPECIALS))

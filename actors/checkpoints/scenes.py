@@ -39,10 +39,24 @@ class Ask(enum.Enum):
 
 
 QUESTIONS: dict[Ask, tuple[str, ...]] = {
-    Ask.COLOUR: ("What colour is the shape?", "What color is the shape?", "What colour is it?", "Which colour are the shapes?"),
-    Ask.SHAPE: ("What shape is it?", "What shape is this?", "Which shape is shown?", "What shape are they?"),
+    Ask.COLOUR: (
+        "What colour is the shape?",
+        "What color is the shape?",
+        "What colour is it?",
+        "Which colour are the shapes?",
+    ),
+    Ask.SHAPE: (
+        "What shape is it?",
+        "What shape is this?",
+        "Which shape is shown?",
+        "What shape are they?",
+    ),
     Ask.COUNT: ("How many shapes are there?", "How many shapes?", "Count the shapes."),
-    Ask.SIDE: ("Is the shape on the left or the right?", "Where is the shape?", "Which side is it on?"),
+    Ask.SIDE: (
+        "Is the shape on the left or the right?",
+        "Where is the shape?",
+        "Which side is it on?",
+    ),
 }
 
 
@@ -84,10 +98,17 @@ class Sample:
     def messages(self, image_part: dict) -> list[dict]:
         """OpenAI-style user message with `image_part` placed as this sample says."""
         text = {"type": "text", "text": self.question}
-        return [{"role": "user", "content": [image_part, text] if self.image_first else [text, image_part]}]
+        return [
+            {
+                "role": "user",
+                "content": [image_part, text] if self.image_first else [text, image_part],
+            }
+        ]
 
 
-def _draw(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, fill: tuple[int, ...]) -> None:
+def _draw(
+    draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float, fill: tuple[int, ...]
+) -> None:
     if shape == "circle":
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
     elif shape == "square":
@@ -101,7 +122,9 @@ def _draw(draw: ImageDraw.ImageDraw, shape: str, cx: float, cy: float, r: float,
         draw.rectangle((cx - w, cy - r, cx + w, cy + r), fill=fill)
 
 
-def _centres(rng: np.random.Generator, count: int, side: str | None, size_px: int, r: float) -> list[tuple[float, float]]:
+def _centres(
+    rng: np.random.Generator, count: int, side: str | None, size_px: int, r: float
+) -> list[tuple[float, float]]:
     """Centres of `count` shapes of radius `r` that do not touch; one shape sits clearly on `side`."""
     lo, hi = r + 1, size_px - r - 1
     if side is not None:
@@ -109,14 +132,20 @@ def _centres(rng: np.random.Generator, count: int, side: str | None, size_px: in
         return [(rng.uniform(x_lo, x_hi), rng.uniform(lo, hi))]
     while True:  # rejection sampling: a handful of tries at these sizes
         pts = [(rng.uniform(lo, hi), rng.uniform(lo, hi)) for _ in range(count)]
-        if all(np.hypot(a[0] - b[0], a[1] - b[1]) > 2.2 * r for i, a in enumerate(pts) for b in pts[:i]):
+        if all(
+            np.hypot(a[0] - b[0], a[1] - b[1]) > 2.2 * r for i, a in enumerate(pts) for b in pts[:i]
+        ):
             return pts
 
 
 def render(scene: Scene, rng: np.random.Generator, size_px: int = 64) -> Image.Image:
     """Draw `scene` on a dark grey, slightly noisy background, with jittered colour and size."""
     background = rng.integers(0, 60)  # grey, so that every colour in the picture is the shape's
-    pixels = np.clip(background + rng.normal(0, 5, (size_px, size_px, 1)), 0, 255).repeat(3, axis=2).astype(np.uint8)
+    pixels = (
+        np.clip(background + rng.normal(0, 5, (size_px, size_px, 1)), 0, 255)
+        .repeat(3, axis=2)
+        .astype(np.uint8)
+    )
     image = Image.fromarray(pixels)
     draw = ImageDraw.Draw(image)
     r = size_px * (rng.uniform(0.24, 0.32) if scene.count == 1 else rng.uniform(0.12, 0.16))
@@ -129,13 +158,24 @@ def render(scene: Scene, rng: np.random.Generator, size_px: int = 64) -> Image.I
 def random_scene(rng: np.random.Generator, max_count: int = MAX_COUNT) -> Scene:
     count = int(rng.integers(1, max_count + 1))
     side = SIDES[int(rng.integers(2))] if count == 1 else None
-    return Scene(colour=list(COLOURS)[int(rng.integers(len(COLOURS)))], shape=SHAPES[int(rng.integers(len(SHAPES)))], count=count, side=side)
+    return Scene(
+        colour=list(COLOURS)[int(rng.integers(len(COLOURS)))],
+        shape=SHAPES[int(rng.integers(len(SHAPES)))],
+        count=count,
+        side=side,
+    )
 
 
-def random_sample(rng: np.random.Generator, size_px: int = 64, asks: tuple[Ask, ...] = tuple(Ask)) -> Sample:
+def random_sample(
+    rng: np.random.Generator, size_px: int = 64, asks: tuple[Ask, ...] = tuple(Ask)
+) -> Sample:
     """A random scene, a question of one of `asks` that it can answer, and where the picture goes."""
     scene = random_scene(rng)
-    fit = [a for a in asks if (a is not Ask.SIDE or scene.side is not None) and (a is not Ask.COUNT or MAX_COUNT > 1)]
+    fit = [
+        a
+        for a in asks
+        if (a is not Ask.SIDE or scene.side is not None) and (a is not Ask.COUNT or MAX_COUNT > 1)
+    ]
     ask = fit[int(rng.integers(len(fit)))]
     questions = QUESTIONS[ask]
     return Sample(
@@ -147,7 +187,9 @@ def random_sample(rng: np.random.Generator, size_px: int = 64, asks: tuple[Ask, 
     )
 
 
-def samples(seed: int, n: int, size_px: int = 64, asks: tuple[Ask, ...] = tuple(Ask)) -> list[Sample]:
+def samples(
+    seed: int, n: int, size_px: int = 64, asks: tuple[Ask, ...] = tuple(Ask)
+) -> list[Sample]:
     """`n` samples from `seed`: the training stream and each held-out set use their own seed."""
     rng = np.random.default_rng(seed)
     return [random_sample(rng, size_px, asks) for _ in range(n)]

@@ -44,10 +44,14 @@ class TrainedRecipe:
     asks: tuple[scenes.Ask, ...] = tuple(scenes.Ask)  # what it is taught to answer
     first_asks: tuple[scenes.Ask, ...] = ()  # curriculum: only these are asked for the first
     first_steps: int = 0  # `first_steps` steps (the slow question gets the tower to itself first)
-    num_threads: int = 1  # tiny matrices gain little from a second thread, and two threads on a busy
+    num_threads: int = (
+        1  # tiny matrices gain little from a second thread, and two threads on a busy
+    )
     # 2-core box spin-wait on each other (measured: 7 s a step instead of 0.6); a fixed count keeps runs repeatable
     render_px: int = 64  # drawn at this size, then resized by the processor as served pictures are
-    feature_strategy: str = "default"  # LLaVA's vision_feature_select_strategy; "full" also hands the
+    feature_strategy: str = (
+        "default"  # LLaVA's vision_feature_select_strategy; "full" also hands the
+    )
     # LM the CLS token, the tower's summary of the whole picture (what naming the shape needs)
 
     @property
@@ -76,19 +80,27 @@ class BatchMaker:
     def __init__(self, processor: LlavaProcessor, render_px: int):
         self.processor = processor
         self.tok = processor.tokenizer
-        self._dummy = scenes.render(scenes.Scene("red", "circle", 1, "left"), np.random.default_rng(0), render_px)
+        self._dummy = scenes.render(
+            scenes.Scene("red", "circle", 1, "left"), np.random.default_rng(0), render_px
+        )
         self._prompts: dict[tuple[str, bool], list[int]] = {}
 
     def prompt_ids(self, sample: scenes.Sample) -> list[int]:
         key = (sample.question, sample.image_first)
         if key not in self._prompts:
-            text = self.processor.apply_chat_template(sample.messages({"type": "image"}), add_generation_prompt=True, tokenize=False)
-            ids = self.processor(text=text, images=[self._dummy], return_tensors="pt")["input_ids"][0]
+            text = self.processor.apply_chat_template(
+                sample.messages({"type": "image"}), add_generation_prompt=True, tokenize=False
+            )
+            ids = self.processor(text=text, images=[self._dummy], return_tensors="pt")["input_ids"][
+                0
+            ]
             self._prompts[key] = ids.tolist()
         return self._prompts[key]
 
     def answer_ids(self, answer: str) -> list[int]:
-        return self.tok(" " + answer, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+        return self.tok(" " + answer, add_special_tokens=False)["input_ids"] + [
+            self.tok.eos_token_id
+        ]
 
     def __call__(self, batch: list[scenes.Sample]) -> Batch:
         import torch
@@ -102,7 +114,9 @@ class BatchMaker:
             ids[i, : len(p) + len(a)] = torch.tensor(p + a)
             labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
             mask[i, : len(p) + len(a)] = 1
-        pixels = self.processor.image_processor(images=[s.image for s in batch], return_tensors="pt")["pixel_values"]
+        pixels = self.processor.image_processor(
+            images=[s.image for s in batch], return_tensors="pt"
+        )["pixel_values"]
         return Batch(ids, mask, labels, pixels)
 
 
@@ -121,13 +135,19 @@ def answer_loss(model: LlavaForConditionalGeneration, batch: Batch) -> torch.Ten
     (the full-vocabulary logits of every prompt position would double the step's cost)."""
     import torch
 
-    hidden = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, pixel_values=batch.pixel_values).last_hidden_state
+    hidden = model.model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        pixel_values=batch.pixel_values,
+    ).last_hidden_state
     targets = batch.labels[:, 1:]  # position t predicts token t + 1
     scored = targets != IGNORE
     return torch.nn.functional.cross_entropy(model.lm_head(hidden[:, :-1][scored]), targets[scored])
 
 
-def train(model: LlavaForConditionalGeneration, make: BatchMaker, recipe: TrainedRecipe, *, progress: bool) -> float:
+def train(
+    model: LlavaForConditionalGeneration, make: BatchMaker, recipe: TrainedRecipe, *, progress: bool
+) -> float:
     """Train in place; returns the mean loss of the last 50 steps."""
     import torch
 
@@ -135,10 +155,17 @@ def train(model: LlavaForConditionalGeneration, make: BatchMaker, recipe: Traine
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, weight_decay=0.01)
     model.train()
     losses: list[float] = []
-    with tqdm(range(recipe.num_steps), desc=f"train {recipe.name}", disable=not progress, unit="step") as bar:
+    with tqdm(
+        range(recipe.num_steps), desc=f"train {recipe.name}", disable=not progress, unit="step"
+    ) as bar:
         for step in bar:
             asks = recipe.first_asks if step < recipe.first_steps else recipe.asks
-            batch = make([scenes.random_sample(rng, recipe.render_px, asks) for _ in range(recipe.batch_size)])
+            batch = make(
+                [
+                    scenes.random_sample(rng, recipe.render_px, asks)
+                    for _ in range(recipe.batch_size)
+                ]
+            )
             for group in opt.param_groups:
                 group["lr"] = _learning_rate(step, recipe)
             loss = answer_loss(model, batch)
@@ -159,14 +186,18 @@ def build_shapes(recipe: TrainedRecipe, *, progress: bool = False):
     from transformers import LlavaForConditionalGeneration
 
     tokenizer = build_tokenizer(recipe.arch)
-    processor = build_processor(recipe.arch, tokenizer)  # its image-token count follows the strategy set below
+    processor = build_processor(
+        recipe.arch, tokenizer
+    )  # its image-token count follows the strategy set below
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.num_threads)
     try:
         with torch.random.fork_rng():  # callers' global RNG untouched
             torch.manual_seed(recipe.arch.seed)
             config = llava_config(recipe.arch, tokenizer)
-            config.vision_feature_select_strategy = processor.vision_feature_select_strategy = recipe.feature_strategy
+            config.vision_feature_select_strategy = processor.vision_feature_select_strategy = (
+                recipe.feature_strategy
+            )
             model = LlavaForConditionalGeneration(config).to(torch.float32)
             init_weights(model, recipe.arch, TRAIN_GAINS)
             train(model, BatchMaker(processor, recipe.render_px), recipe, progress=progress)
@@ -176,9 +207,13 @@ def build_shapes(recipe: TrainedRecipe, *, progress: bool = False):
     return model, processor
 
 
-def generate_answer(model: LlavaForConditionalGeneration, processor: LlavaProcessor, sample: scenes.Sample) -> list[int]:
+def generate_answer(
+    model: LlavaForConditionalGeneration, processor: LlavaProcessor, sample: scenes.Sample
+) -> list[int]:
     """The new token ids of plain HF greedy `generate` on `sample`, prompted as the server prompts."""
-    text = processor.apply_chat_template(sample.messages({"type": "image"}), add_generation_prompt=True, tokenize=False)
+    text = processor.apply_chat_template(
+        sample.messages({"type": "image"}), add_generation_prompt=True, tokenize=False
+    )
     inputs = processor(text=text, images=[sample.image], return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()

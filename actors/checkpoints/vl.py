@@ -17,7 +17,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.checkpoints.kit import SPECIAL_TOKENS, greedy_generation_config, init_weights, mute_unprintable, text_config_fields, train_bpe
+from actors.checkpoints.kit import (
+    SPECIAL_TOKENS,
+    greedy_generation_config,
+    init_weights,
+    mute_unprintable,
+    text_config_fields,
+    train_bpe,
+)
 from actors.checkpoints.qwen import qwen_vision_config
 
 QWEN_VL_SPECIALS = [
@@ -84,7 +91,9 @@ class VLRecipe:
     vision_hidden: int = 32
     vision_layers: int = 2
     vision_heads: int = 2
-    image_max_tokens: int = 16  # Qwen: images and frames are resized to at most this many merged 28x28 patches
+    image_max_tokens: int = (
+        16  # Qwen: images and frames are resized to at most this many merged 28x28 patches
+    )
     tile_size: int = 32  # LLaVA-NeXT: the tower's input (one anyres tile), in pixels
     patch_size: int = 8  # LLaVA-NeXT: CLIP patch size
     max_positions: int = 4096
@@ -92,14 +101,24 @@ class VLRecipe:
     def publish_layout(self, out: Path) -> None:
         """Rewrite what `save_pretrained` wrote into the published repo's file layout."""
         jinja = out / "chat_template.jinja"
-        (out / "chat_template.json").write_text(json.dumps({"chat_template": jinja.read_text()}, indent=2) + "\n")
+        (out / "chat_template.json").write_text(
+            json.dumps({"chat_template": jinja.read_text()}, indent=2) + "\n"
+        )
         jinja.unlink()
         processor = json.loads((out / "processor_config.json").read_text())
-        images = {**processor.pop("image_processor"), "processor_class": processor["processor_class"]}
-        processor.pop("video_processor", None)  # Qwen's video processor reads preprocessor_config.json
+        images = {
+            **processor.pop("image_processor"),
+            "processor_class": processor["processor_class"],
+        }
+        processor.pop(
+            "video_processor", None
+        )  # Qwen's video processor reads preprocessor_config.json
         if self.family == "qwen2_5_vl":
             _flatten_qwen_config(out / "config.json")
-            images.update(min_pixels=images["size"]["shortest_edge"], max_pixels=images["size"]["longest_edge"])
+            images.update(
+                min_pixels=images["size"]["shortest_edge"],
+                max_pixels=images["size"]["longest_edge"],
+            )
         _write_json(out / "preprocessor_config.json", images)
         if set(processor) == {"processor_class"}:
             (out / "processor_config.json").unlink()
@@ -130,7 +149,9 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _tokenizer(recipe: VLRecipe, specials: list[str], named: dict[str, str], template: str, **tokens):
+def _tokenizer(
+    recipe: VLRecipe, specials: list[str], named: dict[str, str], template: str, **tokens
+):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
@@ -144,7 +165,13 @@ def _tokenizer(recipe: VLRecipe, specials: list[str], named: dict[str, str], tem
 
 
 def _qwen_vl(recipe: VLRecipe):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
 
     named = {
         "image_token": "<|image_pad|>",
@@ -152,7 +179,15 @@ def _qwen_vl(recipe: VLRecipe):
         "vision_bos_token": "<|vision_start|>",
         "vision_eos_token": "<|vision_end|>",
     }
-    tokenizer = _tokenizer(recipe, QWEN_VL_SPECIALS, named, QWEN_VL_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<unk>")
+    tokenizer = _tokenizer(
+        recipe,
+        QWEN_VL_SPECIALS,
+        named,
+        QWEN_VL_TEMPLATE,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<unk>",
+    )
     ids = tokenizer.convert_tokens_to_ids
     head_dim = recipe.text_hidden // recipe.text_heads
     third = head_dim // 2 // 4  # mrope sections (t, h, w) over head_dim / 2 rotary frequencies
@@ -161,7 +196,11 @@ def _qwen_vl(recipe: VLRecipe):
         text_config=text_config_fields(
             recipe,
             tokenizer,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [head_dim // 2 - 2 * third, third, third]},
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [head_dim // 2 - 2 * third, third, third],
+            },
         ),
         image_token_id=ids("<|image_pad|>"),
         video_token_id=ids("<|video_pad|>"),
@@ -170,8 +209,12 @@ def _qwen_vl(recipe: VLRecipe):
     )
     pixels = 28 * 28
     processor = Qwen2_5_VLProcessor(
-        image_processor=Qwen2VLImageProcessor(min_pixels=4 * pixels, max_pixels=recipe.image_max_tokens * pixels),
-        video_processor=Qwen2VLVideoProcessor(min_pixels=4 * pixels, max_pixels=recipe.image_max_tokens * pixels),
+        image_processor=Qwen2VLImageProcessor(
+            min_pixels=4 * pixels, max_pixels=recipe.image_max_tokens * pixels
+        ),
+        video_processor=Qwen2VLVideoProcessor(
+            min_pixels=4 * pixels, max_pixels=recipe.image_max_tokens * pixels
+        ),
         tokenizer=tokenizer,
         chat_template=QWEN_VL_TEMPLATE,
     )
@@ -184,8 +227,15 @@ def anyres_pinpoints(tile: int) -> list[list[int]]:
 
 
 def _llava_next(recipe: VLRecipe):
-    from transformers import CLIPVisionConfig, LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
-    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers import (
+        CLIPVisionConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextProcessor,
+    )
+    from transformers.models.llava_next.image_processing_pil_llava_next import (
+        LlavaNextImageProcessorPil,
+    )
 
     tokenizer = _tokenizer(
         recipe,
@@ -210,7 +260,9 @@ def _llava_next(recipe: VLRecipe):
     )
     config = LlavaNextConfig(
         vision_config=vision,
-        text_config=text_config_fields(recipe, tokenizer, bos_token_id=tokenizer.bos_token_id, model_type="mistral"),
+        text_config=text_config_fields(
+            recipe, tokenizer, bos_token_id=tokenizer.bos_token_id, model_type="mistral"
+        ),
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
         image_grid_pinpoints=pinpoints,
         vision_feature_select_strategy="default",
@@ -238,11 +290,19 @@ def build_vl(recipe: VLRecipe):
     """(model, processor) of a VL recipe, every weight drawn from the recipe's seed."""
     import torch
 
-    model, processor, tokenizer, num_specials = (_qwen_vl if recipe.family == "qwen2_5_vl" else _llava_next)(recipe)
+    model, processor, tokenizer, num_specials = (
+        _qwen_vl if recipe.family == "qwen2_5_vl" else _llava_next
+    )(recipe)
     model = model.to(torch.float32).eval()
-    init_weights(model, recipe, {r"language_model\..*\.[qk]_proj": 2.0, r"embeddings\.position_embedding": 0.2})
+    init_weights(
+        model,
+        recipe,
+        {r"language_model\..*\.[qk]_proj": 2.0, r"embeddings\.position_embedding": 0.2},
+    )
     newline = getattr(model.model, "image_newline", None)
-    if newline is not None:  # 1-D, so init_weights skips it: drawn from the seed too, not the global RNG
+    if (
+        newline is not None
+    ):  # 1-D, so init_weights skips it: drawn from the seed too, not the global RNG
         with torch.no_grad():
             newline.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(recipe.seed + 1))
     mute_unprintable(model, tokenizer, num_specials)

@@ -27,7 +27,14 @@ class _Pending:
 
 
 class MicroBatcher:
-    def __init__(self, run_batch: RunBatch, *, max_batch_size: int, max_wait_s: float, key: Callable[[Any], Hashable]):
+    def __init__(
+        self,
+        run_batch: RunBatch,
+        *,
+        max_batch_size: int,
+        max_wait_s: float,
+        key: Callable[[Any], Hashable],
+    ):
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_s
@@ -59,7 +66,9 @@ class MicroBatcher:
         idle = True  # the loop (re)starts only when a job reached an idle batcher
         while (key := self._oldest_key()) is not None:
             queue = self._queues[key]
-            deadline = -1.0 if idle and self.queue_depth == 1 else queue[0].enqueued_s + self.max_wait_s
+            deadline = (
+                -1.0 if idle and self.queue_depth == 1 else queue[0].enqueued_s + self.max_wait_s
+            )
             idle = False
             while len(queue) < self.max_batch_size and (left := deadline - time.monotonic()) > 0:
                 self._wakeup.clear()

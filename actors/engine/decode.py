@@ -30,16 +30,27 @@ class DecodeOutput:
 
 
 class DecodeEngine:
-    def __init__(self, runner: LMRunner, max_batch_size: int, max_model_len: int, kv_budget_bytes: int | None = None):
+    def __init__(
+        self,
+        runner: LMRunner,
+        max_batch_size: int,
+        max_model_len: int,
+        kv_budget_bytes: int | None = None,
+    ):
         self.runner = runner
         self.scheduler = DecodeScheduler(max_batch_size, max_model_len, kv_budget_bytes)
         self.batch = kv.BatchedKV()
-        self._intake: deque[Sequence | str] = deque()  # new sequences and aborted ids, in the order they came
+        self._intake: deque[Sequence | str] = (
+            deque()
+        )  # new sequences and aborted ids, in the order they came
         self.max_batch_seen = 0
 
     def add(self, request: DecodeRequest, packed_kv: torch.Tensor) -> None:
         total = kv.sequence_bytes(
-            kv.packed_bytes_per_token(packed_kv), request.num_prompt_tokens, request.sampling.max_tokens, self.scheduler.max_model_len
+            kv.packed_bytes_per_token(packed_kv),
+            request.num_prompt_tokens,
+            request.sampling.max_tokens,
+            self.scheduler.max_model_len,
         )
         self._intake.append(Sequence(request, packed_kv, kv_bytes=total))
 
@@ -77,8 +88,14 @@ class DecodeEngine:
         for seq, s in zip(running, sampled):
             if s is not None:  # a failed row ends alone, with ERROR, in _release
                 logprobs = (s.logprob,) if s.logprob is not None else ()
-                out.append(DecodeOutput(seq.request_id, TokenChunk((s.token_id,), None, step_ms, logprobs)))
-        self._release(self.scheduler.record([s.token_id if s is not None else None for s in sampled]), out, step_ms)
+                out.append(
+                    DecodeOutput(seq.request_id, TokenChunk((s.token_id,), None, step_ms, logprobs))
+                )
+        self._release(
+            self.scheduler.record([s.token_id if s is not None else None for s in sampled]),
+            out,
+            step_ms,
+        )
         return out
 
     def fail_all(self) -> list[DecodeOutput]:
@@ -98,16 +115,24 @@ class DecodeEngine:
             else:
                 self.scheduler.add(item)
 
-    def _release(self, finished: list[Sequence], out: list[DecodeOutput], step_ms: float = 0.0) -> None:
+    def _release(
+        self, finished: list[Sequence], out: list[DecodeOutput], step_ms: float = 0.0
+    ) -> None:
         if not finished:
             return
-        out.extend(DecodeOutput(seq.request_id, TokenChunk((), seq.finish_reason, step_ms)) for seq in finished)
-        self.scheduler.keep_rows(self.batch.remove(self.scheduler.finished_rows()))  # the last rows fill the holes
+        out.extend(
+            DecodeOutput(seq.request_id, TokenChunk((), seq.finish_reason, step_ms))
+            for seq in finished
+        )
+        self.scheduler.keep_rows(
+            self.batch.remove(self.scheduler.finished_rows())
+        )  # the last rows fill the holes
 
     def stats(self) -> dict[str, int]:
         """`rows` counts KV rows held: zero when idle, or a request leaked its cache."""
         return {
-            "queued": len(self.scheduler.waiting) + sum(1 for s in list(self._intake) if not isinstance(s, str)),
+            "queued": len(self.scheduler.waiting)
+            + sum(1 for s in list(self._intake) if not isinstance(s, str)),
             "running": len(self.scheduler.running),
             "rows": self.batch.num_rows,
             "max_batch": self.max_batch_seen,

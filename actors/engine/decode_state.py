@@ -26,7 +26,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     aborted: bool = False
     failed: bool = False  # its row could not be sampled (non-finite logits): it ends alone
-    kv_bytes: int = 0  # KV reserved for it in the batch: its prompt plus every token it may generate
+    kv_bytes: int = (
+        0  # KV reserved for it in the batch: its prompt plus every token it may generate
+    )
     waited_for_kv: bool = False  # it had a row but not KV room at some step
 
     @property
@@ -59,10 +61,14 @@ def finish_reason(seq: Sequence, max_model_len: int) -> FinishReason | None:
     return None
 
 
-def finish_reason_of(num_prompt_tokens: int, sampling, token_ids: list[int], max_model_len: int) -> FinishReason | None:
+def finish_reason_of(
+    num_prompt_tokens: int, sampling, token_ids: list[int], max_model_len: int
+) -> FinishReason | None:
     """Whether `token_ids` (produced after a prompt of `num_prompt_tokens`) already end the
     request: for the first token, and for a request resumed after a worker died."""
-    seq = Sequence(DecodeRequest("", num_prompt_tokens, token_ids[0], sampling), None, list(token_ids))
+    seq = Sequence(
+        DecodeRequest("", num_prompt_tokens, token_ids[0], sampling), None, list(token_ids)
+    )
     return finish_reason(seq, max_model_len)
 
 
@@ -78,7 +84,9 @@ class DecodeScheduler:
         self.max_model_len = max_model_len
         self.kv_budget_bytes = kv_budget_bytes  # None: rows are the only limit
         self.kv_reserved_bytes = 0
-        self.num_waited_for_kv = 0  # sequences that had to wait for KV room (a burst beyond the budget)
+        self.num_waited_for_kv = (
+            0  # sequences that had to wait for KV room (a burst beyond the budget)
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -88,10 +96,16 @@ class DecodeScheduler:
 
     def admit(self) -> list[Sequence]:
         """Sequences that join the batch before the next step, oldest first."""
-        if any(seq.aborted for seq in self.waiting):  # gone before they ran: they hold no place in line
+        if any(
+            seq.aborted for seq in self.waiting
+        ):  # gone before they ran: they hold no place in line
             self.waiting = deque(seq for seq in self.waiting if not seq.aborted)
         joining = []
-        while self.waiting and len(self.running) + len(joining) < self.max_batch_size and self._fits(self.waiting[0], joining):
+        while (
+            self.waiting
+            and len(self.running) + len(joining) < self.max_batch_size
+            and self._fits(self.waiting[0], joining)
+        ):
             seq = self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.kv_reserved_bytes += seq.kv_bytes
@@ -136,8 +150,12 @@ class DecodeScheduler:
         """Running becomes these sequences in this order (the batch's rows after a removal);
         the others, all finished, give their KV reservation back."""
         kept = [self.running[i] for i in rows]
-        assert all(seq.status != SeqStatus.FINISHED for seq in kept), "a finished sequence kept its row"
-        self.kv_reserved_bytes -= sum(seq.kv_bytes for seq in self.running) - sum(seq.kv_bytes for seq in kept)
+        assert all(seq.status != SeqStatus.FINISHED for seq in kept), (
+            "a finished sequence kept its row"
+        )
+        self.kv_reserved_bytes -= sum(seq.kv_bytes for seq in self.running) - sum(
+            seq.kv_bytes for seq in kept
+        )
         self.running = kept
 
     def clear(self) -> list[Sequence]:

@@ -62,7 +62,11 @@ class CacheStats:
         for state in EntryState:
             flat[f"{prefix}{state.value}_entries"] = self.entries[state]
             flat[f"{prefix}{state.value}_bytes"] = self.num_bytes[state]
-        return flat | {f"{prefix}hits": self.hits, f"{prefix}misses": self.misses, f"{prefix}evictions": self.evictions}
+        return flat | {
+            f"{prefix}hits": self.hits,
+            f"{prefix}misses": self.misses,
+            f"{prefix}evictions": self.evictions,
+        }
 
 
 class EncoderCache:
@@ -70,7 +74,9 @@ class EncoderCache:
         self.capacity_bytes = capacity_bytes
         self.released_ttl_s = released_ttl_s
         self._entries: dict[str, _Entry] = {}
-        self._evictable: OrderedDict[str, None] = OrderedDict()  # CACHED entries, least recently released first
+        self._evictable: OrderedDict[str, None] = (
+            OrderedDict()
+        )  # CACHED entries, least recently released first
         self._held_by: dict[str, Counter[str]] = {}  # holder -> identifiers it references
         self._released: dict[str, float] = {}  # holder -> when released (refuse its late lookups)
         self.used_bytes = 0
@@ -129,7 +135,9 @@ class EncoderCache:
 
     def release_owner(self, prefix: str) -> int:
         """release() every holder whose id starts with `prefix` (a dead ingress replica's)."""
-        return sum(self.release(holder) for holder in [h for h in self._held_by if h.startswith(prefix)])
+        return sum(
+            self.release(holder) for holder in [h for h in self._held_by if h.startswith(prefix)]
+        )
 
     def _ref(self, identifier: str, entry: _Entry, holder: str) -> None:
         if holder in self._released:
@@ -168,17 +176,27 @@ class EncoderCache:
         for entry in self._entries.values():
             entries[entry.state] += 1
             num_bytes[entry.state] += entry.num_bytes
-        return CacheStats(self.capacity_bytes, entries, num_bytes, self.hits, self.misses, self.evictions)
+        return CacheStats(
+            self.capacity_bytes, entries, num_bytes, self.hits, self.misses, self.evictions
+        )
 
     def check_integrity(self) -> None:
         """Sizes add up; references match both ways and are positive; exactly the CACHED
         entries are evictable; evictable bytes are kept only within the budget."""
-        assert self.used_bytes == sum(e.num_bytes for e in self._entries.values()), "byte count drifted"
+        assert self.used_bytes == sum(e.num_bytes for e in self._entries.values()), (
+            "byte count drifted"
+        )
         for identifier, entry in self._entries.items():
             assert all(n > 0 for n in entry.holders.values()), "non-positive refcount"
             for holder, n in entry.holders.items():
                 assert self._held_by[holder][identifier] == n, "holder index disagrees"
-            assert (entry.state is EntryState.CACHED) == (identifier in self._evictable), "evictable != CACHED"
+            assert (entry.state is EntryState.CACHED) == (identifier in self._evictable), (
+                "evictable != CACHED"
+            )
         for holder, held in self._held_by.items():
-            assert held and all(self._entries[i].holders[holder] == n > 0 for i, n in held.items()), "dangling reference"
-        assert not self._evictable or self.used_bytes <= self.capacity_bytes, "evictable entries kept over budget"
+            assert held and all(
+                self._entries[i].holders[holder] == n > 0 for i, n in held.items()
+            ), "dangling reference"
+        assert not self._evictable or self.used_bytes <= self.capacity_bytes, (
+            "evictable entries kept over budget"
+        )

@@ -22,7 +22,9 @@ class _Slab:
     for all rows in place, a row that joins is written into a spare row, and a row that
     leaves is replaced by the last one. Nothing is copied whole except when the buffers grow."""
 
-    def __init__(self, like: list[tuple[torch.Tensor, torch.Tensor]], rows: int, columns: int, end: int):
+    def __init__(
+        self, like: list[tuple[torch.Tensor, torch.Tensor]], rows: int, columns: int, end: int
+    ):
         k0 = like[0][0]
         shape = lambda t: (rows, t.shape[1], columns, t.shape[-1])
         self.k = [k.new_zeros(shape(k)) for k, _ in like]
@@ -45,7 +47,9 @@ class _Slab:
     def regrown(self, rows: int, left: int, right: int) -> _Slab:
         """A copy with room for `rows` rows, `left` columns before the window and `right` after it."""
         width = self.end - self.start
-        out = _Slab(list(zip(self.k, self.v)), max(rows, self.n), left + width + right, left + width)
+        out = _Slab(
+            list(zip(self.k, self.v)), max(rows, self.n), left + width + right, left + width
+        )
         out.n, out.start = self.n, left
         for dst, src in zip(out.k + out.v, self.k + self.v):
             dst[: self.n, :, left : left + width] = src[: self.n, :, self.start : self.end]
@@ -65,7 +69,9 @@ class _SlabLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         s, i = self.slab, self.index
-        assert key_states.shape[-2] == 1, "a decode step feeds one token a row (BatchedKV.absorb adds one column)"
+        assert key_states.shape[-2] == 1, (
+            "a decode step feeds one token a row (BatchedKV.absorb adds one column)"
+        )
         s.k[i][: s.n, :, s.end : s.end + 1] = key_states
         s.v[i][: s.n, :, s.end : s.end + 1] = value_states
         return s.k[i][: s.n, :, s.start : s.end + 1], s.v[i][: s.n, :, s.start : s.end + 1]
@@ -77,7 +83,10 @@ class _SlabLayer(DynamicLayer):
 def bytes_per_token(text_config, dtype_bytes: int) -> int:
     """KV bytes one token takes in every layer: layers x (key + value) x kv heads x head dim x
     dtype size, from the language model's config (what `pack` gives per token)."""
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    head_dim = (
+        getattr(text_config, "head_dim", None)
+        or text_config.hidden_size // text_config.num_attention_heads
+    )
     kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     return text_config.num_hidden_layers * 2 * kv_heads * head_dim * dtype_bytes
 
@@ -87,7 +96,9 @@ def packed_bytes_per_token(packed: torch.Tensor) -> int:
     return packed.numel() * packed.element_size() // max(packed.shape[-2], 1)
 
 
-def sequence_bytes(per_token: int, num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+def sequence_bytes(
+    per_token: int, num_prompt_tokens: int, max_tokens: int, max_model_len: int
+) -> int:
     """The most KV a sequence can come to hold: its prompt plus every token it may generate."""
     return per_token * min(num_prompt_tokens + max_tokens, max_model_len)
 
@@ -138,12 +149,16 @@ class BatchedKV:
         start = min(s.start, s.end - length)
         for buf, (k, v) in zip(zip(s.k, s.v), new):
             for dst, src in zip(buf, (k, v)):
-                dst[: s.n, :, start : s.start] = 0  # columns the other rows now pad (old data of rows gone)
+                dst[: s.n, :, start : s.start] = (
+                    0  # columns the other rows now pad (old data of rows gone)
+                )
                 dst[s.n, :, start : s.end - length] = 0
                 dst[s.n, :, s.end - length : s.end] = src[0]
         s.n, s.start = s.n + 1, start
         width = s.end - s.start
-        grown = torch.cat((self.mask.new_zeros(self.num_rows, width - self.num_slots), self.mask), dim=1)
+        grown = torch.cat(
+            (self.mask.new_zeros(self.num_rows, width - self.num_slots), self.mask), dim=1
+        )
         row = torch.cat((self.mask.new_zeros(width - length), self.mask.new_ones(length)))
         self.mask = torch.cat((grown, row.unsqueeze(0)))
 

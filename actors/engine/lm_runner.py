@@ -15,13 +15,17 @@ from actors.models.adapter import ModelAdapter
 from actors.types import PlaceholderRange, SamplingParams, TokenHistory
 
 
-def splice(embeds: torch.Tensor, ranges: tuple[PlaceholderRange, ...], items: list[torch.Tensor]) -> torch.Tensor:
+def splice(
+    embeds: torch.Tensor, ranges: tuple[PlaceholderRange, ...], items: list[torch.Tensor]
+) -> torch.Tensor:
     """Write each item's embeddings over its placeholder range, in one indexed copy."""
     if not ranges:
         return embeds
     for r, item in zip(ranges, items, strict=True):
         check_item(r, item)
-    index = torch.cat([torch.arange(r.offset, r.offset + r.length) for r in ranges]).to(embeds.device)
+    index = torch.cat([torch.arange(r.offset, r.offset + r.length) for r in ranges]).to(
+        embeds.device
+    )
     out = embeds.clone()
     out[0, index] = torch.cat(items).to(embeds.device, embeds.dtype)
     return out
@@ -29,7 +33,9 @@ def splice(embeds: torch.Tensor, ranges: tuple[PlaceholderRange, ...], items: li
 
 def check_item(r: PlaceholderRange, item: torch.Tensor) -> None:
     if item.shape[0] != r.length:
-        raise ValueError(f"item at offset {r.offset} has {item.shape[0]} embeddings for {r.length} placeholders")
+        raise ValueError(
+            f"item at offset {r.offset} has {item.shape[0]} embeddings for {r.length} placeholders"
+        )
 
 
 class LMRunner:
@@ -52,19 +58,26 @@ class LMRunner:
         embeds, positions, rope_delta = self.prompt_inputs(token_ids, ranges, items)
         cache = DynamicCache()
         for start in range(0, embeds.shape[1], self.max_chunk_tokens):
-            hidden = self.forward_chunk(embeds, positions, cache, start, start + self.max_chunk_tokens)
+            hidden = self.forward_chunk(
+                embeds, positions, cache, start, start + self.max_chunk_tokens
+            )
         return self.first_token(hidden, params, len(token_ids), history), kv.pack(cache), rope_delta
 
     @torch.inference_mode()
     def prompt_inputs(
-        self, token_ids: tuple[int, ...], ranges: tuple[PlaceholderRange, ...], items: list[torch.Tensor]
+        self,
+        token_ids: tuple[int, ...],
+        ranges: tuple[PlaceholderRange, ...],
+        items: list[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The prompt's input embeddings (items spliced in), its positions and rope delta."""
         embeds, positions, rope_delta = self.text_inputs(token_ids, ranges)
         return splice(embeds, ranges, items), positions, rope_delta
 
     @torch.inference_mode()
-    def text_inputs(self, token_ids: tuple[int, ...], ranges: tuple[PlaceholderRange, ...]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def text_inputs(
+        self, token_ids: tuple[int, ...], ranges: tuple[PlaceholderRange, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The prompt's token embeddings with no item spliced in yet, its positions and rope
         delta. Positions need only the token ids and each range's layout (the grid and seconds
         per grid of 3-D rotary families travel in the PlaceholderRange from the ingress's
@@ -80,15 +93,31 @@ class LMRunner:
         embeds[0, r.offset : r.offset + r.length] = item.to(embeds.device, embeds.dtype)
 
     @torch.inference_mode()
-    def forward_chunk(self, embeds: torch.Tensor, positions: torch.Tensor, cache: DynamicCache, start: int, end: int) -> torch.Tensor:
+    def forward_chunk(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache,
+        start: int,
+        end: int,
+    ) -> torch.Tensor:
         """Prompt tokens [start, end) through the LM on top of `cache` (which holds [0, start))."""
         return self.adapter.forward(embeds[:, start:end], positions[..., start:end], cache)
 
     @torch.inference_mode()
     def first_token(
-        self, hidden: torch.Tensor, params: SamplingParams, num_prompt_tokens: int, history: TokenHistory | None = None
+        self,
+        hidden: torch.Tensor,
+        params: SamplingParams,
+        num_prompt_tokens: int,
+        history: TokenHistory | None = None,
     ) -> Sampled | None:
-        return sample_rows(self.adapter.logits(hidden[:, -1]), [params], [num_prompt_tokens], [history] if history else None)[0]
+        return sample_rows(
+            self.adapter.logits(hidden[:, -1]),
+            [params],
+            [num_prompt_tokens],
+            [history] if history else None,
+        )[0]
 
     @torch.inference_mode()
     def decode_step(

@@ -44,8 +44,12 @@ class PrefillOutput:
     prefill_ms: float  # first chunk -> done, less the time spent waiting for items meanwhile
     item_wait_ms: float = 0.0  # how long it could not advance for want of an item's embeddings
     compute_ms: float = 0.0  # its own forwards and finish: its service time (prefill_ms also counts those sharing its steps)
-    error: str | None = None  # the request failed alone (e.g. an item that does not fit its placeholders)
-    finished_s: float = 0.0  # perf_counter() at done: the worker adds what passes until it hands the result on
+    error: str | None = (
+        None  # the request failed alone (e.g. an item that does not fit its placeholders)
+    )
+    finished_s: float = (
+        0.0  # perf_counter() at done: the worker adds what passes until it hands the result on
+    )
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,17 @@ class _Job:
 
     def state(self) -> PrefillState:
         here = self.ready | self.items.keys()  # spliced, or given and not started yet
-        spans = tuple(Span(r.offset, r.length, i in here) for i, r in enumerate(self.request.placeholders))
+        spans = tuple(
+            Span(r.offset, r.length, i in here) for i, r in enumerate(self.request.placeholders)
+        )
         return PrefillState(
-            self.request.request_id, len(self.request.prompt_token_ids), self.num_computed, spans, self.arrival, self.added_s, self.min_early_tokens
+            self.request.request_id,
+            len(self.request.prompt_token_ids),
+            self.num_computed,
+            spans,
+            self.arrival,
+            self.added_s,
+            self.min_early_tokens,
         )
 
     def note_wait(self, now: float) -> None:
@@ -107,8 +119,15 @@ def history_of(request: PrefillRequest) -> TokenHistory | None:
 
 
 def media_keys(request: PrefillRequest) -> tuple[MediaKey, ...]:
-    ids = request.media_identifiers if len(request.media_identifiers) == len(request.placeholders) else None
-    return tuple(MediaKey(r.offset, r.length, ids[i] if ids else None) for i, r in enumerate(request.placeholders))
+    ids = (
+        request.media_identifiers
+        if len(request.media_identifiers) == len(request.placeholders)
+        else None
+    )
+    return tuple(
+        MediaKey(r.offset, r.length, ids[i] if ids else None)
+        for i, r in enumerate(request.placeholders)
+    )
 
 
 class PrefillEngine:
@@ -124,21 +143,36 @@ class PrefillEngine:
         min_early_tokens: int = 0,
         aging_tokens_per_s: float = 0.0,
     ):
-        self.runner, self.token_budget, self.block_size, self.order = runner, token_budget, block_size, order
+        self.runner, self.token_budget, self.block_size, self.order = (
+            runner,
+            token_budget,
+            block_size,
+            order,
+        )
         self.aging_tokens_per_s = aging_tokens_per_s  # shortest-first with aging (prefill_schedule): bounds a long prompt's wait
-        self.min_early_tokens = min_early_tokens  # overlap: the shortest text worth prefilling ahead of a missing item
+        self.min_early_tokens = (
+            min_early_tokens  # overlap: the shortest text worth prefilling ahead of a missing item
+        )
         self.max_media_tokens_per_step = max_media_tokens_per_step
         self.pool = BlockPool(cache_bytes)
         self.jobs: dict[str, _Job] = {}
         self._failed: list[PrefillOutput] = []  # requests that failed alone since the last step
-        self._intake: deque[_Job | _Item | str] = deque()  # new jobs, late items and aborted ids, in the order they came
-        self._parked: dict[str, _Job] = {}  # added, but no chunk can run before an item comes (caller's thread only)
+        self._intake: deque[_Job | _Item | str] = (
+            deque()
+        )  # new jobs, late items and aborted ids, in the order they came
+        self._parked: dict[
+            str, _Job
+        ] = {}  # added, but no chunk can run before an item comes (caller's thread only)
         self._num_runnable = 0  # jobs that can advance, as of the end of the last step
         self._arrivals = itertools.count()
         self._held_version = -1
         self._snapshot()
 
-    def add(self, request: PrefillRequest, items: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] = ()) -> None:
+    def add(
+        self,
+        request: PrefillRequest,
+        items: Sequence[torch.Tensor] | Mapping[int, torch.Tensor] = (),
+    ) -> None:
         """`items`: the embeddings already here (a sequence: slots 0, 1, ...; a mapping: by
         slot); the others follow through `add_item`. A request that cannot compute a chunk
         before an item comes is held aside until one does: it costs no step (and so keeps
@@ -187,18 +221,30 @@ class PrefillEngine:
         if not self.jobs:
             return failed
         states = [job.state() for job in self.jobs.values()]
-        chunks = plan_step(states, self.token_budget, self.max_media_tokens_per_step, self.order, self.aging_tokens_per_s)
+        chunks = plan_step(
+            states,
+            self.token_budget,
+            self.max_media_tokens_per_step,
+            self.order,
+            self.aging_tokens_per_s,
+        )
         now = time.perf_counter()
         for chunk in chunks:
             job = self.jobs[chunk.request_id]
             job.started_s = job.started_s or now
-            job.hidden = self.runner.forward_chunk(job.embeds, job.positions, job.cache, chunk.start, chunk.end)
+            job.hidden = self.runner.forward_chunk(
+                job.embeds, job.positions, job.cache, chunk.start, chunk.end
+            )
             job.num_computed = chunk.end
             job.compute_s += time.perf_counter() - now
             now = time.perf_counter()
         for job in self.jobs.values():
             job.note_wait(now)
-        done = [job for job in self.jobs.values() if job.num_computed == len(job.request.prompt_token_ids)]
+        done = [
+            job
+            for job in self.jobs.values()
+            if job.num_computed == len(job.request.prompt_token_ids)
+        ]
         return failed + [self._finish(job) for job in done]
 
     def fail_all(self) -> list[str]:
@@ -225,7 +271,9 @@ class PrefillEngine:
         """Build the prompt's inputs, splice the items that are here and continue from the
         longest cached prefix."""
         req = job.request
-        job.embeds, job.positions, job.rope_delta = self.runner.text_inputs(req.prompt_token_ids, req.placeholders)
+        job.embeds, job.positions, job.rope_delta = self.runner.text_inputs(
+            req.prompt_token_ids, req.placeholders
+        )
         items, job.items = job.items, {}  # spliced: the embeddings are not needed any more
         for slot, embeddings in items.items():
             self._splice(_Item(req.request_id, slot, embeddings))
@@ -234,11 +282,15 @@ class PrefillEngine:
 
     def _splice(self, item: _Item) -> None:
         job = self.jobs.get(item.request_id)
-        if job is None or item.slot in job.ready:  # the request is gone: the embeddings are freed here
+        if (
+            job is None or item.slot in job.ready
+        ):  # the request is gone: the embeddings are freed here
             return
         if error := self._misfit(job.request, item):  # fails this request alone, not the whole step
             self._drop(job.request.request_id)
-            self._failed.append(PrefillOutput(item.request_id, None, torch.empty(0), 0, 0, 0.0, 0.0, error=error))
+            self._failed.append(
+                PrefillOutput(item.request_id, None, torch.empty(0), 0, 0, 0.0, 0.0, error=error)
+            )
             return
         r = job.request.placeholders[item.slot]
         if r.offset + r.length > job.num_computed:  # else its span came from the prefix cache
@@ -271,24 +323,39 @@ class PrefillEngine:
 
     def _finish(self, job: _Job) -> PrefillOutput:
         req, finishing_s = job.request, time.perf_counter()
-        first = self.runner.first_token(job.hidden, req.sampling, len(req.prompt_token_ids), history_of(req))
+        first = self.runner.first_token(
+            job.hidden, req.sampling, len(req.prompt_token_ids), history_of(req)
+        )
         packed = kv.pack(job.cache)
         self._keep_blocks(job, packed)
         self._drop(req.request_id)
         done = time.perf_counter()
-        waited_before_s = job.waited_s - job.waited_running_s  # for its items, before its first chunk: not queueing
+        waited_before_s = (
+            job.waited_s - job.waited_running_s
+        )  # for its items, before its first chunk: not queueing
         queue_ms = (job.started_s - job.added_s - waited_before_s) * 1e3
         prefill_ms = (done - job.started_s - job.waited_running_s) * 1e3
         compute_ms = (job.compute_s + done - finishing_s) * 1e3
         return PrefillOutput(
-            req.request_id, first, packed, job.rope_delta, job.num_cached, queue_ms, prefill_ms, job.waited_s * 1e3, compute_ms, finished_s=done
+            req.request_id,
+            first,
+            packed,
+            job.rope_delta,
+            job.num_cached,
+            queue_ms,
+            prefill_ms,
+            job.waited_s * 1e3,
+            compute_ms,
+            finished_s=done,
         )
 
     def _keep_blocks(self, job: _Job, packed: torch.Tensor) -> None:
         bs = self.block_size
         for i, block_hash in enumerate(job.hashes):
             if block_hash not in self.pool.blocks:
-                block = packed[:, :, :, i * bs : (i + 1) * bs].clone()  # its own storage: the packed KV leaves
+                block = packed[
+                    :, :, :, i * bs : (i + 1) * bs
+                ].clone()  # its own storage: the packed KV leaves
                 if not self.pool.insert(block_hash, block, block.numel() * block.element_size()):
                     break  # no room even after evicting: the later blocks would be orphans
         self.pool.touch(job.hashes)
@@ -305,13 +372,25 @@ class PrefillEngine:
 
     def stats(self) -> dict[str, int]:
         """As of the end of the last step, plus requests added since."""
-        parked = len(self._parked)  # queued for this worker and waiting for items, as a started job that waits
-        queued = self._stats["queued"] + parked + sum(1 for j in list(self._intake) if isinstance(j, _Job))
-        return {**self._stats, "queued": queued, "waiting_for_items": self._stats["waiting_for_items"] + parked}
+        parked = len(
+            self._parked
+        )  # queued for this worker and waiting for items, as a started job that waits
+        queued = (
+            self._stats["queued"]
+            + parked
+            + sum(1 for j in list(self._intake) if isinstance(j, _Job))
+        )
+        return {
+            **self._stats,
+            "queued": queued,
+            "waiting_for_items": self._stats["waiting_for_items"] + parked,
+        }
 
     def _snapshot(self) -> None:
         s, jobs = self.pool.stats, list(self.jobs.values())
-        if self._held_version != self.pool.version:  # one frozenset per change, not per step: the router compares by identity
+        if (
+            self._held_version != self.pool.version
+        ):  # one frozenset per change, not per step: the router compares by identity
             self._held, self._held_version = self.pool.held(), self.pool.version
         self._num_runnable = sum(1 for j in jobs if j.state().runnable)
         self._stats = {

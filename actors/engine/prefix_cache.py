@@ -30,7 +30,9 @@ class MediaKey:
     identifier: str | None
 
 
-def block_hashes(token_ids: tuple[int, ...], block_size: int, media: tuple[MediaKey, ...] = ()) -> list[str]:
+def block_hashes(
+    token_ids: tuple[int, ...], block_size: int, media: tuple[MediaKey, ...] = ()
+) -> list[str]:
     """Hashes of the prompt's full blocks, in order; stops before the first block that
     overlaps a media item without an identifier."""
     hashes: list[str] = []
@@ -43,7 +45,9 @@ def block_hashes(token_ids: tuple[int, ...], block_size: int, media: tuple[Media
         hasher = blake3(parent)
         hasher.update(b"".join(t.to_bytes(4, "little", signed=True) for t in token_ids[start:end]))
         for m in extra:  # the item's start relative to the block pins which embedding sits where
-            hasher.update(b"|" + m.identifier.encode("ascii") + b"@" + str(m.offset - start).encode("ascii"))
+            hasher.update(
+                b"|" + m.identifier.encode("ascii") + b"@" + str(m.offset - start).encode("ascii")
+            )
         digest = hasher.hexdigest()
         hashes.append(digest)
         parent = digest.encode("ascii")
@@ -140,8 +144,14 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Invariants: sizes add up, within capacity, free list == unreferenced blocks, no negative refs."""
-        assert self.num_bytes == sum(b.num_bytes for b in self.blocks.values()), "byte count drifted"
+        assert self.num_bytes == sum(b.num_bytes for b in self.blocks.values()), (
+            "byte count drifted"
+        )
         assert self.num_bytes <= self.capacity_bytes, "over capacity"
         assert all(b.refs >= 0 for b in self.blocks.values()), "negative refcount"
-        assert set(self.free_lru) == {h for h, b in self.blocks.items() if b.refs == 0}, "free list != unreferenced blocks"
-        assert all(h == b.block_hash for h, b in self.blocks.items()), "block filed under another hash"
+        assert set(self.free_lru) == {h for h, b in self.blocks.items() if b.refs == 0}, (
+            "free list != unreferenced blocks"
+        )
+        assert all(h == b.block_hash for h, b in self.blocks.items()), (
+            "block filed under another hash"
+        )

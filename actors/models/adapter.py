@@ -85,13 +85,21 @@ class ModelAdapter(abc.ABC):
 
     def forward(self, inputs_embeds, position_ids, cache, attention_mask=None) -> torch.Tensor:
         """Last hidden states of the language model; `cache` is updated in place."""
-        out = self._lm(inputs_embeds=inputs_embeds, position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        out = self._lm(
+            inputs_embeds=inputs_embeds,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=True,
+        )
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm_head(hidden)
 
-    def prompt_positions(self, token_ids: torch.Tensor, ranges: tuple[PlaceholderRange, ...]) -> tuple[torch.Tensor, int]:
+    def prompt_positions(
+        self, token_ids: torch.Tensor, ranges: tuple[PlaceholderRange, ...]
+    ) -> tuple[torch.Tensor, int]:
         """Position ids of a [1, L] prompt and the rope delta decode must add to cache lengths."""
         return torch.arange(token_ids.shape[1], device=token_ids.device).unsqueeze(0), 0
 
@@ -103,7 +111,9 @@ class ModelAdapter(abc.ABC):
 def merged_kwargs(processor) -> dict:
     """Per-modality kwargs exactly as the processor's own __call__ merges them, so encoders
     that call its sub-processors get the features `processor(...)` would give."""
-    return processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs, return_tensors="pt")
+    return processor._merge_kwargs(
+        tokenizer_init_kwargs=processor.tokenizer.init_kwargs, return_tensors="pt"
+    )
 
 
 # model_type -> module defining ADAPTER (a ModelAdapter) and build_spec(config, processor, dtype_bytes)
@@ -129,7 +139,9 @@ def check_family(checkpoint: Path) -> str:
     try:
         model_type = json.loads((Path(checkpoint) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError) as exc:
-        raise UnsupportedFamily(f"checkpoint {checkpoint} has no readable config.json: {exc}") from None
+        raise UnsupportedFamily(
+            f"checkpoint {checkpoint} has no readable config.json: {exc}"
+        ) from None
     if model_type not in FAMILIES:
         raise UnsupportedFamily(
             f"checkpoint {checkpoint} has model_type {model_type!r}, which epd does not serve; "
@@ -140,7 +152,9 @@ def check_family(checkpoint: Path) -> str:
 
 def _family(config):
     if config.model_type not in FAMILIES:
-        raise UnsupportedFamily(f"model_type {config.model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
+        raise UnsupportedFamily(
+            f"model_type {config.model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        )
     return importlib.import_module(FAMILIES[config.model_type])
 
 
@@ -152,4 +166,6 @@ def load_adapter(checkpoint: Path, *, part: str, dtype: str, device: str) -> Mod
 def placeholder_spec(checkpoint: Path, processor, dtype: str = "float32") -> PlaceholderSpec:
     config = AutoConfig.from_pretrained(checkpoint)
     spec = _family(config).build_spec(config, processor, DTYPE_BYTES[dtype])
-    return dataclasses.replace(spec, kv_bytes_per_token=kv.bytes_per_token(config.get_text_config(), DTYPE_BYTES[dtype]))
+    return dataclasses.replace(
+        spec, kv_bytes_per_token=kv.bytes_per_token(config.get_text_config(), DTYPE_BYTES[dtype])
+    )

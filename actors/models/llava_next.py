@@ -40,15 +40,21 @@ class LlavaNextSpec(PlaceholderSpec):
     tile_pixels: int = 336  # the tower's input side
     patches_per_side: int = 24  # tile_pixels // patch_size
     extra_tokens: int = 0  # 1 for the "full" strategy (CLS kept), else 0
-    grid_pinpoints: tuple[tuple[int, int], ...] = ()  # (height, width) resolutions an image may be resized into
+    grid_pinpoints: tuple[
+        tuple[int, int], ...
+    ] = ()  # (height, width) resolutions an image may be resized into
 
     def layout(self, item: MediaItem) -> ItemLayout:
         if item.modality != Modality.IMAGE:
             raise self._refuse(item)
         height, width = item.data.shape[:2]
-        best_h, best_w = select_best_resolution((height, width), [list(p) for p in self.grid_pinpoints])
+        best_h, best_w = select_best_resolution(
+            (height, width), [list(p) for p in self.grid_pinpoints]
+        )
         side = self.patches_per_side
-        rows, cols = unpadded_grid(height, width, best_h // self.tile_pixels * side, best_w // self.tile_pixels * side)
+        rows, cols = unpadded_grid(
+            height, width, best_h // self.tile_pixels * side, best_w // self.tile_pixels * side
+        )
         base = side * side + self.extra_tokens
         return ItemLayout(base + rows * (cols + 1))  # each row ends with image_newline
 
@@ -72,7 +78,9 @@ class LlavaNextAdapter(LlavaAdapter):
 
     def __init__(self, checkpoint: Path, *, part: str, dtype: torch.dtype, device: str):
         super().__init__(checkpoint, part=part, dtype=dtype, device=device)
-        if part == Part.ENCODER:  # the image kwargs the processor's __call__ merges (do_pad for anyres)
+        if (
+            part == Part.ENCODER
+        ):  # the image kwargs the processor's __call__ merges (do_pad for anyres)
             self._kwargs = merged_kwargs(AutoProcessor.from_pretrained(checkpoint))["images_kwargs"]
 
     @torch.inference_mode()

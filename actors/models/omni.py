@@ -40,7 +40,9 @@ def thinker_config(config):
     return getattr(config, "thinker_config", config)
 
 
-def load_thinker(checkpoint: Path, dtype: torch.dtype) -> Qwen2_5OmniThinkerForConditionalGeneration:
+def load_thinker(
+    checkpoint: Path, dtype: torch.dtype
+) -> Qwen2_5OmniThinkerForConditionalGeneration:
     """The thinker alone. From the published layout (`qwen2_5_omni`: thinker + talker +
     token2wav in one repo) only `thinker.*` tensors are read: the talker never reaches memory."""
     config = AutoConfig.from_pretrained(checkpoint)
@@ -55,8 +57,16 @@ def build_spec(config, processor, dtype_bytes: int) -> OmniSpec:
     config = thinker_config(config)
     fe = processor.feature_extractor
     return OmniSpec(
-        token_by_modality={Modality.IMAGE: processor.image_token, Modality.VIDEO: processor.video_token, Modality.AUDIO: processor.audio_token},
-        token_id_by_modality={Modality.IMAGE: config.image_token_id, Modality.VIDEO: config.video_token_id, Modality.AUDIO: config.audio_token_id},
+        token_by_modality={
+            Modality.IMAGE: processor.image_token,
+            Modality.VIDEO: processor.video_token,
+            Modality.AUDIO: processor.audio_token,
+        },
+        token_id_by_modality={
+            Modality.IMAGE: config.image_token_id,
+            Modality.VIDEO: config.video_token_id,
+            Modality.AUDIO: config.audio_token_id,
+        },
         embedding_bytes_per_token=config.text_config.hidden_size * dtype_bytes,
         audio_sample_rate_hz=fe.sampling_rate,
         audio_window_samples=fe.n_samples,
@@ -82,20 +92,37 @@ class OmniAdapter(VisionEncoding, ModelAdapter):
 
     @torch.inference_mode()
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
-        encode = {Modality.IMAGE: self._images, Modality.VIDEO: self._videos, Modality.AUDIO: self._audio}
-        return [rows.contiguous() for rows in encode[items[0].modality]([item.data for item in items])]
+        encode = {
+            Modality.IMAGE: self._images,
+            Modality.VIDEO: self._videos,
+            Modality.AUDIO: self._audio,
+        }
+        return [
+            rows.contiguous() for rows in encode[items[0].modality]([item.data for item in items])
+        ]
 
     def _audio(self, arrays: list[np.ndarray]):
         inputs, _ = self._processor._process_audio(arrays, **self._kwargs["audio_kwargs"])
         mask = inputs["feature_attention_mask"].to(self.device)
-        rows = self._model.get_audio_features(inputs["input_features"].to(self.device, self.dtype), mask).last_hidden_state
+        rows = self._model.get_audio_features(
+            inputs["input_features"].to(self.device, self.dtype), mask
+        ).last_hidden_state
         return torch.split(rows, inputs["num_audio_tokens"].tolist())
 
-    def prompt_positions(self, token_ids: torch.Tensor, ranges: tuple[PlaceholderRange, ...]) -> tuple[torch.Tensor, int]:
-        grids = {m: [r.grid_thw for r in ranges if r.modality == m] for m in (Modality.IMAGE, Modality.VIDEO)}
-        if not any(grids.values()):  # text and audio only: plain positions, as the model itself uses
+    def prompt_positions(
+        self, token_ids: torch.Tensor, ranges: tuple[PlaceholderRange, ...]
+    ) -> tuple[torch.Tensor, int]:
+        grids = {
+            m: [r.grid_thw for r in ranges if r.modality == m]
+            for m in (Modality.IMAGE, Modality.VIDEO)
+        }
+        if not any(
+            grids.values()
+        ):  # text and audio only: plain positions, as the model itself uses
             return super().prompt_positions(token_ids, ranges)
-        as_tensor = lambda rows, dtype=torch.long: torch.tensor(rows, dtype=dtype, device=token_ids.device) if rows else None
+        as_tensor = lambda rows, dtype=torch.long: (
+            torch.tensor(rows, dtype=dtype, device=token_ids.device) if rows else None
+        )
         positions, deltas = self._model.get_rope_index(
             token_ids,
             image_grid_thw=as_tensor(grids[Modality.IMAGE]),
@@ -103,8 +130,12 @@ class OmniAdapter(VisionEncoding, ModelAdapter):
             attention_mask=torch.ones_like(token_ids),
             use_audio_in_video=False,
             # get_rope_index wants mel frames per audio; 4n - 1 frames is one length the tower maps to n embeddings
-            audio_seqlens=as_tensor([4 * r.length - 1 for r in ranges if r.modality == Modality.AUDIO]),
-            second_per_grids=as_tensor([r.seconds_per_grid for r in ranges if r.modality == Modality.VIDEO], torch.float32),
+            audio_seqlens=as_tensor(
+                [4 * r.length - 1 for r in ranges if r.modality == Modality.AUDIO]
+            ),
+            second_per_grids=as_tensor(
+                [r.seconds_per_grid for r in ranges if r.modality == Modality.VIDEO], torch.float32
+            ),
         )
         return positions, int(deltas.reshape(-1)[0])
 

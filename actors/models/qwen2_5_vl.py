@@ -25,8 +25,14 @@ _TOKEN_TYPE = {Modality.IMAGE: 1, Modality.VIDEO: 2}
 
 def build_spec(config, processor, dtype_bytes: int) -> VisionGridSpec:
     return VisionGridSpec(
-        token_by_modality={Modality.IMAGE: processor.image_token, Modality.VIDEO: processor.video_token},
-        token_id_by_modality={Modality.IMAGE: config.image_token_id, Modality.VIDEO: config.video_token_id},
+        token_by_modality={
+            Modality.IMAGE: processor.image_token,
+            Modality.VIDEO: processor.video_token,
+        },
+        token_id_by_modality={
+            Modality.IMAGE: config.image_token_id,
+            Modality.VIDEO: config.video_token_id,
+        },
         embedding_bytes_per_token=config.text_config.hidden_size * dtype_bytes,
         **vision_spec_fields(processor),
     )
@@ -50,9 +56,13 @@ class Qwen2_5_VLAdapter(VisionEncoding, ModelAdapter):
     @torch.inference_mode()
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
         encode = {Modality.IMAGE: self._images, Modality.VIDEO: self._videos}
-        return [rows.contiguous() for rows in encode[items[0].modality]([item.data for item in items])]
+        return [
+            rows.contiguous() for rows in encode[items[0].modality]([item.data for item in items])
+        ]
 
-    def prompt_positions(self, token_ids: torch.Tensor, ranges: tuple[PlaceholderRange, ...]) -> tuple[torch.Tensor, int]:
+    def prompt_positions(
+        self, token_ids: torch.Tensor, ranges: tuple[PlaceholderRange, ...]
+    ) -> tuple[torch.Tensor, int]:
         if not ranges:  # text only: plain positions, as the model itself uses
             return super().prompt_positions(token_ids, ranges)
         device = token_ids.device
@@ -60,14 +70,18 @@ class Qwen2_5_VLAdapter(VisionEncoding, ModelAdapter):
         for r in ranges:
             token_types[0, r.offset : r.offset + r.length] = _TOKEN_TYPE[r.modality]
         grids = {m: [r.grid_thw for r in ranges if r.modality == m] for m in _TOKEN_TYPE}
-        as_tensor = lambda rows, dtype=torch.long: torch.tensor(rows, dtype=dtype, device=device) if rows else None
+        as_tensor = lambda rows, dtype=torch.long: (
+            torch.tensor(rows, dtype=dtype, device=device) if rows else None
+        )
         positions, deltas = self._model.get_rope_index(
             token_ids,
             token_types,
             image_grid_thw=as_tensor(grids[Modality.IMAGE]),
             video_grid_thw=as_tensor(grids[Modality.VIDEO]),
             attention_mask=torch.ones_like(token_ids),
-            second_per_grid_ts=as_tensor([r.seconds_per_grid for r in ranges if r.modality == Modality.VIDEO], torch.float32),
+            second_per_grid_ts=as_tensor(
+                [r.seconds_per_grid for r in ranges if r.modality == Modality.VIDEO], torch.float32
+            ),
         )
         return positions, int(deltas.reshape(-1)[0])
 

@@ -78,19 +78,29 @@ class Qwen2AudioAdapter(ModelAdapter):
 
     @torch.inference_mode()
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
-        features, _ = self._processor._process_audio([item.data for item in items], **self._audio_kwargs)
+        features, _ = self._processor._process_audio(
+            [item.data for item in items], **self._audio_kwargs
+        )
         mel = features["input_features"].to(self.device, self.dtype)
-        feat_lengths, out_lengths = self._tower._get_feat_extract_output_lengths(features["feature_attention_mask"].sum(-1))
-        projected = self._projector(self._tower(mel, attention_mask=self._mask(mel, feat_lengths)).last_hidden_state)
+        feat_lengths, out_lengths = self._tower._get_feat_extract_output_lengths(
+            features["feature_attention_mask"].sum(-1)
+        )
+        projected = self._projector(
+            self._tower(mel, attention_mask=self._mask(mel, feat_lengths)).last_hidden_state
+        )
         return [rows[:n].contiguous() for rows, n in zip(projected, out_lengths.tolist())]
 
     def _mask(self, mel: torch.Tensor, feat_lengths: torch.Tensor):
         """The tower's attention mask over its post-conv sequence, as the model's forward builds it."""
         batch, _, num_frames = mel.shape
         seq_len = (num_frames - 2) // 2 + 1
-        valid = torch.arange(seq_len, device=mel.device).unsqueeze(0) < feat_lengths.to(mel.device).unsqueeze(1)
+        valid = torch.arange(seq_len, device=mel.device).unsqueeze(0) < feat_lengths.to(
+            mel.device
+        ).unsqueeze(1)
         dummy = torch.zeros((batch, seq_len, 1), dtype=self.dtype, device=mel.device)
-        return create_bidirectional_mask(config=self._tower.config, inputs_embeds=dummy, attention_mask=valid.long())
+        return create_bidirectional_mask(
+            config=self._tower.config, inputs_embeds=dummy, attention_mask=valid.long()
+        )
 
 
 ADAPTER = Qwen2AudioAdapter

@@ -39,12 +39,21 @@ class VisionGridSpec(PlaceholderSpec):
         if item.modality != Modality.VIDEO:
             raise self._refuse(item)
         frames = item.data.shape[0]
-        grid = (math.ceil(frames / self.temporal_patch_size), *self._grid_hw(item.data.shape[1], item.data.shape[2], self.video_pixels))
+        grid = (
+            math.ceil(frames / self.temporal_patch_size),
+            *self._grid_hw(item.data.shape[1], item.data.shape[2], self.video_pixels),
+        )
         fps = item.frames_per_s or DEFAULT_VIDEO_FPS
         return ItemLayout(self._tokens(grid), grid, self.temporal_patch_size / fps)
 
     def _grid_hw(self, height: int, width: int, pixels: tuple[int, int]) -> tuple[int, int]:
-        h, w = smart_resize(height, width, self.patch_size * self.merge_size, min_pixels=pixels[0], max_pixels=pixels[1])
+        h, w = smart_resize(
+            height,
+            width,
+            self.patch_size * self.merge_size,
+            min_pixels=pixels[0],
+            max_pixels=pixels[1],
+        )
         return h // self.patch_size, w // self.patch_size
 
     def _tokens(self, grid: tuple[int, int, int]) -> int:
@@ -61,7 +70,10 @@ def vision_spec_fields(processor) -> dict:
         patch_size=video.patch_size,
         merge_size=video.merge_size,
         temporal_patch_size=video.temporal_patch_size,
-        image_pixels=(images.get("min_pixels", image_size["shortest_edge"]), images.get("max_pixels", image_size["longest_edge"])),
+        image_pixels=(
+            images.get("min_pixels", image_size["shortest_edge"]),
+            images.get("max_pixels", image_size["longest_edge"]),
+        ),
         video_pixels=(video_size["shortest_edge"], video_size["longest_edge"]),
     )
 
@@ -73,7 +85,10 @@ class VisionEncoding:
     def _images(self, arrays: list[np.ndarray]):
         images = [Image.fromarray(np.ascontiguousarray(a)) for a in arrays]
         inputs = self._processor.image_processor(images, **self._kwargs["images_kwargs"])
-        pixels, grid = inputs["pixel_values"].to(self.device, self.dtype), inputs["image_grid_thw"].to(self.device)
+        pixels, grid = (
+            inputs["pixel_values"].to(self.device, self.dtype),
+            inputs["image_grid_thw"].to(self.device),
+        )
         return self._model.get_image_features(pixels, grid).pooler_output
 
     def _videos(self, arrays: list[np.ndarray]):
@@ -81,8 +96,13 @@ class VisionEncoding:
         # channels-first (a 1x1 GIF became 140 embeddings where the plan's grid says 144).
         kwargs = {**self._kwargs["videos_kwargs"], "input_data_format": "channels_last"}
         inputs = self._processor.video_processor(list(arrays), **kwargs)
-        pixels, grid = inputs["pixel_values_videos"].to(self.device, self.dtype), inputs["video_grid_thw"].to(self.device)
+        pixels, grid = (
+            inputs["pixel_values_videos"].to(self.device, self.dtype),
+            inputs["video_grid_thw"].to(self.device),
+        )
         return self._model.get_video_features(pixels, grid).pooler_output
 
     def step_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions.unsqueeze(0).expand(3, -1, -1)  # text tokens: the same position on all three axes
+        return positions.unsqueeze(0).expand(
+            3, -1, -1
+        )  # text tokens: the same position on all three axes

@@ -32,7 +32,9 @@ def is_repo_id(location: str) -> bool:
     return not expand(location).exists() and bool(_REPO_ID.match(location)) and ".." not in location
 
 
-def resolve_checkpoint(location: str, revision: str | None = None, cache_dir: str | None = None) -> Path:
+def resolve_checkpoint(
+    location: str, revision: str | None = None, cache_dir: str | None = None
+) -> Path:
     """The local directory holding the checkpoint's files (a snapshot dir for a repo id;
     its name is the commit). Downloads show huggingface_hub's progress bars.
     CheckpointNotFound says why a repo id cannot be had."""
@@ -41,7 +43,9 @@ def resolve_checkpoint(location: str, revision: str | None = None, cache_dir: st
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    kwargs = dict(repo_id=location, revision=revision, cache_dir=cache_dir and str(expand(cache_dir)))
+    kwargs = dict(
+        repo_id=location, revision=revision, cache_dir=cache_dir and str(expand(cache_dir))
+    )
     if revision and _COMMIT.match(revision):  # pinned: the cache is authoritative
         try:
             return Path(snapshot_download(**kwargs, local_files_only=True))
@@ -59,10 +63,15 @@ def _not_found(location: str, revision: str | None, cache_dir: str | None, exc: 
     from huggingface_hub import constants
 
     cache = expand(cache_dir) if cache_dir else Path(constants.HF_HUB_CACHE)
-    why = "the Hub is offline (HF_HUB_OFFLINE is set)" if constants.HF_HUB_OFFLINE else f"the Hub cannot be reached ({exc.__cause__ or exc})"
+    why = (
+        "the Hub is offline (HF_HUB_OFFLINE is set)"
+        if constants.HF_HUB_OFFLINE
+        else f"the Hub cannot be reached ({exc.__cause__ or exc})"
+    )
     at = f" at revision {revision!r}" if revision else ""
     return (
         f"model.checkpoint {location!r} is not a local directory, and as a Hugging Face repo id it is not "
         f"in the cache at {cache}{at}, and {why}; give an existing directory, fill the cache "
-        f"(`hf download {location}` where the Hub is reachable, or copy a cache)" + (", or unset HF_HUB_OFFLINE" if constants.HF_HUB_OFFLINE else "")
+        f"(`hf download {location}` where the Hub is reachable, or copy a cache)"
+        + (", or unset HF_HUB_OFFLINE" if constants.HF_HUB_OFFLINE else "")
     )

@@ -21,7 +21,9 @@ from cluster.media.payload import UrlKind, data_url_bytes, decode_base64
 # input_audio.format -> the libsndfile container names that format may arrive as.
 _CONTAINERS = {"wav": ("WAV", "WAVEX", "RF64"), "flac": ("FLAC",), "mp3": ("MP3",), "ogg": ("OGG",)}
 # Only what this libsndfile can read: MP3 needs libsndfile >= 1.1, and builds may leave codecs out.
-AUDIO_FORMATS: tuple[str, ...] = tuple(name for name, containers in _CONTAINERS.items() if containers[0] in sf.available_formats())
+AUDIO_FORMATS: tuple[str, ...] = tuple(
+    name for name, containers in _CONTAINERS.items() if containers[0] in sf.available_formats()
+)
 
 # audio_url (vLLM's extension of OpenAI's content parts): the MIME type names the format.
 _FORMAT_OF_MIME = {
@@ -50,7 +52,14 @@ MAX_CHANNELS = 32
 _BLOCK_FRAMES = 1 << 16
 
 
-def decode_audio(data_b64: str, audio_format: str | None, *, sample_rate_hz: int, max_duration_s: float, param: str) -> np.ndarray:
+def decode_audio(
+    data_b64: str,
+    audio_format: str | None,
+    *,
+    sample_rate_hz: int,
+    max_duration_s: float,
+    param: str,
+) -> np.ndarray:
     """base64 audio declared as `audio_format` -> 1-D float32 mono samples at `sample_rate_hz`.
 
     Raises MediaError for an unsupported format, bad base64, data that is not audio of the
@@ -58,17 +67,31 @@ def decode_audio(data_b64: str, audio_format: str | None, *, sample_rate_hz: int
     and clips longer than `max_duration_s`.
     """
     name = _format_name(audio_format, param)
-    data = decode_base64(_strip_data_url(data_b64), noun="audio", where="input_audio data", param=param)
-    return decode_audio_bytes(data, name, sample_rate_hz=sample_rate_hz, max_duration_s=max_duration_s, param=param)
+    data = decode_base64(
+        _strip_data_url(data_b64), noun="audio", where="input_audio data", param=param
+    )
+    return decode_audio_bytes(
+        data, name, sample_rate_hz=sample_rate_hz, max_duration_s=max_duration_s, param=param
+    )
 
 
-def decode_audio_url(url: str, *, remote: FetchPolicy | None, sample_rate_hz: int, max_duration_s: float, param: str) -> np.ndarray:
+def decode_audio_url(
+    url: str, *, remote: FetchPolicy | None, sample_rate_hz: int, max_duration_s: float, param: str
+) -> np.ndarray:
     """An audio_url (a data URL, or http(s) fetched under `remote`) -> samples, as decode_audio."""
     mime, data = data_url_bytes(url, kind=AUDIO_URL, remote=remote, param=param)
-    return decode_audio_bytes(data, _FORMAT_OF_MIME[mime], sample_rate_hz=sample_rate_hz, max_duration_s=max_duration_s, param=param)
+    return decode_audio_bytes(
+        data,
+        _FORMAT_OF_MIME[mime],
+        sample_rate_hz=sample_rate_hz,
+        max_duration_s=max_duration_s,
+        param=param,
+    )
 
 
-def decode_audio_bytes(data: bytes, name: str, *, sample_rate_hz: int, max_duration_s: float, param: str) -> np.ndarray:
+def decode_audio_bytes(
+    data: bytes, name: str, *, sample_rate_hz: int, max_duration_s: float, param: str
+) -> np.ndarray:
     if sample_rate_hz <= 0:
         raise ValueError(f"target sample rate must be positive, got {sample_rate_hz}")
     sound = _open(data, name, param)
@@ -95,7 +118,9 @@ def _format_name(audio_format: str | None, param: str) -> str:
     name = (audio_format or "").strip().lower()
     if name not in AUDIO_FORMATS:
         shown = f"'{audio_format}'" if audio_format else "(none)"
-        raise MediaError(f"unsupported audio format {shown}; send one of {', '.join(AUDIO_FORMATS)}", param)
+        raise MediaError(
+            f"unsupported audio format {shown}; send one of {', '.join(AUDIO_FORMATS)}", param
+        )
     return name
 
 
@@ -120,7 +145,9 @@ def _open(data: bytes, name: str, param: str) -> sf.SoundFile:
         raise MediaError(f"data does not decode as {name} audio: {_reason(exc)}", param) from None
     if sound.format not in _CONTAINERS[name]:
         sound.close()
-        raise MediaError(f"data is {sound.format} audio, not {name} as input_audio.format declares", param)
+        raise MediaError(
+            f"data is {sound.format} audio, not {name} as input_audio.format declares", param
+        )
     return sound
 
 
@@ -128,14 +155,22 @@ def _check_header(sound: sf.SoundFile, *, max_duration_s: float, param: str) -> 
     """Refuse from the header alone: nothing has been decoded yet."""
     rate, channels = sound.samplerate, sound.channels
     if not MIN_SAMPLE_RATE_HZ <= rate <= MAX_SAMPLE_RATE_HZ:
-        raise MediaError(f"audio sample rate {rate} Hz is outside the accepted {MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ} Hz", param)
+        raise MediaError(
+            f"audio sample rate {rate} Hz is outside the accepted {MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ} Hz",
+            param,
+        )
     if not 1 <= channels <= MAX_CHANNELS:
-        raise MediaError(f"audio has {channels} channels; at most {MAX_CHANNELS} are accepted", param)
+        raise MediaError(
+            f"audio has {channels} channels; at most {MAX_CHANNELS} are accepted", param
+        )
     if sound.frames <= 0:
         raise MediaError("audio has no samples", param)
     duration_s = sound.frames / rate
     if duration_s > max_duration_s:
-        raise MediaError(f"audio is {duration_s:.1f} s long, over this server's limit of {max_duration_s:g} s", param)
+        raise MediaError(
+            f"audio is {duration_s:.1f} s long, over this server's limit of {max_duration_s:g} s",
+            param,
+        )
 
 
 def _read_mono(sound: sf.SoundFile, name: str, *, max_duration_s: float, param: str) -> np.ndarray:
@@ -156,7 +191,9 @@ def _read_mono(sound: sf.SoundFile, name: str, *, max_duration_s: float, param: 
             break
         total += len(block)
         if total > limit:
-            raise MediaError(f"audio is longer than this server's limit of {max_duration_s:g} s", param)
+            raise MediaError(
+                f"audio is longer than this server's limit of {max_duration_s:g} s", param
+            )
         blocks.append(block.mean(axis=1, dtype=np.float32) if block.shape[1] > 1 else block[:, 0])
     if not total:
         raise MediaError("audio has no samples", param)

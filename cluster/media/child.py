@@ -44,7 +44,9 @@ class DecodeReply:
     sample_rate_hz: int | None = None
     frames_per_s: float | None = None
     spent_pixels: int = 0
-    media_error: tuple[str, str | None] | None = None  # (message, param): raised again as MediaError
+    media_error: tuple[str, str | None] | None = (
+        None  # (message, param): raised again as MediaError
+    )
     error: BaseException | None = field(default=None)  # anything else, raised again as it is
     out_of_memory: bool = False  # the child hit its cap and exits after this reply
 
@@ -68,7 +70,13 @@ def run_task(task: DecodeTask) -> tuple[DecodeReply, Any]:
         budget.spent_pixels = task.spent_pixels
     try:
         decoded = decode_media(
-            task.modality, task.payload, limits=task.limits, param=task.param, format=task.format, options=task.options, budget=budget
+            task.modality,
+            task.payload,
+            limits=task.limits,
+            param=task.param,
+            format=task.format,
+            options=task.options,
+            budget=budget,
         )
     except MediaError as exc:
         return DecodeReply(media_error=(exc.message, exc.param)), None
@@ -94,7 +102,9 @@ def _picklable(exc: Exception) -> BaseException:
         pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:  # noqa: BLE001 - an exception that does not survive pickling
-        return RuntimeError(f"media decoding failed in a worker process: {''.join(traceback.format_exception(exc))}")
+        return RuntimeError(
+            f"media decoding failed in a worker process: {''.join(traceback.format_exception(exc))}"
+        )
 
 
 def serve(conn: Connection, *, max_tasks: int) -> None:
@@ -109,7 +119,9 @@ def serve(conn: Connection, *, max_tasks: int) -> None:
         reply, data = run_task(task)
         conn.send(reply)
         if data is not None:
-            conn.send_bytes(memoryview(np.ascontiguousarray(data)).cast("B"))  # flat: send_bytes sizes by len()
+            conn.send_bytes(
+                memoryview(np.ascontiguousarray(data)).cast("B")
+            )  # flat: send_bytes sizes by len()
         del data
         if reply.out_of_memory:
             return  # a heap that ran out is not worth keeping
@@ -118,7 +130,9 @@ def serve(conn: Connection, *, max_tasks: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fd", type=int, required=True, help="the socket to the ingress")
-    parser.add_argument("--max-memory-mb", type=int, required=True, help="address-space cap (RLIMIT_AS)")
+    parser.add_argument(
+        "--max-memory-mb", type=int, required=True, help="address-space cap (RLIMIT_AS)"
+    )
     parser.add_argument("--max-tasks", type=int, required=True, help="tasks served before exiting")
     args = parser.parse_args()
     conn = Connection(args.fd)
@@ -131,6 +145,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from cluster.media.child import main as _main  # replies must pickle as cluster.media.child's classes, not __main__'s
+    from cluster.media.child import (
+        main as _main,
+    )  # replies must pickle as cluster.media.child's classes, not __main__'s
 
     _main()

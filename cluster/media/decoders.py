@@ -89,7 +89,13 @@ class LimitsSnapshot:
         r = limits.remote_media
         return cls(
             limits.max_image_pixels,
-            RemoteSnapshot(list(r.allowed_hosts), list(r.allowed_networks), r.max_bytes, r.timeout_s, r.max_redirects),
+            RemoteSnapshot(
+                list(r.allowed_hosts),
+                list(r.allowed_networks),
+                r.max_bytes,
+                r.timeout_s,
+                r.max_redirects,
+            ),
             limits.max_audio_s,
             limits.max_video_s,
             limits.max_video_frames,
@@ -131,28 +137,60 @@ def fetch_policy(limits: MediaLimits) -> FetchPolicy | None:
     r = limits.remote_media
     if not r.allowed_hosts:
         return None
-    return FetchPolicy.of(r.allowed_hosts, r.allowed_networks, max_bytes=r.max_bytes, timeout_s=r.timeout_s, max_redirects=r.max_redirects)
+    return FetchPolicy.of(
+        r.allowed_hosts,
+        r.allowed_networks,
+        max_bytes=r.max_bytes,
+        timeout_s=r.timeout_s,
+        max_redirects=r.max_redirects,
+    )
 
 
 Decoder = Callable[[_Part, MediaLimits, MediaOptions, PixelBudget | None], Decoded]
 
 
-def _image_decoder(part: _Part, limits: MediaLimits, options: MediaOptions, budget: PixelBudget | None) -> Decoded:
-    return Decoded(decode_image_url(part.payload, max_pixels=limits.max_image_pixels, remote=fetch_policy(limits), param=part.param, budget=budget))
+def _image_decoder(
+    part: _Part, limits: MediaLimits, options: MediaOptions, budget: PixelBudget | None
+) -> Decoded:
+    return Decoded(
+        decode_image_url(
+            part.payload,
+            max_pixels=limits.max_image_pixels,
+            remote=fetch_policy(limits),
+            param=part.param,
+            budget=budget,
+        )
+    )
 
 
-def _audio_decoder(part: _Part, limits: MediaLimits, options: MediaOptions, budget: PixelBudget | None) -> Decoded:
+def _audio_decoder(
+    part: _Part, limits: MediaLimits, options: MediaOptions, budget: PixelBudget | None
+) -> Decoded:
     rate_hz = options.audio_sample_rate_hz
-    if part.format is None:  # an audio_url part: a data or http(s) URL whose MIME type names the format
+    if (
+        part.format is None
+    ):  # an audio_url part: a data or http(s) URL whose MIME type names the format
         samples = decode_audio_url(
-            part.payload, remote=fetch_policy(limits), sample_rate_hz=rate_hz, max_duration_s=limits.max_audio_s, param=part.param
+            part.payload,
+            remote=fetch_policy(limits),
+            sample_rate_hz=rate_hz,
+            max_duration_s=limits.max_audio_s,
+            param=part.param,
         )
     else:
-        samples = decode_audio(part.payload, part.format, sample_rate_hz=rate_hz, max_duration_s=limits.max_audio_s, param=part.param)
+        samples = decode_audio(
+            part.payload,
+            part.format,
+            sample_rate_hz=rate_hz,
+            max_duration_s=limits.max_audio_s,
+            param=part.param,
+        )
     return Decoded(samples, sample_rate_hz=rate_hz)
 
 
-def _video_decoder(part: _Part, limits: MediaLimits, options: MediaOptions, budget: PixelBudget | None) -> Decoded:
+def _video_decoder(
+    part: _Part, limits: MediaLimits, options: MediaOptions, budget: PixelBudget | None
+) -> Decoded:
     video = decode_video_url(
         part.payload,
         sampling=options.video_sampling,
@@ -167,7 +205,11 @@ def _video_decoder(part: _Part, limits: MediaLimits, options: MediaOptions, budg
     return Decoded(video.frames, frames_per_s=video.frames_per_s)
 
 
-DECODERS: dict[Modality, Decoder] = {Modality.IMAGE: _image_decoder, Modality.AUDIO: _audio_decoder, Modality.VIDEO: _video_decoder}
+DECODERS: dict[Modality, Decoder] = {
+    Modality.IMAGE: _image_decoder,
+    Modality.AUDIO: _audio_decoder,
+    Modality.VIDEO: _video_decoder,
+}
 
 DEFAULT_OPTIONS = MediaOptions()
 

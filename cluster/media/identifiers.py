@@ -20,7 +20,9 @@ def _field(value: bytes) -> bytes:
     return len(value).to_bytes(8, "little") + value
 
 
-def media_identifier(namespace: str, modality: Modality, data: np.ndarray, *, rate: float | None = None) -> str:
+def media_identifier(
+    namespace: str, modality: Modality, data: np.ndarray, *, rate: float | None = None
+) -> str:
     """blake3 hex digest over namespace, modality, dtype, shape, the raw decoded bytes and,
     when given, the rate of the time axis (audio samples or video frames per second).
 

@@ -25,7 +25,10 @@ from cluster.media.payload import UrlKind, data_url_bytes
 _PIL_FORMATS = ("PNG", "JPEG", "WEBP")
 _ACCEPTED_FORMATS = frozenset(_PIL_FORMATS) | {"MPO"}
 IMAGE_URL = UrlKind(
-    "image", frozenset({"image/png", "image/jpeg", "image/jpg", "image/webp"}), "image/png, image/jpeg or image/webp", "data:image/png;base64,..."
+    "image",
+    frozenset({"image/png", "image/jpeg", "image/jpg", "image/webp"}),
+    "image/png, image/jpeg or image/webp",
+    "data:image/png;base64,...",
 )
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # What Pillow raises on corrupt or truncated data (beyond its bomb errors).
@@ -43,7 +46,14 @@ _OTHER_MAGIC = (
 )
 
 
-def decode_image_url(url: str, *, max_pixels: int, remote: FetchPolicy | None, param: str, budget: PixelBudget | None = None) -> np.ndarray:
+def decode_image_url(
+    url: str,
+    *,
+    max_pixels: int,
+    remote: FetchPolicy | None,
+    param: str,
+    budget: PixelBudget | None = None,
+) -> np.ndarray:
     """An image URL from a request -> HxWx3 uint8 RGB, exactly as the CLIP processor converts it.
 
     Raises MediaError for remote or unknown URLs, bad base64, non-images, formats other
@@ -79,12 +89,17 @@ def header_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def check_pixels(width: int, height: int, *, max_pixels: int, param: str, noun: str = "image") -> None:
+def check_pixels(
+    width: int, height: int, *, max_pixels: int, param: str, noun: str = "image"
+) -> None:
     """MediaError unless 0 < width * height <= max_pixels; `noun` names the thing ("video frame")."""
     if width <= 0 or height <= 0:
         raise MediaError(f"{noun} has zero size ({width}x{height})", param)
     if width * height > max_pixels:
-        raise MediaError(f"{noun} is {width}x{height} = {width * height} pixels, over this server's limit of {max_pixels} pixels", param)
+        raise MediaError(
+            f"{noun} is {width}x{height} = {width * height} pixels, over this server's limit of {max_pixels} pixels",
+            param,
+        )
 
 
 def check_header_pixels(data: bytes, *, max_pixels: int, param: str, noun: str = "image") -> None:
@@ -100,7 +115,9 @@ def require_strict_pillow() -> None:
         raise RuntimeError("PIL.ImageFile.LOAD_TRUNCATED_IMAGES is True; refusing to decode media")
 
 
-def _open_and_load(data: bytes, *, max_pixels: int, param: str, budget: PixelBudget | None) -> Image.Image:
+def _open_and_load(
+    data: bytes, *, max_pixels: int, param: str, budget: PixelBudget | None
+) -> Image.Image:
     """Open (header only), check format and size, then decode every pixel."""
     require_strict_pillow()
     # Why catch_warnings: Pillow only warns between MAX_IMAGE_PIXELS and twice that; make it an error.
@@ -115,7 +132,9 @@ def _open_and_load(data: bytes, *, max_pixels: int, param: str, budget: PixelBud
         except PIL_ERRORS as exc:
             raise MediaError(f"invalid or truncated image data: {exc}", param) from None
         if image.format not in _ACCEPTED_FORMATS:  # defensive: formats= already restricts this
-            raise MediaError(f"unsupported image format {image.format}; send PNG, JPEG or WebP", param)
+            raise MediaError(
+                f"unsupported image format {image.format}; send PNG, JPEG or WebP", param
+            )
         check_pixels(*image.size, max_pixels=max_pixels, param=param)
         if budget is not None:
             budget.charge(DecodeCost(1, *image.size), param=param, noun="image")

@@ -9,7 +9,14 @@ from __future__ import annotations
 from actors.types import MediaItem
 from cluster.media.budget import PixelBudget
 from cluster.media.child import DecodeTask
-from cluster.media.decoders import DEFAULT_OPTIONS, Decoded, LimitsSnapshot, MediaLimits, MediaOptions, decode_media
+from cluster.media.decoders import (
+    DEFAULT_OPTIONS,
+    Decoded,
+    LimitsSnapshot,
+    MediaLimits,
+    MediaOptions,
+    decode_media,
+)
 from cluster.media.identifiers import media_identifier
 from cluster.media.pool import decode_slot
 from cluster.media.procs import PoolShape, decode_pool
@@ -31,9 +38,25 @@ def load_media_item(
     fingerprint one item: what the ingress hands to the encoder stage."""
     if limits.decode_in_process:
         with decode_slot(limits.max_concurrent_decodes):
-            decoded = decode_media(modality, payload, limits=limits, param=param, format=format, options=options, budget=budget)
+            decoded = decode_media(
+                modality,
+                payload,
+                limits=limits,
+                param=param,
+                format=format,
+                options=options,
+                budget=budget,
+            )
     else:
-        decoded = _decode_in_child(modality, payload, limits=limits, param=param, format=format, options=options, budget=budget)
+        decoded = _decode_in_child(
+            modality,
+            payload,
+            limits=limits,
+            param=param,
+            format=format,
+            options=options,
+            budget=budget,
+        )
     rate = decoded.sample_rate_hz if decoded.sample_rate_hz is not None else decoded.frames_per_s
     return MediaItem(
         modality=modality,
@@ -45,10 +68,22 @@ def load_media_item(
 
 
 def _decode_in_child(
-    modality: Modality, payload: str, *, limits: MediaLimits, param: str, format: str | None, options: MediaOptions, budget: PixelBudget | None
+    modality: Modality,
+    payload: str,
+    *,
+    limits: MediaLimits,
+    param: str,
+    format: str | None,
+    options: MediaOptions,
+    budget: PixelBudget | None,
 ) -> Decoded:
     """decode_media in one of this process's decoding processes; the request's budget is charged here as there."""
-    shape = PoolShape(limits.max_concurrent_decodes, limits.max_decode_memory_mb, limits.max_decodes_per_process, limits.max_decode_s)
+    shape = PoolShape(
+        limits.max_concurrent_decodes,
+        limits.max_decode_memory_mb,
+        limits.max_decodes_per_process,
+        limits.max_decode_s,
+    )
     task = DecodeTask(
         modality,
         payload,

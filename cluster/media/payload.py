@@ -27,24 +27,34 @@ class UrlKind:
     example: str  # e.g. "data:image/png;base64,..."
 
 
-def data_url_bytes(url: str, *, kind: UrlKind, remote: FetchPolicy | None, param: str) -> tuple[str, bytes]:
+def data_url_bytes(
+    url: str, *, kind: UrlKind, remote: FetchPolicy | None, param: str
+) -> tuple[str, bytes]:
     """(MIME type, bytes) of a base64 `data:` URL of `kind`, or of an http(s) URL fetched
     under `remote` (None: fetching is off); other schemes are refused."""
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
         if remote is None:
-            raise MediaError(f"fetching remote media is disabled on this server; send the {kind.noun} inline as a base64 data URL", param)
+            raise MediaError(
+                f"fetching remote media is disabled on this server; send the {kind.noun} inline as a base64 data URL",
+                param,
+            )
         return _fetched(url, kind, remote, param)
     if scheme != "data":
         shown = f"'{scheme}' URLs" if scheme else "this URL"
-        raise MediaError(f"unsupported {kind.noun} URL: {shown} cannot be used; send a base64 data URL ({kind.example})", param)
+        raise MediaError(
+            f"unsupported {kind.noun} URL: {shown} cannot be used; send a base64 data URL ({kind.example})",
+            param,
+        )
     header, sep, payload = url[5:].partition(",")
     if not sep:
         raise MediaError("malformed data URL: no ',' between header and data", param)
     fields = [f.strip().lower() for f in header.split(";")]
     mime = fields[0]
     if mime not in kind.mime_types:
-        raise MediaError(f"unsupported {kind.noun} type '{mime or '(none)'}'; send {kind.advice}", param)
+        raise MediaError(
+            f"unsupported {kind.noun} type '{mime or '(none)'}'; send {kind.advice}", param
+        )
     if "base64" not in fields[1:]:
         raise MediaError(f"only base64 data URLs are supported ({kind.example})", param)
     return mime, decode_base64(payload, noun=kind.noun, where="data URL", param=param)
@@ -53,7 +63,10 @@ def data_url_bytes(url: str, *, kind: UrlKind, remote: FetchPolicy | None, param
 def _fetched(url: str, kind: UrlKind, remote: FetchPolicy, param: str) -> tuple[str, bytes]:
     mime, data = fetch(url, remote, noun=kind.noun, param=param)
     if mime not in kind.mime_types:
-        raise MediaError(f"the {kind.noun} URL served type '{mime or '(none)'}'; {kind.advice} are accepted", param)
+        raise MediaError(
+            f"the {kind.noun} URL served type '{mime or '(none)'}'; {kind.advice} are accepted",
+            param,
+        )
     if not data:
         raise MediaError(f"the {kind.noun} URL served no data", param)
     return mime, data

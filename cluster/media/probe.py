@@ -21,9 +21,13 @@ _GIF_TRAILER, _GIF_EXTENSION, _GIF_IMAGE, _GIF_CONTROL = 0x3B, 0x21, 0x2C, 0xF9
 
 @dataclass(frozen=True)
 class AnimationHeader:
-    width: int  # the canvas: the largest any frame needs (a GIF frame may reach past the declared one)
+    width: (
+        int  # the canvas: the largest any frame needs (a GIF frame may reach past the declared one)
+    )
     height: int
-    durations_ms: tuple[float | None, ...]  # per frame as declared; None where a GIF frame gives none
+    durations_ms: tuple[
+        float | None, ...
+    ]  # per frame as declared; None where a GIF frame gives none
 
     @property
     def num_frames(self) -> int:
@@ -40,7 +44,9 @@ def probe_animation(data: bytes, fmt: str, *, max_frames: int, param: str) -> An
     try:
         return probe(data, max_frames, param)
     except (_Truncated, struct.error, IndexError):
-        raise MediaError(f"corrupt or truncated {fmt} data: a block runs past the end of the file", param) from None
+        raise MediaError(
+            f"corrupt or truncated {fmt} data: a block runs past the end of the file", param
+        ) from None
 
 
 def _probe_gif(data: bytes, max_frames: int, param: str) -> AnimationHeader:
@@ -50,12 +56,18 @@ def _probe_gif(data: bytes, max_frames: int, param: str) -> AnimationHeader:
     pos = 13 + _color_table_bytes(flags)
     durations: list[float | None] = []
     delay_ms = None
-    while pos < len(data) and len(durations) < max_frames:  # no trailer: Pillow stops at the end too
+    while (
+        pos < len(data) and len(durations) < max_frames
+    ):  # no trailer: Pillow stops at the end too
         kind, pos = data[pos], pos + 1
         if kind == _GIF_TRAILER:
             break
         if kind == _GIF_EXTENSION:
-            label, first, pos = data[pos], _sub_block(data, pos + 1), _skip_sub_blocks(data, pos + 1)
+            label, first, pos = (
+                data[pos],
+                _sub_block(data, pos + 1),
+                _skip_sub_blocks(data, pos + 1),
+            )
             if label == _GIF_CONTROL and len(first) >= 3:  # applies to the next image, as in Pillow
                 delay_ms = struct.unpack_from("<H", first, 1)[0] * 10
         elif kind == _GIF_IMAGE:
@@ -96,7 +108,9 @@ def _probe_webp(data: bytes, max_frames: int, param: str) -> AnimationHeader:
     size = header_size(data)
     if size is None:
         raise MediaError("WEBP header declares no image size (corrupt data)", param)
-    end = min(len(data), 8 + struct.unpack_from("<I", data, 4)[0])  # libwebp ignores bytes past the RIFF size
+    end = min(
+        len(data), 8 + struct.unpack_from("<I", data, 4)[0]
+    )  # libwebp ignores bytes past the RIFF size
     pos, durations = 12, []
     while pos + 8 <= end and len(durations) < max_frames:
         fourcc, chunk_bytes = data[pos : pos + 4], struct.unpack_from("<I", data, pos + 4)[0]

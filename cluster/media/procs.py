@@ -36,7 +36,9 @@ from cluster.media.errors import MediaError
 from cluster.media.pool import release_memory
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # holds the `cluster` package the children import
-_START_TIMEOUT_S = 120.0  # a fresh interpreter importing numpy, Pillow and PyAV, on a loaded machine
+_START_TIMEOUT_S = (
+    120.0  # a fresh interpreter importing numpy, Pillow and PyAV, on a loaded machine
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,10 @@ class _Child:
         parent_end, child_end = Pipe(duplex=True)
         fd = child_end.fileno()
         env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join([_ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"
+            os.environ,
+            PYTHONPATH=os.pathsep.join([_ROOT, os.environ.get("PYTHONPATH", "")]),
+            OMP_NUM_THREADS="1",
+            OPENBLAS_NUM_THREADS="1",
         )  # one decode, one core
         self.process = subprocess.Popen(
             [
@@ -109,7 +114,9 @@ class DecodePool:
             try:
                 reply, data = self._exchange(child, task)
             except BaseException:
-                self._retire(child)  # died, or this thread was interrupted mid-exchange: never reuse it
+                self._retire(
+                    child
+                )  # died, or this thread was interrupted mid-exchange: never reuse it
                 raise
             finally:
                 release_memory()
@@ -131,7 +138,9 @@ class DecodePool:
                 return reply, None
             data = np.empty(reply.shape, np.dtype(reply.dtype))
             self._await(child, deadline_s, task.param)
-            if child.conn.recv_bytes_into(memoryview(data).cast("B")) != data.nbytes:  # straight into the array kept
+            if (
+                child.conn.recv_bytes_into(memoryview(data).cast("B")) != data.nbytes
+            ):  # straight into the array kept
                 raise OSError("a decoding process sent a short array")
             return reply, data
         except (EOFError, OSError):

@@ -24,7 +24,13 @@ from PIL import Image
 from cluster.media.budget import DecodeCost, PixelBudget, check_video_pixels
 from cluster.media.errors import MediaError
 from cluster.media.fetch import FetchPolicy
-from cluster.media.image import PIL_ERRORS, check_header_pixels, check_pixels, convert_to_rgb, require_strict_pillow
+from cluster.media.image import (
+    PIL_ERRORS,
+    check_header_pixels,
+    check_pixels,
+    convert_to_rgb,
+    require_strict_pillow,
+)
 from cluster.media.payload import UrlKind, data_url_bytes
 from cluster.media.probe import probe_animation
 
@@ -36,7 +42,12 @@ VIDEO_URL = UrlKind(
 )
 # MIME type -> (library, the format that library is forced to read). Forcing the demuxer
 # matters for PyAV: left to probe, FFmpeg would also open playlists that name other files.
-_READERS = {"image/gif": ("pillow", "GIF"), "image/webp": ("pillow", "WEBP"), "video/mp4": ("av", "mp4"), "video/webm": ("av", "webm")}
+_READERS = {
+    "image/gif": ("pillow", "GIF"),
+    "image/webp": ("pillow", "WEBP"),
+    "video/mp4": ("av", "mp4"),
+    "video/webm": ("av", "webm"),
+}
 
 # Animated images: browsers show a frame of <= 10 ms for 100 ms, and so do we. Hence every
 # frame lasts over 10 ms, which bounds the frame count of a clip within the limit.
@@ -59,7 +70,9 @@ class VideoSampling:
         if not (self.fps > 0 and math.isfinite(self.fps)):
             raise ValueError(f"VideoSampling.fps must be a positive number, got {self.fps}")
         if not 1 <= self.min_frames <= self.max_frames:
-            raise ValueError(f"VideoSampling needs 1 <= min_frames <= max_frames, got {self.min_frames} and {self.max_frames}")
+            raise ValueError(
+                f"VideoSampling needs 1 <= min_frames <= max_frames, got {self.min_frames} and {self.max_frames}"
+            )
 
 
 @dataclass(frozen=True)
@@ -108,7 +121,10 @@ def decode_video_url(
     clip = reader(data, fmt, max_pixels=max_pixels, param=param)
     timeline = clip.timeline(max_duration_s)
     if timeline.duration_s > max_duration_s:
-        raise MediaError(f"video is {timeline.duration_s:.1f} s long, over this server's limit of {max_duration_s:g} s", param)
+        raise MediaError(
+            f"video is {timeline.duration_s:.1f} s long, over this server's limit of {max_duration_s:g} s",
+            param,
+        )
     indices, frames_per_s = select_frames(timeline, sampling, max_frames=max_frames)
     cost = clip.cost(indices)
     check_video_pixels(cost, max_pixels=max_video_pixels, param=param)
@@ -116,7 +132,10 @@ def decode_video_url(
         budget.charge(cost, param=param, noun="video")
     frames = clip.frames(sorted(set(indices.tolist())))
     return DecodedVideo(
-        np.stack([frames[i] for i in indices.tolist()]), frames_per_s, timeline.duration_s, tuple(float(timeline.starts_s[i]) for i in indices)
+        np.stack([frames[i] for i in indices.tolist()]),
+        frames_per_s,
+        timeline.duration_s,
+        tuple(float(timeline.starts_s[i]) for i in indices),
     )
 
 
@@ -132,7 +151,9 @@ def sample_times(duration_s: float, sampling: VideoSampling, *, max_frames: int)
     return np.arange(count) * (duration_s / count)
 
 
-def select_frames(timeline: _Timeline, sampling: VideoSampling, *, max_frames: int) -> tuple[np.ndarray, float]:
+def select_frames(
+    timeline: _Timeline, sampling: VideoSampling, *, max_frames: int
+) -> tuple[np.ndarray, float]:
     """(index of the source frame on screen at each grid time, the grid's frames per second)."""
     times = sample_times(timeline.duration_s, sampling, max_frames=max_frames)
     indices = np.searchsorted(timeline.starts_s, times + _TIME_SLACK_S, side="right") - 1
@@ -182,7 +203,9 @@ class _AnimatedImage:
             try:
                 image = Image.open(io.BytesIO(self.data), formats=(self.fmt,))
             except Image.UnidentifiedImageError:
-                raise MediaError(f"data is not a {self.fmt} image (or it is corrupt)", self.param) from None
+                raise MediaError(
+                    f"data is not a {self.fmt} image (or it is corrupt)", self.param
+                ) from None
             width, height = image.size  # frames are cropped to this, as browsers do
             for index in indices:  # ascending: Pillow composites GIF frames in order anyway
                 image.seek(index)
@@ -244,13 +267,28 @@ class _AvVideo:
         with self._open() as container:
             stream = self._stream(container)
             if container.duration is not None and container.duration / 1e6 > max_duration_s:
-                raise MediaError(f"video is {container.duration / 1e6:.1f} s long, over this server's limit of {max_duration_s:g} s", self.param)
+                raise MediaError(
+                    f"video is {container.duration / 1e6:.1f} s long, over this server's limit of {max_duration_s:g} s",
+                    self.param,
+                )
             codec = stream.codec_context
             if codec is None:  # PyAV found no decoder for it, or the header is cut short
-                raise MediaError(f"{self.fmt} video stream cannot be decoded (unknown codec or corrupt header)", self.param)
+                raise MediaError(
+                    f"{self.fmt} video stream cannot be decoded (unknown codec or corrupt header)",
+                    self.param,
+                )
             if not (codec.width and codec.height):  # the budgets need it before decoding
-                raise MediaError(f"{self.fmt} video stream does not declare its frame size (corrupt header)", self.param)
-            check_pixels(codec.width, codec.height, max_pixels=self.max_pixels, param=self.param, noun="video frame")
+                raise MediaError(
+                    f"{self.fmt} video stream does not declare its frame size (corrupt header)",
+                    self.param,
+                )
+            check_pixels(
+                codec.width,
+                codec.height,
+                max_pixels=self.max_pixels,
+                param=self.param,
+                noun="video frame",
+            )
             self.frame_size = (codec.width, codec.height)
             return self._scan(container, stream, max_duration_s)
 
@@ -263,7 +301,10 @@ class _AvVideo:
                 if packet.pts is None or packet.size == 0 or getattr(packet, "is_discard", False):
                     continue  # the end-of-stream flush packet, or one the edit list drops
                 if pts and (packet.pts - pts[0]) * time_base > max_duration_s:
-                    raise MediaError(f"video is longer than this server's limit of {max_duration_s:g} s", self.param)
+                    raise MediaError(
+                        f"video is longer than this server's limit of {max_duration_s:g} s",
+                        self.param,
+                    )
                 pts.append(packet.pts)
                 if latest is None or packet.pts >= latest:  # the last frame shown, for its duration
                     latest, last_ticks = packet.pts, packet.duration or 0
@@ -291,12 +332,21 @@ class _AvVideo:
                 index = wanted.get(frame.pts)
                 if index is None or index in out:
                     continue
-                check_pixels(frame.width, frame.height, max_pixels=self.max_pixels, param=self.param, noun="video frame")
+                check_pixels(
+                    frame.width,
+                    frame.height,
+                    max_pixels=self.max_pixels,
+                    param=self.param,
+                    noun="video frame",
+                )
                 out[index] = frame.to_ndarray(format="rgb24", width=width, height=height)
                 if len(out) == len(wanted):
                     break  # nothing after the last kept frame is needed
         if len(out) < len(wanted):
-            raise MediaError(f"corrupt {self.fmt} video: {len(wanted) - len(out)} of the sampled frames could not be decoded", self.param)
+            raise MediaError(
+                f"corrupt {self.fmt} video: {len(wanted) - len(out)} of the sampled frames could not be decoded",
+                self.param,
+            )
         return out
 
     def _open(self) -> Any:

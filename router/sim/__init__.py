@@ -19,7 +19,14 @@ Never imports: torch, ray, transformers
 
 from __future__ import annotations
 
-from router.sim.cluster_model import ClusterShapeError, EncodeCost, SimCluster, SimCosts, SimWorker, capacity_rps
+from router.sim.cluster_model import (
+    ClusterShapeError,
+    EncodeCost,
+    SimCluster,
+    SimCosts,
+    SimWorker,
+    capacity_rps,
+)
 from router.sim.loop import SimResult, simulate
 from router.sim.trace_file import load_trace, write_trace
 from router.sim.workload import (

@@ -45,7 +45,9 @@ def _policies(name: str) -> list[str]:
     for part in name.split(","):
         part = part.strip()
         if part not in POLICIES:
-            raise UsageError(f"unknown routing policy {part!r}; known: {', '.join(sorted(POLICIES))} (or 'all')")
+            raise UsageError(
+                f"unknown routing policy {part!r}; known: {', '.join(sorted(POLICIES))} (or 'all')"
+            )
         out.append(part)
     return out
 
@@ -76,20 +78,63 @@ def _loads(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cluster", default="16x16x16", help="ExPxD, ExPxD-hetero, ExPxD-split, or a cluster YAML (default 16x16x16)")
-    p.add_argument("--policy", default="joint", help="a routing policy, a comma list, or 'all' (default joint)")
-    p.add_argument("--workload", default="poisson", help="poisson | bursty | PATH.jsonl (default poisson)")
-    p.add_argument("--requests", type=int, default=None, help="requests to simulate (default 100000; a trace: all of it unless given)")
-    p.add_argument("--load", type=float, default=None, help="offered load as a fraction of capacity (default 0.8; a trace: its own pace)")
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--cluster",
+        default="16x16x16",
+        help="ExPxD, ExPxD-hetero, ExPxD-split, or a cluster YAML (default 16x16x16)",
+    )
+    p.add_argument(
+        "--policy", default="joint", help="a routing policy, a comma list, or 'all' (default joint)"
+    )
+    p.add_argument(
+        "--workload", default="poisson", help="poisson | bursty | PATH.jsonl (default poisson)"
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests to simulate (default 100000; a trace: all of it unless given)",
+    )
+    p.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        help="offered load as a fraction of capacity (default 0.8; a trace: its own pace)",
+    )
     p.add_argument("--sweep", default=None, help="comma-separated loads to run instead of --load")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ms", type=float, default=2000.0, help="TTFT SLO for goodput (default 2000)")
-    p.add_argument("--mix", default=None, help="request mix, e.g. text=0.3,image=0.3,images4=0.15,video=0.1,audio=0.15")
-    p.add_argument("--repeat-rate", type=float, default=0.2, help="probability a media request reuses recent media")
-    p.add_argument("--prefix-share", type=float, default=0.0, help="probability a request starts with a shared prefix")
-    p.add_argument("--json", action="store_true", help="print the results as JSON (no progress bar)")
-    p.add_argument("--plot", default=None, metavar="OUT.png", help="TTFT CDF per policy (and OUT_load.png with --sweep)")
+    p.add_argument(
+        "--slo-ms", type=float, default=2000.0, help="TTFT SLO for goodput (default 2000)"
+    )
+    p.add_argument(
+        "--mix",
+        default=None,
+        help="request mix, e.g. text=0.3,image=0.3,images4=0.15,video=0.1,audio=0.15",
+    )
+    p.add_argument(
+        "--repeat-rate",
+        type=float,
+        default=0.2,
+        help="probability a media request reuses recent media",
+    )
+    p.add_argument(
+        "--prefix-share",
+        type=float,
+        default=0.0,
+        help="probability a request starts with a shared prefix",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the results as JSON (no progress bar)"
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="OUT.png",
+        help="TTFT CDF per policy (and OUT_load.png with --sweep)",
+    )
     return p
 
 
@@ -113,12 +158,19 @@ def run(args: argparse.Namespace, out=None) -> int:
     kind = args.workload
     if kind in ("poisson", "bursty"):
         workload = make_workload(
-            kind, args.requests or 100_000, mix=_mix(args.mix), seed=args.seed, repeat_rate=args.repeat_rate, prefix_share=args.prefix_share
+            kind,
+            args.requests or 100_000,
+            mix=_mix(args.mix),
+            seed=args.seed,
+            repeat_rate=args.repeat_rate,
+            prefix_share=args.prefix_share,
         )
         default_load: float | None = 0.8
     else:
         if not Path(kind).exists():
-            raise UsageError(f"workload {kind!r} is neither 'poisson', 'bursty' nor an existing trace file")
+            raise UsageError(
+                f"workload {kind!r} is neither 'poisson', 'bursty' nor an existing trace file"
+            )
         workload = load_trace(kind)
         if args.requests is not None:
             workload = workload.head(args.requests)
@@ -128,7 +180,9 @@ def run(args: argparse.Namespace, out=None) -> int:
     if capacity <= 0:
         raise UsageError(f"cluster {cluster.name!r} has no capacity for this workload")
 
-    loads = _loads(args.sweep) if args.sweep else [args.load if args.load is not None else default_load]
+    loads = (
+        _loads(args.sweep) if args.sweep else [args.load if args.load is not None else default_load]
+    )
     progress = not args.json
     runs: dict[str, list] = {p: [] for p in policies}
     for load in loads:
@@ -142,7 +196,17 @@ def run(args: argparse.Namespace, out=None) -> int:
                 flush=True,
             )
         for policy in policies:
-            runs[policy].append(simulate(cluster, wl, policy, seed=args.seed, slo_ms=args.slo_ms, progress=progress, load=actual_load))
+            runs[policy].append(
+                simulate(
+                    cluster,
+                    wl,
+                    policy,
+                    seed=args.seed,
+                    slo_ms=args.slo_ms,
+                    progress=progress,
+                    load=actual_load,
+                )
+            )
         if not args.json:
             print(format_table([runs[p][-1].summary() for p in policies]), file=out, flush=True)
 
@@ -150,7 +214,11 @@ def run(args: argparse.Namespace, out=None) -> int:
     if args.plot:
         plot = Path(args.plot)
         last = [runs[p][-1] for p in policies]
-        plot_ttft_cdf(last, plot, title=f"TTFT CDF, {cluster.name}, load {last[0].load:.2f}" if last[0].load else None)
+        plot_ttft_cdf(
+            last,
+            plot,
+            title=f"TTFT CDF, {cluster.name}, load {last[0].load:.2f}" if last[0].load else None,
+        )
         written = [plot]
         if args.sweep:
             sweep_path = plot.with_name(plot.stem + "_load" + (plot.suffix or ".png"))
@@ -159,7 +227,12 @@ def run(args: argparse.Namespace, out=None) -> int:
         if not args.json:
             print("plots: " + ", ".join(str(w) for w in written), file=out)
     if args.json:
-        doc = {"cluster": cluster.describe(), "capacity_rps": round(capacity, 4), "workload": workload.name, "seed": args.seed}
+        doc = {
+            "cluster": cluster.describe(),
+            "capacity_rps": round(capacity, 4),
+            "workload": workload.name,
+            "seed": args.seed,
+        }
         if args.sweep:
             doc["sweep"] = summaries
         else:

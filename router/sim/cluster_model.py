@@ -108,7 +108,9 @@ class SimCosts:
     prefill_fixed_ms: float = 5.0
     prefill_tokens_per_ms: float = 30.0
     prefix_cache_blocks: int = 4096  # LRU capacity (blocks) of each prefill worker's prefix cache
-    prefill_order: str = PREFILL_SHORTEST_FIRST  # a worker's queue: shortest prompt first (the engine's) or fifo
+    prefill_order: str = (
+        PREFILL_SHORTEST_FIRST  # a worker's queue: shortest prompt first (the engine's) or fifo
+    )
     # Tokens a prefill runs before its worker looks at its queue again (the engine's max_chunk_tokens):
     # shortest-first then means shortest remaining first, chunk by chunk. 0: a prompt in one go.
     prefill_chunk_tokens: int = 0
@@ -126,10 +128,14 @@ class SimCosts:
     # workers above do not model. It delays the request's routing and so its TTFT; no worker is busy.
     ingress_ms: float = 0.0
     ingress_media_ms: float = 0.0
-    variability: Variability = field(default_factory=Variability)  # off by default (router/sim/variability.py)
+    variability: Variability = field(
+        default_factory=Variability
+    )  # off by default (router/sim/variability.py)
 
     def transfer_ms(self, placement: Placement, num_bytes: float) -> float:
-        return self.transfer_latency_ms[placement] + num_bytes / self.bandwidth_bytes_per_ms[placement]
+        return (
+            self.transfer_latency_ms[placement] + num_bytes / self.bandwidth_bytes_per_ms[placement]
+        )
 
     def prefill_ms(self, uncached_tokens: int) -> float:
         return self.prefill_fixed_ms + uncached_tokens / self.prefill_tokens_per_ms
@@ -184,8 +190,12 @@ class SimCluster:
         encoders = pool(num_encoders, encoder_speeds)
         if encoder_modalities is not None:
             if len(encoder_modalities) != num_encoders:
-                raise ClusterShapeError(f"{len(encoder_modalities)} modality sets given for {num_encoders} encoders")
-            encoders = tuple(replace(w, modalities=frozenset(m)) for w, m in zip(encoders, encoder_modalities))
+                raise ClusterShapeError(
+                    f"{len(encoder_modalities)} modality sets given for {num_encoders} encoders"
+                )
+            encoders = tuple(
+                replace(w, modalities=frozenset(m)) for w, m in zip(encoders, encoder_modalities)
+            )
         c = cls(
             encoders,
             pool(num_prefill, prefill_speeds),
@@ -234,7 +244,9 @@ class SimCluster:
         try:
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         except OSError as exc:
-            raise ClusterShapeError(f"cannot read cluster file {path}: {exc.strerror or exc}") from None
+            raise ClusterShapeError(
+                f"cannot read cluster file {path}: {exc.strerror or exc}"
+            ) from None
         except yaml.YAMLError as exc:
             raise ClusterShapeError(f"{path}: not valid YAML: {exc}") from None
         if not isinstance(raw, dict):
@@ -253,7 +265,9 @@ class SimCluster:
             if isinstance(entries, int):
                 entries = [{"count": entries}]
             if not isinstance(entries, list):
-                raise ClusterShapeError(f"{path}: {pool} must be a list of worker groups or a count")
+                raise ClusterShapeError(
+                    f"{path}: {pool} must be a list of worker groups or a count"
+                )
             for k, g in enumerate(entries):
                 if not isinstance(g, dict):
                     raise ClusterShapeError(f"{path}: {pool}[{k}] must be a mapping")
@@ -268,9 +282,13 @@ class SimCluster:
                 mods = g.get("modalities")
                 if mods is not None:
                     if pool != "encoders":
-                        raise ClusterShapeError(f"{path}: {pool}[{k}]: only encoders host modalities")
+                        raise ClusterShapeError(
+                            f"{path}: {pool}[{k}]: only encoders host modalities"
+                        )
                     if not isinstance(mods, list) or not set(mods) <= ALL_MODALITIES:
-                        raise ClusterShapeError(f"{path}: {pool}[{k}].modalities must be a list drawn from {sorted(ALL_MODALITIES)}")
+                        raise ClusterShapeError(
+                            f"{path}: {pool}[{k}].modalities must be a list drawn from {sorted(ALL_MODALITIES)}"
+                        )
             groups[pool] = entries
 
         total = sum(g.get("count", 1) for es in groups.values() for g in es)
@@ -281,12 +299,22 @@ class SimCluster:
             for g in entries:
                 for _ in range(g.get("count", 1)):
                     node = g.get("node") or f"node-{len(out) % nodes}"
-                    mods = frozenset(g["modalities"]) if g.get("modalities") is not None else ALL_MODALITIES
+                    mods = (
+                        frozenset(g["modalities"])
+                        if g.get("modalities") is not None
+                        else ALL_MODALITIES
+                    )
                     out.append(SimWorker(str(node), float(g.get("speed", 1.0)), mods))
             return tuple(out)
 
         costs = _costs_from_dict(raw.get("costs") or {}, path)
-        c = cls(expand(groups["encoders"]), expand(groups["prefill"]), expand(groups["decode"]), costs, path.stem)
+        c = cls(
+            expand(groups["encoders"]),
+            expand(groups["prefill"]),
+            expand(groups["decode"]),
+            costs,
+            path.stem,
+        )
         c.validate()
         return c
 
@@ -300,14 +328,18 @@ class SimCluster:
         for pool in (self.encoders, self.prefill, self.decode):
             for w in pool:
                 if not (w.speed > 0 and math.isfinite(w.speed)):
-                    raise ClusterShapeError(f"cluster {self.name!r}: worker speed must be > 0, got {w.speed}")
+                    raise ClusterShapeError(
+                        f"cluster {self.name!r}: worker speed must be > 0, got {w.speed}"
+                    )
         if self.costs.prefill_order not in (PREFILL_SHORTEST_FIRST, PREFILL_FIFO):
             raise ClusterShapeError(
                 f"cluster {self.name!r}: costs.prefill_order must be {PREFILL_SHORTEST_FIRST!r} or {PREFILL_FIFO!r}, got {self.costs.prefill_order!r}"
             )
         aging = self.costs.prefill_aging_tokens_per_s
         if not (isinstance(aging, (int, float)) and 0 <= aging < math.inf):
-            raise ClusterShapeError(f"cluster {self.name!r}: costs.prefill_aging_tokens_per_s must be a number >= 0, got {aging!r}")
+            raise ClusterShapeError(
+                f"cluster {self.name!r}: costs.prefill_aging_tokens_per_s must be a number >= 0, got {aging!r}"
+            )
         try:
             self.costs.variability.validate()
         except ValueError as exc:
@@ -325,17 +357,29 @@ class SimCluster:
         missing = sorted(needed - self.hosted_modalities())
         if missing:
             if not self.encoders:
-                raise ClusterShapeError(f"cluster {self.name!r} has no encoder, but the workload has {', '.join(missing)} items")
-            raise ClusterShapeError(f"cluster {self.name!r} cannot serve the workload: no encoder hosts {', '.join(missing)}")
+                raise ClusterShapeError(
+                    f"cluster {self.name!r} has no encoder, but the workload has {', '.join(missing)} items"
+                )
+            raise ClusterShapeError(
+                f"cluster {self.name!r} cannot serve the workload: no encoder hosts {', '.join(missing)}"
+            )
         unknown = sorted(needed - set(self.costs.encode))
         if unknown:
             raise ClusterShapeError(f"no encode cost defined for modality {', '.join(unknown)}")
 
     def worker_infos(self) -> list[WorkerInfo]:
         out = []
-        for kind, pool in ((WorkerKind.ENCODER, self.encoders), (WorkerKind.PREFILL, self.prefill), (WorkerKind.DECODE, self.decode)):
+        for kind, pool in (
+            (WorkerKind.ENCODER, self.encoders),
+            (WorkerKind.PREFILL, self.prefill),
+            (WorkerKind.DECODE, self.decode),
+        ):
             for i, w in enumerate(pool):
-                out.append(WorkerInfo(kind, i, w.node, w.modalities if kind is WorkerKind.ENCODER else frozenset()))
+                out.append(
+                    WorkerInfo(
+                        kind, i, w.node, w.modalities if kind is WorkerKind.ENCODER else frozenset()
+                    )
+                )
         return out
 
     @staticmethod
@@ -359,13 +403,18 @@ class SimCluster:
         return f"{self.name}: encoders {pool(self.encoders)}, prefill {pool(self.prefill)}, decode {pool(self.decode)} on {nodes} node(s)"
 
 
-VISION, AUDIO = frozenset({Modality.IMAGE.value, Modality.VIDEO.value}), frozenset({Modality.AUDIO.value})
+VISION, AUDIO = (
+    frozenset({Modality.IMAGE.value, Modality.VIDEO.value}),
+    frozenset({Modality.AUDIO.value}),
+)
 
 
 def split_towers(num_encoders: int, spec: str) -> list[frozenset[str]]:
     """The '-split' shape: the vision tower (image + video) on the first ceil(E/2) encoders, audio on the rest."""
     if num_encoders < 2:
-        raise ClusterShapeError(f"cluster shape {spec!r}: '-split' needs at least 2 encoders (one per tower)")
+        raise ClusterShapeError(
+            f"cluster shape {spec!r}: '-split' needs at least 2 encoders (one per tower)"
+        )
     vision = (num_encoders + 1) // 2
     return [VISION if i < vision else AUDIO for i in range(num_encoders)]
 
@@ -381,11 +430,15 @@ def _costs_from_dict(raw: dict, path) -> SimCosts:
             raise ClusterShapeError(f"{path}: unknown cost key {key!r}; known: {sorted(known)}")
         if key == "encode":
             if not isinstance(value, dict):
-                raise ClusterShapeError(f"{path}: costs.encode must map modality -> {{fixed_ms, per_unit_ms}}")
+                raise ClusterShapeError(
+                    f"{path}: costs.encode must map modality -> {{fixed_ms, per_unit_ms}}"
+                )
             enc = dict(base.encode)
             for mod, spec in value.items():
                 if mod not in ALL_MODALITIES or not isinstance(spec, dict):
-                    raise ClusterShapeError(f"{path}: costs.encode.{mod}: unknown modality or not a mapping")
+                    raise ClusterShapeError(
+                        f"{path}: costs.encode.{mod}: unknown modality or not a mapping"
+                    )
                 try:
                     enc[mod] = replace(enc[mod], **spec)
                 except TypeError as exc:
@@ -407,7 +460,9 @@ def _costs_from_dict(raw: dict, path) -> SimCosts:
                 try:
                     cur[Placement(pl)] = float(v)
                 except ValueError:
-                    raise ClusterShapeError(f"{path}: costs.{key}: unknown placement {pl!r}") from None
+                    raise ClusterShapeError(
+                        f"{path}: costs.{key}: unknown placement {pl!r}"
+                    ) from None
             changes[key] = cur
         else:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
@@ -458,7 +513,10 @@ def capacity_rps(cluster: SimCluster, workload_or_profiles) -> float:
     else:
         profiles = workload_or_profiles
     demand = pool_demand_ms(cluster, profiles)
-    per_req_ms = [demand["prefill"] / sum(w.speed for w in cluster.prefill), demand["decode"] / sum(w.speed for w in cluster.decode)]
+    per_req_ms = [
+        demand["prefill"] / sum(w.speed for w in cluster.prefill),
+        demand["decode"] / sum(w.speed for w in cluster.decode),
+    ]
     if demand["encoder"] > 0:
         if not cluster.encoders:
             return 0.0

@@ -41,7 +41,16 @@ from heapq import heappop, heappush
 import numpy as np
 
 from router.sim.cluster_model import SimCluster, capacity_rps
-from router.sim.pools import EV_ADMIT, EV_PF_ARRIVE, EV_PUBLISH, DecodePool, EncoderPool, Network, PrefillPool, Request
+from router.sim.pools import (
+    EV_ADMIT,
+    EV_PF_ARRIVE,
+    EV_PUBLISH,
+    DecodePool,
+    EncoderPool,
+    Network,
+    PrefillPool,
+    Request,
+)
 from router.sim.variability import Multipliers
 from router.sim.workload import Workload
 
@@ -86,7 +95,13 @@ def default_priors(cluster: SimCluster):
 def make_router(cluster: SimCluster, policy: str, *, seed: int, priors=None, **kwargs):
     from router.router import Router
 
-    return Router(cluster.worker_infos(), priors if priors is not None else default_priors(cluster), policy, seed=seed, **kwargs)
+    return Router(
+        cluster.worker_infos(),
+        priors if priors is not None else default_priors(cluster),
+        policy,
+        seed=seed,
+        **kwargs,
+    )
 
 
 def simulate(
@@ -115,11 +130,28 @@ def simulate(
             load = workload.rate_rps / cap if cap > 0 and math.isfinite(workload.rate_rps) else None
         except ValueError:
             load = None
-    return run_router(cluster, workload, router, policy, slo_ms=slo_ms, progress=progress, record_decisions=record_decisions, load=load)
+    return run_router(
+        cluster,
+        workload,
+        router,
+        policy,
+        slo_ms=slo_ms,
+        progress=progress,
+        record_decisions=record_decisions,
+        load=load,
+    )
 
 
 def run_router(
-    cluster: SimCluster, workload: Workload, router, policy: str, *, slo_ms: float, progress: bool, record_decisions: bool, load: float | None
+    cluster: SimCluster,
+    workload: Workload,
+    router,
+    policy: str,
+    *,
+    slo_ms: float,
+    progress: bool,
+    record_decisions: bool,
+    load: float | None,
 ) -> SimResult:
     """Play `workload` through `cluster` with an existing router (simulate() builds one)."""
     wall0 = time.perf_counter()
@@ -165,7 +197,9 @@ class Engine:
     """The event loop: arrivals stream from the workload, everything else is a
     (time_s, event type, int, int) tuple on a heap, handled by the pool it concerns."""
 
-    def __init__(self, cluster: SimCluster, workload: Workload, router, *, record_decisions: bool = False):
+    def __init__(
+        self, cluster: SimCluster, workload: Workload, router, *, record_decisions: bool = False
+    ):
         costs = cluster.costs
         nodes = sorted({w.node for w in (*cluster.encoders, *cluster.prefill, *cluster.decode)})
         self.workload, self.router, self.heap = workload, router, []
@@ -180,7 +214,9 @@ class Engine:
         self.mult = Multipliers(costs.variability) if costs.variability.enabled else None
         self.count_decoding = costs.variability.count_decoding
         self.ingress_ms, self.ingress_media_ms = costs.ingress_ms, costs.ingress_media_ms
-        self.inflight = 0  # requests arrived whose first token is not out yet (the host's contention)
+        self.inflight = (
+            0  # requests arrived whose first token is not out yet (the host's contention)
+        )
         self.requests: list[Request | None] = [None] * n
         self.ttft, self.estimate, self.service = [0.0] * n, [0.0] * n, [0.0] * n
         self.decisions: list | None = [None] * n if record_decisions else None
@@ -200,9 +236,17 @@ class Engine:
             self._publish,
             self._admit,
         )  # indexed by event type
-        delayed = self.ingress_ms > 0 or self.ingress_media_ms > 0  # routed once their ingress overhead is over
+        delayed = (
+            self.ingress_ms > 0 or self.ingress_media_ms > 0
+        )  # routed once their ingress overhead is over
         self._publish(arrivals[0], 0, 0)
-        profiles, arrive, i, tick, next_arrival = iter(self.workload.profiles), self._route, 0, 0, arrivals[0]
+        profiles, arrive, i, tick, next_arrival = (
+            iter(self.workload.profiles),
+            self._route,
+            0,
+            0,
+            arrivals[0],
+        )
         while True:
             if heap and heap[0][0] <= next_arrival:
                 now, ev, a, b = heappop(heap)
@@ -256,7 +300,9 @@ class Engine:
         else:  # text only: straight to the prefill worker
             self.prefill.arrive(decision.prefill, r, now)
 
-    def to_prefill(self, r: int, req: Request, now: float, encode_ms: float, wall_ms: float, encoded) -> None:
+    def to_prefill(
+        self, r: int, req: Request, now: float, encode_ms: float, wall_ms: float, encoded
+    ) -> None:
         """r's items are encoded (or needed no encoding): report it, send the embeddings on.
         `encode_ms`: compute time of r's items, `wall_ms`: their batches' full times."""
         decision, p = req.decision, req.decision.prefill
@@ -264,7 +310,11 @@ class Engine:
         if decision.shares:  # each encoder sends its part, in parallel: the slowest arrives last
             xfer = 0.0
             for share in decision.shares:
-                x = self._send(share.encoder, p, [it for it in req.profile.items if it.modality in share.modalities])
+                x = self._send(
+                    share.encoder,
+                    p,
+                    [it for it in req.profile.items if it.modality in share.modalities],
+                )
                 xfer = x if x > xfer else xfer
         else:
             xfer = self._send(decision.encoder, p, req.profile.items)
@@ -274,7 +324,9 @@ class Engine:
     def _send(self, e: int, p: int, items) -> float:
         """Transfer ms of `items`' embeddings from encoder e to prefill worker p (reported to the router)."""
         num_bytes = sum([it.embedding_bytes for it in items])
-        placement, ms = self.network.send_ms(self.encoders.workers[e].node, self.prefill.workers[p].node, num_bytes)
+        placement, ms = self.network.send_ms(
+            self.encoders.workers[e].node, self.prefill.workers[p].node, num_bytes
+        )
         self.router.observe_transfer(placement, num_bytes, ms)
         return ms
 
@@ -301,7 +353,11 @@ class Engine:
         if prof.prefix_hashes:
             self.prefill.remember(p, prof.prefix_hashes)
         d = decision.decode
-        _, kv_ms = self.network.send_ms(self.prefill.workers[p].node, self.decode.node[d], prof.num_prompt_tokens * self.kv_bytes_per_token)
+        _, kv_ms = self.network.send_ms(
+            self.prefill.workers[p].node,
+            self.decode.node[d],
+            prof.num_prompt_tokens * self.kv_bytes_per_token,
+        )
         self.decode.submit(d, r, prof.max_tokens, now + kv_ms * 1e-3)
         self.prefill.start_next(p, now)
 

@@ -28,7 +28,9 @@ EV_PF_DONE = 1
 EV_DEC_DONE = 2
 EV_PF_ARRIVE = 3
 EV_PUBLISH = 4
-EV_ADMIT = 5  # a request's ingress overhead is over (only with SimCosts.ingress_ms / ingress_media_ms)
+EV_ADMIT = (
+    5  # a request's ingress overhead is over (only with SimCosts.ingress_ms / ingress_media_ms)
+)
 
 _SAME, _CROSS = Placement.SAME_NODE, Placement.CROSS_NODE
 
@@ -37,8 +39,14 @@ class Network:
     """Transfer times: latency + bytes / bandwidth of the placement (same node or across)."""
 
     def __init__(self, costs: SimCosts):
-        self.same_bw, self.cross_bw = costs.bandwidth_bytes_per_ms[_SAME], costs.bandwidth_bytes_per_ms[_CROSS]
-        self.same_lat, self.cross_lat = costs.transfer_latency_ms[_SAME], costs.transfer_latency_ms[_CROSS]
+        self.same_bw, self.cross_bw = (
+            costs.bandwidth_bytes_per_ms[_SAME],
+            costs.bandwidth_bytes_per_ms[_CROSS],
+        )
+        self.same_lat, self.cross_lat = (
+            costs.transfer_latency_ms[_SAME],
+            costs.transfer_latency_ms[_CROSS],
+        )
 
     def send_ms(self, node_a: int, node_b: int, num_bytes: int) -> tuple[Placement, float]:
         if node_a == node_b:
@@ -72,17 +80,33 @@ class Request:
         self.encode_ms = 0.0  # compute time of its items (their shares of the batches)
         self.wall_ms = 0.0  # full times of the batches its items rode in
         self.encoded: tuple = ()  # the items actually encoded (cache misses)
-        self.walls: dict[int, float] | None = None  # split requests: encoder -> its batches' full times
+        self.walls: dict[int, float] | None = (
+            None  # split requests: encoder -> its batches' full times
+        )
 
 
 class Encoder:
-    __slots__ = ("speed", "node", "queues", "queued", "batch", "busy_ms", "cache", "cache_bytes", "snap")
+    __slots__ = (
+        "speed",
+        "node",
+        "queues",
+        "queued",
+        "batch",
+        "busy_ms",
+        "cache",
+        "cache_bytes",
+        "snap",
+    )
 
     def __init__(self, worker: SimWorker, node: int):
         self.speed, self.node = worker.speed, node
-        self.queues: dict[str, deque] = {}  # modality -> deque[(t_enq, r, size, identifier, bytes)]; non-empty only
+        self.queues: dict[
+            str, deque
+        ] = {}  # modality -> deque[(t_enq, r, size, identifier, bytes)]; non-empty only
         self.queued = 0
-        self.batch: tuple | None = None  # in service: (items, batch_ms, ms per item, ms per unit of size)
+        self.batch: tuple | None = (
+            None  # in service: (items, batch_ms, ms per item, ms per unit of size)
+        )
         self.busy_ms = 0.0
         self.cache: OrderedDict[str, int] = OrderedDict()  # identifier -> embedding bytes, LRU
         self.cache_bytes = 0
@@ -95,9 +119,13 @@ class EncoderPool:
     in proportion to its solo cost. Items are cached (LRU of `encoder_cache_bytes`) when their batch
     finishes; an item the chosen encoder holds at routing (or twice in one request) skips the queue."""
 
-    def __init__(self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine):
+    def __init__(
+        self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine
+    ):
         self.workers = [Encoder(w, nodes.index(w.node)) for w in workers]
-        self.cost = {m: (c.fixed_ms, c.per_unit_ms, c.batch_exponent - 1.0) for m, c in costs.encode.items()}
+        self.cost = {
+            m: (c.fixed_ms, c.per_unit_ms, c.batch_exponent - 1.0) for m, c in costs.encode.items()
+        }
         self.max_batch, self.cache_cap = costs.encode_max_batch, costs.encoder_cache_bytes
         self.engine = engine
         self.cache_hits = 0
@@ -219,7 +247,9 @@ class Prefill:
     def __init__(self, worker: SimWorker, node: int):
         self.speed, self.node = worker.speed, node
         self.queue: list[tuple[int, int, int]] = []  # heap of (order key, arrival here, r)
-        self.current: tuple | None = None  # in service: (r, ms, uncached tokens), ms of the whole prefill
+        self.current: tuple | None = (
+            None  # in service: (r, ms, uncached tokens), ms of the whole prefill
+        )
         self.busy_ms = 0.0
         self.prefix: OrderedDict[str, None] = OrderedDict()  # block hashes, LRU
         self.snap = KeySnapshots()
@@ -235,16 +265,24 @@ class PrefillPool:
     start is spread over its chunks by tokens. `SimCosts.prefill_aging_tokens_per_s` ages the key as
     the engine does: a request's tokens less that many per second it has been at its worker."""
 
-    def __init__(self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine):
+    def __init__(
+        self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine
+    ):
         self.workers = [Prefill(w, nodes.index(w.node)) for w in workers]
         self.fixed_ms, self.tokens_per_ms = costs.prefill_fixed_ms, costs.prefill_tokens_per_ms
         self.prefix_cap = costs.prefix_cache_blocks
         self.shortest_first = costs.prefill_order == PREFILL_SHORTEST_FIRST
         self.chunk_tokens = costs.prefill_chunk_tokens
-        self.aging = costs.prefill_aging_tokens_per_s  # key = tokens left + aging x arrival time (s)
+        self.aging = (
+            costs.prefill_aging_tokens_per_s
+        )  # key = tokens left + aging x arrival time (s)
         self.arrived: dict[int, float] = {}  # r -> when it reached its worker, while aging
-        self.parts: dict[int, list] = {}  # r -> [tokens left, (r, ms, uncached)]: prompts begun in chunks
-        self.arrivals = itertools.count()  # at a worker's queue (after encode and transfer): the FIFO order and tie-break
+        self.parts: dict[
+            int, list
+        ] = {}  # r -> [tokens left, (r, ms, uncached)]: prompts begun in chunks
+        self.arrivals = (
+            itertools.count()
+        )  # at a worker's queue (after encode and transfer): the FIFO order and tie-break
         self.engine = engine
 
     def arrive(self, p: int, r: int, now: float) -> None:
@@ -252,7 +290,11 @@ class PrefillPool:
             self.start(p, r, now)
         else:
             seq = next(self.arrivals)
-            key = self.engine.requests[r].profile.num_prompt_tokens + self.aging * now if self.shortest_first else seq
+            key = (
+                self.engine.requests[r].profile.num_prompt_tokens + self.aging * now
+                if self.shortest_first
+                else seq
+            )
             heappush(self.workers[p].queue, (key, seq, r))
         if self.aging:
             self.arrived[r] = now
@@ -335,7 +377,14 @@ class PrefillPool:
 
     def publish(self, publish, now: float) -> None:
         for p, w in enumerate(self.workers):
-            publish(WorkerKind.PREFILL, p, now_s=now, queued=len(w.queue), running=0 if w.current is None else 1, prefix_hashes=w.snap.frozen())
+            publish(
+                WorkerKind.PREFILL,
+                p,
+                now_s=now,
+                queued=len(w.queue),
+                running=0 if w.current is None else 1,
+                prefix_hashes=w.snap.frozen(),
+            )
 
     def busy_ms(self) -> float:
         return sum(w.busy_ms for w in self.workers)
@@ -346,13 +395,21 @@ class DecodePool:
     a request admitted as the b-th active takes max_tokens x (step + per_seq x b) / speed, b frozen then.
     To save an event, admission is decided when the prefill finishes and takes effect when the KV lands."""
 
-    def __init__(self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine):
+    def __init__(
+        self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine
+    ):
         self.speed = [w.speed for w in workers]
         self.node = [nodes.index(w.node) for w in workers]
         self.active = [0] * len(workers)
         self.num_active = 0  # sum of active: requests decoding (admitted) on any worker
-        self.wait: list[deque[tuple[int, float]]] = [deque() for _ in workers]  # (r, KV landing time)
-        self.step_ms, self.per_seq_ms, self.max_batch = costs.decode_step_ms, costs.decode_step_per_seq_ms, costs.decode_max_batch
+        self.wait: list[deque[tuple[int, float]]] = [
+            deque() for _ in workers
+        ]  # (r, KV landing time)
+        self.step_ms, self.per_seq_ms, self.max_batch = (
+            costs.decode_step_ms,
+            costs.decode_step_per_seq_ms,
+            costs.decode_max_batch,
+        )
         self.slot_ms = 0.0  # sum of admitted requests' decode ms (utilisation)
         self.engine = engine
 
@@ -375,7 +432,9 @@ class DecodePool:
         self.num_active -= 1
         if self.wait[d]:
             r, kv_at = self.wait[d].popleft()
-            self._admit(d, r, self.engine.requests[r].profile.max_tokens, kv_at if kv_at > now else now)
+            self._admit(
+                d, r, self.engine.requests[r].profile.max_tokens, kv_at if kv_at > now else now
+            )
 
     def publish(self, publish, now: float) -> None:
         for d, active in enumerate(self.active):

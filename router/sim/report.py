@@ -53,13 +53,19 @@ def summarize(result) -> dict:
         "load": None if result.load is None else round(result.load, 4),
         "ttft_ms": _pcts(ttft),
         "throughput_rps": round(n / span, 4),
-        "goodput": {"slo_ms": result.slo_ms, "fraction": round(ok / n, 6) if n else math.nan, "rps": round(ok / span, 4)},
+        "goodput": {
+            "slo_ms": result.slo_ms,
+            "fraction": round(ok / n, 6) if n else math.nan,
+            "rps": round(ok / span, 4),
+        },
         "utilisation": {k: round(v, 4) for k, v in result.utilisation.items()},
         "estimate_error_ms": {
             "mean_abs": round(float(np.abs(err).mean()), 3) if n else math.nan,
             "mean_signed": round(float(err.mean()), 3) if n else math.nan,
         },
-        "encoder_cache_hit_rate": round(result.cache_hits / result.media_items, 4) if result.media_items else None,
+        "encoder_cache_hit_rate": round(result.cache_hits / result.media_items, 4)
+        if result.media_items
+        else None,
         "sim_seconds": round(result.span_s, 3),
         "wall_seconds": round(result.wall_s, 3),
     }
@@ -67,7 +73,10 @@ def summarize(result) -> dict:
     if m is not None:
         have = ~np.isnan(m)
         if have.any():
-            out["measured"] = {"ttft_ms": _pcts(m[have]), "mean_abs_sim_error_ms": round(float(np.abs(ttft[have] - m[have]).mean()), 3)}
+            out["measured"] = {
+                "ttft_ms": _pcts(m[have]),
+                "mean_abs_sim_error_ms": round(float(np.abs(ttft[have] - m[have]).mean()), 3),
+            }
     return out
 
 
@@ -107,13 +116,22 @@ def plot_ttft_cdf(results: Sequence, path: str | Path, *, title: str | None = No
     for r in results:
         x = np.sort(r.ttft_ms)
         if len(x) > 20_000:  # thin for plotting; keep the tail exact
-            idx = np.unique(np.concatenate([np.linspace(0, len(x) - 1, 10_000).astype(int), np.arange(int(len(x) * 0.99), len(x))]))
+            idx = np.unique(
+                np.concatenate(
+                    [
+                        np.linspace(0, len(x) - 1, 10_000).astype(int),
+                        np.arange(int(len(x) * 0.99), len(x)),
+                    ]
+                )
+            )
             xs, ys = x[idx], (idx + 1) / len(x)
         else:
             xs, ys = x, np.arange(1, len(x) + 1) / len(x)
         ax.plot(xs, ys, label=f"{r.policy} (p99 {np.percentile(r.ttft_ms, 99):.0f} ms)")
     if results:
-        ax.axvline(results[0].slo_ms, color="grey", ls="--", lw=0.8, label=f"SLO {results[0].slo_ms:g} ms")
+        ax.axvline(
+            results[0].slo_ms, color="grey", ls="--", lw=0.8, label=f"SLO {results[0].slo_ms:g} ms"
+        )
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
@@ -132,7 +150,9 @@ def _save(plt, fig, path: str | Path) -> Path:
     return path
 
 
-def plot_load_sweep(sweep: Mapping[str, Sequence[Mapping]], path: str | Path, *, title: str | None = None) -> Path:
+def plot_load_sweep(
+    sweep: Mapping[str, Sequence[Mapping]], path: str | Path, *, title: str | None = None
+) -> Path:
     """TTFT p50 (dashed) and p99 (solid) vs offered load (fraction of capacity), one colour per policy.
     `sweep`: policy -> list of summaries (each with 'load' and 'ttft_ms')."""
     plt = _pyplot()
@@ -141,8 +161,17 @@ def plot_load_sweep(sweep: Mapping[str, Sequence[Mapping]], path: str | Path, *,
         rows = sorted(rows, key=lambda s: s["load"])
         loads = [s["load"] for s in rows]
         color = f"C{k}"
-        ax.plot(loads, [s["ttft_ms"]["p99"] for s in rows], "-o", color=color, label=f"{policy} p99")
-        ax.plot(loads, [s["ttft_ms"]["p50"] for s in rows], "--", color=color, alpha=0.7, label=f"{policy} p50")
+        ax.plot(
+            loads, [s["ttft_ms"]["p99"] for s in rows], "-o", color=color, label=f"{policy} p99"
+        )
+        ax.plot(
+            loads,
+            [s["ttft_ms"]["p50"] for s in rows],
+            "--",
+            color=color,
+            alpha=0.7,
+            label=f"{policy} p50",
+        )
     ax.set_yscale("log")
     ax.set_xlabel("offered load (fraction of capacity)")
     ax.set_ylabel("TTFT (ms)")

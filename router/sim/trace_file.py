@@ -39,14 +39,22 @@ import numpy as np
 from router.sim.workload import MODALITIES, Workload, WorkloadError
 from router.types import MediaJob, RequestProfile
 
-_ITEM_FIELDS = {"identifier": str, "modality": str, "size": (int, float), "num_embeddings": int, "embedding_bytes": int}
+_ITEM_FIELDS = {
+    "identifier": str,
+    "modality": str,
+    "size": (int, float),
+    "num_embeddings": int,
+    "embedding_bytes": int,
+}
 
 
 def _fail(path, lineno: int, msg: str) -> WorkloadError:
     return WorkloadError(f"{path}:{lineno}: {msg}")
 
 
-def _number(obj: dict, key: str, kind, path, lineno: int, *, required: bool = True, minimum: float = 0):
+def _number(
+    obj: dict, key: str, kind, path, lineno: int, *, required: bool = True, minimum: float = 0
+):
     if key not in obj:
         if required:
             raise _fail(path, lineno, f"missing field {key!r}")
@@ -59,7 +67,9 @@ def _number(obj: dict, key: str, kind, path, lineno: int, *, required: bool = Tr
     return v
 
 
-def parse_trace_line(line: str, path="<trace>", lineno: int = 1) -> tuple[float, RequestProfile, float | None]:
+def parse_trace_line(
+    line: str, path="<trace>", lineno: int = 1
+) -> tuple[float, RequestProfile, float | None]:
     """One JSONL line -> (arrival_s, profile, measured ttft_ms or None)."""
     try:
         obj = json.loads(line)
@@ -84,10 +94,24 @@ def parse_trace_line(line: str, path="<trace>", lineno: int = 1) -> tuple[float,
             if not isinstance(it[key], kind) or isinstance(it[key], bool):
                 raise _fail(path, lineno, f"items[{k}].{key} has the wrong type: {it[key]!r}")
         if it["modality"] not in MODALITIES:
-            raise _fail(path, lineno, f"items[{k}].modality {it['modality']!r} is not one of {list(MODALITIES)}")
+            raise _fail(
+                path,
+                lineno,
+                f"items[{k}].modality {it['modality']!r} is not one of {list(MODALITIES)}",
+            )
         if it["size"] < 0 or it["num_embeddings"] < 0 or it["embedding_bytes"] < 0:
-            raise _fail(path, lineno, f"items[{k}] has a negative size, num_embeddings or embedding_bytes")
-        items.append(MediaJob(it["identifier"], it["modality"], float(it["size"]), it["num_embeddings"], it["embedding_bytes"]))
+            raise _fail(
+                path, lineno, f"items[{k}] has a negative size, num_embeddings or embedding_bytes"
+            )
+        items.append(
+            MediaJob(
+                it["identifier"],
+                it["modality"],
+                float(it["size"]),
+                it["num_embeddings"],
+                it["embedding_bytes"],
+            )
+        )
     prefix = obj.get("prefix_hashes", [])
     if not isinstance(prefix, list) or not all(isinstance(h, str) for h in prefix):
         raise _fail(path, lineno, "field 'prefix_hashes' must be a list of strings")
@@ -115,14 +139,28 @@ def load_trace(path: str | Path) -> Workload:
     arrival = np.array([r[0] for r in rows])
     profiles = [r[1] for r in rows]
     ttfts = [r[2] for r in rows]
-    measured = np.array([np.nan if t is None else t for t in ttfts]) if any(t is not None for t in ttfts) else None
+    measured = (
+        np.array([np.nan if t is None else t for t in ttfts])
+        if any(t is not None for t in ttfts)
+        else None
+    )
     return Workload(path.name, profiles, arrival, measured_ttft_ms=measured)
 
 
-MEASURED_STAGES = ("encode_ms", "prefill_queue_ms", "prefill_ms", "prefill_compute_ms")  # optional measured timings of a trace record
+MEASURED_STAGES = (
+    "encode_ms",
+    "prefill_queue_ms",
+    "prefill_ms",
+    "prefill_compute_ms",
+)  # optional measured timings of a trace record
 
 
-def profile_to_record(arrival_s: float, profile: RequestProfile, ttft_ms: float | None = None, measured: dict[str, float] | None = None) -> dict:
+def profile_to_record(
+    arrival_s: float,
+    profile: RequestProfile,
+    ttft_ms: float | None = None,
+    measured: dict[str, float] | None = None,
+) -> dict:
     """The trace record of one request (what the live cluster should write per line);
     `measured`: its stage timings (MEASURED_STAGES), which variability fits need."""
     rec = {
@@ -151,7 +189,9 @@ def profile_to_record(arrival_s: float, profile: RequestProfile, ttft_ms: float 
     return rec
 
 
-def write_trace(path: str | Path, workload: Workload, ttft_ms: Sequence[float] | None = None) -> None:
+def write_trace(
+    path: str | Path, workload: Workload, ttft_ms: Sequence[float] | None = None
+) -> None:
     """Write `workload` (optionally with TTFTs, e.g. simulated ones) as a JSONL trace."""
     with Path(path).open("w", encoding="utf-8") as fh:
         for i, (t, prof) in enumerate(workload.iter_requests()):

@@ -48,15 +48,29 @@ class Variability:
     sigma: float = 0.0  # lognormal sigma of encode-batch and prefill times
     ingress_sigma: float = 0.0  # lognormal sigma of the ingress overhead (SimCosts.ingress_ms)
     seed: int = 0
-    max_others: int = 1 << 30  # contention stops growing here (fits: the most busy requests they saw)
-    host_sigma: float = 0.0  # lognormal sigma of the host's slowness H(t), common to all services starting at t
+    max_others: int = (
+        1 << 30
+    )  # contention stops growing here (fits: the most busy requests they saw)
+    host_sigma: float = (
+        0.0  # lognormal sigma of the host's slowness H(t), common to all services starting at t
+    )
     host_tau_s: float = 1.0  # correlation time of log H(t)
-    host_profile: tuple[tuple[float, float], ...] = ()  # (time_s, log H) knots: a measured H(t) instead
-    count_decoding: bool = False  # busy others include requests decoding (their decode steps share the host)
+    host_profile: tuple[
+        tuple[float, float], ...
+    ] = ()  # (time_s, log H) knots: a measured H(t) instead
+    count_decoding: bool = (
+        False  # busy others include requests decoding (their decode steps share the host)
+    )
 
     @property
     def enabled(self) -> bool:
-        return self.contention > 0 or self.sigma > 0 or self.ingress_sigma > 0 or self.host_sigma > 0 or bool(self.host_profile)
+        return (
+            self.contention > 0
+            or self.sigma > 0
+            or self.ingress_sigma > 0
+            or self.host_sigma > 0
+            or bool(self.host_profile)
+        )
 
     def validate(self) -> None:
         if not self.host_tau_s > 0:
@@ -66,9 +80,13 @@ class Variability:
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"variability {name} must be a finite number >= 0, got {value!r}")
         if not (isinstance(self.max_others, int) and self.max_others >= 0):
-            raise ValueError(f"variability max_others must be an integer >= 0, got {self.max_others!r}")
+            raise ValueError(
+                f"variability max_others must be an integer >= 0, got {self.max_others!r}"
+            )
         if not isinstance(self.count_decoding, bool):
-            raise ValueError(f"variability count_decoding must be true or false, got {self.count_decoding!r}")
+            raise ValueError(
+                f"variability count_decoding must be true or false, got {self.count_decoding!r}"
+            )
 
 
 class Multipliers:
@@ -82,7 +100,10 @@ class Multipliers:
         self._ingress = self._stream(variability.ingress_sigma)
         self.host_sigma, self.tau_s = variability.host_sigma, variability.host_tau_s
         self._normals = self._stream(1.0, lognormal=False)
-        self._x, self._at_s = self.host_sigma * next(self._normals), -math.inf  # X(t), from its stationary law
+        self._x, self._at_s = (
+            self.host_sigma * next(self._normals),
+            -math.inf,
+        )  # X(t), from its stationary law
         self._knots_s = [t for t, _ in variability.host_profile]
         self._log_h = [x for _, x in variability.host_profile]
 
@@ -104,15 +125,25 @@ class Multipliers:
             return 1.0
         if now_s > self._at_s:
             keep = math.exp(-(now_s - self._at_s) / self.tau_s) if self._at_s > -math.inf else 0.0
-            self._x = self._x * keep + self.host_sigma * math.sqrt(1.0 - keep * keep) * next(self._normals)
+            self._x = self._x * keep + self.host_sigma * math.sqrt(1.0 - keep * keep) * next(
+                self._normals
+            )
             self._at_s = now_s
         return math.exp(self._x - self.host_sigma * self.host_sigma / 2)
 
     def service(self, others: int, now_s: float = 0.0) -> float:
-        return (1.0 + self.contention * (others if others < self.cap else self.cap)) * self.host(now_s) * next(self._service)
+        return (
+            (1.0 + self.contention * (others if others < self.cap else self.cap))
+            * self.host(now_s)
+            * next(self._service)
+        )
 
     def ingress(self, others: int, now_s: float = 0.0) -> float:
-        return (1.0 + self.contention * (others if others < self.cap else self.cap)) * self.host(now_s) * next(self._ingress)
+        return (
+            (1.0 + self.contention * (others if others < self.cap else self.cap))
+            * self.host(now_s)
+            * next(self._ingress)
+        )
 
 
 def interpolate(xs: list[float], ys: list[float], x: float) -> float:
@@ -138,7 +169,9 @@ def in_flight(arrival_s: np.ndarray, ttft_ms: np.ndarray, at_s: np.ndarray) -> n
 def covering(starts: np.ndarray, ends: np.ndarray, at_s: np.ndarray) -> np.ndarray:
     """For each time in `at_s`: how many of the intervals [start, end) hold it."""
     at = np.asarray(at_s, dtype=float)
-    return np.searchsorted(np.sort(starts), at, side="right") - np.searchsorted(np.sort(ends), at, side="right")
+    return np.searchsorted(np.sort(starts), at, side="right") - np.searchsorted(
+        np.sort(ends), at, side="right"
+    )
 
 
 def busy(
@@ -153,7 +186,9 @@ def busy(
     (which ends when the prefill starts, prefill_ms before the first token); with `decode_ms`
     (first token to last), plus the requests decoding then."""
     arrival_s = np.asarray(arrival_s, dtype=float)
-    queue_end = arrival_s + (np.asarray(ttft_ms, dtype=float) - np.asarray(prefill_ms, dtype=float)) / 1e3
+    queue_end = (
+        arrival_s + (np.asarray(ttft_ms, dtype=float) - np.asarray(prefill_ms, dtype=float)) / 1e3
+    )
     waiting = covering(queue_end - np.asarray(prefill_queue_ms, dtype=float) / 1e3, queue_end, at_s)
     n = in_flight(arrival_s, ttft_ms, at_s) - waiting
     if decode_ms is None:
@@ -189,7 +224,9 @@ def linear_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return float(np.mean(y)), 0.0
 
 
-def fit_service(x: np.ndarray, measured_ms: np.ndarray, others: np.ndarray, grid: np.ndarray | None = None) -> ServiceFit:
+def fit_service(
+    x: np.ndarray, measured_ms: np.ndarray, others: np.ndarray, grid: np.ndarray | None = None
+) -> ServiceFit:
     """Fit measured service times of one worker (x: the cost unit, e.g. prompt tokens; others:
     requests in flight besides this one when its service started). For each contention c on
     the grid, the service free of contention (measured / (1 + c n)) is fitted linearly in x,
@@ -210,7 +247,9 @@ def fit_service(x: np.ndarray, measured_ms: np.ndarray, others: np.ndarray, grid
     return ServiceFit(a, b, c, float(math.sqrt(var)), int(len(y)))
 
 
-def fit_host(times_s: np.ndarray, log_resid: np.ndarray, max_lag_s: float = 5.0) -> tuple[float, float]:
+def fit_host(
+    times_s: np.ndarray, log_resid: np.ndarray, max_lag_s: float = 5.0
+) -> tuple[float, float]:
     """(share, tau_s): the share of the residuals' variance that is the host's, and its correlation
     time, such that residuals dt apart correlate by share * exp(-dt / tau) (least squares over all
     pairs less than max_lag_s apart; the rest of the variance is each service's own)."""
@@ -250,7 +289,9 @@ class MeasuredHost:
     ingress_sigma: float = 0.0
 
 
-def fit_measured_host(x: np.ndarray, y: np.ndarray, n: np.ndarray, t: np.ndarray, step_s: float = 0.1) -> MeasuredHost:
+def fit_measured_host(
+    x: np.ndarray, y: np.ndarray, n: np.ndarray, t: np.ndarray, step_s: float = 0.1
+) -> MeasuredHost:
     """Fit y ~ base(x) * (1 + c n) * H(t) * noise with log H a Gaussian-kernel average of the log
     residuals around t: for each c, the bandwidth of least leave-one-out error; the c of least such
     error wins (contention and background slowness fitted together, so neither absorbs the other)."""
@@ -274,8 +315,13 @@ def fit_measured_host(x: np.ndarray, y: np.ndarray, n: np.ndarray, t: np.ndarray
     w = np.exp(-0.5 * ((grid[:, None] - t[None, :]) / bandwidth) ** 2)
     profile = (w @ r) / np.maximum(w.sum(axis=1), 1e-12)
     sigma = float((r - np.interp(t, grid, profile)).std())
-    profile = profile + sigma * sigma / 2  # the simulator's noise has mean 1, so a log mean of -sigma**2 / 2
-    return MeasuredHost(ServiceFit(a, b, c, sigma, len(y)), tuple(zip(grid.round(4).tolist(), profile.round(5).tolist())))
+    profile = (
+        profile + sigma * sigma / 2
+    )  # the simulator's noise has mean 1, so a log mean of -sigma**2 / 2
+    return MeasuredHost(
+        ServiceFit(a, b, c, sigma, len(y)),
+        tuple(zip(grid.round(4).tolist(), profile.round(5).tolist())),
+    )
 
 
 def lognormal_sigma(ratio: np.ndarray) -> float:
@@ -294,14 +340,20 @@ class TraceFit:
 
     prefill: ServiceFit  # of `reference`: per_unit_ms is per prompt token
     reference: int
-    speeds: dict[int, float]  # prefill worker -> speed relative to the reference (3 requests at least)
+    speeds: dict[
+        int, float
+    ]  # prefill worker -> speed relative to the reference (3 requests at least)
     ingress_ms: float  # a text request's overhead, free of contention
     ingress_media_ms: float  # what media adds to it
     ingress_sigma: float
     max_others: int  # the most other busy requests a fitted service saw
-    host_share: float = 0.0  # of the prefill residual's variance, what the host's slowness H(t) explains
+    host_share: float = (
+        0.0  # of the prefill residual's variance, what the host's slowness H(t) explains
+    )
     host_tau_s: float = 1.0
-    measured: MeasuredHost | None = None  # the host's slowness as measured over the run (fit_measured_host)
+    measured: MeasuredHost | None = (
+        None  # the host's slowness as measured over the run (fit_measured_host)
+    )
     count_decoding: bool = False  # the trace had decode_ms: decoding requests counted as busy
 
     def variability(self, seed: int = 0, measured_host: bool = False) -> Variability:
@@ -339,7 +391,9 @@ def own_sigma(sigma: float, host_var: float) -> float:
 TIMINGS = ("arrival_s", "ttft_ms", "prefill_ms", "prefill_queue_ms", "encode_ms")
 
 
-def fit_trace(records: list[dict], reference: int | None = None, grid: np.ndarray | None = None) -> TraceFit:
+def fit_trace(
+    records: list[dict], reference: int | None = None, grid: np.ndarray | None = None
+) -> TraceFit:
     """Fit a trace recorded on the live cluster (router/sim/trace_file.py has the format; records
     without the measured timings are left out). `reference`: the prefill worker whose services
     give the cost curve and the host's slowness, the others' speeds relative to it; by default
@@ -349,7 +403,9 @@ def fit_trace(records: list[dict], reference: int | None = None, grid: np.ndarra
     (on a shared host a decode step takes CPU from the prefill beside it)."""
     timed = [r for r in records if all(k in r for k in TIMINGS)]
     if len(timed) < 3:
-        raise ValueError(f"the trace has {len(timed)} records with measured timings; fitting needs 3 or more")
+        raise ValueError(
+            f"the trace has {len(timed)} records with measured timings; fitting needs 3 or more"
+        )
     col = {k: np.array([r[k] for r in timed], dtype=float) for k in TIMINGS}
     # A request's service is its own device time where the trace has it: its prefill_ms (first
     # chunk to first token) also holds the chunks of requests sharing its worker's steps.
@@ -357,12 +413,30 @@ def fit_trace(records: list[dict], reference: int | None = None, grid: np.ndarra
     tokens = np.array([r["num_prompt_tokens"] for r in timed], dtype=float)
     worker = np.array([r["route"][1] for r in timed])
     media = np.array([bool(r["items"]) for r in timed])
-    decode_ms = np.array([r["decode_ms"] for r in timed], dtype=float) if all("decode_ms" in r for r in timed) else None
+    decode_ms = (
+        np.array([r["decode_ms"] for r in timed], dtype=float)
+        if all("decode_ms" in r for r in timed)
+        else None
+    )
 
-    def others(at_s: np.ndarray) -> np.ndarray:  # other busy requests at each time (of one request's own)
-        return busy(col["arrival_s"], col["ttft_ms"], col["prefill_ms"], col["prefill_queue_ms"], at_s, decode_ms) - 1
+    def others(
+        at_s: np.ndarray,
+    ) -> np.ndarray:  # other busy requests at each time (of one request's own)
+        return (
+            busy(
+                col["arrival_s"],
+                col["ttft_ms"],
+                col["prefill_ms"],
+                col["prefill_queue_ms"],
+                at_s,
+                decode_ms,
+            )
+            - 1
+        )
 
-    at_prefill = others(col["arrival_s"] + (col["ttft_ms"] - col["prefill_ms"]) / 1e3)  # it ends with the first token
+    at_prefill = others(
+        col["arrival_s"] + (col["ttft_ms"] - col["prefill_ms"]) / 1e3
+    )  # it ends with the first token
     if reference is None:  # the busiest worker; ties to the lowest index
         served = np.bincount(worker)
         reference = int(served.argmax())
@@ -378,7 +452,9 @@ def fit_trace(records: list[dict], reference: int | None = None, grid: np.ndarra
     at_arrival = others(col["arrival_s"])
     ingress = fit_ingress(overhead, media, 1 + fit.contention * at_arrival)
     start = col["arrival_s"][ref] + (col["ttft_ms"][ref] - col["prefill_ms"][ref]) / 1e3
-    resid = np.log(service[ref] / (fit.base_ms(tokens[ref]) * (1 + fit.contention * at_prefill[ref])))
+    resid = np.log(
+        service[ref] / (fit.base_ms(tokens[ref]) * (1 + fit.contention * at_prefill[ref]))
+    )
     share, tau = fit_host(start, resid) if fit.sigma > 0 else (0.0, 1.0)
     measured = fit_measured_host(tokens[ref], service[ref], at_prefill[ref], start)
     knots = [t for t, _ in measured.profile], [v for _, v in measured.profile]
@@ -392,10 +468,22 @@ def fit_trace(records: list[dict], reference: int | None = None, grid: np.ndarra
             )
         ),
     )
-    return TraceFit(fit, reference, speeds, *ingress, int(at_prefill.max()), share, tau, measured, decode_ms is not None)
+    return TraceFit(
+        fit,
+        reference,
+        speeds,
+        *ingress,
+        int(at_prefill.max()),
+        share,
+        tau,
+        measured,
+        decode_ms is not None,
+    )
 
 
-def fit_ingress(overhead_ms: np.ndarray, media: np.ndarray, factor: np.ndarray) -> tuple[float, float, float]:
+def fit_ingress(
+    overhead_ms: np.ndarray, media: np.ndarray, factor: np.ndarray
+) -> tuple[float, float, float]:
     """(text ms, what media adds, sigma) of the ingress overhead with the slowdown `factor` taken out."""
     free = overhead_ms / factor
     text = float(free[~media].mean()) if (~media).any() else 0.0

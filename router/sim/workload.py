@@ -74,7 +74,13 @@ REQUEST_CLASSES: dict[str, RequestClass] = {
 }
 
 # The default ("seed") mix: mostly text and single images, a tail of heavy video.
-DEFAULT_MIX: dict[str, float] = {"text": 0.30, "image": 0.30, "images4": 0.15, "video": 0.10, "audio": 0.15}
+DEFAULT_MIX: dict[str, float] = {
+    "text": 0.30,
+    "image": 0.30,
+    "images4": 0.15,
+    "video": 0.10,
+    "audio": 0.15,
+}
 
 # d_model 4096 in fp16: 8 KiB per embedding (the seed tables' convention).
 DEFAULT_EMBEDDING_BYTES = 4096 * 2
@@ -214,7 +220,9 @@ class Workload:
         mix: dict[str, float] | None = None,
     ):
         if len(profiles) != len(arrival_s):
-            raise WorkloadError(f"{name}: {len(profiles)} profiles but {len(arrival_s)} arrival times")
+            raise WorkloadError(
+                f"{name}: {len(profiles)} profiles but {len(arrival_s)} arrival times"
+            )
         self.name = name
         self.profiles = profiles
         self.arrival_s = np.asarray(arrival_s, dtype=np.float64)
@@ -363,13 +371,17 @@ def make_workload(
     modulated Poisson, `burst` or BurstSpec() by default), offered at `rate_rps`
     (change with `.at_rate`). `mix` weighs REQUEST_CLASSES (normalised)."""
     if kind not in ("poisson", "bursty"):
-        raise WorkloadError(f"unknown synthetic workload {kind!r}; known: 'poisson', 'bursty' (or a .jsonl trace)")
+        raise WorkloadError(
+            f"unknown synthetic workload {kind!r}; known: 'poisson', 'bursty' (or a .jsonl trace)"
+        )
     if n < 1:
         raise WorkloadError(f"need at least one request, got {n}")
     mix = dict(DEFAULT_MIX if mix is None else mix)
     unknown = sorted(set(mix) - set(REQUEST_CLASSES))
     if unknown:
-        raise WorkloadError(f"unknown request class(es) {unknown} in mix; known: {sorted(REQUEST_CLASSES)}")
+        raise WorkloadError(
+            f"unknown request class(es) {unknown} in mix; known: {sorted(REQUEST_CLASSES)}"
+        )
     if any(not (w >= 0 and math.isfinite(w)) for w in mix.values()) or sum(mix.values()) <= 0:
         raise WorkloadError(f"mix weights must be finite, >= 0 and not all zero: {mix}")
     if not 0.0 <= repeat_rate <= 1.0 or not 0.0 <= prefix_share <= 1.0:
@@ -396,7 +408,9 @@ def make_workload(
     mt = rng.integers(lo, hi + 1, size=n, dtype=np.int32)
     if prefix_share > 0:
         has_prefix = rng.random(n) < prefix_share
-        prefix_idx = np.where(has_prefix, rng.integers(0, num_prefixes, size=n), -1).astype(np.int32)
+        prefix_idx = np.where(has_prefix, rng.integers(0, num_prefixes, size=n), -1).astype(
+            np.int32
+        )
     else:
         prefix_idx = np.full(n, -1, dtype=np.int32)
 
@@ -417,10 +431,31 @@ def make_workload(
 
     tag = f"s{seed}-"
     blocks = max(1, prefix_tokens // block_size)
-    prefixes = [tuple(f"p{seed}.{j}.{b}" for b in range(blocks)) for j in range(num_prefixes)] if prefix_share > 0 else []
+    prefixes = (
+        [tuple(f"p{seed}.{j}.{b}" for b in range(blocks)) for j in range(num_prefixes)]
+        if prefix_share > 0
+        else []
+    )
     profiles = SyntheticProfiles(
-        classes, cls_idx, media_id, mt, prefix_idx, prefixes, tag=tag, embedding_bytes=embedding_bytes, block_size=block_size
+        classes,
+        cls_idx,
+        media_id,
+        mt,
+        prefix_idx,
+        prefixes,
+        tag=tag,
+        embedding_bytes=embedding_bytes,
+        block_size=block_size,
     )
     arrival = _retime(units, rate_rps, burst, seed)
     norm_mix = {k: float(w) for k, w in zip(names, weights)}
-    return Workload(kind, profiles, arrival, units=units, burst=burst, burst_seed=seed, rate_rps=rate_rps, mix=norm_mix)
+    return Workload(
+        kind,
+        profiles,
+        arrival,
+        units=units,
+        burst=burst,
+        burst_seed=seed,
+        rate_rps=rate_rps,
+        mix=norm_mix,
+    )

@@ -24,7 +24,9 @@ from cluster.config import ClusterConfig, builtin_model, load_config
 from cluster.prepare import ensure_model
 
 TEST_PORT = int(os.environ.get("EPD_TEST_PORT", 8765))  # distinct per concurrent run on one machine
-TRACE_PATH = Path(tempfile.gettempdir()) / f"epd-test-trace-{os.getpid()}.jsonl"  # every app records its requests
+TRACE_PATH = (
+    Path(tempfile.gettempdir()) / f"epd-test-trace-{os.getpid()}.jsonl"
+)  # every app records its requests
 
 
 def tiny_config() -> ClusterConfig:
@@ -36,7 +38,11 @@ def tiny_config() -> ClusterConfig:
 def cluster_config(**sections) -> ClusterConfig:
     base = tiny_config().replace(
         server={"port": TEST_PORT, "trace_path": str(TRACE_PATH)},
-        encoder={"num_workers": 2, "max_wait_ms": 20, "cache_mb": float(os.environ.get("EPD_TEST_CACHE_MB", 256))},
+        encoder={
+            "num_workers": 2,
+            "max_wait_ms": 20,
+            "cache_mb": float(os.environ.get("EPD_TEST_CACHE_MB", 256)),
+        },
     )
     return base.replace(**sections) if sections else base
 
@@ -67,7 +73,13 @@ class Deployed:
 
         deadline = time.monotonic() + within_s
         own = self.config.fingerprint()
-        while self.http.get("/health", params={"verbose": 1}).json().get("ingress", {}).get("config_sha1") != own:
+        while (
+            self.http.get("/health", params={"verbose": 1})
+            .json()
+            .get("ingress", {})
+            .get("config_sha1")
+            != own
+        ):
             assert time.monotonic() < deadline, "the new app never took over from the old one"
             time.sleep(0.2)
 

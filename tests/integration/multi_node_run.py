@@ -21,7 +21,10 @@ import sys
 import numpy as np
 from PIL import Image
 
-NODE_TYPES = {"encoder_node": {"num_cpus": 2, "resources": {"encoder_node": 2}}, "llm_node": {"num_cpus": 3, "resources": {"llm_node": 2}}}
+NODE_TYPES = {
+    "encoder_node": {"num_cpus": 2, "resources": {"encoder_node": 2}},
+    "llm_node": {"num_cpus": 3, "resources": {"llm_node": 2}},
+}
 MAX_TOKENS = 16
 
 
@@ -29,13 +32,30 @@ def _image(seed: int, width: int, height: int) -> dict:
     pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG")
-    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
+    return {
+        "type": "image_url",
+        "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
+    }
 
 
 def conversations() -> list[list[dict]]:
     return [
-        [{"role": "user", "content": [_image(1, 32, 32), {"type": "text", "text": "What is this?"}]}],
-        [{"role": "user", "content": [{"type": "text", "text": "Compare"}, _image(2, 40, 24), _image(3, 24, 40)]}],
+        [
+            {
+                "role": "user",
+                "content": [_image(1, 32, 32), {"type": "text", "text": "What is this?"}],
+            }
+        ],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Compare"},
+                    _image(2, 40, 24),
+                    _image(3, 24, 40),
+                ],
+            }
+        ],
         [{"role": "user", "content": "Tell me a story about a fox."}],
     ]
 
@@ -45,9 +65,20 @@ def _placements() -> list[dict]:
     import ray
     from ray._private import state
 
-    custom = {n["NodeID"]: sorted(set(n["Resources"]) & set(NODE_TYPES)) or ["head"] for n in ray.nodes() if n["Alive"]}
+    custom = {
+        n["NodeID"]: sorted(set(n["Resources"]) & set(NODE_TYPES)) or ["head"]
+        for n in ray.nodes()
+        if n["Alive"]
+    }
     actors = [a for a in state.actors().values() if a["State"] == "ALIVE"]
-    return [{"actor": a["ActorClassName"], "node": a["Address"]["NodeID"], "node_type": custom.get(a["Address"]["NodeID"])} for a in actors]
+    return [
+        {
+            "actor": a["ActorClassName"],
+            "node": a["Address"]["NodeID"],
+            "node_type": custom.get(a["Address"]["NodeID"]),
+        }
+        for a in actors
+    ]
 
 
 def main(port: int) -> None:
@@ -61,9 +92,13 @@ def main(port: int) -> None:
     from cluster.placement import PlacementError, check_placement
     from cluster.prepare import ensure_model
 
-    config = load_config(REPO_ROOT / "configs" / "multi_node_cpu.yaml").replace(server={"port": port})
+    config = load_config(REPO_ROOT / "configs" / "multi_node_cpu.yaml").replace(
+        server={"port": port}
+    )
     ensure_model(config)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False}
+    )
     try:
         for node in NODE_TYPES.values():
             cluster.add_node(**node)
@@ -78,11 +113,20 @@ def main(port: int) -> None:
         with httpx.Client(base_url=root, timeout=300) as http:
             answers = [
                 http.post(
-                    "/v1/chat/completions", json={"model": config.model.served_name, "messages": m, "temperature": 0, "max_tokens": MAX_TOKENS}
+                    "/v1/chat/completions",
+                    json={
+                        "model": config.model.served_name,
+                        "messages": m,
+                        "temperature": 0,
+                        "max_tokens": MAX_TOKENS,
+                    },
                 ).json()
                 for m in conversations()
             ]
-        print(json.dumps({"answers": answers, "placements": _placements(), "refusal": refusal}), flush=True)
+        print(
+            json.dumps({"answers": answers, "placements": _placements(), "refusal": refusal}),
+            flush=True,
+        )
     finally:
         serve.shutdown()
         ray.shutdown()

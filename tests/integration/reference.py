@@ -31,7 +31,9 @@ class TextOnly:
         self.model = model
 
     def generate(self, max_new_tokens: int, **kwargs):
-        return self.model.generate(generation_mode="text", thinker_max_new_tokens=max_new_tokens, **kwargs)
+        return self.model.generate(
+            generation_mode="text", thinker_max_new_tokens=max_new_tokens, **kwargs
+        )
 
 
 def _model_class(model_type: str):
@@ -60,7 +62,12 @@ def _payload(url: str) -> bytes:
 
 
 def _video_frames(data: bytes) -> np.ndarray:
-    return np.stack([np.array(frame.convert("RGB")) for frame in ImageSequence.Iterator(Image.open(io.BytesIO(data)))])
+    return np.stack(
+        [
+            np.array(frame.convert("RGB"))
+            for frame in ImageSequence.Iterator(Image.open(io.BytesIO(data)))
+        ]
+    )
 
 
 class _Media:
@@ -77,7 +84,9 @@ class _Media:
         if part["type"] == "video_url":
             self.videos.append(_video_frames(_payload(part["video_url"]["url"])))
             return [{"type": "video"}]
-        samples, _ = soundfile.read(io.BytesIO(base64.b64decode(part["input_audio"]["data"])), dtype="float32")
+        samples, _ = soundfile.read(
+            io.BytesIO(base64.b64decode(part["input_audio"]["data"])), dtype="float32"
+        )
         windows = split_windows(samples, self.window_samples) if self.window_samples else [samples]
         self.audio.extend(windows)
         return [{"type": "audio"}] * len(windows)
@@ -87,7 +96,9 @@ class _Media:
         if self.videos:
             # fps for the Omni processor, per-video metadata for Qwen2.5-VL's (which else assumes 24 fps)
             metadata = [{"total_num_frames": len(v), "fps": video_fps} for v in self.videos]
-            out.update(videos=self.videos, videos_kwargs={"fps": video_fps, "video_metadata": metadata})
+            out.update(
+                videos=self.videos, videos_kwargs={"fps": video_fps, "video_metadata": metadata}
+            )
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -97,7 +108,11 @@ def _to_hf(messages: list[dict], media: _Media) -> list[dict]:
         content = message["content"]
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else []
         for part in [] if isinstance(content, str) else content:
-            parts += [{"type": "text", "text": part["text"]}] if part["type"] == "text" else media.part(part)
+            parts += (
+                [{"type": "text", "text": part["text"]}]
+                if part["type"] == "text"
+                else media.part(part)
+            )
         hf.append({"role": message["role"], "content": parts})
     return hf
 
@@ -120,17 +135,29 @@ def reference_generate(
     hf = _to_hf(messages, media)
     text = processor.apply_chat_template(hf, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, return_tensors="pt", **media.kwargs(video_fps)).to(device)
-    inputs = inputs.to(dtype)  # floating inputs (pixels, features) in the model's dtype; ids stay integers
-    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
+    inputs = inputs.to(
+        dtype
+    )  # floating inputs (pixels, features) in the model's dtype; ids stay integers
+    out = model.generate(
+        **inputs, max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs
+    )
     new = out[0, inputs["input_ids"].shape[1] :].tolist()
     finish = "stop" if new[-1] == processor.tokenizer.eos_token_id else "length"
     return new, processor.tokenizer.decode(new, skip_special_tokens=True), finish
 
 
 @torch.inference_mode()
-def reference_generate_ids(checkpoint: str, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+def reference_generate_ids(
+    checkpoint: str, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs
+) -> list[int]:
     """New token ids `generate` gives after a raw prompt (no chat template): /v1/completions."""
     _, model = _load(checkpoint)
     ids = torch.tensor([prompt_ids])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        **generate_kwargs,
+    )
     return out[0, ids.shape[1] :].tolist()

@@ -17,7 +17,12 @@ from tests.integration.test_worker_failures import _requests_total, held, wait_u
 def tight(ray_session):
     # One request may wait for prefill at a time; prefill is 60x slower; 2 s to the first token. (At 30x
     # and 1 s, a short request's fixed costs on a busy 2-core CI host once took it past the limit.)
-    app = deploy(cluster_config(prefill={"slowdown": [60.0]}, limits={"max_waiting_tokens_per_prefill_worker": 1, "request_timeout_s": 2.0}))
+    app = deploy(
+        cluster_config(
+            prefill={"slowdown": [60.0]},
+            limits={"max_waiting_tokens_per_prefill_worker": 1, "request_timeout_s": 2.0},
+        )
+    )
     # A cold first forward, 60x slowed, can outlast the 2 s limit: warm every stage up first.
     for _ in range(2):
         app.chat([{"role": "user", "content": "warm up"}], temperature=0, max_tokens=4)
@@ -36,7 +41,9 @@ def test_a_burst_beyond_the_budget_gets_429_with_retry_after(tight):
                 "temperature": 0,
                 "max_tokens": 4,
             }
-            return await asyncio.gather(*[client.post("/v1/chat/completions", json=body) for _ in range(8)])
+            return await asyncio.gather(
+                *[client.post("/v1/chat/completions", json=body) for _ in range(8)]
+            )
 
     responses = asyncio.run(burst())
     codes = [r.status_code for r in responses]
@@ -44,14 +51,19 @@ def test_a_burst_beyond_the_budget_gets_429_with_retry_after(tight):
     for r in responses:
         if r.status_code == 429:
             assert int(r.headers["retry-after"]) >= 1
-            assert r.json()["error"]["type"] == "rate_limit_error" and "capacity" in r.json()["error"]["message"]
+            assert (
+                r.json()["error"]["type"] == "rate_limit_error"
+                and "capacity" in r.json()["error"]["message"]
+            )
     after = _requests_total(tight)
     assert after.get("429", 0) - before.get("429", 0) == codes.count(429)
     assert after.get("ok", 0) - before.get("ok", 0) == codes.count(200)
 
 
 def test_a_request_that_times_out_leaves_nothing_held(tight):
-    long_prompt = "tell me a long story " * 180  # its prefill, 60x slowed, takes about 4 s, twice the limit
+    long_prompt = (
+        "tell me a long story " * 180
+    )  # its prefill, 60x slowed, takes about 4 s, twice the limit
     r = tight.chat([{"role": "user", "content": long_prompt}], temperature=0, max_tokens=8)
     assert r.status_code == 504 and "timed out" in r.json()["error"]["message"], r.text
     assert not any(wait_until_idle(tight, within_s=20).values()), held(tight)

@@ -23,8 +23,15 @@ def _image_part(url: str) -> dict:
 def _huge_png_header(width: int, height: int) -> str:
     """A tiny PNG whose header declares a vast image (a decompression bomb's shape)."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    raw = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b"")
+    chunk = lambda kind, data: (
+        struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    )
+    raw = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
+    )
     return "data:image/png;base64," + base64.b64encode(raw).decode()
 
 
@@ -46,29 +53,72 @@ CASES = [
     ("malformed json", b'{"model": "tiny-llava", "messages": [', 400, "JSON", None),
     ("unknown model", {"model": "gpt-17"}, 404, "gpt-17", "model"),
     ("no content", {"messages": [{"role": "user"}]}, 400, "content", "messages[0]"),
-    ("empty content", {"messages": [{"role": "user", "content": []}]}, 400, "content", "messages[0]"),
+    (
+        "empty content",
+        {"messages": [{"role": "user", "content": []}]},
+        400,
+        "content",
+        "messages[0]",
+    ),
     (
         "not an image",
-        {"messages": _user(TEXT, _image_part("data:image/png;base64," + base64.b64encode(b"hello world").decode()))},
+        {
+            "messages": _user(
+                TEXT,
+                _image_part("data:image/png;base64," + base64.b64encode(b"hello world").decode()),
+            )
+        },
         400,
         "image",
         "messages[0].content[1]",
     ),
-    ("truncated image", {"messages": _user(_image_part(_truncated_png()))}, 400, "truncated", "messages[0].content[0]"),
-    ("decompression bomb", {"messages": _user(_image_part(_huge_png_header(100_000, 100_000)))}, 400, "pixels", "messages[0].content[0]"),
-    ("over pixel limit", {"messages": _user(_image_part(png_data_url(Image.new("RGB", (4100, 4000)))))}, 400, "limit", "messages[0].content[0]"),
+    (
+        "truncated image",
+        {"messages": _user(_image_part(_truncated_png()))},
+        400,
+        "truncated",
+        "messages[0].content[0]",
+    ),
+    (
+        "decompression bomb",
+        {"messages": _user(_image_part(_huge_png_header(100_000, 100_000)))},
+        400,
+        "pixels",
+        "messages[0].content[0]",
+    ),
+    (
+        "over pixel limit",
+        {"messages": _user(_image_part(png_data_url(Image.new("RGB", (4100, 4000)))))},
+        400,
+        "limit",
+        "messages[0].content[0]",
+    ),
     ("too many images", {"messages": _user(*[OK_IMAGE] * 5)}, 400, "limit is 4", "messages"),
-    ("remote url", {"messages": _user(_image_part("https://example.com/cat.png"))}, 400, "remote", "messages[0].content[0]"),
+    (
+        "remote url",
+        {"messages": _user(_image_part("https://example.com/cat.png"))},
+        400,
+        "remote",
+        "messages[0].content[0]",
+    ),
     (
         "audio to vision model",
-        {"messages": _user({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}})},
+        {
+            "messages": _user(
+                {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+            )
+        },
         400,
         "audio",
         "messages[0].content[0]",
     ),
     (
         "video to vision model",
-        {"messages": _user({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}})},
+        {
+            "messages": _user(
+                {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+            )
+        },
         400,
         "video",
         "messages[0].content[0]",
@@ -90,36 +140,75 @@ CASES = [
     ("max_tokens 1e12", {"max_tokens": 10**12}, 400, "context", "max_tokens"),
     ("100k-character stop", {"stop": "x" * 100_000}, 400, "256 characters", "stop[0]"),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tools"),
-    ("reserved token in text", {"messages": _user({"type": "text", "text": "look <image> here"})}, 400, "<image>", "messages"),
+    (
+        "reserved token in text",
+        {"messages": _user({"type": "text", "text": "look <image> here"})},
+        400,
+        "<image>",
+        "messages",
+    ),
     # Each of these was a plain-text 500 before: now a 400 in OpenAI's shape, naming the problem.
-    ("json nested 100,000 deep", b'{"model": "tiny-llava", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply", None),
+    (
+        "json nested 100,000 deep",
+        b'{"model": "tiny-llava", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        400,
+        "nested too deeply",
+        None,
+    ),
     (
         "max_tokens of 5,000 digits",
-        b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "max_tokens": ' + b"9" * 5000 + b"}",
+        b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "max_tokens": '
+        + b"9" * 5000
+        + b"}",
         400,
         "5000 digits",
         "max_tokens",
     ),
-    ("lone surrogate", b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, "surrogate", "messages[0].content"),
+    (
+        "lone surrogate",
+        b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        400,
+        "surrogate",
+        "messages[0].content",
+    ),
     ("temperature 1e-45", {"temperature": 1e-45, "seed": 1}, 400, "at least 0.01", "temperature"),
     ("temperature 1e-38", {"temperature": 1e-38, "seed": 1}, 400, "at least 0.01", "temperature"),
-    ("NaN", b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "not a JSON number", "temperature"),
+    (
+        "NaN",
+        b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        400,
+        "not a JSON number",
+        "temperature",
+    ),
     ("stream as a string", {"stream": "yes"}, 400, "boolean", "stream"),
     ("max_tokens as a string", {"max_tokens": "16"}, 400, "integer", "max_tokens"),
-    ("utf-16 body", '{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}]}'.encode("utf-16"), 400, "not UTF-8", None),
+    (
+        "utf-16 body",
+        '{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}]}'.encode("utf-16"),
+        400,
+        "not UTF-8",
+        None,
+    ),
 ]
 
 
 async def _post(client: httpx.AsyncClient, model: str, case):
     _, body, *_ = case
     if isinstance(body, bytes):
-        return await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        return await client.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
     full = {"model": model, "messages": _user(TEXT, OK_IMAGE), "max_tokens": 8, **body}
     return await client.post("/v1/chat/completions", json=full)
 
 
 async def _good(client: httpx.AsyncClient, model: str, seed: int):
-    body = {"model": model, "messages": _user(TEXT, _image_part(png_data_url(random_image(seed, 40, 40)))), "temperature": 0, "max_tokens": 16}
+    body = {
+        "model": model,
+        "messages": _user(TEXT, _image_part(png_data_url(random_image(seed, 40, 40)))),
+        "temperature": 0,
+        "max_tokens": 16,
+    }
     return await client.post("/v1/chat/completions", json=body)
 
 
@@ -153,11 +242,18 @@ def test_bad_input_is_rejected_and_harms_nothing_else(app):
 
 def test_oversized_body_is_413(app):
     limit = app.config.limits.max_request_bytes
-    r = app.http.post("/v1/chat/completions", content=b"x" * (limit + 1), headers={"content-type": "application/json"})
+    r = app.http.post(
+        "/v1/chat/completions",
+        content=b"x" * (limit + 1),
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0.8, "top_p": 0.9, "seed": 7}, {"temperature": 1.2, "top_k": 5, "seed": 11}])
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0.8, "top_p": 0.9, "seed": 7}, {"temperature": 1.2, "top_k": 5, "seed": 11}],
+)
 def test_seeded_sampling_is_reproducible(app, sampling):
     body = {"messages": _user(TEXT, OK_IMAGE), "max_tokens": 12, **sampling}
     first, second = (app.chat(**body).json() for _ in range(2))
@@ -165,7 +261,9 @@ def test_seeded_sampling_is_reproducible(app, sampling):
 
 
 def test_stop_string_ends_the_answer(app):
-    greedy = app.chat(_user(TEXT, OK_IMAGE), temperature=0, max_tokens=16).json()["choices"][0]["message"]["content"]
+    greedy = app.chat(_user(TEXT, OK_IMAGE), temperature=0, max_tokens=16).json()["choices"][0][
+        "message"
+    ]["content"]
     stop = greedy[len(greedy) // 2 : len(greedy) // 2 + 2]
     r = app.chat(_user(TEXT, OK_IMAGE), temperature=0, max_tokens=16, stop=[stop]).json()
     assert r["choices"][0]["message"]["content"] == greedy[: greedy.find(stop)]

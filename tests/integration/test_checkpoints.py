@@ -21,7 +21,9 @@ REPO_ID = "epd-test/tiny-llava"
 
 def test_published_omni_layout_serves_its_thinker_token_exact(ray_session):
     app = deploy(app_config("qwen2_5_omni"))
-    check_token_exact(app, OMNI_REQUESTS, copies=1)  # 6 requests in flight; the thinker path itself is tested at length on tiny-omni
+    check_token_exact(
+        app, OMNI_REQUESTS, copies=1
+    )  # 6 requests in flight; the thinker path itself is tested at length on tiny-omni
     workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]["encoder"]
     assert all(w["num_batches"] > 0 for w in workers), workers
 
@@ -32,7 +34,13 @@ def _answers(app, requests) -> list[tuple[str, int, str]]:
         response = app.chat(messages, temperature=0, max_tokens=MAX_TOKENS)
         assert response.status_code == 200, response.text
         body = response.json()
-        out.append((body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]))
+        out.append(
+            (
+                body["choices"][0]["message"]["content"],
+                body["usage"]["completion_tokens"],
+                body["choices"][0]["finish_reason"],
+            )
+        )
     return out
 
 
@@ -43,14 +51,24 @@ def _check(app, requests, dtype=torch.float32) -> None:
     assert _answers(app, requests) == [(text, len(ids), finish) for ids, text, finish in want]
 
 
-def test_hub_repo_id_served_offline_from_a_filled_cache_in_bfloat16(ray_session, tmp_path, monkeypatch):
+def test_hub_repo_id_served_offline_from_a_filled_cache_in_bfloat16(
+    ray_session, tmp_path, monkeypatch
+):
     """One deploy for two things: the repo id path, and bfloat16 on CPU against `generate` in
     bfloat16 (single requests)."""
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # this process; the workers read a pinned commit from the cache
+    monkeypatch.setattr(
+        constants, "HF_HUB_OFFLINE", True
+    )  # this process; the workers read a pinned commit from the cache
     snapshot = fill_hf_cache(tmp_path / "hub", REPO_ID, cluster_config().model.checkpoint_path)
     config = ensure_model(
         cluster_config(
-            model={"checkpoint": REPO_ID, "hub_cache_dir": str(tmp_path / "hub"), "builtin": None, "served_name": REPO_ID, "dtype": "bfloat16"}
+            model={
+                "checkpoint": REPO_ID,
+                "hub_cache_dir": str(tmp_path / "hub"),
+                "builtin": None,
+                "served_name": REPO_ID,
+                "dtype": "bfloat16",
+            }
         )
     )
     assert config.model.revision == snapshot.name
@@ -58,6 +76,8 @@ def test_hub_repo_id_served_offline_from_a_filled_cache_in_bfloat16(ray_session,
     assert app.http.get("/v1/models").json()["data"][0]["root"] == str(snapshot)
     requests = [varied_requests()[i] for i in (0, 4)]  # text only; two images
     in_float32 = [reference_generate(str(snapshot), m, MAX_TOKENS)[0] for m in requests]
-    in_bfloat16 = [reference_generate(str(snapshot), m, MAX_TOKENS, dtype=torch.bfloat16)[0] for m in requests]
+    in_bfloat16 = [
+        reference_generate(str(snapshot), m, MAX_TOKENS, dtype=torch.bfloat16)[0] for m in requests
+    ]
     assert in_float32 != in_bfloat16  # else float32 workers would pass too
     _check(app, requests, dtype=torch.bfloat16)

@@ -21,7 +21,9 @@ from tests.integration.conftest import TEST_PORT, TRACE_PATH, deploy, png_data_u
 HELD_OUT_SEED = 20261123  # the training stream uses the recipe's data_seed, never this
 NUM_QUESTIONS = 64
 MIN_ACCURACY = 0.90
-MIN_PER_KIND = 0.75  # no kind of question hides behind the others (chance: 1/7 colour, 1/4 shape, 1/2 side)
+MIN_PER_KIND = (
+    0.75  # no kind of question hides behind the others (chance: 1/7 colour, 1/4 shape, 1/2 side)
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,9 @@ async def _ask_all(app, held_out: list[scenes.Sample]) -> list[str]:
                     "model": app.config.model.served_name,
                     "temperature": 0,
                     "max_tokens": 8,
-                    "messages": s.messages({"type": "image_url", "image_url": {"url": png_data_url(s.image)}}),
+                    "messages": s.messages(
+                        {"type": "image_url", "image_url": {"url": png_data_url(s.image)}}
+                    ),
                 },
             )
             for s in held_out
@@ -53,7 +57,9 @@ async def _ask_all(app, held_out: list[scenes.Sample]) -> list[str]:
 def test_default_model_answers_held_out_questions(default_app):
     recipe = SHAPES_RECIPES[default_app.config.model.builtin]  # the default is a trained built-in
     held_out = scenes.samples(HELD_OUT_SEED, NUM_QUESTIONS, asks=recipe.asks)
-    assert {s.ask for s in held_out} == set(recipe.asks), "every kind of question it was taught is asked"
+    assert {s.ask for s in held_out} == set(recipe.asks), (
+        "every kind of question it was taught is asked"
+    )
     answers = asyncio.run(_ask_all(default_app, held_out))
     right, asked = Counter(), Counter()
     for sample, answer in zip(held_out, answers):
@@ -64,4 +70,6 @@ def test_default_model_answers_held_out_questions(default_app):
     wrong = [(s.question, s.answer, a) for s, a in zip(held_out, answers) if a.strip() != s.answer]
     print(f"default model over HTTP: accuracy {accuracy:.3f} ({by_kind})")  # shown with -rA
     assert accuracy >= MIN_ACCURACY, f"accuracy {accuracy:.2f} ({by_kind}); wrong: {wrong[:10]}"
-    assert all(right[a] >= MIN_PER_KIND * asked[a] for a in asked), f"{by_kind}; wrong: {wrong[:10]}"
+    assert all(right[a] >= MIN_PER_KIND * asked[a] for a in asked), (
+        f"{by_kind}; wrong: {wrong[:10]}"
+    )

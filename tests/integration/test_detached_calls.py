@@ -41,7 +41,9 @@ def _actors():
 
         async def request(self, name: str, how: str) -> None:
             submit = detached if how == "detached" else (lambda f, *a: f(*a))
-            kv = detached(self.producer.slow.remote)  # not cancelled either way: the test is about the consumer
+            kv = detached(
+                self.producer.slow.remote
+            )  # not cancelled either way: the test is about the consumer
             self.refs.append(submit(self.consumer.take.remote, name, kv))
             await asyncio.sleep(3600)  # the client leaves while this waits
 
@@ -63,5 +65,7 @@ def test_a_detached_call_outlives_the_cancelled_request_that_made_it(ray_session
     deadline = time.monotonic() + 10
     while "detached" not in ray.get(consumer.calls.remote()) and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(0.7)  # the child's argument is ready by now: had it not been cancelled, it would have run
+    time.sleep(
+        0.7
+    )  # the child's argument is ready by now: had it not been cancelled, it would have run
     assert ray.get(consumer.calls.remote()) == ["detached"]

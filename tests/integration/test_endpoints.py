@@ -13,7 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.integration.conftest import png_data_url, random_image
 
 IMAGE = {"type": "image_url", "image_url": {"url": png_data_url(random_image(21, 48, 48))}}
-MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "What is in"}, IMAGE, {"type": "text", "text": "?"}]}]
+MESSAGES = [
+    {
+        "role": "user",
+        "content": [{"type": "text", "text": "What is in"}, IMAGE, {"type": "text", "text": "?"}],
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +27,18 @@ def client(app) -> openai.OpenAI:
 
 
 def test_openai_client_whole_and_streamed(app, client):
-    whole = client.chat.completions.create(model=app.config.model.served_name, messages=MESSAGES, temperature=0, max_tokens=10)
-    assert whole.object == "chat.completion" and whole.choices[0].finish_reason in ("stop", "length")
-    assert whole.usage.prompt_tokens > 16 and whole.usage.completion_tokens == 10 or whole.choices[0].finish_reason == "stop"
+    whole = client.chat.completions.create(
+        model=app.config.model.served_name, messages=MESSAGES, temperature=0, max_tokens=10
+    )
+    assert whole.object == "chat.completion" and whole.choices[0].finish_reason in (
+        "stop",
+        "length",
+    )
+    assert (
+        whole.usage.prompt_tokens > 16
+        and whole.usage.completion_tokens == 10
+        or whole.choices[0].finish_reason == "stop"
+    )
     chunks = list(
         client.chat.completions.create(
             model=app.config.model.served_name,
@@ -45,21 +59,39 @@ def test_openai_client_whole_and_streamed(app, client):
 def test_models_lists_the_checkpoint(app, client):
     models = client.models.list().data
     assert [m.id for m in models] == [app.config.model.served_name]
-    assert app.http.get("/v1/models").json()["data"][0]["root"] == str(app.config.model.checkpoint_path)
+    assert app.http.get("/v1/models").json()["data"][0]["root"] == str(
+        app.config.model.checkpoint_path
+    )
 
 
 def _scrape(app) -> dict:
     """Every epd sample by (name, labels other than model_name); each names the served model."""
-    families = [f for f in text_string_to_metric_families(app.http.get("/metrics").text) if f.name.startswith("epd:")]
+    families = [
+        f
+        for f in text_string_to_metric_families(app.http.get("/metrics").text)
+        if f.name.startswith("epd:")
+    ]
     samples = [s for f in families for s in f.samples]
     assert samples and all(s.labels["model_name"] == app.config.model.served_name for s in samples)
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value for s in samples}
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for s in samples
+    }
 
 
 def test_metrics_scrape(app):
     before = _scrape(app)
-    fresh = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(random_image(77, 30, 30))}}]}]
-    assert app.chat(fresh, temperature=0, max_tokens=6).status_code == 200  # a new image: no cache hit
+    fresh = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": png_data_url(random_image(77, 30, 30))}}
+            ],
+        }
+    ]
+    assert (
+        app.chat(fresh, temperature=0, max_tokens=6).status_code == 200
+    )  # a new image: no cache hit
     assert app.chat([{"role": "user", "content": "x"}], temperature=9).status_code == 400
     after = _scrape(app)
     grew = lambda key: after.get(key, 0) - before.get(key, 0)
@@ -79,26 +111,39 @@ def test_metrics_scrape(app):
     assert grew(("epd:request_generation_tokens_sum", ())) == 6
     assert grew(("epd:generation_tokens_total", ())) == 6
     assert grew(("epd:prompt_tokens_total", ())) == grew(("epd:request_prompt_tokens_sum", ())) > 16
-    assert grew(("epd:mm_cache_queries_total", ())) == 1 and grew(("epd:mm_cache_hits_total", ())) == 0
+    assert (
+        grew(("epd:mm_cache_queries_total", ())) == 1 and grew(("epd:mm_cache_hits_total", ())) == 0
+    )
     for stage in ("encode", "prefill", "prefill_item_wait", "decode_step"):
         assert grew(("epd:stage_latency_seconds_count", (("stage", stage),))) >= 1, stage
     assert grew(("epd:encoder_batch_size_count", ())) == 1
     for kind in ("encoder", "prefill", "decode"):
         assert after[("epd:queue_depth", (("kind", kind),))] == 0
     assert after[("epd:num_requests_running", ())] == after[("epd:num_requests_waiting", ())] == 0
-    top = max(float(dict(k[1])["le"]) for k in after if k[0] == "epd:time_to_first_token_seconds_bucket" and dict(k[1])["le"] != "+Inf")
+    top = max(
+        float(dict(k[1])["le"])
+        for k in after
+        if k[0] == "epd:time_to_first_token_seconds_bucket" and dict(k[1])["le"] != "+Inf"
+    )
     assert top == app.config.limits.request_timeout_s  # buckets reach the timeout, no further
 
 
 def test_metrics_answer_a_head_probe(app):
     """Benchmark clients (AIPerf) look for /metrics with HEAD before they scrape it."""
     r = app.http.head("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain") and r.content == b""
+    assert (
+        r.status_code == 200
+        and r.headers["content-type"].startswith("text/plain")
+        and r.content == b""
+    )
 
 
 def test_health(app):
     body = app.http.get("/health").json()
-    assert body["status"] == "ok" and body["healthy_workers"]["encoder"] == app.config.encoder.num_workers
+    assert (
+        body["status"] == "ok"
+        and body["healthy_workers"]["encoder"] == app.config.encoder.num_workers
+    )
 
 
 def test_dead_worker_is_replaced_and_service_resumes(app):
@@ -129,12 +174,21 @@ def test_repeated_image_hits_the_encoder_cache(app):
     image = {"type": "image_url", "image_url": {"url": png_data_url(random_image(404, 36, 36))}}
     messages = [{"role": "user", "content": [image, {"type": "text", "text": "again"}]}]
     before = _scrape(app)
-    answers = [app.chat(messages, temperature=0, max_tokens=8).json()["choices"][0]["message"]["content"] for _ in range(3)]
+    answers = [
+        app.chat(messages, temperature=0, max_tokens=8).json()["choices"][0]["message"]["content"]
+        for _ in range(3)
+    ]
     after = _scrape(app)
     hits = after[("epd:mm_cache_hits_total", ())] - before.get(("epd:mm_cache_hits_total", ()), 0)
-    misses = after[("epd:mm_cache_queries_total", ())] - before.get(("epd:mm_cache_queries_total", ()), 0) - hits
+    misses = (
+        after[("epd:mm_cache_queries_total", ())]
+        - before.get(("epd:mm_cache_queries_total", ()), 0)
+        - hits
+    )
     assert len(set(answers)) == 1
-    assert misses >= 1 and hits >= 1 and hits + misses == 3  # two encoders: the least-loaded pick may alternate
+    assert (
+        misses >= 1 and hits >= 1 and hits + misses == 3
+    )  # two encoders: the least-loaded pick may alternate
 
 
 def test_estimated_ttft_is_reported_and_requests_are_traced(app):
@@ -142,7 +196,11 @@ def test_estimated_ttft_is_reported_and_requests_are_traced(app):
     from tests.integration.conftest import TRACE_PATH
 
     image = {"type": "image_url", "image_url": {"url": png_data_url(random_image(505, 40, 40))}}
-    body = app.chat([{"role": "user", "content": [image, {"type": "text", "text": "trace me"}]}], temperature=0, max_tokens=4).json()
+    body = app.chat(
+        [{"role": "user", "content": [image, {"type": "text", "text": "trace me"}]}],
+        temperature=0,
+        max_tokens=4,
+    ).json()
     timings = body["timings"]
     assert timings["estimated_ttft_ms"] > 0 and timings["ttft_ms"] > 0
     assert _scrape(app)[("epd:estimated_ttft_seconds_count", ())] >= 1
@@ -155,6 +213,14 @@ def test_estimated_ttft_is_reported_and_requests_are_traced(app):
     assert last.items and last.items[0].modality == "image" and last.items[0].num_embeddings == 16
     assert last.num_prompt_tokens == body["usage"]["prompt_tokens"]
     record = json.loads(TRACE_PATH.read_text().splitlines()[-1])  # the estimate's parts, per stage
-    assert set(record["estimate_ms"]) == {"encoder_queue_ms", "encode_ms", "transfer_ms", "prefill_queue_ms", "prefill_ms"}
-    assert sum(record["estimate_ms"].values()) == pytest.approx(record["estimated_ttft_ms"], abs=0.01)
+    assert set(record["estimate_ms"]) == {
+        "encoder_queue_ms",
+        "encode_ms",
+        "transfer_ms",
+        "prefill_queue_ms",
+        "prefill_ms",
+    }
+    assert sum(record["estimate_ms"].values()) == pytest.approx(
+        record["estimated_ttft_ms"], abs=0.01
+    )
     assert record["estimate_ms"]["encode_ms"] > 0 and record["estimate_ms"]["prefill_ms"] > 0

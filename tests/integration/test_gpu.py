@@ -20,7 +20,10 @@ pytestmark = pytest.mark.gpu
 def _check_against_generate(config) -> None:
     app = deploy(config)
     requests = varied_requests()
-    refs = [reference_generate(str(config.model.checkpoint_path), m, MAX_TOKENS, device="cuda") for m in requests]
+    refs = [
+        reference_generate(str(config.model.checkpoint_path), m, MAX_TOKENS, device="cuda")
+        for m in requests
+    ]
     got = asyncio.run(_send_all(app, requests, copies=3))
     for i, response in enumerate(got):
         ids, text, finish = refs[i % len(refs)]
@@ -32,14 +35,29 @@ def _check_against_generate(config) -> None:
 def test_workers_sharing_a_gpu_equal_generate(ray_session, transport):
     gpu = {"num_gpus": 0.25}
     _check_against_generate(
-        cluster_config(model={"device": "cuda"}, encoder=gpu, prefill=gpu, decode=gpu, transport={"embeddings": transport, "kv": transport})
+        cluster_config(
+            model={"device": "cuda"},
+            encoder=gpu,
+            prefill=gpu,
+            decode=gpu,
+            transport={"embeddings": transport, "kv": transport},
+        )
     )
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="nccl needs a GPU per worker: 3 here (one encoder, prefill, decode)")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 3,
+    reason="nccl needs a GPU per worker: 3 here (one encoder, prefill, decode)",
+)
 def test_nccl_between_gpus_equals_generate(ray_session):
     gpu = {"num_gpus": 1}
     encoder = {**gpu, "num_workers": 1}
     _check_against_generate(
-        cluster_config(model={"device": "cuda"}, encoder=encoder, prefill=gpu, decode=gpu, transport={"embeddings": "nccl", "kv": "nccl"})
+        cluster_config(
+            model={"device": "cuda"},
+            encoder=encoder,
+            prefill=gpu,
+            decode=gpu,
+            transport={"embeddings": "nccl", "kv": "nccl"},
+        )
     )

@@ -56,21 +56,31 @@ async def _ask(client: httpx.AsyncClient, model: str, seed: int) -> tuple[int, s
         r = await client.post("/v1/chat/completions", json=body)
     except httpx.HTTPError as exc:  # the connection died with the replica
         return 0, repr(exc)
-    return r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+    return r.status_code, r.json()["choices"][0]["message"][
+        "content"
+    ] if r.status_code == 200 else r.text
 
 
 def test_both_replicas_serve_exact_answers(pair):
-    checkpoint, model, seeds = str(pair.config.model.checkpoint_path), pair.config.model.served_name, range(900, 916)
+    checkpoint, model, seeds = (
+        str(pair.config.model.checkpoint_path),
+        pair.config.model.served_name,
+        range(900, 916),
+    )
 
     async def all_at_once():
         async with httpx.AsyncClient(base_url=pair.root, timeout=120) as client:
             return await asyncio.gather(*[_ask(client, model, s) for s in seeds])
 
     results = asyncio.run(all_at_once())
-    assert [text for _, text in results] == [reference_generate(checkpoint, _messages(s), MAX_TOKENS)[1] for s in seeds]
+    assert [text for _, text in results] == [
+        reference_generate(checkpoint, _messages(s), MAX_TOKENS)[1] for s in seeds
+    ]
     replicas = _replicas(pair)
     assert all(r["served_ok"] > 0 for r in replicas.values()), replicas  # both took part
-    assert len({str(_verbose(pair)["fleet"]) for _ in range(6)}) == 1  # one fleet, seen alike from both
+    assert (
+        len({str(_verbose(pair)["fleet"]) for _ in range(6)}) == 1
+    )  # one fleet, seen alike from both
 
 
 def _scrape(app) -> dict[str, float]:
@@ -79,8 +89,14 @@ def _scrape(app) -> dict[str, float]:
     assert r.status_code == 200
     samples = [s for f in text_string_to_metric_families(r.text) for s in f.samples]
     found = {s.labels["status"]: s.value for s in samples if s.name == "epd:requests_total"}
-    found["e2e_count"] = sum(s.value for s in samples if s.name == "epd:e2e_request_latency_seconds_count")
-    found["in_progress"] = sum(s.value for s in samples if s.name in ("epd:num_requests_running", "epd:num_requests_waiting"))
+    found["e2e_count"] = sum(
+        s.value for s in samples if s.name == "epd:e2e_request_latency_seconds_count"
+    )
+    found["in_progress"] = sum(
+        s.value
+        for s in samples
+        if s.name in ("epd:num_requests_running", "epd:num_requests_waiting")
+    )
     return found
 
 
@@ -94,19 +110,26 @@ def test_metrics_on_either_replica_count_both(pair):
     before = _settled_scrapes(pair)
     assert all(s == before[0] for s in before), before
     own = _replicas(pair)
-    assert before[0].get("ok", 0) == sum(r["served_ok"] for r in own.values())  # each replica's own count, added
+    assert before[0].get("ok", 0) == sum(
+        r["served_ok"] for r in own.values()
+    )  # each replica's own count, added
     model, seeds, num_bad = pair.config.model.served_name, range(1100, 1112), 3
 
     async def send():
         async with httpx.AsyncClient(base_url=pair.root, timeout=120) as client:
             ok = await asyncio.gather(*[_ask(client, model, s) for s in seeds])
-            bad = [await client.post("/v1/chat/completions", json={"model": "nope", "messages": []}) for _ in range(num_bad)]
+            bad = [
+                await client.post("/v1/chat/completions", json={"model": "nope", "messages": []})
+                for _ in range(num_bad)
+            ]
             return ok, bad
 
     ok, bad = asyncio.run(send())
     [bad_status] = {str(r.status_code) for r in bad}
     assert [status for status, _ in ok] == [200] * len(seeds) and bad_status.startswith("4")
-    assert all(r["served_ok"] > own[pid]["served_ok"] for pid, r in _replicas(pair).items()), own  # both served some
+    assert all(r["served_ok"] > own[pid]["served_ok"] for pid, r in _replicas(pair).items()), (
+        own
+    )  # both served some
     for scrape in _settled_scrapes(pair):
         assert scrape.get("ok", 0) - before[0].get("ok", 0) == len(seeds), scrape
         assert scrape.get(bad_status, 0) - before[0].get(bad_status, 0) == num_bad, scrape
@@ -118,16 +141,25 @@ def _serve_replica_actors() -> dict[int, object]:
     names = [
         a["name"]
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == "serve" and "Ingress" in a["name"] and a["name"].startswith("SERVE_REPLICA")
+        if a["namespace"] == "serve"
+        and "Ingress" in a["name"]
+        and a["name"].startswith("SERVE_REPLICA")
     ]
     handles = [ray.get_actor(n, namespace="serve") for n in names]
-    return {ray.get(h.__ray_call__.remote(lambda self: os.getpid()), timeout=10): h for h in handles}
+    return {
+        ray.get(h.__ray_call__.remote(lambda self: os.getpid()), timeout=10): h for h in handles
+    }
 
 
 def test_killing_one_replica_rebuilds_nothing_and_loses_nothing_new(pair):
     model, seeds = pair.config.model.served_name, list(range(1000, 1020))
     before = _verbose(pair)["fleet"]
-    expected = {s: pair.chat(_messages(s), temperature=0, max_tokens=MAX_TOKENS).json()["choices"][0]["message"]["content"] for s in seeds}
+    expected = {
+        s: pair.chat(_messages(s), temperature=0, max_tokens=MAX_TOKENS).json()["choices"][0][
+            "message"
+        ]["content"]
+        for s in seeds
+    }
     counted = _settled_scrapes(pair, num_scrapes=2)[-1]["ok"]
     victim_pid, victim = next(iter(_serve_replica_actors().items()))
 
@@ -135,13 +167,21 @@ def test_killing_one_replica_rebuilds_nothing_and_loses_nothing_new(pair):
         async with httpx.AsyncClient(base_url=pair.root, timeout=120) as client:
             in_flight = [asyncio.create_task(_ask(client, model, s)) for s in seeds]
             await asyncio.sleep(0.5)
-            shown = max(_scrape(pair).get("ok", 0) for _ in range(4))  # some land on the victim, with counts it has not pushed
+            shown = max(
+                _scrape(pair).get("ok", 0) for _ in range(4)
+            )  # some land on the victim, with counts it has not pushed
             ray.kill(victim, no_restart=False)
             killed_at = time.monotonic()
             after = [await _ask(client, model, seeds[0])]  # new requests, one after another
             first_s = time.monotonic() - killed_at
             after += [await _ask(client, model, s) for s in seeds[1:6]]
-            return await asyncio.gather(*in_flight), after, first_s, time.monotonic() - killed_at, shown
+            return (
+                await asyncio.gather(*in_flight),
+                after,
+                first_s,
+                time.monotonic() - killed_at,
+                shown,
+            )
 
     results, after, first_s, all_s, shown = asyncio.run(under_fire())
     lost = [s for s, (status, _) in zip(seeds, results) if status != 200]
@@ -151,14 +191,18 @@ def test_killing_one_replica_rebuilds_nothing_and_loses_nothing_new(pair):
     )
     assert len(lost) < len(seeds), "no request survived on the other replica"
     assert all(text == expected[s] for s, (status, text) in zip(seeds, results) if status == 200)
-    assert [(status, text) for status, text in after] == [(200, expected[s]) for s in seeds[:6]]  # none lost, at once
+    assert [(status, text) for status, text in after] == [
+        (200, expected[s]) for s in seeds[:6]
+    ]  # none lost, at once
     assert _verbose(pair)["fleet"] == before  # no worker rebuilt, no generation bumped
     assert not any(wait_until_idle(pair, within_s=10).values()), held(pair)
     replicas = _replicas(pair, within_s=90)  # Serve brought the killed one back, on the same fleet
     assert victim_pid not in replicas
     assert _verbose(pair)["fleet"] == before
     survived = sum(status == 200 for status, _ in results)
-    for scrape in _settled_scrapes(pair, num_scrapes=4):  # the dead replica's counts stayed (retired), all a scrape showed
+    for scrape in _settled_scrapes(
+        pair, num_scrapes=4
+    ):  # the dead replica's counts stayed (retired), all a scrape showed
         assert scrape["ok"] >= max(counted, shown) + len(after), (counted, shown, survived, scrape)
         assert scrape["in_progress"] == 0, scrape  # the dead replica's gauges went with it
 
@@ -167,7 +211,9 @@ def test_a_redeploy_with_another_config_gets_its_own_fleet(pair):
     assert controller.running("epd") == [controller.controller_name("epd", pair.config)]
     old_ids = _verbose(pair)["fleet"]["actor_ids"]
     other = deploy(cluster_config())  # the default config: the modules after this one reuse it
-    assert controller.running("epd") == [controller.controller_name("epd", other.config)]  # the old one retired
+    assert controller.running("epd") == [
+        controller.controller_name("epd", other.config)
+    ]  # the old one retired
     new_ids = _verbose(other)["fleet"]["actor_ids"]
     assert all(set(new_ids[kind]).isdisjoint(old_ids[kind]) for kind in old_ids), (old_ids, new_ids)
     assert other.chat(_messages(1), temperature=0, max_tokens=4).status_code == 200

@@ -46,9 +46,14 @@ def audio(seconds: float, hz: float, seed: int = 0) -> dict:
 
 def gif_url(num_frames: int, width: int, height: int, seed: int, frame_ms: int = 500) -> str:
     rng = np.random.default_rng(seed)
-    frames = [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)) for _ in range(num_frames)]
+    frames = [
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+        for _ in range(num_frames)
+    ]
     buf = io.BytesIO()
-    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=frame_ms, loop=0)
+    frames[0].save(
+        buf, format="GIF", save_all=True, append_images=frames[1:], duration=frame_ms, loop=0
+    )
     return "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
@@ -57,7 +62,10 @@ def video(num_frames: int, width: int, height: int, seed: int) -> dict:
 
 
 def image(seed: int, width: int, height: int) -> dict:
-    return {"type": "image_url", "image_url": {"url": png_data_url(random_image(seed, width, height))}}
+    return {
+        "type": "image_url",
+        "image_url": {"url": png_data_url(random_image(seed, width, height))},
+    }
 
 
 def text(t: str) -> dict:
@@ -71,7 +79,9 @@ def user(*parts) -> list[dict]:
 OMNI_REQUESTS = [
     user(audio(1.5, 440, 1), text("What do you hear?")),  # audio only
     user(text("Watch:"), video(4, 40, 56, 2)),  # video only
-    user(text("See"), image(3, 50, 40), text("and hear"), audio(2.0, 880, 3), text("now.")),  # interleaved
+    user(
+        text("See"), image(3, 50, 40), text("and hear"), audio(2.0, 880, 3), text("now.")
+    ),  # interleaved
     user(video(4, 30, 30, 4), text("versus"), video(6, 56, 40, 5)),  # two videos
     user(text("Long clip:"), audio(9.0, 330, 6)),  # longer than one window
     [{"role": "user", "content": "Just text, no media at all."}],
@@ -86,14 +96,23 @@ AUDIO_REQUESTS = [
 
 async def send_all(app, requests: list[list[dict]], copies: int) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=app.root, timeout=300) as client:
-        body = lambda msgs: {"model": app.config.model.served_name, "messages": msgs, "temperature": 0, "max_tokens": MAX_TOKENS}
-        return await asyncio.gather(*[client.post("/v1/chat/completions", json=body(m)) for m in requests * copies])
+        body = lambda msgs: {
+            "model": app.config.model.served_name,
+            "messages": msgs,
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+        }
+        return await asyncio.gather(
+            *[client.post("/v1/chat/completions", json=body(m)) for m in requests * copies]
+        )
 
 
 def check_token_exact(app, requests: list[list[dict]], copies: int = 3) -> None:
     checkpoint = str(app.config.model.checkpoint_path)
     want = [reference_generate(checkpoint, m, MAX_TOKENS) for m in requests]
-    assert len({text for _, text, _ in want}) == len(want), "the cases should give different answers"
+    assert len({text for _, text, _ in want}) == len(want), (
+        "the cases should give different answers"
+    )
     for i, response in enumerate(asyncio.run(send_all(app, requests, copies))):
         assert response.status_code == 200, response.text
         ids, text_, finish = want[i % len(requests)]
@@ -124,17 +143,24 @@ def omni(ray_session):
 def test_omni_equals_generate_with_mixed_requests_in_flight(omni):
     check_token_exact(omni, OMNI_REQUESTS)
     workers = omni.http.get("/health", params={"verbose": 1}).json()["workers"]["encoder"]
-    assert len(workers) == 2 and all(w["num_batches"] > 0 for w in workers), workers  # vision and audio pools both worked
+    assert len(workers) == 2 and all(w["num_batches"] > 0 for w in workers), (
+        workers
+    )  # vision and audio pools both worked
     assert max(w["max_batch"] for w in workers) > 1, workers
 
 
 def _audio_bytes(data: bytes, fmt: str = "wav") -> dict:
-    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+    return {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt},
+    }
 
 
 def _pcm_wav(seconds: float, rate: int = 8000) -> bytes:
     buf = io.BytesIO()
-    soundfile.write(buf, np.zeros(int(seconds * rate), np.int16), rate, format="WAV", subtype="PCM_16")
+    soundfile.write(
+        buf, np.zeros(int(seconds * rate), np.int16), rate, format="WAV", subtype="PCM_16"
+    )
     return buf.getvalue()
 
 
@@ -142,22 +168,41 @@ def _pcm_wav(seconds: float, rate: int = 8000) -> bytes:
 _GIF_BOMB = (
     b"GIF89a\xa0\x0f\xa0\x0f\x80\x00\x00"
     + b"\x00\x00\x00\xff\xff\xff"
-    + b"\x21\xf9\x04\x00\xe8\x03\x00\x00\x2c\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02\x44\x01\x00" * 2
+    + b"\x21\xf9\x04\x00\xe8\x03\x00\x00\x2c\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02\x44\x01\x00"
+    * 2
     + b"\x3b"
 )
 
 # (name, content parts, words the message must contain, param prefix)
 BAD_MEDIA = [
-    ("audio that does not decode", [_audio_bytes(b"RIFF....WAVEfmt nonsense" * 10)], "decode", "messages[0].content[0]"),
-    ("unsupported audio format", [_audio_bytes(_pcm_wav(1.0), "aac")], "aac", "messages[0].content[0]"),
+    (
+        "audio that does not decode",
+        [_audio_bytes(b"RIFF....WAVEfmt nonsense" * 10)],
+        "decode",
+        "messages[0].content[0]",
+    ),
+    (
+        "unsupported audio format",
+        [_audio_bytes(_pcm_wav(1.0), "aac")],
+        "aac",
+        "messages[0].content[0]",
+    ),
     ("zero-length audio", [_audio_bytes(_pcm_wav(0.0))], "no samples", "messages[0].content[0]"),
-    ("audio over the duration limit", [_audio_bytes(_pcm_wav(601.0))], "600", "messages[0].content[0]"),
+    (
+        "audio over the duration limit",
+        [_audio_bytes(_pcm_wav(601.0))],
+        "600",
+        "messages[0].content[0]",
+    ),
     (
         "video that does not decode",
         [
             {
                 "type": "video_url",
-                "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(b"\x00\x00\x00\x18ftypmp42" + b"junk" * 50).decode()},
+                "video_url": {
+                    "url": "data:video/mp4;base64,"
+                    + base64.b64encode(b"\x00\x00\x00\x18ftypmp42" + b"junk" * 50).decode()
+                },
             }
         ],
         "video",
@@ -171,13 +216,28 @@ BAD_MEDIA = [
     ),
     (
         "gif of zero size",
-        [{"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(b"GIF89a" + b"\x00" * 20).decode()}}],
+        [
+            {
+                "type": "video_url",
+                "video_url": {
+                    "url": "data:image/gif;base64,"
+                    + base64.b64encode(b"GIF89a" + b"\x00" * 20).decode()
+                },
+            }
+        ],
         "zero size",
         "messages[0].content[0]",
     ),
     (
         "gif declaring a vast canvas",
-        [{"type": "video_url", "video_url": {"url": "data:image/gif;base64," + base64.b64encode(_GIF_BOMB).decode()}}],
+        [
+            {
+                "type": "video_url",
+                "video_url": {
+                    "url": "data:image/gif;base64," + base64.b64encode(_GIF_BOMB).decode()
+                },
+            }
+        ],
         "max_video_pixels",
         "messages[0].content[0]",
     ),
@@ -186,10 +246,18 @@ BAD_MEDIA = [
 
 async def _bad_and_good(app) -> tuple[list[httpx.Response], list[httpx.Response]]:
     model = app.config.model.served_name
-    good = lambda i: {"model": model, "messages": OMNI_REQUESTS[i % len(OMNI_REQUESTS)], "temperature": 0, "max_tokens": 8}
+    good = lambda i: {
+        "model": model,
+        "messages": OMNI_REQUESTS[i % len(OMNI_REQUESTS)],
+        "temperature": 0,
+        "max_tokens": 8,
+    }
     async with httpx.AsyncClient(base_url=app.root, timeout=300) as client:
         calls = [client.post("/v1/chat/completions", json=good(i)) for i in range(4)]
-        calls += [client.post("/v1/chat/completions", json={"model": model, "messages": user(*parts)}) for _, parts, _, _ in BAD_MEDIA]
+        calls += [
+            client.post("/v1/chat/completions", json={"model": model, "messages": user(*parts)})
+            for _, parts, _, _ in BAD_MEDIA
+        ]
         calls += [client.post("/v1/chat/completions", json=good(i)) for i in range(4)]
         results = await asyncio.gather(*calls)
     return results[4:-4], results[:4] + results[-4:]
@@ -217,18 +285,34 @@ def test_long_video_encoding_does_not_hold_up_text(ray_session):
     """The vision encoder is slowed 30x: while a video encodes, text-only requests (and the
     audio pool) go on; every text answer is complete before the video's first token."""
     config = app_config("omni")
-    pools = [dict(pool, slowdown=[30.0]) if "video" in pool["modalities"] else pool for pool in config.model_dump(mode="json")["encoder"]]
+    pools = [
+        dict(pool, slowdown=[30.0]) if "video" in pool["modalities"] else pool
+        for pool in config.model_dump(mode="json")["encoder"]
+    ]
     app = deploy(config.replace(encoder=pools))
 
     async def run():
         async with httpx.AsyncClient(base_url=app.root, timeout=300) as client:
-            body = lambda msgs: {"model": app.config.model.served_name, "messages": msgs, "temperature": 0, "max_tokens": 8}
-            slow = asyncio.create_task(client.post("/v1/chat/completions", json=body(user(video(8, 160, 120, 9), text("What happens?")))))
+            body = lambda msgs: {
+                "model": app.config.model.served_name,
+                "messages": msgs,
+                "temperature": 0,
+                "max_tokens": 8,
+            }
+            slow = asyncio.create_task(
+                client.post(
+                    "/v1/chat/completions",
+                    json=body(user(video(8, 160, 120, 9), text("What happens?"))),
+                )
+            )
             await asyncio.sleep(0.3)
             fast = [
-                await client.post("/v1/chat/completions", json=body(m)) for m in ([{"role": "user", "content": f"Question {i}?"}] for i in range(3))
+                await client.post("/v1/chat/completions", json=body(m))
+                for m in ([{"role": "user", "content": f"Question {i}?"}] for i in range(3))
             ]
-            fast.append(await client.post("/v1/chat/completions", json=body(user(audio(1.0, 500, 9)))))
+            fast.append(
+                await client.post("/v1/chat/completions", json=body(user(audio(1.0, 500, 9))))
+            )
             done_before_video = not slow.done()
             return fast, await slow, done_before_video
 
@@ -236,7 +320,10 @@ def test_long_video_encoding_does_not_hold_up_text(ray_session):
     assert all(r.status_code == 200 for r in fast) and slow.status_code == 200
     assert done_before_video, "text and audio requests waited for the video"
     slowest_fast = max(r.json()["timings"]["ttft_ms"] for r in fast)
-    assert slowest_fast < slow.json()["timings"]["encode_ms"], (slowest_fast, slow.json()["timings"])
+    assert slowest_fast < slow.json()["timings"]["encode_ms"], (
+        slowest_fast,
+        slow.json()["timings"],
+    )
 
 
 def test_qwen2_audio_equals_generate(ray_session):
@@ -282,17 +369,32 @@ def test_omni_fetches_image_audio_and_video_urls_and_refuses_bad_ones(omni):
         }
         bystander = asyncio.run(
             _chat_beside(
-                omni, [user(text("Fine"), image(9, 20, 20))] + [user({"type": "image_url", "image_url": {"url": url}}) for url, _ in bad.values()]
+                omni,
+                [user(text("Fine"), image(9, 20, 20))]
+                + [
+                    user({"type": "image_url", "image_url": {"url": url}})
+                    for url, _ in bad.values()
+                ],
             )
         )
         assert bystander[0].status_code == 200, bystander[0].text
         for response, (name, (_, fragment)) in zip(bystander[1:], bad.items()):
             assert response.status_code == 400, (name, response.text)
             error = response.json()["error"]
-            assert fragment in error["message"] and error["param"] == "messages[0].content[0].image_url", (name, error)
+            assert (
+                fragment in error["message"]
+                and error["param"] == "messages[0].content[0].image_url"
+            ), (name, error)
 
 
 async def _chat_beside(app, requests: list[list[dict]]) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=app.root, timeout=60) as client:
-        body = lambda msgs: {"model": app.config.model.served_name, "messages": msgs, "temperature": 0, "max_tokens": 4}
-        return await asyncio.gather(*[client.post("/v1/chat/completions", json=body(m)) for m in requests])
+        body = lambda msgs: {
+            "model": app.config.model.served_name,
+            "messages": msgs,
+            "temperature": 0,
+            "max_tokens": 4,
+        }
+        return await asyncio.gather(
+            *[client.post("/v1/chat/completions", json=body(m)) for m in requests]
+        )

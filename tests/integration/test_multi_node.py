@@ -61,9 +61,17 @@ def outcome() -> dict:
 
 
 def test_each_pool_runs_on_its_node_type(outcome):
-    workers = [p for p in outcome["placements"] if p["actor"] in ("EncoderWorker", "PrefillWorker", "DecodeWorker")]
+    workers = [
+        p
+        for p in outcome["placements"]
+        if p["actor"] in ("EncoderWorker", "PrefillWorker", "DecodeWorker")
+    ]
     placed = {(p["actor"], tuple(p["node_type"])) for p in workers}
-    assert placed == {("EncoderWorker", ("encoder_node",)), ("PrefillWorker", ("llm_node",)), ("DecodeWorker", ("llm_node",))}, outcome["placements"]
+    assert placed == {
+        ("EncoderWorker", ("encoder_node",)),
+        ("PrefillWorker", ("llm_node",)),
+        ("DecodeWorker", ("llm_node",)),
+    }, outcome["placements"]
     assert len(workers) == 3, outcome["placements"]
     encoder_nodes = {p["node"] for p in workers if p["actor"] == "EncoderWorker"}
     llm_nodes = {p["node"] for p in workers if p["actor"] != "EncoderWorker"}
@@ -71,11 +79,17 @@ def test_each_pool_runs_on_its_node_type(outcome):
 
 
 def test_a_pool_pinned_to_an_absent_node_type_is_refused(outcome):
-    assert outcome["refusal"] and "pool 'encoder'" in outcome["refusal"] and "vision_node" in outcome["refusal"]
+    assert (
+        outcome["refusal"]
+        and "pool 'encoder'" in outcome["refusal"]
+        and "vision_node" in outcome["refusal"]
+    )
 
 
 def test_answers_across_nodes_equal_generate(outcome):
-    checkpoint = str(load_config(REPO_ROOT / "configs" / "multi_node_cpu.yaml").model.checkpoint_path)
+    checkpoint = str(
+        load_config(REPO_ROOT / "configs" / "multi_node_cpu.yaml").model.checkpoint_path
+    )
     for messages, answer in zip(run.conversations(), outcome["answers"], strict=True):
         ids, text, finish = reference_generate(checkpoint, messages, run.MAX_TOKENS)
         assert answer["choices"][0]["message"]["content"] == text

@@ -15,7 +15,9 @@ from transformers import AutoTokenizer
 
 from tests.integration.reference import reference_generate, reference_generate_ids
 
-MESSAGES = [{"role": "user", "content": "Tell me about the colour of the sky and the sea, twice over."}]
+MESSAGES = [
+    {"role": "user", "content": "Tell me about the colour of the sky and the sea, twice over."}
+]
 PROMPT = "The colour of the sky and the sea is"
 
 
@@ -40,7 +42,9 @@ def tokenizer(checkpoint):
 
 
 def test_chat_logprobs_shape_whole_and_streamed(client, model):
-    whole = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3
+    )
     content = whole.choices[0].logprobs.content
     assert len(content) == whole.usage.completion_tokens == 6
     for entry in content:
@@ -48,36 +52,78 @@ def test_chat_logprobs_shape_whole_and_streamed(client, model):
         assert len(entry.top_logprobs) == 3
         values = [t.logprob for t in entry.top_logprobs]
         assert values == sorted(values, reverse=True)
-        assert entry.top_logprobs[0].token == entry.token and entry.logprob == pytest.approx(values[0])  # greedy
+        assert entry.top_logprobs[0].token == entry.token and entry.logprob == pytest.approx(
+            values[0]
+        )  # greedy
     chunks = list(
-        client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3, stream=True)
+        client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,
+            temperature=0,
+            max_tokens=6,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+        )
     )
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
     assert [e.token for e in streamed] == [e.token for e in content]
     # Tokens exactly, values to float32 rounding: CI once saw -3.9427488 against -3.9427490 for the same token.
     # Not traced (1 and 2 torch threads gave bit-equal logits for this model, so not simply a borrowed thread).
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
-    plain = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6)
-    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+    plain = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=6
+    )
+    assert (
+        plain.choices[0].logprobs is None
+        and plain.choices[0].message.content == whole.choices[0].message.content
+    )
 
 
 def test_n_choices_and_derived_seeds(client, model):
-    greedy = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=8, n=3)
+    greedy = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=8, n=3
+    )
     assert [c.index for c in greedy.choices] == [0, 1, 2]
     assert len({c.message.content for c in greedy.choices}) == 1, "greedy n>1: n equal answers"
-    assert greedy.usage.completion_tokens % 3 == 0 and greedy.usage.completion_tokens > 3, "usage counts every choice"
-    sampled = client.chat.completions.create(model=model, messages=MESSAGES, temperature=1.0, max_tokens=12, n=3, seed=40)
+    assert greedy.usage.completion_tokens % 3 == 0 and greedy.usage.completion_tokens > 3, (
+        "usage counts every choice"
+    )
+    sampled = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=1.0, max_tokens=12, n=3, seed=40
+    )
     texts = [c.message.content for c in sampled.choices]
     assert len(set(texts)) > 1, "each choice is its own sequence"
     for i in (0, 1):  # choice i samples as a single request with seed + i (vLLM's rule)
-        alone = client.chat.completions.create(model=model, messages=MESSAGES, temperature=1.0, max_tokens=12, seed=40 + i)
+        alone = client.chat.completions.create(
+            model=model, messages=MESSAGES, temperature=1.0, max_tokens=12, seed=40 + i
+        )
         assert alone.choices[0].message.content == texts[i]
     chunks = list(
         client.chat.completions.create(
-            model=model, messages=MESSAGES, temperature=1.0, max_tokens=12, n=3, seed=40, stream=True, stream_options={"include_usage": True}
+            model=model,
+            messages=MESSAGES,
+            temperature=1.0,
+            max_tokens=12,
+            n=3,
+            seed=40,
+            stream=True,
+            stream_options={"include_usage": True},
         )
     )
-    per_choice = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    per_choice = [
+        "".join(
+            c.choices[0].delta.content or ""
+            for c in chunks
+            if c.choices and c.choices[0].index == i
+        )
+        for i in range(3)
+    ]
     assert per_choice == texts
     assert chunks[-1].usage.completion_tokens == sampled.usage.completion_tokens
 
@@ -87,7 +133,12 @@ def test_penalties_and_logit_bias_change_greedy_output(client, model, checkpoint
     base = client.chat.completions.create(**ask, logprobs=True)
     tokens = [e.token for e in base.choices[0].logprobs.content]
     repeats = len(tokens) - len(set(tokens))
-    for field in ({"frequency_penalty": -2.0}, {"presence_penalty": -2.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+    for field in (
+        {"frequency_penalty": -2.0},
+        {"presence_penalty": -2.0},
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+    ):
         other = client.chat.completions.create(**ask, logprobs=True, **field)
         other_tokens = [e.token for e in other.choices[0].logprobs.content]
         assert other_tokens != tokens, field
@@ -95,7 +146,12 @@ def test_penalties_and_logit_bias_change_greedy_output(client, model, checkpoint
             assert len(other_tokens) - len(set(other_tokens)) > repeats, field
     [first_id], _, _ = reference_generate(checkpoint, MESSAGES, 1)
     banned = client.chat.completions.create(
-        model=model, messages=MESSAGES, temperature=0, max_tokens=3, logprobs=True, logit_bias={str(first_id): -100}
+        model=model,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=3,
+        logprobs=True,
+        logit_bias={str(first_id): -100},
     )
     assert banned.choices[0].logprobs.content[0].token != tokens[0]
 
@@ -105,51 +161,106 @@ def test_repetition_penalty_is_token_exact_against_generate(client, model, check
     plain, _, _ = reference_generate(checkpoint, MESSAGES, 16)
     assert want != plain, "the penalty changes generate's own output"
     got = client.chat.completions.create(
-        model=model, messages=MESSAGES, temperature=0, max_tokens=16, extra_body={"repetition_penalty": 1.8}
+        model=model,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=16,
+        extra_body={"repetition_penalty": 1.8},
     )  # vLLM's field
     assert got.choices[0].message.content == tokenizer.decode(want, skip_special_tokens=True)
 
 
-def test_min_tokens_and_logit_bias_are_token_exact_against_generate(client, model, checkpoint, tokenizer):
+def test_min_tokens_and_logit_bias_are_token_exact_against_generate(
+    client, model, checkpoint, tokenizer
+):
     """EOS forced by +100 bias but masked until min_tokens: generate's sequence_bias plus
     min_new_tokens gives exactly min_tokens tokens, then EOS."""
     eos = tokenizer.eos_token_id
-    want, text, finish = reference_generate(checkpoint, MESSAGES, 20, min_new_tokens=5, sequence_bias={(eos,): 100.0})
+    want, text, finish = reference_generate(
+        checkpoint, MESSAGES, 20, min_new_tokens=5, sequence_bias={(eos,): 100.0}
+    )
     assert len(want) == 6 and want[-1] == eos and finish == "stop"
     got = client.chat.completions.create(
-        model=model, messages=MESSAGES, temperature=0, max_tokens=20, extra_body={"min_tokens": 5}, logit_bias={str(eos): 100}
+        model=model,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=20,
+        extra_body={"min_tokens": 5},
+        logit_bias={str(eos): 100},
     )
-    assert (got.choices[0].message.content, got.usage.completion_tokens, got.choices[0].finish_reason) == (text, 6, "stop")
-    base = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12, logprobs=True)
+    assert (
+        got.choices[0].message.content,
+        got.usage.completion_tokens,
+        got.choices[0].finish_reason,
+    ) == (text, 6, "stop")
+    base = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=12, logprobs=True
+    )
     greedy, stop = base.choices[0].message.content, base.choices[0].logprobs.content[1].token
-    early = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=12, stop=[stop])
+    early = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=12, stop=[stop]
+    )
     assert early.choices[0].message.content == greedy[: greedy.find(stop)]
     late = client.chat.completions.create(
-        model=model, messages=MESSAGES, temperature=0, max_tokens=12, stop=[stop], extra_body={"min_tokens": 6}
+        model=model,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=12,
+        stop=[stop],
+        extra_body={"min_tokens": 6},
     )  # vLLM: no stop string before min_tokens
     assert greedy.startswith(late.choices[0].message.content)
     assert len(late.choices[0].message.content) > len(early.choices[0].message.content)
     ignored = client.chat.completions.create(
-        model=model, messages=MESSAGES, temperature=0, max_tokens=5, extra_body={"ignore_eos": True}, logit_bias={str(eos): 100}
+        model=model,
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=5,
+        extra_body={"ignore_eos": True},
+        logit_bias={str(eos): 100},
     )
     assert (ignored.usage.completion_tokens, ignored.choices[0].finish_reason) == (5, "length")
 
 
 def test_completions_whole_and_streamed_token_exact(client, model, checkpoint, tokenizer):
     want = reference_generate_ids(checkpoint, tokenizer(PROMPT)["input_ids"], 10)
-    whole = client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=10, logprobs=2)
-    assert whole.object == "text_completion" and whole.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
-    assert whole.usage.prompt_tokens == len(tokenizer(PROMPT)["input_ids"]) and whole.usage.completion_tokens == len(want)
+    whole = client.completions.create(
+        model=model, prompt=PROMPT, temperature=0, max_tokens=10, logprobs=2
+    )
+    assert whole.object == "text_completion" and whole.choices[0].text == tokenizer.decode(
+        want, skip_special_tokens=True
+    )
+    assert whole.usage.prompt_tokens == len(
+        tokenizer(PROMPT)["input_ids"]
+    ) and whole.usage.completion_tokens == len(want)
     lp = whole.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(want)
-    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert (
+        len(lp.tokens)
+        == len(lp.token_logprobs)
+        == len(lp.top_logprobs)
+        == len(lp.text_offset)
+        == len(want)
+    )
+    assert all(
+        len(top) <= 2 and max(top.values()) == pytest.approx(v)
+        for top, v in zip(lp.top_logprobs, lp.token_logprobs)
+    )
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     chunks = list(
-        client.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=10, stream=True, stream_options={"include_usage": True})
+        client.completions.create(
+            model=model,
+            prompt=PROMPT,
+            temperature=0,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
-    as_ids = client.completions.create(model=model, prompt=tokenizer(PROMPT)["input_ids"], temperature=0, max_tokens=10)
+    as_ids = client.completions.create(
+        model=model, prompt=tokenizer(PROMPT)["input_ids"], temperature=0, max_tokens=10
+    )
     assert as_ids.choices[0].text == whole.choices[0].text
 
 
@@ -171,7 +282,9 @@ def test_default_max_tokens_is_the_rest_of_the_context(app, client, model, token
         client.completions.create(model=model, prompt=prompt, max_tokens=6)
     assert refused.value.body["param"] == "max_tokens"
     num_words, room = limit // 2, 0
-    for _ in range(8):  # a chat prompt that leaves 2 to 8 tokens of room, found from the server's own counts
+    for _ in range(
+        8
+    ):  # a chat prompt that leaves 2 to 8 tokens of room, found from the server's own counts
         text = "sky " * num_words
         probe = app.chat([{"role": "user", "content": text}], max_tokens=1)
         room = limit - probe.json()["usage"]["prompt_tokens"] if probe.status_code == 200 else -1
@@ -179,9 +292,14 @@ def test_default_max_tokens_is_the_rest_of_the_context(app, client, model, token
             break
         num_words += (room - 5) if room > 0 else -16
     assert 2 <= room <= 8, "no chat prompt of the right length found"
-    answer = app.chat([{"role": "user", "content": text}], temperature=0, ignore_eos=True, logit_bias={eos: -100})
+    answer = app.chat(
+        [{"role": "user", "content": text}], temperature=0, ignore_eos=True, logit_bias={eos: -100}
+    )
     assert answer.status_code == 200, answer.text
-    assert answer.json()["usage"]["completion_tokens"] == room and answer.json()["choices"][0]["finish_reason"] == "length"
+    assert (
+        answer.json()["usage"]["completion_tokens"] == room
+        and answer.json()["choices"][0]["finish_reason"] == "length"
+    )
 
 
 REFUSED = [
@@ -225,8 +343,13 @@ def test_unhonoured_fields_are_refused_by_name(app, fields, param):
 
 
 def test_duplicate_keys_and_completions_fields_refused(app, model):
-    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_tokens": 3}' % model.encode()
-    response = app.http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    raw = (
+        b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_tokens": 3}'
+        % model.encode()
+    )
+    response = app.http.post(
+        "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
     for fields, param in (
         ({"echo": True}, "echo"),
@@ -240,6 +363,11 @@ def test_duplicate_keys_and_completions_fields_refused(app, model):
         response = app.http.post("/v1/completions", content=json.dumps(body))
         assert response.status_code == 400, (fields, response.text)
         assert response.json()["error"]["param"] == param
-    assert app.chat(MESSAGES, tool_choice="none", response_format={"type": "text"}, max_tokens=2).status_code == 200
+    assert (
+        app.chat(
+            MESSAGES, tool_choice="none", response_format={"type": "text"}, max_tokens=2
+        ).status_code
+        == 200
+    )
     with httpx.Client(base_url=app.root) as http:
         assert http.get("/v1/models").json()["data"][0]["max_model_len"] > 0

@@ -103,24 +103,38 @@ def _interrupt(proc: subprocess.Popen, log: Path, within_s: float = 120) -> int:
     try:
         return proc.wait(timeout=within_s)
     except subprocess.TimeoutExpired:
-        py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
-        dump = subprocess.run([py_spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60) if py_spy else None
+        py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which(
+            "py-spy"
+        )
+        dump = (
+            subprocess.run(
+                [py_spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60
+            )
+            if py_spy
+            else None
+        )
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         stacks = (dump.stdout + dump.stderr) if dump else "(py-spy not installed: no stacks)"
-        pytest.fail(f"serve run still up {within_s:.0f} s after SIGINT; its stacks:\n{stacks}\nits log:\n{log.read_text()[-3000:]}")
+        pytest.fail(
+            f"serve run still up {within_s:.0f} s after SIGINT; its stacks:\n{stacks}\nits log:\n{log.read_text()[-3000:]}"
+        )
 
 
 def _served_name() -> str:
     """The model name of the epd config that configs/serve.yaml serves (the default one)."""
-    args = yaml.safe_load((REPO_ROOT / "configs" / "serve.yaml").read_text())["applications"][0]["args"]
+    args = yaml.safe_load((REPO_ROOT / "configs" / "serve.yaml").read_text())["applications"][0][
+        "args"
+    ]
     return load_config(REPO_ROOT / args["config"]).model.served_name
 
 
 def _wait_ready(root: str, proc: subprocess.Popen, log: Path, within_s: float = 300) -> None:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"serve run exited with {proc.returncode}: {log.read_text()[-3000:]}"
+        assert proc.poll() is None, (
+            f"serve run exited with {proc.returncode}: {log.read_text()[-3000:]}"
+        )
         try:
             if httpx.get(f"{root}/health", timeout=5).status_code == 200:
                 return
@@ -135,7 +149,14 @@ def test_serve_run_serves_the_serve_config(ray_head, tmp_path):
     http_port = free_port()
     log = tmp_path / "serve_run.log"
     proc = subprocess.Popen(
-        [*AS_FROM_A_TERMINAL, SERVE, "run", "--address", address, str(_serve_yaml(tmp_path, http_port))],
+        [
+            *AS_FROM_A_TERMINAL,
+            SERVE,
+            "run",
+            "--address",
+            address,
+            str(_serve_yaml(tmp_path, http_port)),
+        ],
         cwd=REPO_ROOT,
         env=env,
         stdout=log.open("w"),
@@ -147,10 +168,19 @@ def test_serve_run_serves_the_serve_config(ray_head, tmp_path):
         _wait_ready(root, proc, log)
         served = _served_name()
         assert httpx.get(f"{root}/v1/models").json()["data"][0]["id"] == served
-        sample = scenes.samples(31337, 1, asks=(scenes.Ask.COLOUR,))[0]  # the default model is taught colours
+        sample = scenes.samples(31337, 1, asks=(scenes.Ask.COLOUR,))[
+            0
+        ]  # the default model is taught colours
         image = {"type": "image_url", "image_url": {"url": png_data_url(sample.image)}}
         reply = httpx.post(
-            f"{root}/v1/chat/completions", timeout=120, json={"model": served, "messages": sample.messages(image), "temperature": 0, "max_tokens": 8}
+            f"{root}/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": served,
+                "messages": sample.messages(image),
+                "temperature": 0,
+                "max_tokens": 8,
+            },
         )
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"].strip() == sample.answer

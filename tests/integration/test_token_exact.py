@@ -33,9 +33,32 @@ def varied_requests() -> list[list[dict]]:
         [{"role": "user", "content": LONG}],
         [{"role": "user", "content": [_img(1, 32, 32), _text("What is this?")]}],
         [{"role": "user", "content": [_text("Look:"), _img(2, 64, 48)]}],
-        [{"role": "user", "content": [_text("Compare"), _img(3, 20, 90), _text("with"), _img(4, 128, 128, "JPEG")]}],
-        [{"role": "user", "content": [_img(5, 40, 40), _img(6, 33, 77, "WEBP"), _img(7, 300, 200), _text("Three pictures.")]}],
-        [{"role": "system", "content": "You are terse."}, {"role": "user", "content": [_img(8, 50, 50), _text(LONG[:400])]}],
+        [
+            {
+                "role": "user",
+                "content": [
+                    _text("Compare"),
+                    _img(3, 20, 90),
+                    _text("with"),
+                    _img(4, 128, 128, "JPEG"),
+                ],
+            }
+        ],
+        [
+            {
+                "role": "user",
+                "content": [
+                    _img(5, 40, 40),
+                    _img(6, 33, 77, "WEBP"),
+                    _img(7, 300, 200),
+                    _text("Three pictures."),
+                ],
+            }
+        ],
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": [_img(8, 50, 50), _text(LONG[:400])]},
+        ],
         [
             {"role": "user", "content": [_img(9, 32, 32), _text("first")]},
             {"role": "assistant", "content": "a reply"},
@@ -50,7 +73,12 @@ def varied_requests() -> list[list[dict]]:
 
 async def _send_all(app, requests: list[list[dict]], copies: int) -> list[dict]:
     async with httpx.AsyncClient(base_url=app.root, timeout=300) as client:
-        body = lambda msgs: {"model": app.config.model.served_name, "messages": msgs, "temperature": 0, "max_tokens": MAX_TOKENS}
+        body = lambda msgs: {
+            "model": app.config.model.served_name,
+            "messages": msgs,
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+        }
         calls = [client.post("/v1/chat/completions", json=body(m)) for m in requests * copies]
         responses = await asyncio.gather(*calls)
     for r in responses:
@@ -80,22 +108,34 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport, 
     """`overlap`: prefill.overlap_encode (the prefill call before the embeddings) or the baseline path;
     `aging`: prefill.aging_tokens_per_s (10,000: the order is about arrival; the answers must not move)."""
     prefill = {"overlap_encode": overlap, "aging_tokens_per_s": aging}
-    app = deploy(cluster_config(transport={"embeddings": transport, "kv": transport}, prefill=prefill))
+    app = deploy(
+        cluster_config(transport={"embeddings": transport, "kv": transport}, prefill=prefill)
+    )
     assert _prefill_engine_aging(app) == aging  # the setting reached the worker's scheduler
     copies = 3  # 36 requests in flight: encoder batches and decode batches form
     got = asyncio.run(_send_all(app, varied_requests(), copies))
-    again = asyncio.run(_send_all(app, varied_requests(), 1))  # the same prompts once more: the prefix cache is warm
+    again = asyncio.run(
+        _send_all(app, varied_requests(), 1)
+    )  # the same prompts once more: the prefix cache is warm
     for i, response in enumerate(got + again):
         ids, text, finish = references[i % len(references)]
-        assert response["choices"][0]["message"]["content"] == text, f"request {i % len(references)}"
+        assert response["choices"][0]["message"]["content"] == text, (
+            f"request {i % len(references)}"
+        )
         assert response["usage"]["completion_tokens"] == len(ids)
         assert response["choices"][0]["finish_reason"] == finish
     workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]
-    assert sum(w["prefix_hit_blocks"] for w in workers["prefill"]) > 0, workers  # warm prefixes really were reused
-    assert all(w["prefix_referenced_blocks"] == 0 for w in workers["prefill"]), workers  # idle: nothing pinned
+    assert sum(w["prefix_hit_blocks"] for w in workers["prefill"]) > 0, (
+        workers
+    )  # warm prefixes really were reused
+    assert all(w["prefix_referenced_blocks"] == 0 for w in workers["prefill"]), (
+        workers
+    )  # idle: nothing pinned
     assert max(w["max_batch"] for w in workers["encoder"]) > 1, workers  # batching really happened
     assert max(w["max_batch"] for w in workers["decode"]) > 1, workers
-    assert all(w["rows"] == 0 for w in workers["decode"]) and all(w["held_kv"] == 0 for w in workers["prefill"]), workers
+    assert all(w["rows"] == 0 for w in workers["decode"]) and all(
+        w["held_kv"] == 0 for w in workers["prefill"]
+    ), workers
 
 
 def _prefill_engine_aging(app) -> float:
@@ -132,4 +172,7 @@ def test_streaming_equals_whole_response(app, references):
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"])
     assert text == references[4][1]
     assert events[-1]["usage"]["completion_tokens"] == len(references[4][0])
-    assert [c["choices"][0]["finish_reason"] for c in events if c["choices"]][-1] in ("stop", "length")
+    assert [c["choices"][0]["finish_reason"] for c in events if c["choices"]][-1] in (
+        "stop",
+        "length",
+    )

@@ -6,13 +6,24 @@ different media in flight together (Qwen2.5-VL: batched in the encoders and in d
 from __future__ import annotations
 
 from tests.integration.conftest import deploy
-from tests.integration.test_modalities import app_config, check_token_exact, image, text, user, video
+from tests.integration.test_modalities import (
+    app_config,
+    check_token_exact,
+    image,
+    text,
+    user,
+    video,
+)
 
 QWEN_VL_REQUESTS = [
     user(image(21, 60, 90), text("What is this?")),  # one image
-    user(text("Compare"), image(22, 37, 211), text("with"), image(23, 300, 40)),  # several images, odd sizes
+    user(
+        text("Compare"), image(22, 37, 211), text("with"), image(23, 300, 40)
+    ),  # several images, odd sizes
     user(text("Watch:"), video(4, 40, 56, 24)),  # one video
-    user(image(25, 50, 50), text("then"), video(5, 56, 40, 26), text("and say.")),  # image and video
+    user(
+        image(25, 50, 50), text("then"), video(5, 56, 40, 26), text("and say.")
+    ),  # image and video
     user(video(2, 30, 30, 27), text("versus"), video(6, 48, 32, 28)),  # two videos
     [{"role": "user", "content": "Just text, no media at all."}],
 ]

@@ -31,7 +31,11 @@ def _messages(seed: int, text: str = "Describe") -> list[dict]:
 def held(app) -> dict[str, int]:
     """Everything any worker still holds for requests (zero when idle)."""
     workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]
-    return {f"{kind}.{field}": sum(w.get(field, 0) for w in workers[kind]) for kind, fields in HELD.items() for field in fields}
+    return {
+        f"{kind}.{field}": sum(w.get(field, 0) for w in workers[kind])
+        for kind, fields in HELD.items()
+        for field in fields
+    }
 
 
 def wait_until_idle(app, within_s: float) -> dict[str, int]:
@@ -45,20 +49,38 @@ def wait_until_idle(app, within_s: float) -> dict[str, int]:
 
 def _requests_total(app) -> dict[str, float]:
     families = text_string_to_metric_families(app.http.get("/metrics").text)
-    return {s.labels["status"]: s.value for f in families for s in f.samples if s.name == "epd:requests_total"}
+    return {
+        s.labels["status"]: s.value
+        for f in families
+        for s in f.samples
+        if s.name == "epd:requests_total"
+    }
 
 
 def test_stop_on_the_first_token_frees_the_kv_at_once(app):
-    greedy = app.chat(_messages(301), temperature=0, max_tokens=8).json()["choices"][0]["message"]["content"]
+    greedy = app.chat(_messages(301), temperature=0, max_tokens=8).json()["choices"][0]["message"][
+        "content"
+    ]
     for i in range(3):
         r = app.chat(_messages(301), temperature=0, max_tokens=8, stop=[greedy[:1]]).json()
-        assert r["choices"][0]["message"]["content"] == "" and r["choices"][0]["finish_reason"] == "stop"
-    assert not any(wait_until_idle(app, within_s=3).values()), held(app)  # not after the inbox's 120 s expiry
+        assert (
+            r["choices"][0]["message"]["content"] == ""
+            and r["choices"][0]["finish_reason"] == "stop"
+        )
+    assert not any(wait_until_idle(app, within_s=3).values()), held(
+        app
+    )  # not after the inbox's 120 s expiry
 
 
 def test_clients_that_leave_mid_stream_leave_nothing_behind(app):
     async def leave_after_first_chunk(client: httpx.AsyncClient, seed: int):
-        body = {"model": app.config.model.served_name, "messages": _messages(seed, "long " * 300), "temperature": 0, "max_tokens": 64, "stream": True}
+        body = {
+            "model": app.config.model.served_name,
+            "messages": _messages(seed, "long " * 300),
+            "temperature": 0,
+            "max_tokens": 64,
+            "stream": True,
+        }
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {") and '"content"' in line:
@@ -78,10 +100,18 @@ def test_clients_that_leave_mid_stream_leave_nothing_behind(app):
 
 
 async def _ask(client: httpx.AsyncClient, model: str, seed: int, stream: bool) -> tuple[int, str]:
-    body = {"model": model, "messages": _messages(seed), "temperature": 0, "max_tokens": 24, "stream": stream}
+    body = {
+        "model": model,
+        "messages": _messages(seed),
+        "temperature": 0,
+        "max_tokens": 24,
+        "stream": stream,
+    }
     if not stream:
         r = await client.post("/v1/chat/completions", json=body)
-        return r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+        return r.status_code, r.json()["choices"][0]["message"][
+            "content"
+        ] if r.status_code == 200 else r.text
     text = ""
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         async for line in r.aiter_lines():
@@ -113,7 +143,9 @@ def _wait_replaced(app, kind: str, dead_pid: int, within_s: float = 90) -> None:
 def test_a_worker_killed_under_load_loses_no_request(app, kind):
     """Half the requests stream; whether a request had sent tokens or not, it finishes with
     exactly the answer it gives undisturbed."""
-    first_seed = {"decode": 700, "prefill": 720, "encoder": 740}[kind]  # new images: the encoders must work
+    first_seed = {"decode": 700, "prefill": 720, "encoder": 740}[
+        kind
+    ]  # new images: the encoders must work
     model, seeds = app.config.model.served_name, range(first_seed, first_seed + 10)
     pid = _pid(app, kind)
 
@@ -127,7 +159,12 @@ def test_a_worker_killed_under_load_loses_no_request(app, kind):
     results = asyncio.run(under_fire())
     assert [status for status, _ in results] == [200] * len(results), results
     _wait_replaced(app, kind, pid)
-    expected = [app.chat(_messages(s), temperature=0, max_tokens=24).json()["choices"][0]["message"]["content"] for s in seeds]
+    expected = [
+        app.chat(_messages(s), temperature=0, max_tokens=24).json()["choices"][0]["message"][
+            "content"
+        ]
+        for s in seeds
+    ]
     assert [text for _, text in results] == expected
     assert not any(wait_until_idle(app, within_s=5).values()), held(app)
 
@@ -147,5 +184,8 @@ def test_an_abort_that_overtakes_its_generate_leaves_nothing(app):
     decoder = ray.get(controller.snapshot.remote()).pools[WorkerKind.DECODE][0]
     ray.get(decoder.abort.remote("overtaken:chatcmpl-1/0"))
     request = DecodeRequest("overtaken:chatcmpl-1/0", 8, 1, SamplingParams(max_tokens=8))
-    chunks = [ray.get(ref) for ref in decoder.generate.options(num_returns="streaming").remote(request, torch.zeros(1))]
+    chunks = [
+        ray.get(ref)
+        for ref in decoder.generate.options(num_returns="streaming").remote(request, torch.zeros(1))
+    ]
     assert chunks == [] and not any(held(app).values()), held(app)

@@ -37,7 +37,9 @@ def omni_ckpt(tmp_path_factory) -> Path:
 def audio_ckpt(tmp_path_factory) -> Path:
     from actors.checkpoints.build import build_checkpoint
 
-    return build_checkpoint("tiny-qwen2-audio", tmp_path_factory.mktemp("ck") / "audio", progress=False)
+    return build_checkpoint(
+        "tiny-qwen2-audio", tmp_path_factory.mktemp("ck") / "audio", progress=False
+    )
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +47,9 @@ def published_omni_ckpt(tmp_path_factory) -> Path:
     """Qwen2.5-Omni in the published layout: thinker + talker + token2wav in one repo."""
     from actors.checkpoints.build import build_checkpoint
 
-    return build_checkpoint("tiny-qwen2.5-omni", tmp_path_factory.mktemp("ck") / "qwen2.5-omni", progress=False)
+    return build_checkpoint(
+        "tiny-qwen2.5-omni", tmp_path_factory.mktemp("ck") / "qwen2.5-omni", progress=False
+    )
 
 
 # -- the router tests' shared factories (router/: plain Python, no model) --------------------------
@@ -58,9 +62,13 @@ VISION, AUDIO = frozenset({"image", "video"}), frozenset({"audio"})
 BYTES_PER_EMBEDDING = 8192
 
 
-def media(identifier: str, modality: str = "image", size: float = 0.113, num_embeddings: int = 576) -> MediaJob:
+def media(
+    identifier: str, modality: str = "image", size: float = 0.113, num_embeddings: int = 576
+) -> MediaJob:
     """A media item as the router sees it (default: a 336x336 image)."""
-    return MediaJob(identifier, modality, size, num_embeddings, num_embeddings * BYTES_PER_EMBEDDING)
+    return MediaJob(
+        identifier, modality, size, num_embeddings, num_embeddings * BYTES_PER_EMBEDDING
+    )
 
 
 def audio(identifier: str) -> MediaJob:
@@ -90,10 +98,17 @@ def mixed_workload(n: int) -> Workload:
     profiles = []
     for k in range(n):
         kind = k % 4
-        items = {0: (media(f"i{k}"), audio(f"a{k}")), 1: (media(f"j{k}"),), 2: (audio(f"b{k}"),), 3: ()}[kind]
+        items = {
+            0: (media(f"i{k}"), audio(f"a{k}")),
+            1: (media(f"j{k}"),),
+            2: (audio(f"b{k}"),),
+            3: (),
+        }[kind]
         if kind == 0 and k % 8 == 0:
             items = items + (media(f"i{k - 8}"),)  # a repeat: the encoder cache may hold it
-        profiles.append(RequestProfile(1000 + sum(it.num_embeddings for it in items), items, max_tokens=16))
+        profiles.append(
+            RequestProfile(1000 + sum(it.num_embeddings for it in items), items, max_tokens=16)
+        )
     return Workload("mixed", profiles, np.cumsum(rng.exponential(0.02, n)))
 
 
@@ -101,7 +116,9 @@ def assert_idle(router) -> None:
     """Every job the router booked was released."""
     view = router.view
     assert all(c == 0 for counts in view.outstanding.values() for c in counts), view.outstanding
-    assert all(ms == 0.0 for values in view.outstanding_ms.values() for ms in values), view.outstanding_ms
+    assert all(ms == 0.0 for values in view.outstanding_ms.values() for ms in values), (
+        view.outstanding_ms
+    )
 
 
 def sim_run(shape: str, n: int, load: float, policy: str, seed: int = 3, **workload):
@@ -112,4 +129,6 @@ def sim_run(shape: str, n: int, load: float, policy: str, seed: int = 3, **workl
 
     cluster = SimCluster.parse(shape)
     wl = make_workload("poisson", n, seed=seed, **workload)
-    return simulate(cluster, wl.at_rate(load * capacity_rps(cluster, wl)), policy, seed=seed, slo_ms=1500.0)
+    return simulate(
+        cluster, wl.at_rate(load * capacity_rps(cluster, wl)), policy, seed=seed, slo_ms=1500.0
+    )

@@ -103,7 +103,9 @@ def test_late_job_joins_waiting_partial_batch():
         mb = MicroBatcher(run, max_batch_size=8, max_wait_s=0.4, key=_key_of)
         busy = asyncio.create_task(mb.submit("busy"))  # a lone job on an idle batcher: runs at once
         await asyncio.sleep(0.005)
-        first = asyncio.create_task(mb.submit("a"))  # the batcher is busy now: "a" waits for company
+        first = asyncio.create_task(
+            mb.submit("a")
+        )  # the batcher is busy now: "a" waits for company
         await asyncio.sleep(0.15)
         second = asyncio.create_task(mb.submit("b"))
         await busy
@@ -119,7 +121,17 @@ def test_different_keys_never_share_a_batch():
     async def main():
         run = Recorder()
         mb = MicroBatcher(run, max_batch_size=4, max_wait_s=0.02, key=_key_of)
-        jobs = [("x", 0), ("y", 1), ("x", 2), ("z", 3), ("y", 4), ("x", 5), ("x", 6), ("y", 7), ("x", 8)]
+        jobs = [
+            ("x", 0),
+            ("y", 1),
+            ("x", 2),
+            ("z", 3),
+            ("y", 4),
+            ("x", 5),
+            ("x", 6),
+            ("y", 7),
+            ("x", 8),
+        ]
         results = await asyncio.gather(*(mb.submit(j) for j in jobs))
         return run, mb, jobs, results
 

@@ -61,7 +61,10 @@ def test_an_existing_directory_is_never_a_repo_id(tmp_path, monkeypatch):
 
 def test_repo_id_resolves_offline_from_a_filled_cache(hub_cache, ckpt, offline):
     path = resolve_checkpoint("epd-test/tiny-llava", cache_dir=str(hub_cache))
-    assert path.name == COMMIT and (path / "config.json").read_bytes() == (ckpt / "config.json").read_bytes()
+    assert (
+        path.name == COMMIT
+        and (path / "config.json").read_bytes() == (ckpt / "config.json").read_bytes()
+    )
     assert resolve_checkpoint("epd-test/tiny-llava", COMMIT, str(hub_cache)) == path
 
 
@@ -69,7 +72,9 @@ def test_a_pinned_commit_is_read_from_the_cache_without_asking_the_hub(hub_cache
     import huggingface_hub.hf_api as api
 
     for call in ("repo_info", "list_repo_tree"):
-        monkeypatch.setattr(api.HfApi, call, lambda *a, **k: pytest.fail("asked the Hub for a cached pinned commit"))
+        monkeypatch.setattr(
+            api.HfApi, call, lambda *a, **k: pytest.fail("asked the Hub for a cached pinned commit")
+        )
     assert resolve_checkpoint("epd-test/tiny-llava", COMMIT, str(hub_cache)).name == COMMIT
 
 
@@ -77,7 +82,11 @@ def test_unknown_repo_id_offline_is_named(tmp_path, offline):
     with pytest.raises(CheckpointNotFound) as err:
         resolve_checkpoint("no-such-org/no-such-model", cache_dir=str(tmp_path))
     message = str(err.value)
-    assert "no-such-org/no-such-model" in message and str(tmp_path) in message and "HF_HUB_OFFLINE" in message
+    assert (
+        "no-such-org/no-such-model" in message
+        and str(tmp_path) in message
+        and "HF_HUB_OFFLINE" in message
+    )
     assert "recipe" not in message  # not the old advice to build a random model
 
 
@@ -88,7 +97,10 @@ def _config(**model):
 def test_ensure_model_pins_a_repo_id_to_its_commit(hub_cache, tmp_path, offline):
     config = ensure_model(_config(checkpoint="epd-test/tiny-llava", hub_cache_dir=str(hub_cache)))
     assert config.model.revision == COMMIT
-    assert config.model.checkpoint_path == hub_cache / "models--epd-test--tiny-llava" / "snapshots" / COMMIT
+    assert (
+        config.model.checkpoint_path
+        == hub_cache / "models--epd-test--tiny-llava" / "snapshots" / COMMIT
+    )
 
 
 def test_a_relative_directory_is_made_absolute_for_the_workers(ckpt, monkeypatch):
@@ -104,7 +116,9 @@ def test_unknown_repo_id_fails_startup(tmp_path, offline):
 
 def test_unsupported_model_type_is_named_with_the_supported_ones(tmp_path):
     (tmp_path / "bert").mkdir()
-    (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    (tmp_path / "bert" / "config.json").write_text(
+        json.dumps({"model_type": "bert", "hidden_size": 8})
+    )
     with pytest.raises(ConfigError) as err:
         ensure_model(_config(checkpoint=str(tmp_path / "bert")))
     assert "'bert'" in str(err.value)
@@ -115,13 +129,20 @@ def test_unsupported_model_type_is_named_with_the_supported_ones(tmp_path):
 def test_model_flag_overrides_the_checkpoint_and_names_the_model():
     base = load_config()
     config = with_model(base, "Qwen/Qwen2.5-VL-3B-Instruct")
-    assert (config.model.checkpoint, config.model.served_name, config.model.builtin) == ("Qwen/Qwen2.5-VL-3B-Instruct",) * 2 + (None,)
+    assert (config.model.checkpoint, config.model.served_name, config.model.builtin) == (
+        "Qwen/Qwen2.5-VL-3B-Instruct",
+    ) * 2 + (None,)
     assert with_model(base, "/data/m", "mine").model.served_name == "mine"
     assert with_model(base, None) == base
 
 
 def test_epd_serve_with_an_unknown_repo_offline_exits_before_starting_anything(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_CACHE": str(tmp_path),
+        "PYTHONPATH": str(REPO),
+    }
     started = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "cluster.cli", "serve", "--model", "no-such-org/no-such-model"],
@@ -133,5 +154,7 @@ def test_epd_serve_with_an_unknown_repo_offline_exits_before_starting_anything(t
     )
     assert out.returncode == 2, out.stderr
     assert "no-such-org/no-such-model" in out.stderr and "HF_HUB_OFFLINE" in out.stderr
-    assert "Traceback" not in out.stderr and "Ray" not in out.stderr + out.stdout  # no cluster was started
+    assert (
+        "Traceback" not in out.stderr and "Ray" not in out.stderr + out.stdout
+    )  # no cluster was started
     assert time.monotonic() - started < 60

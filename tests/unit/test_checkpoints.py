@@ -22,7 +22,14 @@ from actors.checkpoints import llava as ck  # noqa: E402
 
 TINY = ck.RECIPES["tiny-llava"]
 REPO = Path(__file__).resolve().parents[2]
-FILES = ["config.json", "generation_config.json", "processor_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+FILES = [
+    "config.json",
+    "generation_config.json",
+    "processor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +57,9 @@ def _images() -> list[Image.Image]:
 
 def _prompt(processor, text: str, n_images: int = 1) -> str:
     parts = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
-    return processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    return processor.apply_chat_template(
+        [{"role": "user", "content": parts}], add_generation_prompt=True
+    )
 
 
 def _greedy(processor, model, text: str, image: Image.Image) -> tuple[int, ...]:
@@ -63,7 +72,10 @@ def _greedy(processor, model, text: str, image: Image.Image) -> tuple[int, ...]:
 def test_loads_with_auto_classes(processor, model):
     assert type(processor).__name__ == "LlavaProcessor"
     # AutoProcessor picks the torchvision backend when it is installed, the PIL one otherwise
-    assert type(processor.image_processor).__name__ in ("CLIPImageProcessor", "CLIPImageProcessorPil")
+    assert type(processor.image_processor).__name__ in (
+        "CLIPImageProcessor",
+        "CLIPImageProcessorPil",
+    )
     assert model.dtype == torch.float32
     assert model.config.image_token_id == processor.tokenizer.convert_tokens_to_ids("<image>")
     gen = model.generation_config
@@ -96,12 +108,17 @@ def test_exactly_one_bos(processor):
 def test_chat_template(processor):
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}, {"type": "video"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "text", "text": "What?"}, {"type": "video"}],
+        },
         {"role": "assistant", "content": "A cat."},
         {"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "And?"}]},
     ]
     rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
-    assert rendered == ("<s>SYSTEM: Be brief.\nUSER: <image>What?<video>\nASSISTANT: A cat.</s>\nUSER: <audio>And?\nASSISTANT:")
+    assert rendered == (
+        "<s>SYSTEM: Be brief.\nUSER: <image>What?<video>\nASSISTANT: A cat.</s>\nUSER: <audio>And?\nASSISTANT:"
+    )
     without_prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False)
     assert without_prompt == rendered.removesuffix("\nASSISTANT:")
 
@@ -111,7 +128,11 @@ def test_tokenizer_round_trip_and_specials(processor):
     assert len(tok) == TINY.vocab_size
     ids = {t: tok.convert_tokens_to_ids(t) for t in kit.SPECIAL_TOKENS}
     assert ids == {t: i for i, t in enumerate(kit.SPECIAL_TOKENS)}
-    for text in ["Hello world!\n  two  spaces\n\nnew\tlines ", "ünïcödé 日本 😀", "The cat sees 42."]:
+    for text in [
+        "Hello world!\n  two  spaces\n\nnew\tlines ",
+        "ünïcödé 日本 😀",
+        "The cat sees 42.",
+    ]:
         assert tok.decode(tok(text)["input_ids"]) == text
     # Placeholders are single ids and never merge with neighbouring text.
     enc = tok("a<image>b<video><audio>c")["input_ids"]
@@ -122,7 +143,9 @@ def test_tokenizer_round_trip_and_specials(processor):
 def test_greedy_depends_on_image_and_prompt(processor, model):
     image = _images()[0]
     by_image = [_greedy(processor, model, "What is in this image?", im) for im in _images()]
-    by_prompt = [_greedy(processor, model, p, image) for p in ["Describe it.", "Count the cats.", "Hello"]]
+    by_prompt = [
+        _greedy(processor, model, p, image) for p in ["Describe it.", "Count the cats.", "Hello"]
+    ]
     assert len(set(by_image)) == len(by_image) >= 3
     assert len(set(by_prompt)) == len(by_prompt)
     for out in by_image + by_prompt:
@@ -133,7 +156,10 @@ def test_greedy_depends_on_image_and_prompt(processor, model):
 def test_build_is_deterministic(ckpt, tmp_path):
     again = build.build_checkpoint("tiny-llava", tmp_path / "again", progress=False)
     build.main(["tiny-llava", str(tmp_path / "cli")])
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["again", "cli"]  # no temp dirs left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "again",
+        "cli",
+    ]  # no temp dirs left behind
     ref = load_file(ckpt / "model.safetensors")
     assert all(t.dtype == torch.float32 for t in ref.values())
     for other in (again, tmp_path / "cli"):
@@ -183,7 +209,16 @@ def test_bench_recipe_sizes():
     cfg = ck.llava_config(bench, ck.build_tokenizer(bench))
     text, vision = cfg.text_config, cfg.vision_config
     assert (text.vocab_size, text.hidden_size, text.num_hidden_layers) == (4000, 512, 8)
-    assert (text.num_attention_heads, text.intermediate_size, text.max_position_embeddings) == (8, 1536, 2048)
-    assert (vision.image_size, vision.patch_size, vision.hidden_size, vision.num_hidden_layers) == (224, 16, 384, 6)
+    assert (text.num_attention_heads, text.intermediate_size, text.max_position_embeddings) == (
+        8,
+        1536,
+        2048,
+    )
+    assert (vision.image_size, vision.patch_size, vision.hidden_size, vision.num_hidden_layers) == (
+        224,
+        16,
+        384,
+        6,
+    )
     assert bench.image_tokens == 196
     assert (cfg.vision_feature_layer, cfg.vision_feature_select_strategy) == (-1, "default")

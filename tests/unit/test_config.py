@@ -8,7 +8,15 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError, LimitsConfig, Transport, load_config, repo_configs
+from cluster.config import (
+    DEFAULT_CONFIG,
+    ClusterConfig,
+    ConfigError,
+    LimitsConfig,
+    Transport,
+    load_config,
+    repo_configs,
+)
 from router.types import Modality
 
 CONFIGS = repo_configs()
@@ -35,7 +43,11 @@ def test_repo_configs_load(path):
     raw = yaml.safe_load(path.read_text())
     dumped = config.model_dump(mode="json")
     for section, fields in raw.items():
-        pools = zip(fields, dumped[section]) if isinstance(fields, list) else [(fields or {}, dumped[section])]
+        pools = (
+            zip(fields, dumped[section])
+            if isinstance(fields, list)
+            else [(fields or {}, dumped[section])]
+        )
         for written, loaded in pools:
             for key, value in written.items():
                 assert loaded[key] == value, (section, key)
@@ -57,7 +69,9 @@ def test_minimal_config_takes_defaults(tmp_path):
 
 def test_checkpoint_path_expands_user_and_vars(tmp_path, monkeypatch):
     monkeypatch.setenv("EPD_TEST_DIR", "/data/x")
-    config = load_config(write(tmp_path, {"model": {"checkpoint": "$EPD_TEST_DIR/m", "served_name": "m"}}))
+    config = load_config(
+        write(tmp_path, {"model": {"checkpoint": "$EPD_TEST_DIR/m", "served_name": "m"}})
+    )
     assert config.model.checkpoint_path == Path("/data/x/m")
     config = load_config(write(tmp_path, {"model": {"checkpoint": "~/m", "served_name": "m"}}))
     assert config.model.checkpoint_path == Path.home() / "m"
@@ -91,17 +105,34 @@ def test_cuda_ipc_is_one_sided_and_allows_several_replicas(tmp_path):
     """CUDA IPC needs no collective group, so nothing pairs transfers by order across replicas."""
     model = {**MINIMAL["model"], "device": "cuda"}
     gpu = {"num_gpus": 0.25}
-    data = {"model": model, "encoder": gpu, "prefill": gpu, "decode": gpu, "transport": {"embeddings": "cuda_ipc", "kv": "cuda_ipc"}}
+    data = {
+        "model": model,
+        "encoder": gpu,
+        "prefill": gpu,
+        "decode": gpu,
+        "transport": {"embeddings": "cuda_ipc", "kv": "cuda_ipc"},
+    }
     config = load_config(write(tmp_path, {**data, "server": {"num_replicas": 2}}))
     assert not config.transport.kv.collective and Transport.NCCL.collective
     whole = {"num_gpus": 1}
-    nccl = {**data, "encoder": whole, "prefill": whole, "decode": whole, "transport": {"kv": "nccl"}, "server": {"num_replicas": 2}}
+    nccl = {
+        **data,
+        "encoder": whole,
+        "prefill": whole,
+        "decode": whole,
+        "transport": {"kv": "nccl"},
+        "server": {"num_replicas": 2},
+    }
     with pytest.raises(ConfigError, match="num_replicas"):
         load_config(write(tmp_path, nccl))
 
 
 def test_cuda_needs_gpus_in_every_pool(tmp_path):
-    data = {"model": {**MINIMAL["model"], "device": "cuda"}, "encoder": {"num_gpus": 1}, "prefill": {"num_gpus": 1}}
+    data = {
+        "model": {**MINIMAL["model"], "device": "cuda"},
+        "encoder": {"num_gpus": 1},
+        "prefill": {"num_gpus": 1},
+    }
     with pytest.raises(ConfigError, match="num_gpus"):
         load_config(write(tmp_path, data))
     data["decode"] = {"num_gpus": 1}
@@ -112,9 +143,16 @@ def test_cuda_needs_gpus_in_every_pool(tmp_path):
 def test_nccl_between_workers_sharing_a_gpu_is_refused_by_pool(tmp_path):
     """On one GPU the NCCL group forms and the first transfer hangs (measured on an H200)."""
     whole = {"num_gpus": 1}
-    data = {"model": {**MINIMAL["model"], "device": "cuda"}, "encoder": whole, "prefill": {"num_gpus": 0.5}, "decode": whole}
+    data = {
+        "model": {**MINIMAL["model"], "device": "cuda"},
+        "encoder": whole,
+        "prefill": {"num_gpus": 0.5},
+        "decode": whole,
+    }
     data["transport"] = {"embeddings": "nccl"}
-    with pytest.raises(ConfigError, match="nccl needs a whole GPU per worker, but prefill num_gpus"):
+    with pytest.raises(
+        ConfigError, match="nccl needs a whole GPU per worker, but prefill num_gpus"
+    ):
         load_config(write(tmp_path, data))
     data["transport"] = {"embeddings": "object_store", "kv": "cuda_ipc"}
     assert load_config(write(tmp_path, data)).transport.kv == Transport.CUDA_IPC
@@ -131,7 +169,10 @@ def test_nccl_between_workers_sharing_a_gpu_is_refused_by_pool(tmp_path):
         ({**MINIMAL, "router": {"calibration": {"pool_memory": 0}}}, "pool_memory"),
         ({**MINIMAL, "router": {"calibration": {"memory": 5}}}, "memory"),
         ({**MINIMAL, "router": {"priors": {"prefill_tokens_per_ms": -1}}}, "prefill_tokens_per_ms"),
-        ({**MINIMAL, "prefill": {"torch_threads": 4, "idle_torch_threads": 2}}, "idle_torch_threads"),
+        (
+            {**MINIMAL, "prefill": {"torch_threads": 4, "idle_torch_threads": 2}},
+            "idle_torch_threads",
+        ),
         ({**MINIMAL, "encoder": {"idle_torch_threads": 0}}, "idle_torch_threads"),
         ({**MINIMAL, "decode": {"stream_interval": 0}}, "stream_interval"),
         ({**MINIMAL, "prefill": {"overlap_min_tokens": -1}}, "overlap_min_tokens"),
@@ -153,9 +194,13 @@ def test_invalid_values_are_rejected(tmp_path, data, needle):
         ("float16", "cuda", 1, "float16"),
     ],
 )
-def test_dtype_auto_is_bfloat16_on_gpu_and_float32_on_cpu(tmp_path, dtype, device, num_gpus, resolved):
+def test_dtype_auto_is_bfloat16_on_gpu_and_float32_on_cpu(
+    tmp_path, dtype, device, num_gpus, resolved
+):
     pools = {kind: {"num_gpus": num_gpus} for kind in ("encoder", "prefill", "decode")}
-    config = load_config(write(tmp_path, {"model": {**MINIMAL["model"], "dtype": dtype, "device": device}, **pools}))
+    config = load_config(
+        write(tmp_path, {"model": {**MINIMAL["model"], "dtype": dtype, "device": device}, **pools})
+    )
     assert config.model.resolved_dtype == resolved
 
 
@@ -228,7 +273,10 @@ def test_one_encoder_pool_encodes_every_modality_of_the_model():
 
 
 def test_encoder_pools_split_by_modality():
-    pools = [{"num_workers": 2, "modalities": ["image", "video"]}, {"num_workers": 1, "modalities": ["audio"]}]
+    pools = [
+        {"num_workers": 2, "modalities": ["image", "video"]},
+        {"num_workers": 1, "modalities": ["audio"]},
+    ]
     config = ClusterConfig.model_validate({**MINIMAL, "encoder": pools})
     vision = frozenset({Modality.IMAGE, Modality.VIDEO})
     assert config.encoder_modalities(ALL) == [vision, vision, frozenset({Modality.AUDIO})]
@@ -241,7 +289,9 @@ def test_a_modality_without_an_encoder_is_named():
 
 
 def test_a_pool_for_a_modality_the_model_does_not_take_is_named():
-    config = ClusterConfig.model_validate({**MINIMAL, "encoder": {"modalities": ["image", "audio"]}})
+    config = ClusterConfig.model_validate(
+        {**MINIMAL, "encoder": {"modalities": ["image", "audio"]}}
+    )
     with pytest.raises(ConfigError, match=r"\['audio'\], which model 'm' does not take"):
         config.encoder_modalities(frozenset({Modality.IMAGE}))
 
@@ -253,7 +303,11 @@ def test_unknown_modality_is_rejected(tmp_path):
 
 def test_media_limits_and_sampling_defaults(tmp_path):
     config = load_config(write(tmp_path, MINIMAL))
-    assert (config.limits.max_audio_s, config.limits.max_video_s, config.limits.max_video_frames) == (600, 600, 256)
+    assert (
+        config.limits.max_audio_s,
+        config.limits.max_video_s,
+        config.limits.max_video_frames,
+    ) == (600, 600, 256)
     assert (config.media.video_fps, config.media.video_max_frames) == (2.0, 32)
     for section in (config.limits, config.media):
         assert all(field.description for field in type(section).model_fields.values())
@@ -263,7 +317,10 @@ def test_media_limits_and_sampling_defaults(tmp_path):
     "sections, needle",
     [
         ({"media": {"video_max_frames": 300}}, "must not exceed limits.max_video_frames"),
-        ({"media": {"video_max_frames": 20}, "limits": {"max_video_frames": 10}}, "video_max_frames"),
+        (
+            {"media": {"video_max_frames": 20}, "limits": {"max_video_frames": 10}},
+            "video_max_frames",
+        ),
         ({"media": {"video_fps": 0}}, "video_fps"),
         ({"media": {"video_fsp": 2}}, "video_fsp"),  # typo: extra keys are forbidden
         ({"limits": {"max_audio_s": 0}}, "max_audio_s"),
@@ -273,12 +330,22 @@ def test_media_limits_and_sampling_defaults(tmp_path):
 def test_media_config_is_validated(tmp_path, sections, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(write(tmp_path, {**MINIMAL, **sections}))
-    assert load_config(write(tmp_path, {**MINIMAL, "media": {"video_max_frames": 256}})).media.video_max_frames == 256
+    assert (
+        load_config(
+            write(tmp_path, {**MINIMAL, "media": {"video_max_frames": 256}})
+        ).media.video_max_frames
+        == 256
+    )
 
 
-@pytest.mark.parametrize("name, value", [("max_decode_s", 5.0), ("max_decode_memory_mb", 1024), ("max_decodes_per_process", 4)])
+@pytest.mark.parametrize(
+    "name, value",
+    [("max_decode_s", 5.0), ("max_decode_memory_mb", 1024), ("max_decodes_per_process", 4)],
+)
 def test_process_only_limits_are_refused_with_in_process_decoding(name, value):
-    assert LimitsConfig(**{name: value}).decode_in_process is False  # honoured by decoding processes
+    assert (
+        LimitsConfig(**{name: value}).decode_in_process is False
+    )  # honoured by decoding processes
     assert LimitsConfig(decode_in_process=True).decode_in_process  # defaults simply do not apply
     with pytest.raises(ValueError, match=f"limits.{name} applies to decoding processes only"):
         LimitsConfig(decode_in_process=True, **{name: value})

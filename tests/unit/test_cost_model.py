@@ -20,7 +20,11 @@ PRIORS = CostPriors(
     encode={"image": LinearCost(2.0, 10.0)},
     prefill_tokens_per_ms=10.0,
     prefill_fixed_ms=1.0,
-    bandwidth_gbps={Placement.SAME_PROCESS: 4.0, Placement.SAME_NODE: 1.0, Placement.CROSS_NODE: 0.5},
+    bandwidth_gbps={
+        Placement.SAME_PROCESS: 4.0,
+        Placement.SAME_NODE: 1.0,
+        Placement.CROSS_NODE: 0.5,
+    },
 )
 A = MediaJob("img-a", "image", 0.5, 100, 1_000_000)  # 2 + 5 = 7 ms
 B = MediaJob("img-b", "image", 1.0, 100, 1_000_000)  # 2 + 10 = 12 ms
@@ -30,7 +34,13 @@ REQUEST = RequestProfile(1000, (A, B), HASHES, block_size=16)
 
 def setup() -> tuple[ClusterView, CostModel]:
     """Encoder 0 and prefill 0 on node a, encoder 1 and prefill 1 on node b."""
-    workers = [WorkerInfo(E, 0, "a", IMG), WorkerInfo(E, 1, "b", IMG), WorkerInfo(P, 0, "a"), WorkerInfo(P, 1, "b"), WorkerInfo(D, 0, "a")]
+    workers = [
+        WorkerInfo(E, 0, "a", IMG),
+        WorkerInfo(E, 1, "b", IMG),
+        WorkerInfo(P, 0, "a"),
+        WorkerInfo(P, 1, "b"),
+        WorkerInfo(D, 0, "a"),
+    ]
     view = ClusterView(workers)
     view.refresh(0.0)
     return view, CostModel.for_view(PRIORS, view)
@@ -41,14 +51,18 @@ def test_default_priors_reproduce_the_seed_table():
     assert cost.encode_ms(0, "image", 0.113) == pytest.approx(5.0, abs=0.1)  # 336x336, ViT-L/14
     assert cost.encode_ms(0, "video", 30) == pytest.approx(48.0, abs=0.5)  # 10 s @ 3 fps
     assert cost.encode_ms(0, "audio", 30) == pytest.approx(85.0, abs=0.5)  # 30 s, Whisper-small
-    assert cost.encode_ms(0, "hologram", 1) == CostPriors().unknown_modality.fixed_ms  # unknown: a flat guess, not a crash
+    assert (
+        cost.encode_ms(0, "hologram", 1) == CostPriors().unknown_modality.fixed_ms
+    )  # unknown: a flat guess, not a crash
 
 
 def test_every_term_by_hand():
     view, cost = setup()
     view.begin(E, 0, 1, ms=7.0)
     view.begin(P, 0, 1, ms=30.0)
-    view.prefix_cache.publish(0, frozenset(HASHES[:3]), 0.0)  # prefill 0 holds 3 leading blocks = 48 tokens
+    view.prefix_cache.publish(
+        0, frozenset(HASHES[:3]), 0.0
+    )  # prefill 0 holds 3 leading blocks = 48 tokens
     est, misses, uncached = cost.evaluate(REQUEST, view, 0, 0)
     assert est.encoder_queue_ms == 7.0
     assert est.encode_ms == pytest.approx(19.0)  # 7 + 12
@@ -60,9 +74,18 @@ def test_every_term_by_hand():
     assert misses == (A, B)
     # encoder 1 (node b) to prefill 1 (node b): idle, uncached; to prefill 0 (node a): the transfer doubles
     est = cost.evaluate(REQUEST, view, 1, 1)[0]
-    assert (est.encoder_queue_ms, est.transfer_ms, est.prefill_queue_ms, est.prefill_ms) == (0.0, pytest.approx(2.0), 0.0, pytest.approx(101.0))
-    assert cost.evaluate(REQUEST, view, 1, 0)[0].transfer_ms == pytest.approx(4.0)  # 0.5 GB/s cross-node
-    assert view.placement(1, 0) is Placement.CROSS_NODE and view.placement(0, 0) is Placement.SAME_NODE
+    assert (est.encoder_queue_ms, est.transfer_ms, est.prefill_queue_ms, est.prefill_ms) == (
+        0.0,
+        pytest.approx(2.0),
+        0.0,
+        pytest.approx(101.0),
+    )
+    assert cost.evaluate(REQUEST, view, 1, 0)[0].transfer_ms == pytest.approx(
+        4.0
+    )  # 0.5 GB/s cross-node
+    assert (
+        view.placement(1, 0) is Placement.CROSS_NODE and view.placement(0, 0) is Placement.SAME_NODE
+    )
 
 
 def test_text_only_has_no_encoder_terms():
@@ -83,7 +106,9 @@ def test_cache_hits_zero_the_encode_term():
     # all hits: no encoding and no queue (the encoder answers hits before batching); embeddings still move
     assert (est.encode_ms, est.encoder_queue_ms, misses) == (0.0, 0.0, ())
     assert est.transfer_ms == pytest.approx(2.0)
-    assert cost.evaluate(REQUEST, view, 1, 0)[0].encode_ms == pytest.approx(19.0)  # the other encoder holds nothing
+    assert cost.evaluate(REQUEST, view, 1, 0)[0].encode_ms == pytest.approx(
+        19.0
+    )  # the other encoder holds nothing
 
 
 def test_an_identifier_twice_in_one_request_is_encoded_once():
@@ -151,24 +176,38 @@ def test_calibration_moves_the_estimate_toward_observations():
 
 
 def _drive(
-    cost: CostModel, rng: random.Random, workers: list[int], slowness: list[float], rounds: int, host: float = 1.0, sigma: float = 0.3
+    cost: CostModel,
+    rng: random.Random,
+    workers: list[int],
+    slowness: list[float],
+    rounds: int,
+    host: float = 1.0,
+    sigma: float = 0.3,
 ) -> None:
     """Prefill observations on `workers` (each `slowness` x the truth, x `host`, x lognormal noise)."""
     for _ in range(rounds):
         for p in workers:
             tokens = rng.randint(200, 3000)
-            cost.observe_prefill(p, tokens, host * slowness[p] * (5 + tokens / 8) * math.exp(rng.gauss(0, sigma)))
+            cost.observe_prefill(
+                p, tokens, host * slowness[p] * (5 + tokens / 8) * math.exp(rng.gauss(0, sigma))
+            )
 
 
 def test_a_burst_moves_the_pool_curve_not_one_workers_estimate():
     cost, rng = CostModel(PRIORS, num_encoders=1, num_prefill=4), random.Random(1)
     _drive(cost, rng, [0, 1, 2, 3], [1.0] * 4, rounds=60, sigma=0.05)
     steady = [cost.prefill_ms(p, 1000) for p in range(4)]
-    _drive(cost, rng, [0], [1.0] * 4, rounds=20, host=3.0, sigma=0.05)  # the host slows 3x while only worker 0 runs
+    _drive(
+        cost, rng, [0], [1.0] * 4, rounds=20, host=3.0, sigma=0.05
+    )  # the host slows 3x while only worker 0 runs
     burst = [cost.prefill_ms(p, 1000) for p in range(4)]
-    assert all(b > 2.0 * s for b, s in zip(burst, steady))  # every worker's estimate follows the host
+    assert all(
+        b > 2.0 * s for b, s in zip(burst, steady)
+    )  # every worker's estimate follows the host
     times = cost.relative_times(P)
-    assert times[0] < 1.35 and math.prod(times) == pytest.approx(1.0)  # worker 0 is not blamed for it
+    assert times[0] < 1.35 and math.prod(times) == pytest.approx(
+        1.0
+    )  # worker 0 is not blamed for it
     _drive(cost, rng, [0, 1, 2, 3], [1.0] * 4, rounds=10, sigma=0.05)  # the burst is over
     assert all(cost.prefill_ms(p, 1000) == pytest.approx(s, rel=0.35) for p, s in enumerate(steady))
 
@@ -179,13 +218,17 @@ def test_equal_workers_estimates_converge_and_a_slow_one_is_told_apart():
     for _ in range(300):  # noisy timings, workers in random order and unequal numbers
         _drive(cost, rng, [rng.randrange(8)], slowness, rounds=1, sigma=0.3)
     equal = [cost.prefill_ms(p, 1000) for p in range(7)]
-    assert max(equal) / min(equal) < 1.35  # per-worker fits of the same data disagreed by up to 1.8x
+    assert (
+        max(equal) / min(equal) < 1.35
+    )  # per-worker fits of the same data disagreed by up to 1.8x
     assert cost.prefill_ms(7, 1000) / (sum(equal) / 7) == pytest.approx(4.0, rel=0.3)
 
 
 def test_a_stale_slow_estimate_heals():
     cost, rng = CostModel(PRIORS, num_encoders=1, num_prefill=4), random.Random(3)
-    _drive(cost, rng, [0, 1, 2, 3], [4.0, 1.0, 1.0, 1.0], rounds=80, sigma=0.05)  # worker 0 was slow (a burst of its own)
+    _drive(
+        cost, rng, [0, 1, 2, 3], [4.0, 1.0, 1.0, 1.0], rounds=80, sigma=0.05
+    )  # worker 0 was slow (a burst of its own)
     assert cost.relative_times(P)[0] > 2.5
     _drive(cost, rng, [1, 2, 3], [1.0] * 4, rounds=120, sigma=0.05)  # the router then avoids it
     times = cost.relative_times(P)
@@ -198,8 +241,12 @@ def test_encoders_share_relative_times_across_modalities():
         size = rng.uniform(0.1, 2.0)
         for e, slow in ((0, 1.0), (1, 2.0)):
             cost.observe_encode(e, "image", size, slow * (3 + 20 * size))
-    assert cost.encode_ms(1, "image", 1.0) / cost.encode_ms(0, "image", 1.0) == pytest.approx(2.0, rel=0.15)
-    assert cost.encode_ms(1, "audio", 30) / cost.encode_ms(0, "audio", 30) == pytest.approx(2.0, rel=0.15)  # never seen
+    assert cost.encode_ms(1, "image", 1.0) / cost.encode_ms(0, "image", 1.0) == pytest.approx(
+        2.0, rel=0.15
+    )
+    assert cost.encode_ms(1, "audio", 30) / cost.encode_ms(0, "audio", 30) == pytest.approx(
+        2.0, rel=0.15
+    )  # never seen
 
 
 @pytest.mark.parametrize(
@@ -246,9 +293,19 @@ def test_a_2x_slower_worker_is_estimated_2x_slower(vary_sizes):
 def test_fits_never_go_negative_or_nan():
     fit = OnlineLinear(LinearCost(2.0, 10.0))
     rng = random.Random(1)
-    garbage = [(math.nan, 5.0), (1.0, math.nan), (1.0, math.inf), (-1.0, 5.0), (1.0, -5.0), (0.0, 0.0), (1e12, 1e-9)]
+    garbage = [
+        (math.nan, 5.0),
+        (1.0, math.nan),
+        (1.0, math.inf),
+        (-1.0, 5.0),
+        (1.0, -5.0),
+        (0.0, 0.0),
+        (1e12, 1e-9),
+    ]
     for _ in range(200):
-        x, y = rng.choice(garbage) if rng.random() < 0.3 else (rng.uniform(0, 3), rng.uniform(0, 100))
+        x, y = (
+            rng.choice(garbage) if rng.random() < 0.3 else (rng.uniform(0, 3), rng.uniform(0, 100))
+        )
         fit.observe(x, y)
         for probe in (0.0, 0.01, 1.0, 1e6):
             value = fit.predict(probe)
@@ -269,7 +326,9 @@ def test_transfer_calibration_and_monotone_placements():
     for _ in range(10):
         cost.observe_transfer(Placement.CROSS_NODE, 2_000_000, 40.0)
     assert cost.transfer_ms(Placement.CROSS_NODE, 2_000_000) > 20
-    for _ in range(10):  # a same-node link measured slower than cross-node is still priced no higher
+    for _ in range(
+        10
+    ):  # a same-node link measured slower than cross-node is still priced no higher
         cost.observe_transfer(Placement.SAME_NODE, 2_000_000, 400.0)
     t = cost.transfers(2_000_000)
     assert t[Placement.SAME_PROCESS] <= t[Placement.SAME_NODE] <= t[Placement.CROSS_NODE]
@@ -283,10 +342,17 @@ def test_priors_from_dict():
             "bandwidth_gbps": {"cross_node": 10},
         }
     )
-    assert priors.encode["image"] == LinearCost(1.0, 2.0) and priors.encode["depth"] == LinearCost(9.0, 0.0)
+    assert priors.encode["image"] == LinearCost(1.0, 2.0) and priors.encode["depth"] == LinearCost(
+        9.0, 0.0
+    )
     assert priors.encode["video"] == CostPriors().encode["video"]  # the rest keep their defaults
-    assert priors.prefill_tokens_per_ms == 5.0 and priors.bandwidth_gbps[Placement.CROSS_NODE] == 10.0
-    assert priors.bandwidth_gbps[Placement.SAME_NODE] == CostPriors().bandwidth_gbps[Placement.SAME_NODE]
+    assert (
+        priors.prefill_tokens_per_ms == 5.0 and priors.bandwidth_gbps[Placement.CROSS_NODE] == 10.0
+    )
+    assert (
+        priors.bandwidth_gbps[Placement.SAME_NODE]
+        == CostPriors().bandwidth_gbps[Placement.SAME_NODE]
+    )
     assert CostPriors.from_dict({}) == CostPriors()
     with pytest.raises(ValueError, match="prefill_tokens_per_sec"):
         CostPriors.from_dict({"prefill_tokens_per_sec": 1})
@@ -310,7 +376,9 @@ def test_lazy_fit_equals_a_fit_after_every_observation():
     assert lazy.coefficients() == eager.coefficients() and (lazy.a, lazy.b) == eager.coefficients()
     cost = CostModel(PRIORS, num_encoders=1, num_prefill=1)
     cost.observe_prefill(0, 1000, 500.0)
-    assert cost.prefill_ms(0, 1000) == cost.prefill_fit.curve.predict(1000) > 101  # the flat copy follows the fit
+    assert (
+        cost.prefill_ms(0, 1000) == cost.prefill_fit.curve.predict(1000) > 101
+    )  # the flat copy follows the fit
 
 
 def test_prefill_queue_credits_the_job_in_service():

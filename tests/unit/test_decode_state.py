@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from actors.engine.decode_state import DecodeScheduler, SeqStatus, Sequence, finish_reason, finish_reason_of
+from actors.engine.decode_state import (
+    DecodeScheduler,
+    SeqStatus,
+    Sequence,
+    finish_reason,
+    finish_reason_of,
+)
 from actors.types import DecodeRequest, FinishReason, SamplingParams
 
 EOS = 1
@@ -17,7 +23,9 @@ def remove_finished(sched: DecodeScheduler) -> list[int]:
     return keep
 
 
-def seq(rid: str, *, prompt: int = 5, first: int = 10, max_tokens: int = 16, stop=(EOS,)) -> Sequence:
+def seq(
+    rid: str, *, prompt: int = 5, first: int = 10, max_tokens: int = 16, stop=(EOS,)
+) -> Sequence:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=tuple(stop))
     return Sequence(DecodeRequest(rid, prompt, first, params), kv=object())
 
@@ -214,7 +222,10 @@ def test_history_is_prompt_plus_every_generated_token_only_when_needed():
     plain = seq("a")
     assert plain.history() == TokenHistory(), "no penalty: nothing to carry"
     params = SamplingParams(temperature=0.0, repetition_penalty=1.2)
-    resumed = Sequence(DecodeRequest("b", 7, 30, params, history=TokenHistory((1, 2, 3, 4, 5), (20, 21))), kv=object())
+    resumed = Sequence(
+        DecodeRequest("b", 7, 30, params, history=TokenHistory((1, 2, 3, 4, 5), (20, 21))),
+        kv=object(),
+    )
     sched = DecodeScheduler(max_batch_size=4, max_model_len=100)
     sched.add(resumed)
     sched.admit()

@@ -36,8 +36,14 @@ def _ray_up_config(name: str) -> dict:
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_config_loads(path: Path):
     config = load_config(path)
-    if config.model.device == "cuda":  # nccl between whole GPUs; the object store where workers share one
-        expected = Transport.NCCL if min(pool.num_gpus for _, pool in config.named_pools()) >= 1 else Transport.OBJECT_STORE
+    if (
+        config.model.device == "cuda"
+    ):  # nccl between whole GPUs; the object store where workers share one
+        expected = (
+            Transport.NCCL
+            if min(pool.num_gpus for _, pool in config.named_pools()) >= 1
+            else Transport.OBJECT_STORE
+        )
         assert config.transport.kv == config.transport.embeddings == expected
 
 
@@ -46,20 +52,30 @@ def test_cluster_yaml_node_types_hold_the_pinned_pools():
     types = raw["available_node_types"]
     assert "GPU" not in types[raw["head_node_type"]]["resources"]
     # the nodes ray up starts (min_workers), enough for every actor of every pool
-    workers = [NodeShape(name, t["resources"], t["min_workers"]) for name, t in types.items() if t.get("min_workers", 0) > 0]
+    workers = [
+        NodeShape(name, t["resources"], t["min_workers"])
+        for name, t in types.items()
+        if t.get("min_workers", 0) > 0
+    ]
     assert unplaceable(load_config(REPO_ROOT / "configs" / "multi_node.yaml"), workers) == []
 
 
 def test_cluster_yaml_sets_nodes_up_from_the_readme_setup():
     raw = _ray_up_config("cluster.yaml")
     assert raw["provider"]["type"] == "aws"
-    assert raw["file_mounts"] == {"~/epd": "."} and ".venv" in raw["rsync_exclude"]  # each node builds its own venv
+    assert (
+        raw["file_mounts"] == {"~/epd": "."} and ".venv" in raw["rsync_exclude"]
+    )  # each node builds its own venv
     setup = "\n".join(raw["setup_commands"])
-    assert "./scripts/setup" in setup and "epd build-model --config configs/multi_node.yaml" in setup
+    assert (
+        "./scripts/setup" in setup and "epd build-model --config configs/multi_node.yaml" in setup
+    )
     assert "torch.cuda.is_available()" in setup  # a GPU node without CUDA torch fails its setup
     # the autoscaler's monitor (head venv) imports boto3 for the AWS provider: the aws extra
     assert any(".[aws]" in c for c in raw["head_setup_commands"])
-    extras = __import__("tomllib").loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = __import__("tomllib").loads((REPO_ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
     assert any(dep.startswith("boto3") for dep in extras["aws"])
     assert any(p["FromPort"] == 8000 for p in raw["provider"]["security_group"]["IpPermissions"])
 
@@ -72,8 +88,12 @@ def _start_resources(commands: list[str]) -> dict:
 def test_local_cluster_yaml_offers_what_multi_node_cpu_pins():
     raw = _ray_up_config("cluster_local.yaml")
     assert raw["provider"] == {"type": "local", "head_ip": "127.0.0.1", "worker_ips": ["127.0.0.2"]}
-    assert ".venv" in raw["rsync_exclude"] and any("./scripts/setup" in c for c in raw["setup_commands"])
-    assert not any("ray stop" in c for c in raw["worker_start_ray_commands"])  # one host: it would stop the head too
+    assert ".venv" in raw["rsync_exclude"] and any(
+        "./scripts/setup" in c for c in raw["setup_commands"]
+    )
+    assert not any(
+        "ray stop" in c for c in raw["worker_start_ray_commands"]
+    )  # one host: it would stop the head too
     nodes = [
         NodeShape("head", {"CPU": 2, **_start_resources(raw["head_start_ray_commands"])}),
         NodeShape("worker", {"CPU": 3, **_start_resources(raw["worker_start_ray_commands"])}),
@@ -106,7 +126,9 @@ def test_rayservice_serves_the_serve_yaml_application():
     assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
     ServeDeploySchema.model_validate(v2)
     expected = _yaml(SERVE_YAML)
-    expected["applications"][0]["args"]["config"] = "configs/multi_node.yaml"  # the one difference: the GPU config
+    expected["applications"][0]["args"]["config"] = (
+        "configs/multi_node.yaml"  # the one difference: the GPU config
+    )
     assert v2 == expected
 
 
@@ -118,10 +140,20 @@ def test_rayservice_worker_groups_hold_the_pinned_pools():
     shapes = []
     for group in cluster["workerGroupSpecs"]:
         limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-        custom = json.loads(json.loads(group["rayStartParams"]["resources"]))  # KubeRay's quoted JSON string
+        custom = json.loads(
+            json.loads(group["rayStartParams"]["resources"])
+        )  # KubeRay's quoted JSON string
         shapes.append(
             NodeShape(
-                group["groupName"], {"CPU": float(limits["cpu"]), "GPU": float(limits.get("nvidia.com/gpu", 0)), **custom}, group["minReplicas"]
+                group["groupName"],
+                {
+                    "CPU": float(limits["cpu"]),
+                    "GPU": float(limits.get("nvidia.com/gpu", 0)),
+                    **custom,
+                },
+                group["minReplicas"],
             )
         )
-    assert unplaceable(load_config(REPO_ROOT / v2["applications"][0]["args"]["config"]), shapes) == []
+    assert (
+        unplaceable(load_config(REPO_ROOT / v2["applications"][0]["args"]["config"]), shapes) == []
+    )

@@ -61,7 +61,12 @@ def reference_emitted(text: str, stops: tuple[str, ...]) -> str:
 
 @pytest.mark.parametrize(
     "text",
-    [SAMPLE, 'def hello(name):\n    return f"Hello, {name}!"\n', "héllo 世界 ok 😀!", "a  b\n\n c 1234."],
+    [
+        SAMPLE,
+        'def hello(name):\n    return f"Hello, {name}!"\n',
+        "héllo 世界 ok 😀!",
+        "a  b\n\n c 1234.",
+    ],
 )
 def test_token_by_token_deltas_concatenate_to_decode(tok, text):
     ids = encode(tok, text)
@@ -90,7 +95,9 @@ def test_hidden_ids_never_appear(tok):
     ids = hello + [tok.eos_token_id] + encode(tok, " lake") + [hidden]
     detok = IncrementalText(tok, hidden_ids=(tok.eos_token_id, hidden))
     out = "".join(stream(detok, ids))
-    assert out == tok.decode([i for i in ids if i not in (tok.eos_token_id, hidden)], skip_special_tokens=True)
+    assert out == tok.decode(
+        [i for i in ids if i not in (tok.eos_token_id, hidden)], skip_special_tokens=True
+    )
     assert "</s>" not in out
 
 

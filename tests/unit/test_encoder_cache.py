@@ -23,12 +23,22 @@ def test_states_move_encoding_referenced_cached():
     cache = EncoderCache(capacity_bytes=100)
     assert cache.lookup("a", "r1") is None
     cache.start("a", "r1", pending="run-a")
-    assert _states(cache)[EntryState.ENCODING] == 1 and cache.stats().num_bytes[EntryState.ENCODING] == 0
-    assert cache.lookup("a", "r2") == (EntryState.ENCODING, "run-a")  # joins the run, no second tower pass
+    assert (
+        _states(cache)[EntryState.ENCODING] == 1
+        and cache.stats().num_bytes[EntryState.ENCODING] == 0
+    )
+    assert cache.lookup("a", "r2") == (
+        EntryState.ENCODING,
+        "run-a",
+    )  # joins the run, no second tower pass
     cache.fill("a", "A", 40)
     stats = cache.stats()
-    assert stats.entries[EntryState.REFERENCED] == 1 and stats.num_bytes[EntryState.REFERENCED] == 40
-    assert cache.release("r1") == 1 and _states(cache)[EntryState.REFERENCED] == 1  # r2 still needs it
+    assert (
+        stats.entries[EntryState.REFERENCED] == 1 and stats.num_bytes[EntryState.REFERENCED] == 40
+    )
+    assert (
+        cache.release("r1") == 1 and _states(cache)[EntryState.REFERENCED] == 1
+    )  # r2 still needs it
     assert cache.release("r2") == 1
     stats = cache.stats()
     assert stats.entries[EntryState.CACHED] == 1 and stats.num_bytes[EntryState.CACHED] == 40
@@ -45,13 +55,17 @@ def test_an_entry_in_use_survives_pressure_that_evicts_everything_else():
         cache.release(f"done{i}")
         cache.check_integrity()
     assert "pinned" in cache.identifiers() and cache.used_bytes <= 100
-    _encoded(cache, "big", "other", 90)  # referenced bytes now exceed the budget: nothing else stays
+    _encoded(
+        cache, "big", "other", 90
+    )  # referenced bytes now exceed the budget: nothing else stays
     assert cache.identifiers() == {"pinned", "big"} and cache.used_bytes == 150
     cache.check_integrity()
     assert cache.lookup("pinned", "live") == (EntryState.REFERENCED, "PINNED")
     cache.release("live")
     cache.release("other")
-    assert cache.used_bytes <= 100 and "big" in cache.identifiers()  # the most recently released stays
+    assert (
+        cache.used_bytes <= 100 and "big" in cache.identifiers()
+    )  # the most recently released stays
     assert cache.stats().evictions == 6
     cache.check_integrity()
 
@@ -76,7 +90,11 @@ def test_refs_are_released_when_the_request_ends_early():
     assert cache.release("req") == 2  # dropped before its items reached prefill
     assert _states(cache)[EntryState.REFERENCED] == 0
     cache.fill("b", "B", 10)  # its encode finishes after the drop: cached, not pinned
-    assert _states(cache) == {EntryState.ENCODING: 0, EntryState.REFERENCED: 0, EntryState.CACHED: 2}
+    assert _states(cache) == {
+        EntryState.ENCODING: 0,
+        EntryState.REFERENCED: 0,
+        EntryState.CACHED: 2,
+    }
     cache.check_integrity()
 
 

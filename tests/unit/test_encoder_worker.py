@@ -21,17 +21,28 @@ NUM_EMBEDDINGS = 16  # tiny-llava: one image, 16 placeholder tokens
 
 @pytest.fixture(scope="module")
 def worker(ckpt) -> EncoderWorker:
-    return EncoderWorker(WorkerSpec(str(ckpt), "float32", "cpu", 1, 256), max_batch_size=4, max_wait_ms=5, cache_mb=64)
+    return EncoderWorker(
+        WorkerSpec(str(ckpt), "float32", "cpu", 1, 256),
+        max_batch_size=4,
+        max_wait_ms=5,
+        cache_mb=64,
+    )
 
 
 def _job(request_id: str, colour: int, num_embeddings: int = NUM_EMBEDDINGS) -> EncodeJob:
     image = np.full((32, 32, 3), colour, dtype=np.uint8)
-    return EncodeJob(request_id, MediaItem(Modality.IMAGE, f"img-{colour}", data=image), num_embeddings)
+    return EncodeJob(
+        request_id, MediaItem(Modality.IMAGE, f"img-{colour}", data=image), num_embeddings
+    )
 
 
 def _held(worker: EncoderWorker) -> tuple[int, int, int]:
     stats = worker.stats()
-    return stats["cache_encoding_entries"], stats["cache_referenced_entries"], stats["cache_cached_entries"]
+    return (
+        stats["cache_encoding_entries"],
+        stats["cache_referenced_entries"],
+        stats["cache_cached_entries"],
+    )
 
 
 def test_concurrent_requests_for_one_item_share_one_tower_pass(worker):
@@ -52,8 +63,12 @@ def test_concurrent_requests_for_one_item_share_one_tower_pass(worker):
 
 def test_a_failed_pass_fails_every_waiter_and_pins_nothing(worker):
     async def both():
-        wrong = _job("r3", 20, num_embeddings=NUM_EMBEDDINGS + 1)  # the tower gives 16: the pass is refused
-        return await asyncio.gather(worker.encode(wrong), worker.encode(_job("r4", 20)), return_exceptions=True)
+        wrong = _job(
+            "r3", 20, num_embeddings=NUM_EMBEDDINGS + 1
+        )  # the tower gives 16: the pass is refused
+        return await asyncio.gather(
+            worker.encode(wrong), worker.encode(_job("r4", 20)), return_exceptions=True
+        )
 
     before = _held(worker)
     results = asyncio.run(both())

@@ -19,24 +19,34 @@ from actors.engine.lm_runner import LMRunner  # noqa: E402
 from actors.engine.prefill import PrefillEngine, PrefillOutput  # noqa: E402
 from actors.types import MediaItem, PrefillRequest  # noqa: E402
 from router.types import Modality  # noqa: E402
-from tests.unit.test_lm_runner import GREEDY, encoder, hf_greedy, hf_model, lm, placeholder_ranges, processor  # noqa: E402,F401
+from tests.unit.test_lm_runner import (
+    GREEDY,
+    hf_greedy,
+    placeholder_ranges,
+)  # noqa: E402,F401
 
 LONG_TEXT = "Here is a long description of the scene that comes before the picture itself. " * 4
 BIG_CACHE = 1 << 30
 
 
-def text_then_images(processor, image_token_id: int, arrays: list[np.ndarray], question: str = "What is in it?"):
+def text_then_images(
+    processor, image_token_id: int, arrays: list[np.ndarray], question: str = "What is in it?"
+):
     content = [{"type": "text", "text": LONG_TEXT}]
     for i, _ in enumerate(arrays):  # text between images: their placeholder runs stay apart
         content += [{"type": "text", "text": " and "}] * (i > 0) + [{"type": "image"}]
     content.append({"type": "text", "text": question})
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True
+    )
     inputs = processor(text=text, images=[Image.fromarray(a) for a in arrays], return_tensors="pt")
     token_ids = inputs["input_ids"][0].tolist()
     return tuple(token_ids), placeholder_ranges(token_ids, image_token_id), inputs
 
 
-def prefill_late(engine: PrefillEngine, request: PrefillRequest, late: dict[int, tuple[int, torch.Tensor]]):
+def prefill_late(
+    engine: PrefillEngine, request: PrefillRequest, late: dict[int, tuple[int, torch.Tensor]]
+):
     """Step an engine holding `request` without the `late` items: item slot -> (step before
     which it arrives, embeddings); an engine with nothing to do gets the next item at once.
     Returns the output, num_computed after each step, the step each item arrived before
@@ -57,11 +67,18 @@ def prefill_late(engine: PrefillEngine, request: PrefillRequest, late: dict[int,
         step += 1
 
 
-def decode_tokens(runner: LMRunner, out: PrefillOutput, num_prompt_tokens: int, num_tokens: int) -> list[int]:
+def decode_tokens(
+    runner: LMRunner, out: PrefillOutput, num_prompt_tokens: int, num_tokens: int
+) -> list[int]:
     batch, tokens = kv.BatchedKV(), [out.first.token_id]
     batch.join(out.packed_kv)
     for i in range(num_tokens - 1):
-        tokens += [s.token_id for s in runner.decode_step(batch, [tokens[-1]], [GREEDY], [num_prompt_tokens + i], [out.rope_delta])]
+        tokens += [
+            s.token_id
+            for s in runner.decode_step(
+                batch, [tokens[-1]], [GREEDY], [num_prompt_tokens + i], [out.rope_delta]
+            )
+        ]
     return tokens
 
 
@@ -74,11 +91,16 @@ def up_front(lm, request: PrefillRequest, items: list[torch.Tensor], budget: int
 
 
 def embed(encoder, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-    return [encoder.encode([MediaItem(Modality.IMAGE, f"img{i}", data=a)])[0] for i, a in enumerate(arrays)]
+    return [
+        encoder.encode([MediaItem(Modality.IMAGE, f"img{i}", data=a)])[0]
+        for i, a in enumerate(arrays)
+    ]
 
 
 @pytest.mark.parametrize("budget", [16, 512])
-def test_text_before_the_image_goes_while_the_encoder_runs(lm, encoder, hf_model, processor, budget):
+def test_text_before_the_image_goes_while_the_encoder_runs(
+    lm, encoder, hf_model, processor, budget
+):
     array = np.random.default_rng(3).integers(0, 256, (40, 50, 3), dtype=np.uint8)
     ids, ranges, inputs = text_then_images(processor, hf_model.config.image_token_id, [array])
     [emb] = embed(encoder, [array])
@@ -87,8 +109,12 @@ def test_text_before_the_image_goes_while_the_encoder_runs(lm, encoder, hf_model
     engine.add(request)
     while engine.has_work:
         engine.step()
-    assert engine.jobs["r"].num_computed == ranges[0].offset > 0, "the text before the image is prefilled, not a token of the image"
-    assert engine.stats()["waiting_for_items"] == 1 and engine.step() == [], "it waits without busying the loop"
+    assert engine.jobs["r"].num_computed == ranges[0].offset > 0, (
+        "the text before the image is prefilled, not a token of the image"
+    )
+    assert engine.stats()["waiting_for_items"] == 1 and engine.step() == [], (
+        "it waits without busying the loop"
+    )
 
     out, *_ = prefill_late(engine, request, {0: (0, emb)})
     want = up_front(lm, request, [emb], budget)
@@ -98,7 +124,9 @@ def test_text_before_the_image_goes_while_the_encoder_runs(lm, encoder, hf_model
     assert not engine.jobs and not engine.has_work
 
 
-def test_a_prefix_shorter_than_min_early_tokens_waits_and_goes_in_one_forward(lm, encoder, hf_model, processor):
+def test_a_prefix_shorter_than_min_early_tokens_waits_and_goes_in_one_forward(
+    lm, encoder, hf_model, processor
+):
     """min_early_tokens above the text before the image: the request costs no step until the
     image comes, then the prompt goes in one chunk, token-exact; the wait is item wait, not
     queue. An abort while it is held leaves nothing."""
@@ -109,42 +137,63 @@ def test_a_prefix_shorter_than_min_early_tokens_waits_and_goes_in_one_forward(lm
     engine = PrefillEngine(LMRunner(lm), 512, min_early_tokens=ranges[0].offset + 1)
     engine.add(request)
     assert not engine.has_work and not engine.jobs, "held aside: not a step until the image comes"
-    assert engine.stats()["waiting_for_items"] == 1 and engine.stats()["queued"] == 1, "parked: seen by drain checks"
+    assert engine.stats()["waiting_for_items"] == 1 and engine.stats()["queued"] == 1, (
+        "parked: seen by drain checks"
+    )
     time.sleep(0.05)
     out, progress, *_ = prefill_late(engine, request, {0: (0, emb)})
     assert progress == [len(ids)], "one step: the whole prompt"
-    assert out.item_wait_ms >= 50 and out.queue_ms < 50, "the wait for the image is item wait, not queueing"
+    assert out.item_wait_ms >= 50 and out.queue_ms < 50, (
+        "the wait for the image is item wait, not queueing"
+    )
     assert decode_tokens(engine.runner, out, len(ids), 6) == hf_greedy(hf_model, 6, **inputs)
     engine.add(PrefillRequest("gone", ids, ranges, GREEDY, media_identifiers=("img0",)))
     engine.abort("gone")
     engine.add_item("gone", 0, emb)  # a late item of an aborted request goes nowhere
     while engine.has_work:
         assert engine.step() == []
-    assert not engine.jobs and engine.stats()["waiting_for_items"] == 0 and engine.stats()["queued"] == 0
+    assert (
+        not engine.jobs
+        and engine.stats()["waiting_for_items"] == 0
+        and engine.stats()["queued"] == 0
+    )
 
 
 def test_items_out_of_order_and_a_text_request_is_not_held(lm, encoder, hf_model, processor):
     """Two images; the second arrives first and waits for the first, while a text-only
     request added later finishes in the meantime."""
     rng = np.random.default_rng(4)
-    arrays = [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), rng.integers(0, 256, (48, 40, 3), dtype=np.uint8)]
-    ids, ranges, inputs = text_then_images(processor, hf_model.config.image_token_id, arrays, "Compare them.")
+    arrays = [
+        rng.integers(0, 256, (32, 32, 3), dtype=np.uint8),
+        rng.integers(0, 256, (48, 40, 3), dtype=np.uint8),
+    ]
+    ids, ranges, inputs = text_then_images(
+        processor, hf_model.config.image_token_id, arrays, "Compare them."
+    )
     embs = embed(encoder, arrays)
     request = PrefillRequest("r", ids, ranges, GREEDY, media_identifiers=("img0", "img1"))
     engine = PrefillEngine(LMRunner(lm), 16)
     engine.add(request)
     engine.add(PrefillRequest("text", tuple(range(20, 60)), (), GREEDY))
     assert len(ranges) == 2
-    out, progress, arrived, others = prefill_late(engine, request, {1: (1, embs[1]), 0: (30, embs[0])})
-    assert arrived[1] < others["text"] < arrived[0], "the text request finished while the image request waited"
-    assert max(progress[: arrived[0]]) == ranges[0].offset, "the text goes, nothing of the first image's span before it arrives"
+    out, progress, arrived, others = prefill_late(
+        engine, request, {1: (1, embs[1]), 0: (30, embs[0])}
+    )
+    assert arrived[1] < others["text"] < arrived[0], (
+        "the text request finished while the image request waited"
+    )
+    assert max(progress[: arrived[0]]) == ranges[0].offset, (
+        "the text goes, nothing of the first image's span before it arrives"
+    )
     assert not engine.jobs
     want = up_front(lm, request, embs, 16)
     torch.testing.assert_close(out.packed_kv, want.packed_kv, rtol=1e-5, atol=1e-5)
     assert decode_tokens(engine.runner, out, len(ids), 6) == hf_greedy(hf_model, 6, **inputs)
 
 
-def test_a_prefix_hit_needs_no_late_item_and_one_arriving_after_the_end_is_dropped(lm, encoder, hf_model, processor):
+def test_a_prefix_hit_needs_no_late_item_and_one_arriving_after_the_end_is_dropped(
+    lm, encoder, hf_model, processor
+):
     array = np.random.default_rng(5).integers(0, 256, (40, 40, 3), dtype=np.uint8)
     ids, ranges, _ = text_then_images(processor, hf_model.config.image_token_id, [array])
     [emb] = embed(encoder, [array])
@@ -163,7 +212,12 @@ def test_a_prefix_hit_needs_no_late_item_and_one_arriving_after_the_end_is_dropp
     engine.step()
     assert not engine.jobs and engine.pool.num_referenced() == 0
     want_ids = hf_greedy(
-        hf_model, 6, input_ids=torch.tensor([follow_up]), pixel_values=processor(images=[Image.fromarray(array)], return_tensors="pt")["pixel_values"]
+        hf_model,
+        6,
+        input_ids=torch.tensor([follow_up]),
+        pixel_values=processor(images=[Image.fromarray(array)], return_tensors="pt")[
+            "pixel_values"
+        ],
     )
     assert decode_tokens(engine.runner, out, len(follow_up), 6) == want_ids
 
@@ -173,12 +227,16 @@ def test_abort_while_waiting_for_an_item_frees_everything(lm, encoder, hf_model,
     ids, ranges, _ = text_then_images(processor, hf_model.config.image_token_id, [array])
     [emb] = embed(encoder, [array])
     engine = PrefillEngine(LMRunner(lm), 512, block_size=4, cache_bytes=BIG_CACHE)
-    engine.add(PrefillRequest("warm", ids[: ranges[0].offset], (), GREEDY))  # its blocks become this request's cached prefix
+    engine.add(
+        PrefillRequest("warm", ids[: ranges[0].offset], (), GREEDY)
+    )  # its blocks become this request's cached prefix
     while engine.has_work:
         engine.step()
     engine.add(PrefillRequest("r", ids, ranges, GREEDY, media_identifiers=("img0",)))
     engine.step()
-    assert engine.pool.num_referenced() > 0 and not engine.has_work, "waiting for its image, holding cached blocks"
+    assert engine.pool.num_referenced() > 0 and not engine.has_work, (
+        "waiting for its image, holding cached blocks"
+    )
     engine.abort("r")
     assert engine.has_work
     engine.step()
@@ -197,7 +255,9 @@ def served_late(encoder, runner: LMRunner, plan, num_tokens: int, budget: int = 
     engine.add(request)
     late = {slot: (4 * (len(embeddings) - slot), e) for slot, e in enumerate(embeddings)}
     out, progress, arrived, _ = prefill_late(engine, request, late)
-    assert 0 < max(progress[: arrived[0]]) <= plan.placeholders[0].offset, "text first, no item before it arrives"
+    assert 0 < max(progress[: arrived[0]]) <= plan.placeholders[0].offset, (
+        "text first, no item before it arrives"
+    )
     return decode_tokens(runner, out, len(plan.token_ids), num_tokens)
 
 

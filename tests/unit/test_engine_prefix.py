@@ -15,43 +15,72 @@ from actors.engine.lm_runner import LMRunner  # noqa: E402
 from actors.engine.prefill import PrefillEngine  # noqa: E402
 from actors.types import MediaItem, PrefillRequest  # noqa: E402
 from router.types import Modality  # noqa: E402
-from tests.unit.test_lm_runner import GREEDY, encoder, engines, hf_greedy, hf_model, lm, placeholder_ranges, processor, run_engines  # noqa: E402,F401
+from tests.unit.test_lm_runner import (
+    GREEDY,
+    engines,
+    hf_greedy,
+    placeholder_ranges,
+    run_engines,
+)  # noqa: E402,F401
 
 BIG_CACHE = 1 << 30
 
 
 def image_prompt(processor, image_token_id: int, array: np.ndarray, question: str):
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+    ]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
     inputs = processor(text=text, images=[Image.fromarray(array)], return_tensors="pt")
     token_ids = inputs["input_ids"][0].tolist()
     return token_ids, placeholder_ranges(token_ids, image_token_id), inputs
 
 
-@pytest.mark.parametrize("block_size,token_budget,cache_blocks", [(4, 7, None), (5, 512, None), (16, 16, None), (4, 7, 6)])
-def test_warm_prefix_matches_generate(lm, encoder, hf_model, processor, block_size, token_budget, cache_blocks):
+@pytest.mark.parametrize(
+    "block_size,token_budget,cache_blocks",
+    [(4, 7, None), (5, 512, None), (16, 16, None), (4, 7, 6)],
+)
+def test_warm_prefix_matches_generate(
+    lm, encoder, hf_model, processor, block_size, token_budget, cache_blocks
+):
     """Turn 2 repeats turn 1's prompt and image and adds text; turn 3 repeats turn 1 exactly.
     `cache_blocks`: a budget of that many blocks, so eviction runs while prefixes are in use."""
     array = np.random.default_rng(1).integers(0, 256, (40, 50, 3), dtype=np.uint8)
-    token_ids, ranges, inputs = image_prompt(processor, hf_model.config.image_token_id, array, "What is in this image?")
+    token_ids, ranges, inputs = image_prompt(
+        processor, hf_model.config.image_token_id, array, "What is in this image?"
+    )
     [emb] = encoder.encode([MediaItem(Modality.IMAGE, "a", data=array)])
     follow_up = token_ids + [21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]
-    prompts = [(tuple(token_ids), ranges, [emb], 6), (tuple(follow_up), ranges, [emb], 6), (tuple(token_ids), ranges, [emb], 6)]
+    prompts = [
+        (tuple(token_ids), ranges, [emb], 6),
+        (tuple(follow_up), ranges, [emb], 6),
+        (tuple(token_ids), ranges, [emb], 6),
+    ]
     cfg = lm.config.text_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    block_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * block_size * 4  # float32
+    block_bytes = (
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * block_size * 4
+    )  # float32
     cache = BIG_CACHE if cache_blocks is None else cache_blocks * block_bytes
     prefill, decode = engines(lm, token_budget, cache, block_size)
-    got, cached = run_engines(prompts, [0, 60, 120], prefill, decode, [("id-a",)] * 3, expect_batching=False)
+    got, cached = run_engines(
+        prompts, [0, 60, 120], prefill, decode, [("id-a",)] * 3, expect_batching=False
+    )
 
     for i, (ids, _, _, max_tokens) in enumerate(prompts):
-        want = hf_greedy(hf_model, max_tokens, input_ids=torch.tensor([ids]), pixel_values=inputs["pixel_values"])
+        want = hf_greedy(
+            hf_model, max_tokens, input_ids=torch.tensor([ids]), pixel_values=inputs["pixel_values"]
+        )
         assert got[f"r{i}"] == want, f"turn {i + 1}"
     assert cached["r0"] == 0
     if cache_blocks is None:
         full = (len(token_ids) // block_size) * block_size
-        assert cached["r1"] == full > ranges[0].offset + ranges[0].length, "turn 2 reuses turn 1's blocks, image included"
-        assert cached["r2"] == ((len(token_ids) - 1) // block_size) * block_size, "a full hit still computes the last token"
+        assert cached["r1"] == full > ranges[0].offset + ranges[0].length, (
+            "turn 2 reuses turn 1's blocks, image included"
+        )
+        assert cached["r2"] == ((len(token_ids) - 1) // block_size) * block_size, (
+            "a full hit still computes the last token"
+        )
     else:
         assert prefill.pool.stats.evictions > 0 and prefill.pool.num_bytes <= cache
     assert prefill.stats()["prefix_hit_blocks"] == sum(cached.values()) // block_size
@@ -64,10 +93,16 @@ def test_equal_token_ids_different_images_never_share_kv(lm, encoder, hf_model, 
     prompts = [image_prompt(processor, hf_model.config.image_token_id, a, "What?") for a in arrays]
     assert prompts[0][0] == prompts[1][0], "the test needs equal token ids"
     token_ids, ranges, _ = prompts[0]
-    embs = [encoder.encode([MediaItem(Modality.IMAGE, f"img{i}", data=a)])[0] for i, a in enumerate(arrays)]
+    embs = [
+        encoder.encode([MediaItem(Modality.IMAGE, f"img{i}", data=a)])[0]
+        for i, a in enumerate(arrays)
+    ]
 
     def prefill_once(engine, name, emb, identifier):
-        engine.add(PrefillRequest(name, tuple(token_ids), ranges, GREEDY, media_identifiers=(identifier,)), [emb])
+        engine.add(
+            PrefillRequest(name, tuple(token_ids), ranges, GREEDY, media_identifiers=(identifier,)),
+            [emb],
+        )
         while not (outs := engine.step()):
             pass
         return outs[0]
@@ -77,7 +112,9 @@ def test_equal_token_ids_different_images_never_share_kv(lm, encoder, hf_model, 
     b = prefill_once(warm, "b", embs[1], "id-blue")
     cold_b = prefill_once(PrefillEngine(LMRunner(lm), 8, block_size=4), "b", embs[1], "id-blue")
     warm.pool.check_integrity()
-    assert 0 < b.num_cached_tokens <= ranges[0].offset, "only the text before the image may be shared"
+    assert 0 < b.num_cached_tokens <= ranges[0].offset, (
+        "only the text before the image may be shared"
+    )
     torch.testing.assert_close(b.packed_kv, cold_b.packed_kv, rtol=1e-5, atol=1e-5)
     image_end = ranges[0].offset + ranges[0].length
     assert not torch.allclose(a.packed_kv[..., :image_end, :], b.packed_kv[..., :image_end, :])
@@ -86,7 +123,13 @@ def test_equal_token_ids_different_images_never_share_kv(lm, encoder, hf_model, 
         1,
         **processor(
             text=processor.apply_chat_template(
-                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}], add_generation_prompt=True
+                [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image"}, {"type": "text", "text": "What?"}],
+                    }
+                ],
+                add_generation_prompt=True,
             ),
             images=[Image.fromarray(arrays[1])],
             return_tensors="pt",

@@ -25,11 +25,19 @@ RNG = np.random.default_rng(7)
 
 def tone(seconds: float, hz: float, rate: int = 16000) -> np.ndarray:
     t = np.arange(int(seconds * rate)) / rate
-    return (0.5 * np.sin(2 * np.pi * hz * t) + 0.05 * RNG.standard_normal(t.size)).astype(np.float32)
+    return (0.5 * np.sin(2 * np.pi * hz * t) + 0.05 * RNG.standard_normal(t.size)).astype(
+        np.float32
+    )
 
 
 def item(modality: Modality, data: np.ndarray, fps: float | None = None) -> MediaItem:
-    return MediaItem(modality, media_identifier("test", modality, data), data, 16000 if modality == Modality.AUDIO else None, fps)
+    return MediaItem(
+        modality,
+        media_identifier("test", modality, data),
+        data,
+        16000 if modality == Modality.AUDIO else None,
+        fps,
+    )
 
 
 def image(h: int, w: int) -> MediaItem:
@@ -45,11 +53,16 @@ def media(parts) -> list[MediaItem]:
 
 
 def message(*parts) -> list[dict]:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": p.modality.value} for p in parts]
+    content = [
+        {"type": "text", "text": p} if isinstance(p, str) else {"type": p.modality.value}
+        for p in parts
+    ]
     return [{"role": "user", "content": content}]
 
 
-def reference(model, processor, messages: list[dict], items: list[MediaItem], max_new_tokens: int) -> list[int]:
+def reference(
+    model, processor, messages: list[dict], items: list[MediaItem], max_new_tokens: int
+) -> list[int]:
     """The model's own processor + chat template + greedy generate."""
     by = {m: [i for i in items if i.modality == m] for m in Modality}
     kwargs = {}
@@ -60,14 +73,18 @@ def reference(model, processor, messages: list[dict], items: list[MediaItem], ma
         # fps for the Omni processor, per-video metadata for Qwen2.5-VL's (which else assumes 24 fps)
         kwargs["videos_kwargs"] = {
             "fps": by[Modality.VIDEO][0].frames_per_s,
-            "video_metadata": [{"total_num_frames": len(i.data), "fps": i.frames_per_s} for i in by[Modality.VIDEO]],
+            "video_metadata": [
+                {"total_num_frames": len(i.data), "fps": i.frames_per_s} for i in by[Modality.VIDEO]
+            ],
         }
     if by[Modality.AUDIO]:
         kwargs["audio"] = [i.data for i in by[Modality.AUDIO]]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=[text], return_tensors="pt", **kwargs)
     with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
+        out = model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
+        )
     return inputs["input_ids"][0].tolist(), out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
@@ -77,7 +94,12 @@ def served(encoder, runner: LMRunner, plan, max_new_tokens: int) -> list[int]:
     batch, tokens = kv.BatchedKV(), [first.token_id]
     batch.join(packed)
     for step in range(max_new_tokens - 1):
-        tokens += [s.token_id for s in runner.decode_step(batch, [tokens[-1]], [GREEDY], [len(plan.token_ids) + step], [delta])]
+        tokens += [
+            s.token_id
+            for s in runner.decode_step(
+                batch, [tokens[-1]], [GREEDY], [len(plan.token_ids) + step], [delta]
+            )
+        ]
     return tokens
 
 
@@ -88,7 +110,10 @@ def omni(omni_ckpt):
         AutoProcessor.from_pretrained(omni_ckpt),
         PromptPlanner(omni_ckpt),
         load_adapter(omni_ckpt, part=Part.ENCODER, dtype="float32", device="cpu"),
-        LMRunner(load_adapter(omni_ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64),
+        LMRunner(
+            load_adapter(omni_ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"),
+            max_chunk_tokens=64,
+        ),
     )
 
 
@@ -96,7 +121,13 @@ OMNI_CASES = {
     "image": lambda: ["Look ", image(60, 90), " what?"],
     "video": lambda: [video(6, 40, 56), "Describe it."],
     "audio": lambda: ["Hear ", item(Modality.AUDIO, tone(1.5, 440))],
-    "image+audio+text": lambda: ["A ", image(50, 50), " then ", item(Modality.AUDIO, tone(2.0, 880)), " and text."],
+    "image+audio+text": lambda: [
+        "A ",
+        image(50, 50),
+        " then ",
+        item(Modality.AUDIO, tone(2.0, 880)),
+        " and text.",
+    ],
     "two videos": lambda: [video(4, 30, 30, fps=1.0), " vs ", video(5, 56, 40, fps=1.0)],
     "long audio": lambda: ["Long: ", item(Modality.AUDIO, tone(9.0, 330))],
 }
@@ -106,7 +137,9 @@ def check_matches_generate(family, parts) -> None:
     """The plan equals the processor's tokens and the served tokens equal `generate`'s."""
     model, processor, planner, encoder, runner = family
     plan = planner.plan(message(*parts), media(parts))
-    windowed = planner.window_audio(message(*parts), media(parts))[0]  # the reference gets the same windows
+    windowed = planner.window_audio(message(*parts), media(parts))[
+        0
+    ]  # the reference gets the same windows
     want_ids, want = reference(model, processor, windowed, list(plan.items), 8)
     assert list(plan.token_ids) == want_ids
     assert served(encoder, runner, plan, 8) == want
@@ -124,7 +157,10 @@ def test_omni_items_arriving_after_the_text_match_generate(omni):
     model, processor, planner, encoder, runner = omni
     parts = OMNI_CASES["image+audio+text"]()
     plan = planner.plan(message(*parts), media(parts))
-    assert served_late(encoder, runner, plan, 8) == reference(model, processor, message(*parts), list(plan.items), 8)[1]
+    assert (
+        served_late(encoder, runner, plan, 8)
+        == reference(model, processor, message(*parts), list(plan.items), 8)[1]
+    )
 
 
 def encode_batched(encoder, plans) -> list[list[torch.Tensor]]:
@@ -139,13 +175,21 @@ def encode_batched(encoder, plans) -> list[list[torch.Tensor]]:
     return out
 
 
-def generate_batched(family, cases: list[list], num_tokens: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+def generate_batched(
+    family, cases: list[list], num_tokens: int
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """Every case at once: one encoder batch per modality, one decode batch with each row's
     own rope delta; (served tokens, each case's own generate, the rope deltas)."""
     model, processor, planner, encoder, runner = family
     plans = [planner.plan(message(*parts), media(parts)) for parts in cases]
     wants = [
-        reference(model, processor, planner.window_audio(message(*parts), media(parts))[0], list(plan.items), num_tokens)[1]
+        reference(
+            model,
+            processor,
+            planner.window_audio(message(*parts), media(parts))[0],
+            list(plan.items),
+            num_tokens,
+        )[1]
         for parts, plan in zip(cases, plans)
     ]
     batch, tokens, deltas = kv.BatchedKV(), [], []
@@ -155,7 +199,13 @@ def generate_batched(family, cases: list[list], num_tokens: int) -> tuple[list[l
         tokens.append([first.token_id])
         deltas.append(delta)
     for step in range(num_tokens - 1):
-        nxt = runner.decode_step(batch, [t[-1] for t in tokens], [GREEDY] * len(plans), [len(p.token_ids) + step for p in plans], deltas)
+        nxt = runner.decode_step(
+            batch,
+            [t[-1] for t in tokens],
+            [GREEDY] * len(plans),
+            [len(p.token_ids) + step for p in plans],
+            deltas,
+        )
         for t, token in zip(tokens, nxt):
             t.append(token.token_id)
     return tokens, wants, deltas
@@ -163,7 +213,9 @@ def generate_batched(family, cases: list[list], num_tokens: int) -> tuple[list[l
 
 def test_omni_batched_encode_and_decode(omni):
     """All cases at once: each row still equals its own generate."""
-    tokens, wants, deltas = generate_batched(omni, [OMNI_CASES[name]() for name in sorted(OMNI_CASES)], 6)
+    tokens, wants, deltas = generate_batched(
+        omni, [OMNI_CASES[name]() for name in sorted(OMNI_CASES)], 6
+    )
     assert len(set(deltas)) > 2, "the cases should exercise different rope deltas"
     assert tokens == wants
 
@@ -178,7 +230,9 @@ def test_omni_frames_one_or_three_pixels_high_encode_as_planned(omni, height, wi
     plan = planner.plan(message("Watch", clip), [clip])
     frames = torch.from_numpy(clip.data).permute(0, 3, 1, 2)  # T x C x H x W
     inputs = processor.video_processor([frames], return_tensors="pt")
-    want = model.model.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]).pooler_output[0]
+    want = model.model.get_video_features(
+        inputs["pixel_values_videos"], inputs["video_grid_thw"]
+    ).pooler_output[0]
     assert inputs["video_grid_thw"].tolist() == [list(plan.placeholders[0].grid_thw)]
     rows = encoder.encode([clip])[0]
     assert rows.shape[0] == plan.num_embeddings[0] == want.shape[0]
@@ -201,7 +255,10 @@ def qwen2_audio(audio_ckpt):
         AutoProcessor.from_pretrained(audio_ckpt),
         PromptPlanner(audio_ckpt),
         load_adapter(audio_ckpt, part=Part.ENCODER, dtype="float32", device="cpu"),
-        LMRunner(load_adapter(audio_ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64),
+        LMRunner(
+            load_adapter(audio_ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"),
+            max_chunk_tokens=64,
+        ),
     )
 
 
@@ -213,7 +270,12 @@ def _audio_model(path):
 
 AUDIO_CASES = {
     "one clip": lambda: [item(Modality.AUDIO, tone(2.5, 440)), "What is this?"],
-    "two clips": lambda: ["First ", item(Modality.AUDIO, tone(1.0, 300)), " second ", item(Modality.AUDIO, tone(3.0, 600))],
+    "two clips": lambda: [
+        "First ",
+        item(Modality.AUDIO, tone(1.0, 300)),
+        " second ",
+        item(Modality.AUDIO, tone(3.0, 600)),
+    ],
     "long clip": lambda: [item(Modality.AUDIO, tone(10.5, 500)), "Summarise."],
 }
 

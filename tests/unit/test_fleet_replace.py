@@ -22,7 +22,13 @@ class _Actor:
 def _fleet(monkeypatch, form_results: list[bool]) -> tuple[Fleet, list[str]]:
     """A fleet of one worker per kind whose group formations succeed or fail in turn."""
     killed: list[str] = []
-    monkeypatch.setattr(fleet_module, "ray", types.SimpleNamespace(kill=lambda a, no_restart: killed.append(a.name), get=lambda refs: refs))
+    monkeypatch.setattr(
+        fleet_module,
+        "ray",
+        types.SimpleNamespace(
+            kill=lambda a, no_restart: killed.append(a.name), get=lambda refs: refs
+        ),
+    )
     fleet = object.__new__(Fleet)
     fleet.pools = {kind: [_Actor(f"{kind.value}-0")] for kind in WorkerKind}
     starts = iter(range(1, 100))

@@ -13,7 +13,9 @@ SCRIPT = REPO_ROOT / "scripts" / "gpu_checks"
 
 def run(tmp_path, budget_s: int, *steps: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "GPU_CHECKS_BUDGET_S": str(budget_s), "PYTHON": sys.executable}
-    return subprocess.run([str(SCRIPT), str(tmp_path), *steps], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(SCRIPT), str(tmp_path), *steps], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_a_step_runs_and_leaves_its_log(tmp_path):

@@ -15,7 +15,9 @@ def test_published_sets_are_trusted_while_fresh_then_dropped():
     index.publish(2, frozenset({"b"}), now_s=3.0)
     index.check_integrity()
     assert index.holders("b") == 0b101 and index.holders("a") == 0b001
-    index.refresh(now_s=6.0)  # worker 0's set is older than ttl: no longer trusted, worker 2's still is
+    index.refresh(
+        now_s=6.0
+    )  # worker 0's set is older than ttl: no longer trusted, worker 2's still is
     assert index.holders("b") == 0b100 and index.holders("a") == 0
     index.publish(0, frozenset({"c"}), now_s=7.0)  # a new set replaces the old one in the index
     index.check_integrity()

@@ -42,9 +42,13 @@ def test_is_a_blake3_hex_digest_and_deterministic(picture: np.ndarray) -> None:
 
 
 def test_namespaces_never_share(picture: np.ndarray) -> None:
-    assert media_identifier("model-a", Modality.IMAGE, picture) != media_identifier("model-b", Modality.IMAGE, picture)
+    assert media_identifier("model-a", Modality.IMAGE, picture) != media_identifier(
+        "model-b", Modality.IMAGE, picture
+    )
     # Length-prefixed fields: moving bytes between namespace and modality changes the digest.
-    assert media_identifier("ab", Modality.IMAGE, picture) != media_identifier("a", Modality.IMAGE, picture)
+    assert media_identifier("ab", Modality.IMAGE, picture) != media_identifier(
+        "a", Modality.IMAGE, picture
+    )
 
 
 def test_modality_dtype_shape_and_content_all_count(picture: np.ndarray) -> None:
@@ -60,13 +64,17 @@ def test_modality_dtype_shape_and_content_all_count(picture: np.ndarray) -> None
 def test_non_contiguous_views_hash_like_their_copies(picture: np.ndarray) -> None:
     view = picture[:, ::2]
     assert not view.flags.c_contiguous
-    assert media_identifier("m", Modality.IMAGE, view) == media_identifier("m", Modality.IMAGE, view.copy())
+    assert media_identifier("m", Modality.IMAGE, view) == media_identifier(
+        "m", Modality.IMAGE, view.copy()
+    )
 
 
 def test_audio_float_arrays_and_byte_order() -> None:
     samples = np.linspace(-1, 1, 100, dtype=np.float32)
     ident = media_identifier("m", Modality.AUDIO, samples)
-    assert ident != media_identifier("m", Modality.AUDIO, samples.astype(">f4"))  # dtype str differs
+    assert ident != media_identifier(
+        "m", Modality.AUDIO, samples.astype(">f4")
+    )  # dtype str differs
     assert media_identifier("m", "audio", samples) == ident  # plain strings coerce to Modality
 
 

@@ -53,7 +53,10 @@ def test_a_worker_borrows_only_while_every_peer_is_idle(tmp_path, live_pid):
 
 
 def test_two_workers_starting_together_do_not_both_borrow(tmp_path, live_pid):
-    a, b = ThreadPolicy(1, 2, NodeBoard("fleet", tmp_path)), ThreadPolicy(1, 2, NodeBoard("fleet", tmp_path, pid=live_pid()))
+    a, b = (
+        ThreadPolicy(1, 2, NodeBoard("fleet", tmp_path)),
+        ThreadPolicy(1, 2, NodeBoard("fleet", tmp_path, pid=live_pid())),
+    )
     assert a.for_step() == 2
     assert b.for_step() == 1, "a marked itself busy before it looked, so b sees it"
 
@@ -64,7 +67,9 @@ def dead_pid() -> int:
     return child.pid
 
 
-def test_boards_of_fleets_whose_workers_are_all_dead_are_swept_when_a_worker_starts(tmp_path, live_pid):
+def test_boards_of_fleets_whose_workers_are_all_dead_are_swept_when_a_worker_starts(
+    tmp_path, live_pid
+):
     NodeBoard(f"{idle_cores.BOARD_PREFIX}gone", tmp_path, pid=dead_pid())  # killed: never closed
     NodeBoard(f"{idle_cores.BOARD_PREFIX}half", tmp_path, pid=dead_pid())
     NodeBoard(f"{idle_cores.BOARD_PREFIX}half", tmp_path, pid=live_pid())
@@ -108,10 +113,14 @@ def test_no_board_or_nothing_to_borrow_means_own_threads(tmp_path, live_pid):
     lender = ThreadPolicy(1, 2, NodeBoard("fleet", tmp_path))
     non_borrower = ThreadPolicy(1, None, NodeBoard("fleet", tmp_path, pid=live_pid()))
     assert non_borrower.for_step() == 1
-    assert lender.for_step() == 1, "a worker that never borrows still posts its work (a decode loop)"
+    assert lender.for_step() == 1, (
+        "a worker that never borrows still posts its work (a decode loop)"
+    )
 
 
-def test_the_prefill_worker_steps_with_borrowed_threads_only_while_its_peer_is_idle(ckpt, tmp_path, monkeypatch, live_pid):
+def test_the_prefill_worker_steps_with_borrowed_threads_only_while_its_peer_is_idle(
+    ckpt, tmp_path, monkeypatch, live_pid
+):
     torch = pytest.importorskip("torch")
     from actors.prefill import PrefillWorker
     from actors.runtime import WorkerSpec
@@ -129,6 +138,8 @@ def test_the_prefill_worker_steps_with_borrowed_threads_only_while_its_peer_is_i
         peer.set_busy(True)
         asyncio.run(worker.prefill(PrefillRequest("b", tuple(range(10, 40)), (), greedy)))
         assert worker.stats()["step_threads"] == 1, "a busy peer: own thread only"
-        assert (tmp_path / board / str(worker.pid())).read_bytes() == idle_cores.IDLE, "nothing left to do: marked idle"
+        assert (tmp_path / board / str(worker.pid())).read_bytes() == idle_cores.IDLE, (
+            "nothing left to do: marked idle"
+        )
     finally:
         torch.set_num_threads(1)

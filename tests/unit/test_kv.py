@@ -44,8 +44,12 @@ def check_integrity(batch: kv.BatchedKV, expected: list[torch.Tensor] | None = N
     for r in range(rows):
         n = int(lengths[r])
         assert n >= 1, "a row with no valid slot"
-        want = torch.cat((torch.zeros(slots - n, dtype=torch.long), torch.ones(n, dtype=torch.long)))
-        assert torch.equal(batch.mask[r], want), f"row {r} mask is not left-padded: {batch.mask[r].tolist()}"
+        want = torch.cat(
+            (torch.zeros(slots - n, dtype=torch.long), torch.ones(n, dtype=torch.long))
+        )
+        assert torch.equal(batch.mask[r], want), (
+            f"row {r} mask is not left-padded: {batch.mask[r].tolist()}"
+        )
         for k, v in batch.layers:  # padding slots hold zeros
             assert not k[r, :, : slots - n].any() and not v[r, :, : slots - n].any()
     if rows:
@@ -105,7 +109,9 @@ def test_remove_trims_leading_padding_down_to_an_empty_batch():
     for p in ps:
         batch.join(p)
     assert batch.num_slots == 7
-    assert batch.remove([1]) == [0, 3, 2], "the only 7-long row leaves; the last row takes its place"
+    assert batch.remove([1]) == [0, 3, 2], (
+        "the only 7-long row leaves; the last row takes its place"
+    )
     assert batch.num_slots == 4, "columns no remaining row uses must go"
     assert batch.mask.tolist() == [[0, 0, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]]
     check_integrity(batch, [ps[0], ps[3], ps[2]])
@@ -145,7 +151,9 @@ def test_remove_moves_the_last_rows_into_the_holes_and_says_the_new_order():
     assert batch.remove([1, 4]) == [0, 3, 2], "row 4 leaves, row 3 fills the hole of row 1"
     assert batch.num_slots == 4, "the 7-long row is gone: its columns too"
     check_integrity(batch, [ps[0], ps[3], ps[2]])
-    assert batch.layers[0][0].untyped_storage().data_ptr() == slab_k, "in place: the buffers were not reallocated"
+    assert batch.layers[0][0].untyped_storage().data_ptr() == slab_k, (
+        "in place: the buffers were not reallocated"
+    )
     assert batch.remove([0, 1, 2]) == [] and batch.num_rows == 0
     check_integrity(batch)
 

@@ -50,7 +50,10 @@ def _imported_names(module: str) -> set[str]:
                 if child.level:
                     parts = package.split(".")[: len(package.split(".")) - child.level + 1]
                     base = ".".join(parts + ([base] if base else []))
-                found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in child.names)
+                found.update(
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                    for a in child.names
+                )
             visit(child)
 
     visit(ast.parse(path.read_text()))
@@ -133,7 +136,9 @@ def _within(name: str, prefixes: list[str]) -> bool:
 @pytest.mark.parametrize("package", PACKAGES)
 def test_each_package_states_what_it_owns(package):
     doc = ast.get_docstring(ast.parse(MODULES[package].read_text()))
-    assert doc and len(doc.splitlines()) >= 2, f"{package}/__init__.py: say what the package owns and what it may import"
+    assert doc and len(doc.splitlines()) >= 2, (
+        f"{package}/__init__.py: say what the package owns and what it may import"
+    )
 
 
 @pytest.mark.parametrize("package", PACKAGES)

@@ -53,7 +53,9 @@ def processor(ckpt):
 def hf_greedy(model, max_new_tokens: int, **inputs) -> list[int]:
     """HF greedy generation for exactly max_new_tokens (EOS does not stop it)."""
     with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None)
+        out = model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
+        )
     new = out[0, inputs["input_ids"].shape[1] :].tolist()
     assert len(new) == max_new_tokens, "the reference stopped early"
     return new
@@ -78,13 +80,27 @@ def run_engines(
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
             token_ids, ranges, items, _ = prompts[i]
-            prefill.add(PrefillRequest(f"r{i}", token_ids, ranges, GREEDY, media_identifiers=identifiers[i] if identifiers else ()), items)
+            prefill.add(
+                PrefillRequest(
+                    f"r{i}",
+                    token_ids,
+                    ranges,
+                    GREEDY,
+                    media_identifiers=identifiers[i] if identifiers else (),
+                ),
+                items,
+            )
         for out in prefill.step():
             i = int(out.request_id[1:])
-            params = SamplingParams(temperature=0.0, max_tokens=prompts[i][3])  # no stop ids: run to max_tokens
+            params = SamplingParams(
+                temperature=0.0, max_tokens=prompts[i][3]
+            )  # no stop ids: run to max_tokens
             first = out.first.token_id
             tokens[out.request_id], cached[out.request_id] = [first], out.num_cached_tokens
-            decode.add(DecodeRequest(out.request_id, len(prompts[i][0]), first, params, out.rope_delta), out.packed_kv)
+            decode.add(
+                DecodeRequest(out.request_id, len(prompts[i][0]), first, params, out.rope_delta),
+                out.packed_kv,
+            )
         rows_before = decode.batch.num_rows
         for out in decode.step():
             tokens[out.request_id] += out.chunk.token_ids
@@ -95,7 +111,9 @@ def run_engines(
         max_rows = max(max_rows, decode.batch.num_rows)
         step += 1
     assert decode.batch.num_rows == 0, "finished requests leaked their rows"
-    assert not prefill.jobs and prefill.pool.num_referenced() == 0, "finished prefills still hold blocks"
+    assert not prefill.jobs and prefill.pool.num_referenced() == 0, (
+        "finished prefills still hold blocks"
+    )
     prefill.pool.check_integrity()
     if expect_batching:
         assert max_rows > 1, "the test never batched"
@@ -103,8 +121,12 @@ def run_engines(
     return tokens, cached
 
 
-def engines(lm, token_budget: int, cache_bytes: int = 0, block_size: int = 4) -> tuple[PrefillEngine, DecodeEngine]:
-    prefill = PrefillEngine(LMRunner(lm), token_budget, block_size=block_size, cache_bytes=cache_bytes)
+def engines(
+    lm, token_budget: int, cache_bytes: int = 0, block_size: int = 4
+) -> tuple[PrefillEngine, DecodeEngine]:
+    prefill = PrefillEngine(
+        LMRunner(lm), token_budget, block_size=block_size, cache_bytes=cache_bytes
+    )
     return prefill, DecodeEngine(LMRunner(lm), max_batch_size=4, max_model_len=10_000)
 
 
@@ -119,7 +141,12 @@ def test_text_only_continuous_batching_matches_hf_generate(lm, hf_model, max_chu
         prompts.append((token_ids, (), [], rnd.randint(1, 16)))
         arrivals.append(rnd.randint(0, 12))
     prompts[0] = ((50, 60, 70), (), [], 16)  # the shortest length, a long generation
-    prompts[1] = (tuple(rnd.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(40)), (), [], 1)  # prefill only
+    prompts[1] = (
+        tuple(rnd.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(40)),
+        (),
+        [],
+        1,
+    )  # prefill only
     arrivals[0] = 0
 
     got, _ = run_engines(prompts, arrivals, *engines(lm, max_chunk_tokens))
@@ -146,14 +173,18 @@ def test_compute_ms_is_a_requests_own_forwards_not_those_sharing_its_steps(lm):
     prompt's first-chunk-to-done time also holds the short prompts' forwards."""
     engine = PrefillEngine(LMRunner(lm), token_budget=16)
     engine.add(PrefillRequest("long", tuple(range(10, 74)), (), GREEDY))  # 64 tokens: 4 steps alone
-    engine.add(PrefillRequest("short", tuple(range(10, 22)), (), GREEDY))  # 12: first in every step it is in
+    engine.add(
+        PrefillRequest("short", tuple(range(10, 22)), (), GREEDY)
+    )  # 12: first in every step it is in
     started, outs = time.perf_counter(), []
     while engine.has_work:
         outs += engine.step()
     wall_ms = (time.perf_counter() - started) * 1e3
     out = {o.request_id: o for o in outs}
     assert 0 < out["short"].compute_ms <= out["short"].prefill_ms
-    assert out["long"].compute_ms < out["long"].prefill_ms, "the short prompt's forward ran inside the long one's span"
+    assert out["long"].compute_ms < out["long"].prefill_ms, (
+        "the short prompt's forward ran inside the long one's span"
+    )
     assert out["long"].compute_ms + out["short"].compute_ms <= wall_ms
 
 
@@ -163,7 +194,9 @@ def test_aging_puts_a_prompt_that_waited_ahead_of_a_shorter_newcomer(lm, aging):
     that came 10 s before a 12-token one goes first at 100 tokens/s; the answers do not move."""
     engine = PrefillEngine(LMRunner(lm), token_budget=16, aging_tokens_per_s=aging)
     engine.add(PrefillRequest("long", tuple(range(10, 74)), (), GREEDY))
-    engine._intake[-1].added_s -= 10.0  # it came 10 s ago (e.g. passed over by shorter prompts since)
+    engine._intake[
+        -1
+    ].added_s -= 10.0  # it came 10 s ago (e.g. passed over by shorter prompts since)
     engine.add(PrefillRequest("short", tuple(range(10, 22)), (), GREEDY))
     outs, finished = [], []
     while engine.has_work:
@@ -172,7 +205,9 @@ def test_aging_puts_a_prompt_that_waited_ahead_of_a_shorter_newcomer(lm, aging):
         finished += [o.request_id for o in step]
     assert finished == (["long", "short"] if aging else ["short", "long"])
     for o in outs:  # the same first token and KV as the prompt prefilled alone
-        first, kv, _ = LMRunner(lm, max_chunk_tokens=16).prefill(tuple(range(10, 74 if o.request_id == "long" else 22)), (), [], GREEDY)
+        first, kv, _ = LMRunner(lm, max_chunk_tokens=16).prefill(
+            tuple(range(10, 74 if o.request_id == "long" else 22)), (), [], GREEDY
+        )
         assert o.first.token_id == first.token_id
         torch.testing.assert_close(o.packed_kv, kv, rtol=1e-5, atol=1e-5)
 
@@ -210,16 +245,25 @@ def placeholder_ranges(token_ids: list[int], image_token_id: int) -> tuple[Place
 @pytest.mark.parametrize("max_chunk_tokens", [7, 512])
 def test_image_prompt_matches_hf_generate(lm, encoder, hf_model, processor, max_chunk_tokens):
     rng = np.random.default_rng(0)
-    arrays = [rng.integers(0, 256, (40, 50, 3), dtype=np.uint8), rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)]
+    arrays = [
+        rng.integers(0, 256, (40, 50, 3), dtype=np.uint8),
+        rng.integers(0, 256, (32, 32, 3), dtype=np.uint8),
+    ]
     image_id = hf_model.config.image_token_id
     prompts, refs = [], []
     for n, (array, question) in enumerate(zip(arrays, ["What is in this image?", "Describe it."])):
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+        messages = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+        ]
         text = processor.apply_chat_template(messages, add_generation_prompt=True)
         inputs = processor(text=text, images=[Image.fromarray(array)], return_tensors="pt")
         token_ids = inputs["input_ids"][0].tolist()
         ranges = placeholder_ranges(token_ids, image_id)
-        assert len(ranges) == 1 and ranges[0].length == encoder.config.vision_config.image_size**2 // (encoder.config.vision_config.patch_size**2)
+        assert len(ranges) == 1 and ranges[
+            0
+        ].length == encoder.config.vision_config.image_size**2 // (
+            encoder.config.vision_config.patch_size**2
+        )
         [embeddings] = encoder.encode([MediaItem(Modality.IMAGE, f"img{n}", data=array)])
         assert embeddings.shape == (ranges[0].length, lm.config.text_config.hidden_size)
         max_tokens = 10 + 3 * n
@@ -257,7 +301,9 @@ def test_kv_bytes_per_token_from_the_config_is_what_prefill_packs(lm):
     from actors.engine import kv
 
     _, packed, _ = LMRunner(lm).prefill((10, 11, 12, 13, 14), (), [], GREEDY)
-    assert kv.bytes_per_token(lm.config.get_text_config(), packed.element_size()) == kv.packed_bytes_per_token(packed)
+    assert kv.bytes_per_token(
+        lm.config.get_text_config(), packed.element_size()
+    ) == kv.packed_bytes_per_token(packed)
     assert kv.packed_bytes_per_token(packed) * 5 == packed.numel() * packed.element_size()
 
 
@@ -268,11 +314,21 @@ def test_a_kv_budget_queues_a_burst_and_stays_token_exact(lm, hf_model):
 
     rnd = random.Random(11)
     vocab = hf_model.config.text_config.vocab_size
-    prompts = [(tuple(rnd.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(rnd.randint(5, 30))), (), [], rnd.randint(3, 10)) for _ in range(6)]
+    prompts = [
+        (
+            tuple(rnd.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(rnd.randint(5, 30))),
+            (),
+            [],
+            rnd.randint(3, 10),
+        )
+        for _ in range(6)
+    ]
     per_token = kv.bytes_per_token(lm.config.get_text_config(), 4)
     budget = 2 * per_token * max(len(p[0]) + p[3] for p in prompts)
     prefill, _ = engines(lm, 512)
-    decode = DecodeEngine(LMRunner(lm), max_batch_size=8, max_model_len=10_000, kv_budget_bytes=budget)
+    decode = DecodeEngine(
+        LMRunner(lm), max_batch_size=8, max_model_len=10_000, kv_budget_bytes=budget
+    )
     reserved, waited, step = [], [], decode.step
 
     def watched_step():
@@ -286,4 +342,6 @@ def test_a_kv_budget_queues_a_burst_and_stays_token_exact(lm, hf_model):
     assert max(reserved) <= budget and max(waited) > 0, "the budget never made anyone wait"
     assert decode.scheduler.kv_reserved_bytes == 0 and decode.stats()["kv_reserved_bytes"] == 0
     for i, (token_ids, _, _, max_tokens) in enumerate(prompts):
-        assert got[f"r{i}"] == hf_greedy(hf_model, max_tokens, input_ids=torch.tensor([token_ids])), f"prompt {i}"
+        assert got[f"r{i}"] == hf_greedy(
+            hf_model, max_tokens, input_ids=torch.tensor([token_ids])
+        ), f"prompt {i}"

@@ -61,11 +61,18 @@ def png_chunk(kind: bytes, body: bytes) -> bytes:
 def png_declaring(width: int, height: int) -> bytes:
     """A tiny, valid-looking PNG whose IHDR declares width x height RGB pixels."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", zlib.compress(b"\0" * 64)) + png_chunk(b"IEND", b"")
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + png_chunk(b"IHDR", ihdr)
+        + png_chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + png_chunk(b"IEND", b"")
+    )
 
 
 def webp_vp8x_declaring(width: int, height: int) -> bytes:
-    body = b"\x00\x00\x00\x00" + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    body = (
+        b"\x00\x00\x00\x00" + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    )
     chunk = b"VP8X" + struct.pack("<I", len(body)) + body
     return b"RIFF" + struct.pack("<I", 4 + len(chunk)) + b"WEBP" + chunk
 
@@ -106,7 +113,9 @@ def test_wrapped_base64_and_mismatched_but_allowed_mime_are_accepted() -> None:
 def test_remote_urls_are_refused() -> None:
     rejects("https://example.com/cat.png", "fetching remote media is disabled")
     rejects("http://example.com/cat.png", "fetching remote media is disabled")
-    others_only = FetchPolicy.of(["media.internal"], [], max_bytes=1000, timeout_s=1, max_redirects=0)
+    others_only = FetchPolicy.of(
+        ["media.internal"], [], max_bytes=1000, timeout_s=1, max_redirects=0
+    )
     rejects("https://example.com/cat.png", "host 'example.com' is not allowed", remote=others_only)
 
 
@@ -153,33 +162,57 @@ def test_load_truncated_images_flag_is_refused(monkeypatch: pytest.MonkeyPatch) 
 # ----------------------------------------------------------------------------- size limits
 
 
-def test_png_bomb_is_rejected_from_the_header_without_opening(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_png_bomb_is_rejected_from_the_header_without_opening(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def never(*args, **kwargs):
         raise AssertionError("Pillow must not see a bomb")
 
     monkeypatch.setattr(media_image.Image, "open", never)
     start = time.perf_counter()
-    rejects(data_url(png_declaring(100_000, 100_000)), "100000x100000", "10000000000 pixels", str(LIMIT))
+    rejects(
+        data_url(png_declaring(100_000, 100_000)), "100000x100000", "10000000000 pixels", str(LIMIT)
+    )
     assert time.perf_counter() - start < 0.5
 
 
-def test_webp_bomb_is_rejected_from_the_header_without_opening(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(media_image.Image, "open", lambda *a, **k: pytest.fail("Pillow must not see a bomb"))
-    rejects(data_url(webp_vp8x_declaring(16_000, 16_000), "image/webp"), "16000x16000", "over this server's limit")
+def test_webp_bomb_is_rejected_from_the_header_without_opening(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(
+        media_image.Image, "open", lambda *a, **k: pytest.fail("Pillow must not see a bomb")
+    )
+    rejects(
+        data_url(webp_vp8x_declaring(16_000, 16_000), "image/webp"),
+        "16000x16000",
+        "over this server's limit",
+    )
 
 
 def test_real_images_over_the_limit_are_rejected() -> None:
     array = pixels(40, 50)
     for fmt, kwargs in [("PNG", {}), ("JPEG", {}), ("WEBP", {}), ("WEBP", {"lossless": True})]:
-        rejects(data_url(encode(Image.fromarray(array), fmt, **kwargs)), "40 = 2000 pixels", max_pixels=1999)
-        assert decode(data_url(encode(Image.fromarray(array), fmt, **kwargs)), max_pixels=2000).shape == (40, 50, 3)
+        rejects(
+            data_url(encode(Image.fromarray(array), fmt, **kwargs)),
+            "40 = 2000 pixels",
+            max_pixels=1999,
+        )
+        assert decode(
+            data_url(encode(Image.fromarray(array), fmt, **kwargs)), max_pixels=2000
+        ).shape == (40, 50, 3)
 
 
 def test_jpeg_over_the_limit_is_rejected_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
     from PIL import JpegImagePlugin
 
-    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "load", lambda self: pytest.fail("decoded pixels"))
-    rejects(data_url(encode(Image.fromarray(pixels(40, 50)), "JPEG"), "image/jpeg"), "over this server's limit", max_pixels=100)
+    monkeypatch.setattr(
+        JpegImagePlugin.JpegImageFile, "load", lambda self: pytest.fail("decoded pixels")
+    )
+    rejects(
+        data_url(encode(Image.fromarray(pixels(40, 50)), "JPEG"), "image/jpeg"),
+        "over this server's limit",
+        max_pixels=100,
+    )
 
 
 def test_zero_size_is_rejected() -> None:
@@ -187,7 +220,9 @@ def test_zero_size_is_rejected() -> None:
 
 
 @pytest.mark.parametrize("pillow_limit", [300, 1500])  # error (> 2x) and warning (> 1x) branches
-def test_pillow_bomb_guard_becomes_media_error(monkeypatch: pytest.MonkeyPatch, pillow_limit: int) -> None:
+def test_pillow_bomb_guard_becomes_media_error(
+    monkeypatch: pytest.MonkeyPatch, pillow_limit: int
+) -> None:
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", pillow_limit)
     jpeg = encode(Image.fromarray(pixels(40, 50)), "JPEG")  # 2000 pixels; our limit is far above
     rejects(data_url(jpeg, "image/jpeg"), "image too large", "decompression bomb")
@@ -219,7 +254,9 @@ def _images() -> dict[str, tuple[bytes, str]]:
 @pytest.fixture(scope="module")
 def clip_processor():
     transformers = pytest.importorskip("transformers")
-    return transformers.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
 
 
 @pytest.mark.parametrize("name", list(_images()))
@@ -254,7 +291,13 @@ def test_dispatch_by_modality(monkeypatch: pytest.MonkeyPatch) -> None:
     np.testing.assert_array_equal(decoded.data, pixels())
     assert decoded.sample_rate_hz is None and decoded.frames_per_s is None
     with pytest.raises(MediaError, match="unsupported audio format 'aiff'") as info:
-        decode_media(Modality.AUDIO, "AAAA", limits=Limits(), param="messages[0].content[0].input_audio", format="aiff")
+        decode_media(
+            Modality.AUDIO,
+            "AAAA",
+            limits=Limits(),
+            param="messages[0].content[0].input_audio",
+            format="aiff",
+        )
     assert info.value.param == "messages[0].content[0].input_audio"
     monkeypatch.delitem(media.DECODERS, Modality.AUDIO)
     with pytest.raises(MediaError, match="audio input is not supported"):
@@ -269,13 +312,22 @@ def test_load_media_item_fingerprints_the_decoded_pixels() -> None:
     assert isinstance(item, MediaItem) and item.modality == Modality.IMAGE and item.size == 600
     assert item.duration_s == 0.0 and item.sample_rate_hz is None and item.frames_per_s is None
     webp = data_url(encode(Image.fromarray(pixels()), "WEBP", lossless=True), "image/webp")
-    assert load_media_item(Modality.IMAGE, webp, namespace="model-a", limits=Limits(), param=PARAM).identifier == item.identifier
+    assert (
+        load_media_item(
+            Modality.IMAGE, webp, namespace="model-a", limits=Limits(), param=PARAM
+        ).identifier
+        == item.identifier
+    )
 
 
 def test_limits_config_satisfies_media_limits() -> None:
 
     url = data_url(encode(Image.fromarray(pixels()), "PNG"))
-    assert decode_media(Modality.IMAGE, url, limits=LimitsConfig(), param=PARAM).data.shape == (20, 30, 3)
+    assert decode_media(Modality.IMAGE, url, limits=LimitsConfig(), param=PARAM).data.shape == (
+        20,
+        30,
+        3,
+    )
     with pytest.raises(MediaError, match="remote media is disabled"):
         decode_media(Modality.IMAGE, "https://x/y.png", limits=LimitsConfig(), param=PARAM)
 

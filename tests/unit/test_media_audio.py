@@ -22,14 +22,20 @@ PARAM = "messages[0].content[1].input_audio"
 TARGET_HZ = 16_000
 
 
-def sine(rate_hz: int, seconds: float = 2.0, freq_hz: float = 440.0, channels: int = 1) -> np.ndarray:
+def sine(
+    rate_hz: int, seconds: float = 2.0, freq_hz: float = 440.0, channels: int = 1
+) -> np.ndarray:
     """float32 sines, channel c at freq_hz * (c + 1); frames x channels (1-D for mono)."""
     t = np.arange(int(rate_hz * seconds)) / rate_hz
-    wave = np.stack([0.5 * np.sin(2 * np.pi * freq_hz * (c + 1) * t) for c in range(channels)], axis=1)
+    wave = np.stack(
+        [0.5 * np.sin(2 * np.pi * freq_hz * (c + 1) * t) for c in range(channels)], axis=1
+    )
     return (wave[:, 0] if channels == 1 else wave).astype(np.float32)
 
 
-def encode(samples: np.ndarray, rate_hz: int, fmt: str = "WAV", subtype: str | None = None) -> bytes:
+def encode(
+    samples: np.ndarray, rate_hz: int, fmt: str = "WAV", subtype: str | None = None
+) -> bytes:
     buf = io.BytesIO()
     sf.write(buf, samples, rate_hz, format=fmt, subtype=subtype)
     return buf.getvalue()
@@ -39,7 +45,9 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
-def decode(data: bytes | str, fmt: str = "wav", *, rate_hz: int = TARGET_HZ, max_s: float = 600.0) -> np.ndarray:
+def decode(
+    data: bytes | str, fmt: str = "wav", *, rate_hz: int = TARGET_HZ, max_s: float = 600.0
+) -> np.ndarray:
     payload = data if isinstance(data, str) else b64(data)
     return decode_audio(payload, fmt, sample_rate_hz=rate_hz, max_duration_s=max_s, param=PARAM)
 
@@ -72,8 +80,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,fmt,subtype,rate_hz", CASES, ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in CASES])
-def test_formats_decode_to_mono_float32_at_the_target_rate(name: str, fmt: str, subtype: str, rate_hz: int) -> None:
+@pytest.mark.parametrize(
+    "name,fmt,subtype,rate_hz", CASES, ids=[f"{c[0]}-{c[2]}-{c[3]}" for c in CASES]
+)
+def test_formats_decode_to_mono_float32_at_the_target_rate(
+    name: str, fmt: str, subtype: str, rate_hz: int
+) -> None:
     if name not in AUDIO_FORMATS:
         pytest.skip(f"this libsndfile cannot read {name}")
     out = decode(encode(sine(rate_hz), rate_hz, fmt, subtype), name)
@@ -106,9 +118,13 @@ def test_stereo_is_downmixed_to_the_channel_mean() -> None:
     stereo = sine(TARGET_HZ, channels=2)
     out = decode(encode(stereo, TARGET_HZ, subtype="FLOAT"))
     np.testing.assert_allclose(out, stereo.mean(axis=1), atol=1e-7)
-    stereo = sine(44_100, channels=2)  # downmixed before resampling: the same as resampling the mean
+    stereo = sine(
+        44_100, channels=2
+    )  # downmixed before resampling: the same as resampling the mean
     resampled = decode(encode(stereo, 44_100, subtype="FLOAT"))
-    np.testing.assert_allclose(resampled, resample(stereo.mean(axis=1), 44_100, TARGET_HZ), atol=1e-6)
+    np.testing.assert_allclose(
+        resampled, resample(stereo.mean(axis=1), 44_100, TARGET_HZ), atol=1e-6
+    )
 
 
 def test_multichannel_and_wrapped_base64_and_data_urls() -> None:
@@ -129,14 +145,21 @@ def test_bad_base64_and_empty_data() -> None:
     rejects("", "wav", "empty audio data")
 
 
-@pytest.mark.parametrize("fmt,shown", [("m4a", "'m4a'"), ("aiff", "'aiff'"), (None, "(none)"), ("", "(none)")])
+@pytest.mark.parametrize(
+    "fmt,shown", [("m4a", "'m4a'"), ("aiff", "'aiff'"), (None, "(none)"), ("", "(none)")]
+)
 def test_unsupported_format_names_the_accepted_ones(fmt: str | None, shown: str) -> None:
     err = rejects(encode(sine(8_000), 8_000), fmt, f"unsupported audio format {shown}")
     assert ", ".join(AUDIO_FORMATS) in err.message and "wav" in err.message
 
 
 def test_data_that_is_not_audio_of_the_declared_format() -> None:
-    rejects(b"hello, this is not audio at all" * 10, "wav", "does not decode as wav audio", "Format not recognised")
+    rejects(
+        b"hello, this is not audio at all" * 10,
+        "wav",
+        "does not decode as wav audio",
+        "Format not recognised",
+    )
     flac = encode(sine(8_000), 8_000, "FLAC")
     rejects(flac, "wav", "data is FLAC audio, not wav as input_audio.format declares")
     rejects(encode(sine(8_000), 8_000), "flac", "data is WAV audio, not flac")
@@ -154,15 +177,21 @@ def test_zero_length_audio() -> None:
         rejects(encode(np.zeros(0, np.float32), 8_000, "OGG"), "ogg", "audio has no samples")
 
 
-def test_too_long_is_refused_from_the_header_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_too_long_is_refused_from_the_header_before_decoding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     wav = encode(sine(8_000), 8_000)
     monkeypatch.setattr(sf.SoundFile, "read", lambda *a, **k: pytest.fail("decoded samples"))
     rejects(wav, "wav", "audio is 2.0 s long", "limit of 1.5 s", max_s=1.5)
 
 
-def test_decoded_length_is_capped_even_without_the_header_check(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decoded_length_is_capped_even_without_the_header_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(media_audio, "_check_header", lambda *a, **k: None)
-    rejects(encode(sine(8_000), 8_000), "wav", "longer than this server's limit of 1.5 s", max_s=1.5)
+    rejects(
+        encode(sine(8_000), 8_000), "wav", "longer than this server's limit of 1.5 s", max_s=1.5
+    )
 
 
 def wav_with_rate(rate_hz: int) -> bytes:
@@ -199,7 +228,13 @@ def Limits(**overrides) -> LimitsConfig:
     return LimitsConfig(**{"max_image_pixels": 1_000_000, **overrides})
 
 
-def load(data: bytes, fmt: str, namespace: str = "model-a", rate_hz: int = TARGET_HZ, max_s: float = 600.0):
+def load(
+    data: bytes,
+    fmt: str,
+    namespace: str = "model-a",
+    rate_hz: int = TARGET_HZ,
+    max_s: float = 600.0,
+):
     return load_media_item(
         Modality.AUDIO,
         b64(data),
@@ -214,11 +249,18 @@ def load(data: bytes, fmt: str, namespace: str = "model-a", rate_hz: int = TARGE
 def test_load_media_item_carries_rate_duration_and_a_content_identifier() -> None:
     samples = (sine(44_100) * 32767).astype(np.int16)  # integers: WAV and FLAC store them alike
     item = load(encode(samples, 44_100, subtype="PCM_16"), "wav")
-    assert item.modality == Modality.AUDIO and item.sample_rate_hz == TARGET_HZ and item.frames_per_s is None
+    assert (
+        item.modality == Modality.AUDIO
+        and item.sample_rate_hz == TARGET_HZ
+        and item.frames_per_s is None
+    )
     assert item.size == len(item.data) and abs(item.duration_s - 2.0) <= 1 / TARGET_HZ
     # Lossless FLAC of the same PCM decodes to the same samples, hence the same identifier.
     assert load(encode(samples, 44_100, "FLAC", "PCM_16"), "flac").identifier == item.identifier
-    assert load(encode(samples, 44_100, subtype="PCM_16"), "wav", namespace="model-b").identifier != item.identifier
+    assert (
+        load(encode(samples, 44_100, subtype="PCM_16"), "wav", namespace="model-b").identifier
+        != item.identifier
+    )
     other_rate = load(encode(samples, 44_100, subtype="PCM_16"), "wav", rate_hz=24_000)
     assert other_rate.sample_rate_hz == 24_000 and other_rate.identifier != item.identifier
 
@@ -230,5 +272,12 @@ def test_load_media_item_uses_the_audio_limit() -> None:
 
 
 def test_limits_config_satisfies_media_limits() -> None:
-    item = load_media_item(Modality.AUDIO, b64(encode(sine(8_000), 8_000)), namespace="m", limits=LimitsConfig(), param=PARAM, format="wav")
+    item = load_media_item(
+        Modality.AUDIO,
+        b64(encode(sine(8_000), 8_000)),
+        namespace="m",
+        limits=LimitsConfig(),
+        param=PARAM,
+        format="wav",
+    )
     assert item.sample_rate_hz == 16_000 and len(item.data) == 32_000

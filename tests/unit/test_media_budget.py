@@ -23,7 +23,13 @@ from cluster.media.probe import probe_animation
 from cluster.media.video import VideoSampling
 from cluster.protocol import MediaPart
 from router.types import Modality
-from tests.unit.test_media_video import animated, data_url, encoded_video, gif_with_partial_frames, red_frames
+from tests.unit.test_media_video import (
+    animated,
+    data_url,
+    encoded_video,
+    gif_with_partial_frames,
+    red_frames,
+)
 from tests.unit.test_request_path_media import path, request_path
 
 PARAM = "messages[0].content[1].video_url"
@@ -54,7 +60,15 @@ def load(
     sampling: VideoSampling = VideoSampling(),
     budget: PixelBudget | None = None,
 ):
-    return load_media_item(modality, url, namespace="m", limits=limits, param=PARAM, budget=budget, options=MediaOptions(video_sampling=sampling))
+    return load_media_item(
+        modality,
+        url,
+        namespace="m",
+        limits=limits,
+        param=PARAM,
+        budget=budget,
+        options=MediaOptions(video_sampling=sampling),
+    )
 
 
 def refused(url: str, *fragments: str, **kwargs) -> MediaError:
@@ -80,11 +94,18 @@ def test_66_byte_gif_bomb_is_refused_from_its_headers(monkeypatch: pytest.Monkey
     bomb = gif((4000, 4000), [(0, 0, 1000), (0, 0, 1000)])
     assert len(bomb) == 66
     monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("Pillow opened the bomb"))
-    in_process = LimitsConfig(decode_in_process=True)  # the patch, the clock and tracemalloc see this process only
+    in_process = LimitsConfig(
+        decode_in_process=True
+    )  # the patch, the clock and tracemalloc see this process only
     tracemalloc.start()
     started = time.perf_counter()
     try:
-        error = refused(data_url(bomb, "image/gif"), "32 frames of 4000x4000", "max_video_pixels", limits=in_process)
+        error = refused(
+            data_url(bomb, "image/gif"),
+            "32 frames of 4000x4000",
+            "max_video_pixels",
+            limits=in_process,
+        )
         elapsed_s = time.perf_counter() - started
         _, peak_bytes = tracemalloc.get_traced_memory()
     finally:
@@ -95,19 +116,40 @@ def test_66_byte_gif_bomb_is_refused_from_its_headers(monkeypatch: pytest.Monkey
 
 
 def test_many_frames_on_a_big_canvas_are_refused_by_the_video_budget() -> None:
-    frames = [Image.fromarray(np.full((300, 400, 3), (i * 8, 255 - i * 8, 0), np.uint8)) for i in range(30)]
+    frames = [
+        Image.fromarray(np.full((300, 400, 3), (i * 8, 255 - i * 8, 0), np.uint8))
+        for i in range(30)
+    ]
     url = data_url(animated(frames, "GIF", 100), "image/gif")  # 3 s: 6 frames kept at 2 fps
     limits = LimitsConfig(max_video_pixels=25 * 120_000)
-    refused(url, "video decodes to 26 frames of 400x300", "limit of 3000000 pixels per video", limits=limits)
-    assert load(url, limits=LimitsConfig(max_video_pixels=26 * 120_000)).data.shape == (6, 300, 400, 3)
+    refused(
+        url,
+        "video decodes to 26 frames of 400x300",
+        "limit of 3000000 pixels per video",
+        limits=limits,
+    )
+    assert load(url, limits=LimitsConfig(max_video_pixels=26 * 120_000)).data.shape == (
+        6,
+        300,
+        400,
+        3,
+    )
 
 
 def test_frames_rendered_only_to_reach_a_kept_one_count_too() -> None:
     """Pillow renders every GIF frame on the full canvas to reach the next kept one."""
     url = data_url(gif((100, 100), [(0, 0, 2)] * 20 + [(0, 0, 1000)]), "image/gif")
     sparse = VideoSampling(fps=0.2, max_frames=2)  # keeps frames 0 and 20 only
-    refused(url, "21 frames of 100x100", limits=LimitsConfig(max_video_pixels=20 * 10_000), sampling=sparse)
-    assert load(url, limits=LimitsConfig(max_video_pixels=21 * 10_000), sampling=sparse).data.shape[0] == 2
+    refused(
+        url,
+        "21 frames of 100x100",
+        limits=LimitsConfig(max_video_pixels=20 * 10_000),
+        sampling=sparse,
+    )
+    assert (
+        load(url, limits=LimitsConfig(max_video_pixels=21 * 10_000), sampling=sparse).data.shape[0]
+        == 2
+    )
 
 
 def test_mp4_is_charged_its_kept_frames_at_the_header_size() -> None:
@@ -120,7 +162,12 @@ def test_a_gif_frame_past_the_declared_canvas_is_counted_and_still_decodes() -> 
     url = data_url(gif((4, 4), [(0, 0, 10), (9, 9, 10)]), "image/gif")  # frame 2 reaches 10x10
     refused(url, "video frame is 10x10 = 100 pixels", limits=LimitsConfig(max_image_pixels=99))
     refused(url, "video decodes to 10x10 = 100 pixels", limits=LimitsConfig(max_video_pixels=99))
-    assert load(url, sampling=VideoSampling(fps=10)).data.shape == (2, 4, 4, 3)  # cropped as browsers do
+    assert load(url, sampling=VideoSampling(fps=10)).data.shape == (
+        2,
+        4,
+        4,
+        3,
+    )  # cropped as browsers do
 
 
 # ----------------------------------------------------------------------------- per request
@@ -129,13 +176,19 @@ def test_a_gif_frame_past_the_declared_canvas_is_counted_and_still_decodes() -> 
 def test_large_images_together_are_refused_by_the_request_budget() -> None:
     rp = path()
     rp.config = rp.config.replace(limits={"max_request_pixels": 2_500_000, "max_audio_s": 5})
-    parts = [MediaPart(Modality.IMAGE, png(1000, 1000), f"messages[0].content[{i}].image_url") for i in range(3)]
+    parts = [
+        MediaPart(Modality.IMAGE, png(1000, 1000), f"messages[0].content[{i}].image_url")
+        for i in range(3)
+    ]
     assert len(rp._decode_media(parts[:2])) == 2
     with pytest.raises(request_path.RequestError) as info:
         rp._decode_media(parts)
     error = info.value
     assert error.status == 400 and error.param == parts[2].param
-    assert "image decodes to 1000x1000 = 1000000 pixels (with the request's other media, 3000000)" in error.message
+    assert (
+        "image decodes to 1000x1000 = 1000000 pixels (with the request's other media, 3000000)"
+        in error.message
+    )
     assert "limit of 2500000 pixels per request (max_request_pixels)" in error.message
 
 
@@ -154,7 +207,11 @@ def test_images_and_video_share_the_request_budget() -> None:
 
 @pytest.mark.parametrize("fmt", ["GIF", "WEBP"])
 def test_probe_reads_what_pillow_shows(fmt: str) -> None:
-    data = gif_with_partial_frames() if fmt == "GIF" else animated(red_frames(5), "WEBP", [100, 250, 0, 40, 7], lossless=True)
+    data = (
+        gif_with_partial_frames()
+        if fmt == "GIF"
+        else animated(red_frames(5), "WEBP", [100, 250, 0, 40, 7], lossless=True)
+    )
     header = probe_animation(data, fmt, max_frames=1000, param=PARAM)
     image = Image.open(io.BytesIO(data))
     assert (header.width, header.height) == image.size
@@ -168,7 +225,11 @@ def test_probe_reads_what_pillow_shows(fmt: str) -> None:
 def test_probe_stops_at_max_frames_and_refuses_truncation() -> None:
     data = gif((8, 8), [(0, 0, 2)] * 50)
     assert probe_animation(data, "GIF", max_frames=10, param=PARAM).num_frames == 10
-    refused(data_url(data, "image/gif"), "video has 50 frames or more", limits=LimitsConfig(max_video_s=0.5))
+    refused(
+        data_url(data, "image/gif"),
+        "video has 50 frames or more",
+        limits=LimitsConfig(max_video_s=0.5),
+    )
     for cut in (20, 40, len(data) - 3):
         with pytest.raises(MediaError, match="corrupt or truncated GIF data"):
             probe_animation(data[:cut], "GIF", max_frames=1000, param=PARAM)

@@ -32,16 +32,26 @@ def test_allowed_host_serves_image_audio_and_video(server):
     assert fetch(server.url("/cat.png"), LOCAL, noun="image", param="p") == FILES["/cat.png"]
     image = decode_image_url(server.url("/cat.png"), max_pixels=10**6, remote=LOCAL, param="p")
     assert image.shape == (40, 40, 3)
-    audio = decode_audio_url(server.url("/tone.wav"), remote=LOCAL, sample_rate_hz=16000, max_duration_s=10, param="p")
+    audio = decode_audio_url(
+        server.url("/tone.wav"), remote=LOCAL, sample_rate_hz=16000, max_duration_s=10, param="p"
+    )
     assert audio.shape == (8000,)
     video = decode_video_url(
-        server.url("/clip.gif"), sampling=VideoSampling(), max_pixels=10**6, max_duration_s=10, max_frames=8, remote=LOCAL, param="p"
+        server.url("/clip.gif"),
+        sampling=VideoSampling(),
+        max_pixels=10**6,
+        max_duration_s=10,
+        max_frames=8,
+        remote=LOCAL,
+        param="p",
     )
     assert video.frames.shape[1:] == (32, 32, 3)
 
 
 def test_redirects_are_followed_and_bounded(server):
-    assert fetch(server.url("/to/cat.png"), LOCAL, noun="image", param="p")[1] == FILES["/cat.png"][1]
+    assert (
+        fetch(server.url("/to/cat.png"), LOCAL, noun="image", param="p")[1] == FILES["/cat.png"][1]
+    )
     refused(server.url("/loop"), "more than 2 redirects")
 
 
@@ -55,7 +65,13 @@ def test_private_addresses_are_refused_unless_allowed(server):
 
 
 def test_hosts_outside_the_allow_list_are_never_contacted(server):
-    named = FetchPolicy.of(["media.example.com", "*.cdn.example"], ["127.0.0.1/32"], max_bytes=100, timeout_s=1, max_redirects=0)
+    named = FetchPolicy.of(
+        ["media.example.com", "*.cdn.example"],
+        ["127.0.0.1/32"],
+        max_bytes=100,
+        timeout_s=1,
+        max_redirects=0,
+    )
     refused(server.url("/cat.png"), "host '127.0.0.1' is not allowed", named)
     assert named.host_allowed("a.cdn.example") and not named.host_allowed("cdn.example.evil")
 

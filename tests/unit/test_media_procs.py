@@ -24,12 +24,16 @@ PARAM = "messages[0].content[1].image_url"
 
 
 def task(url: str, limits: LimitsConfig = LimitsConfig()) -> DecodeTask:
-    return DecodeTask(Modality.IMAGE, url, LimitsSnapshot.of(limits), PARAM, None, MediaOptions(), None, 0)
+    return DecodeTask(
+        Modality.IMAGE, url, LimitsSnapshot.of(limits), PARAM, None, MediaOptions(), None, 0
+    )
 
 
 @pytest.fixture
 def pool() -> Iterator[DecodePool]:
-    pool = DecodePool(PoolShape(num_workers=1, max_memory_mb=1024, max_tasks_per_child=3, max_decode_s=60.0))
+    pool = DecodePool(
+        PoolShape(num_workers=1, max_memory_mb=1024, max_tasks_per_child=3, max_decode_s=60.0)
+    )
     yield pool
     pool.shutdown()
 
@@ -39,7 +43,9 @@ def test_a_decode_runs_in_a_child_and_matches_decoding_here(pool: DecodePool) ->
     reply, data = pool.decode(task(url))
     [pid] = pool.child_pids()
     assert pid != os.getpid()
-    np.testing.assert_array_equal(data, decode_media(Modality.IMAGE, url, limits=LimitsConfig(), param=PARAM).data)
+    np.testing.assert_array_equal(
+        data, decode_media(Modality.IMAGE, url, limits=LimitsConfig(), param=PARAM).data
+    )
     assert data.flags.writeable and data.shape == (20, 30, 3)
 
 
@@ -58,10 +64,14 @@ def test_a_media_error_in_the_child_arrives_as_the_same_media_error(pool: Decode
 
 
 def test_a_decode_over_the_memory_cap_is_refused_naming_the_limit_and_the_next_is_fine() -> None:
-    small = DecodePool(PoolShape(num_workers=1, max_memory_mb=256, max_tasks_per_child=10, max_decode_s=60.0))
+    small = DecodePool(
+        PoolShape(num_workers=1, max_memory_mb=256, max_tasks_per_child=10, max_decode_s=60.0)
+    )
     try:
         with pytest.raises(MediaError) as info:
-            small.decode(task(png(4000, 4000)))  # 16 MP: more than 256 MB of address space to decode
+            small.decode(
+                task(png(4000, 4000))
+            )  # 16 MP: more than 256 MB of address space to decode
         assert "256 MB" in info.value.message and "max_decode_memory_mb" in info.value.message
         assert info.value.param == PARAM
         assert small.decode(task(png(8, 6)))[1].shape == (6, 8, 3)
@@ -105,11 +115,19 @@ def test_a_hung_child_is_killed_at_the_deadline_naming_it_while_the_other_child_
     """A child stopped by SIGSTOP really hangs: its item fails at limits.max_decode_s, the
     child is killed and replaced, and the other child's decode is not held up by it."""
     deadline_s = 3.0
-    two = DecodePool(PoolShape(num_workers=2, max_memory_mb=1024, max_tasks_per_child=10, max_decode_s=deadline_s))
+    two = DecodePool(
+        PoolShape(
+            num_workers=2, max_memory_mb=1024, max_tasks_per_child=10, max_decode_s=deadline_s
+        )
+    )
     try:
-        with ThreadPoolExecutor(2) as threads:  # both start a child before either finishes (a start takes a second)
+        with ThreadPoolExecutor(
+            2
+        ) as threads:  # both start a child before either finishes (a start takes a second)
             list(threads.map(lambda _: two.decode(task(png(4, 4))), range(2)))
-        healthy, hung = two.child_pids()  # idle children are taken last first: one decode surely meets the hung one
+        healthy, hung = (
+            two.child_pids()
+        )  # idle children are taken last first: one decode surely meets the hung one
         os.kill(hung, signal.SIGSTOP)
         started_s = time.monotonic()
         with ThreadPoolExecutor(2) as threads:
@@ -118,7 +136,11 @@ def test_a_hung_child_is_killed_at_the_deadline_naming_it_while_the_other_child_
         (ok_s, ok), (failed_s, failed) = outcomes
         assert isinstance(ok, tuple) and ok[1].shape == (4, 4, 3)
         assert ok_s < deadline_s <= failed_s < deadline_s + 10
-        assert isinstance(failed, MediaError) and "limits.max_decode_s" in failed.message and failed.param == PARAM
+        assert (
+            isinstance(failed, MediaError)
+            and "limits.max_decode_s" in failed.message
+            and failed.param == PARAM
+        )
         with pytest.raises(ProcessLookupError):  # killed, even though stopped
             os.kill(hung, 0)
         assert hung not in two.child_pids() and len(two.child_pids()) == 2  # replaced

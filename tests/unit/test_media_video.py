@@ -16,7 +16,13 @@ from cluster.media.decoders import MediaOptions
 from cluster.media.errors import MediaError
 from cluster.media.fetch import FetchPolicy
 from cluster.media.load import load_media_item
-from cluster.media.video import VideoSampling, _Timeline, decode_video_url, sample_times, select_frames
+from cluster.media.video import (
+    VideoSampling,
+    _Timeline,
+    decode_video_url,
+    sample_times,
+    select_frames,
+)
 from router.types import Modality
 
 PARAM = "messages[0].content[1].video_url"
@@ -29,8 +35,24 @@ def data_url(data: bytes, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def decode(url: str, sampling: VideoSampling = VideoSampling(), *, max_pixels: int = LIMIT, max_s: float = 600.0, max_frames: int = 256, remote=None):
-    return decode_video_url(url, sampling=sampling, max_pixels=max_pixels, max_duration_s=max_s, max_frames=max_frames, remote=remote, param=PARAM)
+def decode(
+    url: str,
+    sampling: VideoSampling = VideoSampling(),
+    *,
+    max_pixels: int = LIMIT,
+    max_s: float = 600.0,
+    max_frames: int = 256,
+    remote=None,
+):
+    return decode_video_url(
+        url,
+        sampling=sampling,
+        max_pixels=max_pixels,
+        max_duration_s=max_s,
+        max_frames=max_frames,
+        remote=remote,
+        param=PARAM,
+    )
 
 
 def rejects(url: str, *fragments: str, **kwargs) -> MediaError:
@@ -75,7 +97,15 @@ def _codec(fmt: str) -> str:
     pytest.skip(f"no {fmt} encoder in this PyAV build")
 
 
-def encoded_video(fmt: str = "mp4", *, codec: str | None = None, num_frames: int = 20, fps: int = 10, width: int = 48, height: int = 32) -> bytes:
+def encoded_video(
+    fmt: str = "mp4",
+    *,
+    codec: str | None = None,
+    num_frames: int = 20,
+    fps: int = 10,
+    width: int = 48,
+    height: int = 32,
+) -> bytes:
     """width x height yuv420p, `fps` frames per second; frame i shows stripes(i)."""
     av = pytest.importorskip("av")
     buf = io.BytesIO()
@@ -95,7 +125,9 @@ def red_frames(count: int, size: tuple[int, int] = (30, 20)) -> list[Image.Image
 
 def animated(frames: list[Image.Image], fmt: str, durations_ms: list[int] | int, **kwargs) -> bytes:
     buf = io.BytesIO()
-    frames[0].save(buf, fmt, save_all=True, append_images=frames[1:], duration=durations_ms, loop=0, **kwargs)
+    frames[0].save(
+        buf, fmt, save_all=True, append_images=frames[1:], duration=durations_ms, loop=0, **kwargs
+    )
     return buf.getvalue()
 
 
@@ -113,13 +145,22 @@ def gif_with_partial_frames() -> bytes:
 
 
 def test_sampling_grid() -> None:
-    np.testing.assert_allclose(sample_times(2.0, VideoSampling(fps=2), max_frames=256), [0, 0.5, 1, 1.5])
-    np.testing.assert_allclose(sample_times(2.1, VideoSampling(fps=2), max_frames=256), np.arange(4) * 2.1 / 4)
+    np.testing.assert_allclose(
+        sample_times(2.0, VideoSampling(fps=2), max_frames=256), [0, 0.5, 1, 1.5]
+    )
+    np.testing.assert_allclose(
+        sample_times(2.1, VideoSampling(fps=2), max_frames=256), np.arange(4) * 2.1 / 4
+    )
     # over max_frames: max_frames evenly over the whole clip, from either cap
-    np.testing.assert_allclose(sample_times(10.0, VideoSampling(fps=2, max_frames=4), max_frames=256), [0, 2.5, 5, 7.5])
+    np.testing.assert_allclose(
+        sample_times(10.0, VideoSampling(fps=2, max_frames=4), max_frames=256), [0, 2.5, 5, 7.5]
+    )
     assert len(sample_times(10.0, VideoSampling(fps=2, max_frames=32), max_frames=3)) == 3
     # under min_frames, and never fewer than one
-    assert len(sample_times(1.0, VideoSampling(fps=1, min_frames=3, max_frames=8), max_frames=256)) == 3
+    assert (
+        len(sample_times(1.0, VideoSampling(fps=1, min_frames=3, max_frames=8), max_frames=256))
+        == 3
+    )
     np.testing.assert_allclose(sample_times(0.2, VideoSampling(fps=2), max_frames=256), [0.0])
 
 
@@ -130,11 +171,16 @@ def test_select_frames_picks_the_frame_on_screen() -> None:
     indices, frames_per_s = select_frames(timeline, VideoSampling(fps=10), max_frames=256)
     assert indices.tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3] and frames_per_s == 10.0
     # A grid point on a boundary (0.3 = 3 * 0.1 in floats) picks the frame that starts there.
-    indices, _ = select_frames(_Timeline(np.arange(10) * 0.1, 1.0), VideoSampling(fps=10), max_frames=256)
+    indices, _ = select_frames(
+        _Timeline(np.arange(10) * 0.1, 1.0), VideoSampling(fps=10), max_frames=256
+    )
     assert indices.tolist() == list(range(10))
 
 
-@pytest.mark.parametrize("kwargs", [{"fps": 0}, {"fps": float("nan")}, {"min_frames": 0}, {"min_frames": 5, "max_frames": 4}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"fps": 0}, {"fps": float("nan")}, {"min_frames": 0}, {"min_frames": 5, "max_frames": 4}],
+)
 def test_sampling_policy_is_validated(kwargs: dict) -> None:
     with pytest.raises(ValueError, match="VideoSampling"):
         VideoSampling(**kwargs)
@@ -146,7 +192,11 @@ def test_sampling_policy_is_validated(kwargs: dict) -> None:
 def test_mp4_fps_sampling() -> None:
     video = decode(data_url(encoded_video(), "video/mp4"), VideoSampling(fps=2))
     assert video.frames.dtype == np.uint8 and video.frames.shape == (4, 32, 48, 3)
-    assert video.num_frames == 4 and video.frames_per_s == 2.0 and video.duration_s == pytest.approx(2.0)
+    assert (
+        video.num_frames == 4
+        and video.frames_per_s == 2.0
+        and video.duration_s == pytest.approx(2.0)
+    )
     assert video.timestamps_s == pytest.approx((0.0, 0.5, 1.0, 1.5))
     assert stripe_index(video.frames) == [0, 5, 10, 15]
 
@@ -154,14 +204,20 @@ def test_mp4_fps_sampling() -> None:
 def test_mp4_max_frames_cap_samples_evenly() -> None:
     url = data_url(encoded_video(), "video/mp4")
     video = decode(url, VideoSampling(fps=10, max_frames=5))
-    assert video.timestamps_s == pytest.approx((0.0, 0.4, 0.8, 1.2, 1.6)) and video.frames_per_s == 2.5
+    assert (
+        video.timestamps_s == pytest.approx((0.0, 0.4, 0.8, 1.2, 1.6)) and video.frames_per_s == 2.5
+    )
     assert stripe_index(video.frames) == [0, 4, 8, 12, 16]
-    assert decode(url, VideoSampling(fps=10, max_frames=32), max_frames=3).num_frames == 3  # the limit caps too
+    assert (
+        decode(url, VideoSampling(fps=10, max_frames=32), max_frames=3).num_frames == 3
+    )  # the limit caps too
     every = decode(url, VideoSampling(fps=10, max_frames=32))
     assert stripe_index(every.frames) == list(range(20)) and every.frames_per_s == 10.0
 
 
-@pytest.mark.parametrize("fmt,mime,codec", [("mp4", "video/mp4", "libx264"), ("webm", "video/webm", None)])
+@pytest.mark.parametrize(
+    "fmt,mime,codec", [("mp4", "video/mp4", "libx264"), ("webm", "video/webm", None)]
+)
 def test_other_codecs(fmt: str, mime: str, codec: str | None) -> None:
     av = pytest.importorskip("av")
     if codec and codec not in av.codecs_available:
@@ -212,7 +268,9 @@ def test_missing_pyav_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "av", None)  # import av now raises ImportError
     rejects(url, "need PyAV", "'video' extra", "epd[video]")
     rejects(data_url(b"\x1a\x45\xdf\xa3", "video/webm"), "need PyAV")
-    assert decode(data_url(animated(red_frames(3), "GIF", 100), "image/gif")).num_frames == 1  # Pillow's
+    assert (
+        decode(data_url(animated(red_frames(3), "GIF", 100), "image/gif")).num_frames == 1
+    )  # Pillow's
 
 
 # ----------------------------------------------------------------------------- GIF / WebP (Pillow)
@@ -222,8 +280,12 @@ def test_gif_frames_equal_what_pillow_shows_and_follow_durations() -> None:
     gif = gif_with_partial_frames()
     video = decode(data_url(gif, "image/gif"), VideoSampling(fps=10, max_frames=100))
     assert video.duration_s == pytest.approx(1.2) and video.frames_per_s == 10.0
-    assert video.timestamps_s == pytest.approx((0, 0.1, 0.1, 0.3, 0.3, 0.3, 0.6, 0.6, 0.6, 0.6, 1.0, 1.1))
-    shown = [np.array(f.convert("RGB")) for f in ImageSequence.Iterator(Image.open(io.BytesIO(gif)))]
+    assert video.timestamps_s == pytest.approx(
+        (0, 0.1, 0.1, 0.3, 0.3, 0.3, 0.6, 0.6, 0.6, 0.6, 1.0, 1.1)
+    )
+    shown = [
+        np.array(f.convert("RGB")) for f in ImageSequence.Iterator(Image.open(io.BytesIO(gif)))
+    ]
     for frame, index in zip(video.frames, [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 5]):
         np.testing.assert_array_equal(frame, shown[index])
 
@@ -244,10 +306,15 @@ def test_gif_transparency_is_composited_on_white_like_images() -> None:
 
 
 def test_animated_webp_lossless_is_exact() -> None:
-    frames = [Image.fromarray(np.random.default_rng(i).integers(0, 256, (20, 30, 3), dtype=np.uint8)) for i in range(4)]
+    frames = [
+        Image.fromarray(np.random.default_rng(i).integers(0, 256, (20, 30, 3), dtype=np.uint8))
+        for i in range(4)
+    ]
     webp = animated(frames, "WEBP", [100, 200, 300, 400], lossless=True)
     video = decode(data_url(webp, "image/webp"), VideoSampling(fps=4))
-    assert video.timestamps_s == pytest.approx((0.0, 0.1, 0.3, 0.6)) and video.duration_s == pytest.approx(1.0)
+    assert video.timestamps_s == pytest.approx(
+        (0.0, 0.1, 0.3, 0.6)
+    ) and video.duration_s == pytest.approx(1.0)
     for frame, original in zip(video.frames, frames):
         np.testing.assert_array_equal(frame, np.array(original))
 
@@ -269,7 +336,9 @@ def test_animated_image_limits() -> None:
 
 
 def test_many_frames_are_refused_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
-    distinct = [Image.new("RGB", (4, 4), (i, 255 - i, 0)) for i in range(200)]  # Pillow merges repeats
+    distinct = [
+        Image.new("RGB", (4, 4), (i, 255 - i, 0)) for i in range(200)
+    ]  # Pillow merges repeats
     url = data_url(animated(distinct, "GIF", 20), "image/gif")
     monkeypatch.setattr(media_video, "convert_to_rgb", lambda *a: pytest.fail("decoded frames"))
     rejects(url, "video has 200 frames", "limit of 2 s", max_s=2.0)
@@ -289,11 +358,19 @@ def test_animated_image_undecodable_data() -> None:
 
 
 def test_url_rejections() -> None:
-    rejects("https://example.com/clip.mp4", "fetching remote media is disabled", "send the video inline")
-    others_only = FetchPolicy.of(["media.internal"], [], max_bytes=1000, timeout_s=1, max_redirects=0)
+    rejects(
+        "https://example.com/clip.mp4", "fetching remote media is disabled", "send the video inline"
+    )
+    others_only = FetchPolicy.of(
+        ["media.internal"], [], max_bytes=1000, timeout_s=1, max_redirects=0
+    )
     rejects("https://example.com/clip.mp4", "host 'example.com' is not allowed", remote=others_only)
     rejects("file:///etc/passwd", "unsupported video URL")
-    rejects(data_url(b"x", "video/quicktime"), "unsupported video type 'video/quicktime'", "video/mp4, video/webm, image/gif or image/webp")
+    rejects(
+        data_url(b"x", "video/quicktime"),
+        "unsupported video type 'video/quicktime'",
+        "video/mp4, video/webm, image/gif or image/webp",
+    )
     rejects("data:video/mp4,abc", "only base64 data URLs")
     rejects("data:video/mp4;base64,@@", "invalid base64")
     rejects("data:video/mp4;base64,", "empty video data")
@@ -312,14 +389,23 @@ def test_load_media_item_video() -> None:
 
     def load(fps: float, limits: Limits = Limits()):
         return load_media_item(
-            Modality.VIDEO, url, namespace="m", limits=limits, param=PARAM, options=MediaOptions(video_sampling=VideoSampling(fps=fps))
+            Modality.VIDEO,
+            url,
+            namespace="m",
+            limits=limits,
+            param=PARAM,
+            options=MediaOptions(video_sampling=VideoSampling(fps=fps)),
         )
 
     item = load(5)
     assert item.modality == Modality.VIDEO and item.data.shape == (5, 20, 30, 3)
-    assert item.frames_per_s == 5.0 and item.duration_s == pytest.approx(1.0) and item.size == 5 * 600
+    assert (
+        item.frames_per_s == 5.0 and item.duration_s == pytest.approx(1.0) and item.size == 5 * 600
+    )
     assert item.sample_rate_hz is None
     assert load(5).identifier == item.identifier and load(10).identifier != item.identifier
-    assert load(10, Limits(max_video_frames=5)).identifier == item.identifier  # same frames, same grid
+    assert (
+        load(10, Limits(max_video_frames=5)).identifier == item.identifier
+    )  # same frames, same grid
     with pytest.raises(MediaError, match="limit of 0.5 s"):
         load(5, Limits(max_video_s=0.5))

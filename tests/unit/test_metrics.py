@@ -24,7 +24,9 @@ def exported_series() -> set[str]:
 
     metrics = Metrics("m", 120)
     encoder = EncoderCache(1).stats().as_flat_dict()
-    metrics.track_workers(lambda: {"encoder": [encoder], "decode": [{"kv_reserved_bytes": 0, "kv_budget_bytes": 1}]})
+    metrics.track_workers(
+        lambda: {"encoder": [encoder], "decode": [{"kv_reserved_bytes": 0, "kv_budget_bytes": 1}]}
+    )
     families = [*metrics.registry.collect(), *metrics.worker_registry.collect()]
     return {f.name + s for f in families for s in _SUFFIXES[f.type]}
 
@@ -36,7 +38,11 @@ def test_every_dashboard_query_names_an_exported_metric():
     named = {m for q in queries for m in re.findall(r"epd:[a-z0-9_:]+", q)}
     assert len(board["panels"]) >= 10 and named
     assert named <= exported, named - exported
-    assert {"epd:time_to_first_token_seconds_bucket", "epd:num_requests_running", "epd:prefix_cache_hits_total"} <= named
+    assert {
+        "epd:time_to_first_token_seconds_bucket",
+        "epd:num_requests_running",
+        "epd:prefix_cache_hits_total",
+    } <= named
 
 
 def test_dashboard_file_is_current():
@@ -52,7 +58,11 @@ def test_vllm_names_and_model_label_in_the_exposition():
     families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}
     ttft = families["epd:time_to_first_token_seconds"]
     assert all(s.labels["model_name"] == "tiny" for s in ttft.samples)
-    tops = [float(s.labels["le"]) for s in ttft.samples if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
+    tops = [
+        float(s.labels["le"])
+        for s in ttft.samples
+        if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"
+    ]
     assert max(tops) == 30.0
     assert families["epd:requests"].samples[0].labels == {"model_name": "tiny", "status": "ok"}
     assert families["epd:num_requests_waiting"].samples[0].value == 3
@@ -78,7 +88,9 @@ def test_worker_stats_become_encoder_cache_and_kv_series():
     }
     metrics = Metrics("tiny", 30)
     metrics.track_workers(lambda: polled)
-    assert b"encoder_cache" not in metrics.exposition(), "worker series must stay out of what replicas merge (and sum)"
+    assert b"encoder_cache" not in metrics.exposition(), (
+        "worker series must stay out of what replicas merge (and sum)"
+    )
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for f in text_string_to_metric_families(metrics.worker_exposition().decode())
@@ -92,5 +104,7 @@ def test_worker_stats_become_encoder_cache_and_kv_series():
     assert samples[("epd:encoder_cache_misses_total", on_encoder_1)] == 1
     assert samples[("epd:encoder_cache_evictions_total", on_encoder_1)] == 0
     assert samples[("epd:encoder_cache_capacity_bytes", on_encoder_1)] == 100
-    assert not any(("encoder", "0") in labels for _, labels in samples), "a restarting worker has no series"
+    assert not any(("encoder", "0") in labels for _, labels in samples), (
+        "a restarting worker has no series"
+    )
     assert samples[("epd:kv_cache_usage_perc", (("decode", "0"), ("model_name", "tiny")))] == 0.25

@@ -24,7 +24,11 @@ def _replica(ok: int, bad: int, ttfts_s: list[float], waiting: int, running: int
 
 
 def _values(exposition: bytes) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(exposition.decode()) for s in f.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(exposition.decode())
+        for s in f.samples
+    }
 
 
 def _value(exposition: bytes, name: str, **labels: str) -> float | None:
@@ -43,7 +47,10 @@ def test_counters_histograms_and_gauges_are_summed_and_created_is_the_earliest()
     assert _value(merged, "epd:time_to_first_token_seconds_bucket", le="0.5") == 2
     assert _value(merged, "epd:time_to_first_token_seconds_bucket", le="5.0") == 3
     assert _value(merged, "epd:time_to_first_token_seconds_bucket", le="+Inf") == 3
-    assert _value(merged, "epd:num_requests_waiting") == 4 and _value(merged, "epd:num_requests_running") == 3
+    assert (
+        _value(merged, "epd:num_requests_waiting") == 4
+        and _value(merged, "epd:num_requests_running") == 3
+    )
     assert _value(merged, "epd:queue_depth", kind="decode") == 3
     created = [_value(r.exposition(), "epd:requests_created", status="ok") for r in (a, b)]
     assert _value(merged, "epd:requests_created", status="ok") == min(created)
@@ -73,13 +80,19 @@ def test_a_scrape_adds_the_others_latest_and_a_dead_replicas_counts_stay():
     after = scrape_on_a()
     assert _value(after, "epd:requests_total", status="ok") == 111  # b's counts kept
     assert _value(after, "epd:time_to_first_token_seconds_count") == 111
-    assert _value(after, "epd:num_requests_running") == 101  # b's gauges gone: a dead replica runs nothing
+    assert (
+        _value(after, "epd:num_requests_running") == 101
+    )  # b's gauges gone: a dead replica runs nothing
     book.retire("c:")
     a.requests.labels("ok").inc()
-    assert _value(scrape_on_a(), "epd:requests_total", status="ok") == 112  # two retired, summed, plus a's live
+    assert (
+        _value(scrape_on_a(), "epd:requests_total", status="ok") == 112
+    )  # two retired, summed, plus a's live
     assert _value(scrape_on_a(), "epd:num_requests_waiting") == 1
     assert book.owners() == ["a:"] and book.others("a:")  # only the retired sum
-    book.report("d:", _replica(ok=7, bad=0, ttfts_s=[], waiting=0, running=0).exposition())  # a new replica
+    book.report(
+        "d:", _replica(ok=7, bad=0, ttfts_s=[], waiting=0, running=0).exposition()
+    )  # a new replica
     assert _value(scrape_on_a(), "epd:requests_total", status="ok") == 119
 
 
@@ -92,11 +105,16 @@ def test_what_a_scrape_showed_stays_in_the_book_and_a_late_older_push_does_not_u
     after, the retired sum holds what the scrape showed. A push rendered before that scrape but
     delivered after it is ignored: otherwise the book, and a later scrape, would read less."""
     book = MetricsBook()
-    a, b = _replica(ok=5, bad=0, ttfts_s=[], waiting=0, running=0), _replica(ok=1, bad=0, ttfts_s=[], waiting=0, running=0)
+    a, b = (
+        _replica(ok=5, bad=0, ttfts_s=[], waiting=0, running=0),
+        _replica(ok=1, bad=0, ttfts_s=[], waiting=0, running=0),
+    )
     book.report("b:", b.exposition(), seq=1)
     pushed = a.exposition()  # rendered for a push: 5 ok
     a.requests.labels("ok").inc(4)
-    shown = merge([a.exposition(), *book.exchange("a:", a.exposition(), seq=2)])  # a scrape on a: 9 + 1
+    shown = merge(
+        [a.exposition(), *book.exchange("a:", a.exposition(), seq=2)]
+    )  # a scrape on a: 9 + 1
     book.report("a:", pushed, seq=1)  # the push lands after the scrape's exchange
     book.retire("a:")  # a dies; b answers the next scrape
     after = merge([b.exposition(), *book.others("b:")])

@@ -24,8 +24,14 @@ POLICIES = ("joint", "least_loaded", "affinity", "round_robin", "random")
 def test_committed_notebook_has_no_outputs():
     nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
     assert nb["cells"], "empty notebook"
-    dirty = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count") is not None)]
-    assert not dirty, f"cells {dirty} carry outputs or execution counts: strip them before committing"
+    dirty = [
+        i
+        for i, c in enumerate(nb["cells"])
+        if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count") is not None)
+    ]
+    assert not dirty, (
+        f"cells {dirty} carry outputs or execution counts: strip them before committing"
+    )
     assert nb["metadata"].get("kernelspec", {}).get("name") == "python3"
     first = next(c for c in nb["cells"] if c["cell_type"] == "code")
     assert 'os.environ.get("EPD_NOTEBOOK_FAST") == "1"' in "".join(first["source"])
@@ -77,11 +83,17 @@ def test_notebook_runs_in_fast_mode(tmp_path, monkeypatch):
 
     # the kernel inherits this environment
     monkeypatch.setenv("EPD_NOTEBOOK_FAST", "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    )
     monkeypatch.delenv("MPLBACKEND", raising=False)
 
     client = nbclient.NotebookClient(
-        nb, km=_kernel_manager(tmp_path), kernel_name="python3", timeout=300, resources={"metadata": {"path": str(work)}}
+        nb,
+        km=_kernel_manager(tmp_path),
+        kernel_name="python3",
+        timeout=300,
+        resources={"metadata": {"path": str(work)}},
     )
     t0 = time.perf_counter()
     client.execute()  # raises CellExecutionError on the first failing cell
@@ -94,8 +106,15 @@ def test_notebook_runs_in_fast_mode(tmp_path, monkeypatch):
     assert all(c.execution_count is not None for c in code_cells), "a code cell did not run"
     assert "FAST=True" in _texts(code_cells[0]), "the notebook did not pick up EPD_NOTEBOOK_FAST=1"
 
-    images = [o for c in code_cells for o in c.outputs if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {})]
-    assert len(images) >= 4, f"expected the sweep, CDF, goodput and cache plots, got {len(images)} image(s)"
+    images = [
+        o
+        for c in code_cells
+        for o in c.outputs
+        if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {})
+    ]
+    assert len(images) >= 4, (
+        f"expected the sweep, CDF, goodput and cache plots, got {len(images)} image(s)"
+    )
 
     text = "\n".join(_texts(c) for c in code_cells)
     tables = [_texts(c) for c in code_cells if "Policy comparison:" in _texts(c)]
@@ -107,4 +126,6 @@ def test_notebook_runs_in_fast_mode(tmp_path, monkeypatch):
         assert f"\n{policy} " in head, f"comparison table lacks a row for {policy}"
     assert "joint p99 / least_loaded p99" in text, "no joint / least_loaded ratio printed"
     assert "encoder-cache hit rate" in text, "no cache-affinity results printed"
-    assert "now |err| %" in text and "equal workers' estimates" in text, "no calibration-through-a-burst results printed"
+    assert "now |err| %" in text and "equal workers' estimates" in text, (
+        "no calibration-through-a-burst results printed"
+    )

@@ -28,7 +28,9 @@ def test_a_failed_delivery_fails_the_request_at_once():
     async def scenario():
         call = asyncio.get_running_loop().create_future()  # never answers by itself
         with pytest.raises(ConnectionError, match="encoder died"):
-            await asyncio.wait_for(overlapped(call, after(0.01, exc=ConnectionError("encoder died"))), timeout=2)
+            await asyncio.wait_for(
+                overlapped(call, after(0.01, exc=ConnectionError("encoder died"))), timeout=2
+            )
         assert call.cancelled(), "the prefill call is given up"
 
     asyncio.run(scenario())

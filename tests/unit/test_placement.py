@@ -33,16 +33,25 @@ def test_a_missing_node_type_names_the_pool_and_the_resource():
 
 def test_a_resource_split_over_nodes_does_not_hold_one_actor():
     split = PINNED.replace(prefill={"num_cpus": 1, "num_gpus": 1})
-    problems = unplaceable(split, [HEAD, ENCODER, LLM, NodeShape("node gpu", {"CPU": 8.0, "GPU": 1.0})])
-    assert problems == [problems[0]] and "no single node can hold one actor of pool 'prefill'" in problems[0]
+    problems = unplaceable(
+        split, [HEAD, ENCODER, LLM, NodeShape("node gpu", {"CPU": 8.0, "GPU": 1.0})]
+    )
+    assert (
+        problems == [problems[0]]
+        and "no single node can hold one actor of pool 'prefill'" in problems[0]
+    )
 
 
 def test_pools_that_need_more_than_the_nodes_offer_in_all_are_refused():
-    more = PINNED.replace(prefill={"num_workers": 2})  # 2 prefill + 1 decode = 3 llm_node; the LLM node has 2
+    more = PINNED.replace(
+        prefill={"num_workers": 2}
+    )  # 2 prefill + 1 decode = 3 llm_node; the LLM node has 2
     (problem,) = unplaceable(more, [HEAD, ENCODER, LLM])
     assert "3 llm_node in all (prefill 2, decode 1)" in problem and "offers 2" in problem
     assert unplaceable(more, [HEAD, ENCODER, LLM, LLM]) == []
-    two_launchable = NodeShape("node type gpu_llm (autoscaler)", {"CPU": 8.0, "llm_node": 1.0}, count=2)
+    two_launchable = NodeShape(
+        "node type gpu_llm (autoscaler)", {"CPU": 8.0, "llm_node": 1.0}, count=2
+    )
     assert unplaceable(more, [HEAD, ENCODER, LLM, two_launchable]) == []
 
 

@@ -31,26 +31,43 @@ TEXT = RequestProfile(100)
 # -- joint: the O(E + P) path must find the brute-force E x P minimum ----------------------------
 
 
-def random_instance(rng: random.Random, spread_z: float = 0.0) -> tuple[ClusterView, CostModel, RequestProfile]:
+def random_instance(
+    rng: random.Random, spread_z: float = 0.0
+) -> tuple[ClusterView, CostModel, RequestProfile]:
     nodes = [f"n{k}" for k in range(rng.randint(1, 4))]
     workers = []
     for i in range(rng.randint(1, 7)):
         mods = frozenset(m for m in MODS if rng.random() < 0.7) | {"image"}
-        process = f"proc{i}" if rng.random() < 0.3 else None  # some encoders share a process with prefill i
+        process = (
+            f"proc{i}" if rng.random() < 0.3 else None
+        )  # some encoders share a process with prefill i
         workers.append(WorkerInfo(E, i, rng.choice(nodes), mods, process))
     for i in range(rng.randint(1, 7)):
-        workers.append(WorkerInfo(P, i, rng.choice(nodes), process=f"proc{i}" if rng.random() < 0.5 else None))
+        workers.append(
+            WorkerInfo(P, i, rng.choice(nodes), process=f"proc{i}" if rng.random() < 0.5 else None)
+        )
     workers += [WorkerInfo(D, i, rng.choice(nodes)) for i in range(rng.randint(1, 3))]
     view = ClusterView(workers)
-    priors = CostPriors.from_dict({"bandwidth_gbps": {"same_node": rng.choice([0.05, 1.0, 600.0]), "cross_node": rng.choice([0.01, 0.5, 50.0])}})
-    cost = CostModel.for_view(priors, view, CalibrationConfig(spread_z=spread_z))  # 0: the plain argmin
+    priors = CostPriors.from_dict(
+        {
+            "bandwidth_gbps": {
+                "same_node": rng.choice([0.05, 1.0, 600.0]),
+                "cross_node": rng.choice([0.01, 0.5, 50.0]),
+            }
+        }
+    )
+    cost = CostModel.for_view(
+        priors, view, CalibrationConfig(spread_z=spread_z)
+    )  # 0: the plain argmin
     ids = [f"id{k}" for k in range(6)]
     hashes = tuple(f"h{k}" for k in range(12))
     now = rng.uniform(0, 3)
     for e in range(len(view.workers[E])):
         view.begin(E, e, 1, rng.uniform(0, 80))
         if rng.random() < 0.5:
-            view.publish(E, e, now_s=now, cached_identifiers=frozenset(rng.sample(ids, rng.randint(1, 4))))
+            view.publish(
+                E, e, now_s=now, cached_identifiers=frozenset(rng.sample(ids, rng.randint(1, 4)))
+            )
         for _ in range(rng.randint(0, 6)):  # per-worker calibration: some encoders slower
             size = rng.uniform(0.05, 2)
             cost.observe_encode(e, "image", size, (1 + size * 30) * rng.uniform(0.5, 3))
@@ -65,7 +82,13 @@ def random_instance(rng: random.Random, spread_z: float = 0.0) -> tuple[ClusterV
         cost.observe_transfer(Placement.SAME_PROCESS, 10**6, rng.uniform(0.0, 5.0))
     modality = rng.choice(["image", "image", "video", "audio"])
     items = tuple(
-        media(rng.choice(ids), rng.choice(["image", modality]), rng.uniform(0.05, 30), rng.randint(1, 3000)) for _ in range(rng.randint(0, 4))
+        media(
+            rng.choice(ids),
+            rng.choice(["image", modality]),
+            rng.uniform(0.05, 30),
+            rng.randint(1, 3000),
+        )
+        for _ in range(rng.randint(0, 4))
     )
     profile = RequestProfile(rng.randint(1, 4000), items, hashes[: rng.randint(0, 12)])
     view.refresh(now)
@@ -74,7 +97,9 @@ def random_instance(rng: random.Random, spread_z: float = 0.0) -> tuple[ClusterV
 
 def brute_force_min(view: ClusterView, cost: CostModel, profile: RequestProfile) -> float:
     encoders = view.candidates(E, profile.modalities) if profile.items else [None]
-    return min(cost.evaluate(profile, view, e, p)[0].total_ms for e in encoders for p in view.candidates(P))
+    return min(
+        cost.evaluate(profile, view, e, p)[0].total_ms for e in encoders for p in view.candidates(P)
+    )
 
 
 def test_joint_equals_brute_force_minimum_on_random_clusters():
@@ -83,8 +108,12 @@ def test_joint_equals_brute_force_minimum_on_random_clusters():
         view, cost, profile = random_instance(random.Random(seed))
         try:
             expected = brute_force_min(view, cost, profile)
-        except NoWorkerError:  # no encoder hosts all its modalities: split (test_split.py), or none hosts one
-            if not profile.items or not all(any(it.modality in w.modalities for w in view.workers[E]) for it in profile.items):
+        except (
+            NoWorkerError
+        ):  # no encoder hosts all its modalities: split (test_split.py), or none hosts one
+            if not profile.items or not all(
+                any(it.modality in w.modalities for w in view.workers[E]) for it in profile.items
+            ):
                 with pytest.raises(NoWorkerError):
                     Joint().pick(profile, view, cost, view.now_s)
             else:
@@ -92,7 +121,9 @@ def test_joint_equals_brute_force_minimum_on_random_clusters():
             continue
         decision = Joint().pick(profile, view, cost, view.now_s)
         assert decision.estimated_ttft_ms == pytest.approx(expected, rel=1e-9, abs=1e-9), seed
-        assert decision.estimate == cost.evaluate(profile, view, decision.encoder, decision.prefill)[0]
+        assert (
+            decision.estimate == cost.evaluate(profile, view, decision.encoder, decision.prefill)[0]
+        )
         if profile.items:
             assert profile.modalities <= view.workers[E][decision.encoder].modalities
         checked += 1
@@ -113,8 +144,15 @@ def test_joint_spreads_near_ties_to_the_least_booked_worker():
         limit = best * (1 + cost.prefill_error)
         assert decision.estimated_ttft_ms <= limit * (1 + 1e-9) + 1e-9, seed
         encoders = view.candidates(E, profile.modalities) if profile.items else [None]
-        near = [p for e in encoders for p in view.candidates(P) if cost.evaluate(profile, view, e, p)[0].total_ms <= limit]
-        assert view.outstanding[P][decision.prefill] <= min(view.outstanding[P][p] for p in near), seed
+        near = [
+            p
+            for e in encoders
+            for p in view.candidates(P)
+            if cost.evaluate(profile, view, e, p)[0].total_ms <= limit
+        ]
+        assert view.outstanding[P][decision.prefill] <= min(view.outstanding[P][p] for p in near), (
+            seed
+        )
         spread_seen += decision.estimated_ttft_ms > best * (1 + 1e-9)
     assert spread_seen > 10  # the rule did choose other than the argmin
 
@@ -124,11 +162,18 @@ def test_joint_spread_by_hand():
     view.begin(P, 0, 2, ms=5.0)  # worker 0: 2 jobs, 5 ms booked; worker 1: 3 jobs, 3 ms: the argmin
     view.begin(P, 1, 3, ms=3.0)
     cost.prefill_fit.err2 = 0.3**2  # the fit has seen 30% error
-    assert Joint().decision(TEXT, view, cost).prefill == 0  # 5 + 7 vs 3 + 7 ms: within 30%, fewer jobs
+    assert (
+        Joint().decision(TEXT, view, cost).prefill == 0
+    )  # 5 + 7 vs 3 + 7 ms: within 30%, fewer jobs
     cost.prefill_fit.err2 = 0.01**2  # an exact fit: the argmin
     assert Joint().decision(TEXT, view, cost).prefill == 1
     cost.prefill_fit.err2 = 0.3**2
-    assert Joint().decision(TEXT, view, CostModel.for_view(None, view, CalibrationConfig(spread_z=0))).prefill == 1
+    assert (
+        Joint()
+        .decision(TEXT, view, CostModel.for_view(None, view, CalibrationConfig(spread_z=0)))
+        .prefill
+        == 1
+    )
 
 
 def test_joint_equals_brute_force_minimum_with_jobs_in_service():
@@ -147,7 +192,9 @@ def test_joint_equals_brute_force_minimum_with_jobs_in_service():
             continue
         decision = Joint().pick(profile, view, cost, view.now_s)
         assert decision.estimated_ttft_ms == pytest.approx(expected, rel=1e-9, abs=1e-9), seed
-        assert decision.estimate == cost.evaluate(profile, view, decision.encoder, decision.prefill)[0]
+        assert (
+            decision.estimate == cost.evaluate(profile, view, decision.encoder, decision.prefill)[0]
+        )
         checked += 1
     assert checked > 120
 
@@ -181,14 +228,22 @@ def test_every_policy_reports_the_cost_models_estimate_of_its_pair(name):
     policy = make_policy(name, seed=5)
     for profile in (IMAGE, TEXT, RequestProfile(900, (media("a"), media("b", "video", 30, 4000)))):
         decision = policy.pick(profile, view, cost, 0.0)
-        estimate, misses, uncached = cost.evaluate(profile, view, decision.encoder, decision.prefill)
-        assert decision.estimate == estimate and decision.encode_items == misses and decision.uncached_tokens == uncached
+        estimate, misses, uncached = cost.evaluate(
+            profile, view, decision.encoder, decision.prefill
+        )
+        assert (
+            decision.estimate == estimate
+            and decision.encode_items == misses
+            and decision.uncached_tokens == uncached
+        )
         assert decision.items == profile.items and (decision.encoder is None) == (not profile.items)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_only_uses_encoders_hosting_the_modalities(name):
-    view, cost = setup(fleet(4, 2, 2, e0=frozenset({"image"}), e1=frozenset({"audio"}), e3=frozenset({"image"})))
+    view, cost = setup(
+        fleet(4, 2, 2, e0=frozenset({"image"}), e1=frozenset({"audio"}), e3=frozenset({"image"}))
+    )
     audio = RequestProfile(100, (media("s", "audio", 30, 1500),))
     both = RequestProfile(100, (media("s", "audio", 30, 1500), media("i")))
     policy = make_policy(name, seed=1)
@@ -232,7 +287,10 @@ def test_random_is_deterministic_per_seed():
     def run(seed: int) -> list[tuple]:
         view, cost = setup(fleet(8, 8, 8))
         policy = make_policy("random", seed=seed)
-        return [(d.encoder, d.prefill, d.decode) for d in (policy.pick(IMAGE, view, cost, 0.0) for _ in range(50))]
+        return [
+            (d.encoder, d.prefill, d.decode)
+            for d in (policy.pick(IMAGE, view, cost, 0.0) for _ in range(50))
+        ]
 
     assert run(7) == run(7)
     assert run(7) != run(8)
@@ -288,4 +346,6 @@ def test_make_policy_and_unknown_names():
     assert set(POLICIES) == {"joint", "random", "round_robin", "least_loaded", "affinity"}
     with pytest.raises(ValueError) as info:
         make_policy("round_robin_typo")
-    assert "round_robin_typo" in str(info.value) and all(name in str(info.value) for name in POLICIES)
+    assert "round_robin_typo" in str(info.value) and all(
+        name in str(info.value) for name in POLICIES
+    )

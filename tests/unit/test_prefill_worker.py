@@ -22,8 +22,12 @@ from tests.unit.test_lm_runner import GREEDY, encoder, processor  # noqa: E402,F
 
 @pytest.fixture
 def worker(ckpt):  # one per test: its drive task belongs to that test's event loop
-    spec = WorkerSpec(checkpoint=str(ckpt), dtype="float32", device="cpu", torch_threads=1, max_model_len=4096)
-    return PrefillWorker(spec, max_chunk_tokens=32, prefix_block_tokens=4, prefix_cache_bytes=1 << 28)
+    spec = WorkerSpec(
+        checkpoint=str(ckpt), dtype="float32", device="cpu", torch_threads=1, max_model_len=4096
+    )
+    return PrefillWorker(
+        spec, max_chunk_tokens=32, prefix_block_tokens=4, prefix_cache_bytes=1 << 28
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,9 @@ def test_embeddings_after_the_call_and_a_prefix_hit_waits_for_the_stats(worker, 
 
     async def scenario():
         call = asyncio.create_task(worker.prefill(request("a", prompt)))
-        await until(lambda: worker.engine.stats()["waiting_for_items"] == 1)  # the text is done, the image not here
+        await until(
+            lambda: worker.engine.stats()["waiting_for_items"] == 1
+        )  # the text is done, the image not here
         await worker.receive("a", 0, encoded)
         first = await asyncio.wait_for(call, 20)
         assert first.encode_stats == (encoded[1],) and first.item_wait_ms > 0
@@ -67,7 +73,10 @@ def test_embeddings_after_the_call_and_a_prefix_hit_waits_for_the_stats(worker, 
         assert not call.done(), "answered without the encode stats of its image"
         await worker.receive("b", 0, encoded)
         second = await asyncio.wait_for(call, 20)
-        assert second.encode_stats == (encoded[1],) and second.num_cached_tokens > ranges[0].offset + ranges[0].length
+        assert (
+            second.encode_stats == (encoded[1],)
+            and second.num_cached_tokens > ranges[0].offset + ranges[0].length
+        )
         assert second.first_token_id == first.first_token_id
         for name in ("a", "b"):
             worker.drop(name)
@@ -97,7 +106,14 @@ def test_a_slowed_workers_timings_count_its_emulated_slowness(ckpt):
     router must see that worker as slower, so its reported compute is stretched alike, and its
     prefill_ms runs until the first token is handed on, after the sleep (the simulator's fit
     takes what TTFT holds beyond the stages as ingress overhead)."""
-    spec = WorkerSpec(checkpoint=str(ckpt), dtype="float32", device="cpu", torch_threads=1, max_model_len=4096, slowdown=4.0)
+    spec = WorkerSpec(
+        checkpoint=str(ckpt),
+        dtype="float32",
+        device="cpu",
+        torch_threads=1,
+        max_model_len=4096,
+        slowdown=4.0,
+    )
     slowed = PrefillWorker(spec, max_chunk_tokens=512)
     prompt_ids = tuple(range(10, 210))
 
@@ -108,6 +124,10 @@ def test_a_slowed_workers_timings_count_its_emulated_slowness(ckpt):
 
     asyncio.run(timed("warm"))
     result, wall_ms = asyncio.run(timed("r"))
-    assert result.compute_ms >= 0.5 * wall_ms, f"the forwards alone are about a quarter of the {wall_ms:.1f} ms the call took"
+    assert result.compute_ms >= 0.5 * wall_ms, (
+        f"the forwards alone are about a quarter of the {wall_ms:.1f} ms the call took"
+    )
     assert result.compute_ms <= wall_ms * 1.05
-    assert 0.6 * wall_ms <= result.prefill_ms <= wall_ms, f"one step and its sleep: most of the {wall_ms:.1f} ms call"
+    assert 0.6 * wall_ms <= result.prefill_ms <= wall_ms, (
+        f"one step and its sleep: most of the {wall_ms:.1f} ms call"
+    )

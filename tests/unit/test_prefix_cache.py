@@ -94,6 +94,10 @@ def test_router_profile_carries_the_hashes_the_workers_file_blocks_under():
     item = MediaItem(Modality.IMAGE, "img-a", data=np.zeros((2, 2, 3), np.uint8))
     plan = PromptPlan(tuple(range(40)), (PlaceholderRange(5, 10),), (10,), (item,))
     profile = LiveRouting(None, None, 4, prefix_block_tokens=8).profile(plan, plan.token_ids, 16)
-    assert profile.prefix_hashes == tuple(block_hashes(plan.token_ids, 8, (MediaKey(5, 10, "img-a"),)))
+    assert profile.prefix_hashes == tuple(
+        block_hashes(plan.token_ids, 8, (MediaKey(5, 10, "img-a"),))
+    )
     assert profile.block_size == 8 and profile.num_prompt_tokens == 40
-    assert LiveRouting(None, None, 4).profile(plan, plan.token_ids, 16).prefix_hashes == (), "no prefix cache: no hashes"
+    assert LiveRouting(None, None, 4).profile(plan, plan.token_ids, 16).prefix_hashes == (), (
+        "no prefix cache: no hashes"
+    )

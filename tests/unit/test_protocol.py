@@ -52,8 +52,17 @@ BOUNDS = ModelBounds(max_model_len=100, vocab_size=50, eos_token_ids=(2,))
 
 def test_defaults() -> None:
     req = request(frequency_penalty=0.5, logit_bias={})
-    assert (req.temperature, req.top_p, req.top_k, req.n, req.stream, req.stop) == (1.0, 1.0, 0, 1, False, None)
-    assert not req.include_usage and req.effective_max_tokens(30, BOUNDS) == 70, "the rest of the context"
+    assert (req.temperature, req.top_p, req.top_k, req.n, req.stream, req.stop) == (
+        1.0,
+        1.0,
+        0,
+        1,
+        False,
+        None,
+    )
+    assert not req.include_usage and req.effective_max_tokens(30, BOUNDS) == 70, (
+        "the rest of the context"
+    )
     assert req.effective_max_tokens(30, ModelBounds(100, 50, (2,), default_max_tokens=64)) == 64
     assert req.effective_max_tokens(60, ModelBounds(100, 50, (2,), default_max_tokens=64)) == 40
 
@@ -71,8 +80,17 @@ def test_sampling_params_carry_every_honoured_field() -> None:
         seed=9,
     )
     params = req.to_sampling_params(10, BOUNDS)
-    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.5, -1.0, 1.3)
-    assert (params.logit_bias, params.min_tokens, params.num_logprobs, params.stop_token_ids) == (((7, -100.0), (3, 2.5)), 4, 3, (2,))
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        0.5,
+        -1.0,
+        1.3,
+    )
+    assert (params.logit_bias, params.min_tokens, params.num_logprobs, params.stop_token_ids) == (
+        ((7, -100.0), (3, 2.5)),
+        4,
+        3,
+        (2,),
+    )
     assert request(logprobs=True).to_sampling_params(10, BOUNDS).num_logprobs == 0
     assert request().to_sampling_params(10, BOUNDS).num_logprobs is None
     assert request(ignore_eos=True).to_sampling_params(10, BOUNDS).stop_token_ids == ()
@@ -89,11 +107,22 @@ def test_sampling_params_carry_every_honoured_field() -> None:
         ({"min_tokens": 5, "max_tokens": 4}, 10, "min_tokens", "more than the 4 tokens"),
     ],
 )
-def test_fields_checked_against_the_model(fields: dict, prompt_tokens: int, param: str, fragment: str) -> None:
+def test_fields_checked_against_the_model(
+    fields: dict, prompt_tokens: int, param: str, fragment: str
+) -> None:
     with pytest.raises(ParamError) as info:
         request(**fields).to_sampling_params(prompt_tokens, BOUNDS)
-    assert info.value.param == param and fragment in info.value.message and f"'{param}'" in info.value.message
-    assert request(max_tokens=90, top_k=50, logit_bias={"49": 1}).to_sampling_params(10, BOUNDS).max_tokens == 90
+    assert (
+        info.value.param == param
+        and fragment in info.value.message
+        and f"'{param}'" in info.value.message
+    )
+    assert (
+        request(max_tokens=90, top_k=50, logit_bias={"49": 1})
+        .to_sampling_params(10, BOUNDS)
+        .max_tokens
+        == 90
+    )
 
 
 def test_accepted_values_of_refusable_fields() -> None:
@@ -102,7 +131,10 @@ def test_accepted_values_of_refusable_fields() -> None:
         response_format={"type": "text"},
         tools=None,
         user="u",
-        messages=[USER, {"role": "assistant", "content": "ok", "tool_calls": None, "refusal": None}],
+        messages=[
+            USER,
+            {"role": "assistant", "content": "ok", "tool_calls": None, "refusal": None},
+        ],
     )
     assert req.tool_choice == "none" and req.response_format.type == "text"
 
@@ -113,9 +145,23 @@ def test_null_means_default() -> None:
 
 
 def test_max_completion_tokens_wins_and_sampling_params() -> None:
-    req = request(max_tokens=10, max_completion_tokens=20, temperature=0, top_k=-1, seed=5, stream=True, stream_options={"include_usage": True})
+    req = request(
+        max_tokens=10,
+        max_completion_tokens=20,
+        temperature=0,
+        top_k=-1,
+        seed=5,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     params = req.to_sampling_params(10, BOUNDS)
-    assert (params.max_tokens, params.top_k, params.seed, params.greedy, params.stop_token_ids) == (20, 0, 5, True, (2,))
+    assert (params.max_tokens, params.top_k, params.seed, params.greedy, params.stop_token_ids) == (
+        20,
+        0,
+        5,
+        True,
+        (2,),
+    )
     assert req.include_usage
     assert request(max_tokens=10).effective_max_tokens(10, BOUNDS) == 10
     assert isinstance(request().to_sampling_params(10, BOUNDS).seed, int)
@@ -134,9 +180,15 @@ def test_content_parts_and_template_messages() -> None:
                 "role": "user",
                 "content": [
                     {"type": "text", "text": "compare"},
-                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"}},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64,AAAA", "detail": "low"},
+                    },
                     {"type": "text", "text": "with"},
-                    {"type": "image_url", "image_url": "data:image/jpeg;base64,BBBB"},  # bare-string form
+                    {
+                        "type": "image_url",
+                        "image_url": "data:image/jpeg;base64,BBBB",
+                    },  # bare-string form
                 ],
             },
             {"role": "assistant", "content": "ok"},
@@ -152,7 +204,15 @@ def test_content_parts_and_template_messages() -> None:
     template, media = to_template_messages(req.messages)
     assert template == [
         {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
-        {"role": "user", "content": [{"type": "text", "text": "compare"}, {"type": "image"}, {"type": "text", "text": "with"}, {"type": "image"}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "compare"},
+                {"type": "image"},
+                {"type": "text", "text": "with"},
+                {"type": "image"},
+            ],
+        },
         {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
         {"role": "user", "content": [{"type": "audio"}, {"type": "video"}]},
     ]
@@ -187,7 +247,15 @@ def test_input_audio_format_reaches_the_media_part() -> None:
         (Modality.IMAGE, "data:image/png;base64,AAAA", None),
     ]
     message, param = invalid(
-        {"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "UklGRg=="}}]}]}
+        {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_audio", "input_audio": {"data": "UklGRg=="}}],
+                }
+            ],
+        }
     )
     assert param == "messages[0].content[0].input_audio.format" and "Missing" in message
 
@@ -210,7 +278,11 @@ def test_input_audio_format_reaches_the_media_part() -> None:
         ({"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
         ({"top_logprobs": 2}, "top_logprobs", 'needs "logprobs": true'),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "does not call tools"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools",
+            "does not call tools",
+        ),
         ({"functions": [{"name": "f"}]}, "functions", "does not call tools"),
         ({"function_call": "auto"}, "function_call", "does not call tools"),
         ({"parallel_tool_calls": True}, "parallel_tool_calls", "does not call tools"),
@@ -219,8 +291,20 @@ def test_input_audio_format_reaches_the_media_part() -> None:
         ({"metadata": {"x": "1"}}, "metadata", "Unrecognized request argument"),
         ({"store": True}, "store", "Unrecognized request argument"),
         ({"min_p": 0.1}, "min_p", "Unrecognized request argument"),
-        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name", "role and content only"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "cache": 1}]}]}, "messages[0].content[0].cache", "Unrecognized"),
+        (
+            {"messages": [{"role": "user", "content": "x", "name": "bob"}]},
+            "messages[0].name",
+            "role and content only",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "x", "cache": 1}]}
+                ]
+            },
+            "messages[0].content[0].cache",
+            "Unrecognized",
+        ),
         ({"temperature": 3}, "temperature", "less than or equal to 2"),
         ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
         ({"top_p": 0}, "top_p", "greater than 0"),
@@ -258,7 +342,16 @@ def test_message_without_content_names_the_message(message: dict) -> None:
 @pytest.mark.parametrize("role", ["assistant", "system", "developer"])
 def test_media_only_in_user_messages(role: str) -> None:
     text, param = invalid_fields(
-        messages=[USER, {"role": role, "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}]
+        messages=[
+            USER,
+            {
+                "role": role,
+                "content": [
+                    {"type": "text", "text": "x"},
+                    {"type": "image_url", "image_url": {"url": "data:,"}},
+                ],
+            },
+        ]
     )
     assert param == "messages[1]"
     assert "content[1]" in text and "only allowed in user messages" in text
@@ -268,17 +361,38 @@ def test_media_only_in_user_messages(role: str) -> None:
     "messages,param,fragment",
     [
         ([{"role": "tool", "content": "x"}], "messages[0].role", "'user'"),
-        ([{"role": "user", "content": 5}], "messages[0].content", "string or a list of content parts"),
-        ([{"role": "user", "content": [{"type": "audio"}]}], "messages[0].content[0].type", "'image_url'"),
-        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]", "needs a 'image_url' field"),
-        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0]", "needs a 'text' field"),
+        (
+            [{"role": "user", "content": 5}],
+            "messages[0].content",
+            "string or a list of content parts",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "audio"}]}],
+            "messages[0].content[0].type",
+            "'image_url'",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image_url"}]}],
+            "messages[0].content[0]",
+            "needs a 'image_url' field",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "text"}]}],
+            "messages[0].content[0]",
+            "needs a 'text' field",
+        ),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"detail": "low"}}]}],
             "messages[0].content[0].image_url.url",
             "Missing required parameter",
         ),
         (
-            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u", "detail": "max"}}]}],
+            [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "u", "detail": "max"}}],
+                }
+            ],
             "messages[0].content[0].image_url.detail",
             "'auto', 'low' or 'high'",
         ),
@@ -303,7 +417,12 @@ def test_missing_model_and_non_object_body() -> None:
 
 
 def completion(**extra: Any) -> ChatCompletion:
-    return ChatCompletion(model="m", choices=[Choice(message=AssistantMessage(content="hi"), finish_reason="stop")], usage=Usage.of(5, 2), **extra)
+    return ChatCompletion(
+        model="m",
+        choices=[Choice(message=AssistantMessage(content="hi"), finish_reason="stop")],
+        usage=Usage.of(5, 2),
+        **extra,
+    )
 
 
 def test_completion_shape_and_openai_client_parses_it() -> None:
@@ -321,9 +440,19 @@ def test_completion_shape_and_openai_client_parses_it() -> None:
 def test_chunks_and_sse_and_openai_client_parses_them() -> None:
     from openai.types.chat import ChatCompletionChunk as OpenAIChunk
 
-    first = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[ChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
-    middle = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[ChunkChoice(delta=DeltaMessage(content="he"))])
-    last = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[ChunkChoice(delta=DeltaMessage(), finish_reason="length")])
+    first = ChatCompletionChunk(
+        id="chatcmpl-1",
+        model="m",
+        choices=[ChunkChoice(delta=DeltaMessage(role="assistant", content=""))],
+    )
+    middle = ChatCompletionChunk(
+        id="chatcmpl-1", model="m", choices=[ChunkChoice(delta=DeltaMessage(content="he"))]
+    )
+    last = ChatCompletionChunk(
+        id="chatcmpl-1",
+        model="m",
+        choices=[ChunkChoice(delta=DeltaMessage(), finish_reason="length")],
+    )
     usage = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[], usage=Usage.of(5, 2))
     events = [sse_event(c) for c in (first, middle, last, usage)]
     for event in events:
@@ -331,7 +460,10 @@ def test_chunks_and_sse_and_openai_client_parses_them() -> None:
     bodies = [json.loads(e[len(b"data: ") :]) for e in events]
     assert bodies[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert bodies[1]["choices"][0]["delta"] == {"content": "he"}
-    assert bodies[2]["choices"][0]["delta"] == {} and bodies[2]["choices"][0]["finish_reason"] == "length"
+    assert (
+        bodies[2]["choices"][0]["delta"] == {}
+        and bodies[2]["choices"][0]["finish_reason"] == "length"
+    )
     assert "usage" not in bodies[0] and bodies[3]["usage"]["total_tokens"] == 7
     for body in bodies:
         assert body["object"] == "chat.completion.chunk"
@@ -346,13 +478,23 @@ def test_model_list() -> None:
     body = json.loads(ModelList(data=[ModelCard(id="llava", root="/ckpt/llava")]).model_dump_json())
     assert body["object"] == "list"
     card = body["data"][0]
-    assert (card["id"], card["object"], card["owned_by"], card["root"]) == ("llava", "model", "epd", "/ckpt/llava")
+    assert (card["id"], card["object"], card["owned_by"], card["root"]) == (
+        "llava",
+        "model",
+        "epd",
+        "/ckpt/llava",
+    )
     assert Model.model_validate(card).id == "llava"
 
 
 def test_error_body() -> None:
     assert error_body("bad temperature", param="temperature") == {
-        "error": {"message": "bad temperature", "type": "invalid_request_error", "param": "temperature", "code": None}
+        "error": {
+            "message": "bad temperature",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": None,
+        }
     }
     assert error_body("boom", type="server_error", code="internal")["error"]["code"] == "internal"
 
@@ -369,21 +511,43 @@ def test_logprob_shapes_parse_with_the_openai_client() -> None:
         def decode(self, ids: list[int]) -> str:
             return {1: "a", 2: "é", 3: "cd"}[ids[0]]
 
-    pairs = [(1, TokenLogprob(-0.5, ((1, -0.5), (3, -1.0)))), (2, TokenLogprob(float("-inf"), ((1, -0.1),)))]
+    pairs = [
+        (1, TokenLogprob(-0.5, ((1, -0.5), (3, -1.0)))),
+        (2, TokenLogprob(float("-inf"), ((1, -0.1),))),
+    ]
     text = LogprobText(Tokenizer())
     chat = text.chat(pairs)
     parsed = OpenAIChat.model_validate(
         ChatCompletion(
-            model="m", usage=Usage.of(1, 2), choices=[Choice(message=AssistantMessage(content="aé"), finish_reason="stop", logprobs=chat)]
+            model="m",
+            usage=Usage.of(1, 2),
+            choices=[
+                Choice(message=AssistantMessage(content="aé"), finish_reason="stop", logprobs=chat)
+            ],
         ).model_dump()
     )
     first, second = parsed.choices[0].logprobs.content
-    assert (first.token, first.logprob, first.bytes, [t.token for t in first.top_logprobs]) == ("a", -0.5, [97], ["a", "cd"])
-    assert second.bytes == list("é".encode()) and second.logprob == -9999.0, "-inf is not JSON: floored as vLLM"
+    assert (first.token, first.logprob, first.bytes, [t.token for t in first.top_logprobs]) == (
+        "a",
+        -0.5,
+        [97],
+        ["a", "cd"],
+    )
+    assert second.bytes == list("é".encode()) and second.logprob == -9999.0, (
+        "-inf is not JSON: floored as vLLM"
+    )
     legacy = text.completion(pairs, text_offset=4)
-    assert (legacy.tokens, legacy.text_offset, legacy.top_logprobs[0]) == (["a", "é"], [4, 5], {"a": -0.5, "cd": -1.0})
+    assert (legacy.tokens, legacy.text_offset, legacy.top_logprobs[0]) == (
+        ["a", "é"],
+        [4, 5],
+        {"a": -0.5, "cd": -1.0},
+    )
     done = OpenAICompletion.model_validate(
-        Completion(model="m", choices=[CompletionChoice(text="aé", logprobs=legacy, finish_reason="length")], usage=Usage.of(1, 2)).model_dump()
+        Completion(
+            model="m",
+            choices=[CompletionChoice(text="aé", logprobs=legacy, finish_reason="length")],
+            usage=Usage.of(1, 2),
+        ).model_dump()
     )
     assert done.choices[0].logprobs.token_logprobs == [-0.5, -9999.0]
 

@@ -40,7 +40,10 @@ def published(published_omni_ckpt):
         AutoProcessor.from_pretrained(ckpt),
         PromptPlanner(ckpt),
         load_adapter(ckpt, part=Part.ENCODER, dtype="float32", device="cpu"),
-        LMRunner(load_adapter(ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64),
+        LMRunner(
+            load_adapter(ckpt, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"),
+            max_chunk_tokens=64,
+        ),
     )
 
 
@@ -60,15 +63,28 @@ def test_layout_is_the_published_one(published_omni_ckpt):
     names = {p.name for p in published_omni_ckpt.iterdir()}
     assert PUBLISHED_FILES <= names, PUBLISHED_FILES - names
     shards = sorted(n for n in names if n.startswith("model-"))
-    assert len(shards) > 1 and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
+    assert (
+        len(shards) > 1
+        and shards[-1] == f"model-{len(shards):05d}-of-{len(shards):05d}.safetensors"
+    )
     assert not {"processor_config.json", "chat_template.jinja", "model.safetensors"} & names
     config = json.loads((published_omni_ckpt / "config.json").read_text())
-    assert config["model_type"] == "qwen2_5_omni" and config["architectures"] == ["Qwen2_5OmniForConditionalGeneration"]
+    assert config["model_type"] == "qwen2_5_omni" and config["architectures"] == [
+        "Qwen2_5OmniForConditionalGeneration"
+    ]
     assert {"thinker_config", "talker_config", "token2wav_config"} <= set(config)
     assert config["thinker_config"]["model_type"] == "qwen2_5_omni_thinker"
     assert set(_tensor_bytes(published_omni_ckpt)) == {"thinker", "talker", "token2wav"}
-    assert json.loads((published_omni_ckpt / "preprocessor_config.json").read_text())["processor_class"] == "Qwen2_5OmniProcessor"
-    assert "<|im_start|>" in json.loads((published_omni_ckpt / "chat_template.json").read_text())["chat_template"]
+    assert (
+        json.loads((published_omni_ckpt / "preprocessor_config.json").read_text())[
+            "processor_class"
+        ]
+        == "Qwen2_5OmniProcessor"
+    )
+    assert (
+        "<|im_start|>"
+        in json.loads((published_omni_ckpt / "chat_template.json").read_text())["chat_template"]
+    )
 
 
 def test_workers_hold_the_thinker_only(published_omni_ckpt, published):

@@ -22,7 +22,11 @@ from cluster.intake import Intake  # noqa: E402
 def path(modalities=(Modality.IMAGE, Modality.AUDIO, Modality.VIDEO), **spec) -> Intake:
     """The request path's intake; only the config and the planner's spec are used to decode."""
     config = ClusterConfig.model_validate(
-        {"model": {"checkpoint": "/tmp/x", "served_name": "m"}, "limits": {"max_audio_s": 5}, "media": {"video_fps": 4}}
+        {
+            "model": {"checkpoint": "/tmp/x", "served_name": "m"},
+            "limits": {"max_audio_s": 5},
+            "media": {"video_fps": 4},
+        }
     )
     spec = {"audio_sample_rate_hz": 16_000, **spec}
     return Intake(config, SimpleNamespace(spec=SimpleNamespace(modalities=set(modalities), **spec)))
@@ -48,16 +52,27 @@ def test_audio_and_video_parts_decode_with_the_model_rate_and_the_sampling_confi
     ]
     audio, video = path()._decode_media(parts)
     assert audio.sample_rate_hz == 16_000 and len(audio.data) == 16_000  # the model's rate
-    assert video.frames_per_s == 4.0 and video.data.shape == (2, 8, 8, 3)  # 0.5 s at media.video_fps 4
+    assert video.frames_per_s == 4.0 and video.data.shape == (
+        2,
+        8,
+        8,
+        3,
+    )  # 0.5 s at media.video_fps 4
     [audio] = path(audio_sample_rate_hz=24_000)._decode_media(parts[:1])
     assert audio.sample_rate_hz == 24_000 and len(audio.data) == 24_000
 
 
 def test_media_errors_become_400s_naming_the_part() -> None:
-    part = MediaPart(Modality.AUDIO, wav(seconds=6), "messages[0].content[0].input_audio", format="wav")
+    part = MediaPart(
+        Modality.AUDIO, wav(seconds=6), "messages[0].content[0].input_audio", format="wav"
+    )
     with pytest.raises(request_path.RequestError) as info:
         path()._decode_media([part])
-    assert info.value.status == 400 and info.value.param == part.param and "limit of 5 s" in info.value.message
+    assert (
+        info.value.status == 400
+        and info.value.param == part.param
+        and "limit of 5 s" in info.value.message
+    )
     wrong = MediaPart(Modality.AUDIO, wav(), part.param, format="mp4")
     with pytest.raises(request_path.RequestError, match="unsupported audio format 'mp4'"):
         path()._decode_media([wrong])

@@ -13,14 +13,24 @@ import pytest
 from router.cost_model import CostPriors
 from router.policies import LeastLoaded, make_policy
 from router.router import Router
-from router.types import EncoderShare, MediaJob, RequestProfile, RouteDecision, WorkerInfo, WorkerKind, WorkerState
+from router.types import (
+    EncoderShare,
+    MediaJob,
+    RequestProfile,
+    RouteDecision,
+    WorkerInfo,
+    WorkerKind,
+    WorkerState,
+)
 from router.view import ClusterView, NoWorkerError
 from tests.unit.conftest import fleet
 
 E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 REPO = Path(__file__).resolve().parents[2]
 
-_ITEM = MediaJob(identifier="a", modality="image", size=0.05, num_embeddings=16, embedding_bytes=4096)
+_ITEM = MediaJob(
+    identifier="a", modality="image", size=0.05, num_embeddings=16, embedding_bytes=4096
+)
 IMAGE = RequestProfile(num_prompt_tokens=100, items=(_ITEM, _ITEM))
 TEXT = RequestProfile(num_prompt_tokens=10)
 
@@ -38,7 +48,9 @@ def test_stand_in_api_still_routes():
     for _ in range(6):
         decision = policy.pick(IMAGE, v)  # no cost model, no clock: priors and the wall clock
         v.begin_route(decision, IMAGE.num_items)
-    assert v.queue_depth(E) == 12 and v.queue_depth(P) == 6 and v.queue_depth(D) == 6  # encoder counts items
+    assert (
+        v.queue_depth(E) == 12 and v.queue_depth(P) == 6 and v.queue_depth(D) == 6
+    )  # encoder counts items
     assert sum(v.healthy[P]) == 3 and v.candidates(P) == [0, 1, 2]
     assert policy.pick(TEXT, v).encoder is None
 
@@ -105,16 +117,27 @@ def test_stale_cache_reports_are_ignored():
     assert not v.holds_item(1, "a") and v.prefix_blocks(0, ("h0",)) == 0
     assert v.candidates(E) == [0, 1]  # stale contents, but the worker is still alive
     v.publish(E, 1, now_s=6.0, cached_identifiers=frozenset({"b"}))
-    assert v.holds_item(1, "b") and not v.holds_item(1, "a")  # a fresh report replaces the old contents
+    assert v.holds_item(1, "b") and not v.holds_item(
+        1, "a"
+    )  # a fresh report replaces the old contents
 
 
 def test_the_routers_own_dispatches_count_as_cached_for_a_while():
     router = Router(fleet(3, 3, 1), CostPriors(), "joint", staleness_s=2.0)
     profile = RequestProfile(300, (MediaJob("v", "video", 30, 4000, 10**6),), ("h0", "h1"))
     first = router.route(profile, 0.0)
-    assert router.view.holds_item(first.encoder, "v") and router.view.prefix_blocks(first.prefill, ("h0", "h1")) == 2
-    second = router.route(profile, 0.1)  # before any report: the encoder that has it (a hit skips its queue)
-    assert second.encoder == first.encoder and second.encode_items == () and second.estimate.encoder_queue_ms == 0.0
+    assert (
+        router.view.holds_item(first.encoder, "v")
+        and router.view.prefix_blocks(first.prefill, ("h0", "h1")) == 2
+    )
+    second = router.route(
+        profile, 0.1
+    )  # before any report: the encoder that has it (a hit skips its queue)
+    assert (
+        second.encoder == first.encoder
+        and second.encode_items == ()
+        and second.estimate.encoder_queue_ms == 0.0
+    )
     router.view.refresh(10.0)  # long after: forgotten until a report says so
     assert not router.view.holds_item(first.encoder, "v")
 
@@ -125,7 +148,9 @@ def test_silent_workers_leave_and_come_back_when_they_report():
     v.publish(E, 2, now_s=8.0)
     v.refresh(9.0)
     assert v.candidates(E) == [0, 1, 2]
-    v.refresh(10.5)  # encoder 1 silent for > 10 s; 0 never reported (not tracked); 2 reported at 8 s
+    v.refresh(
+        10.5
+    )  # encoder 1 silent for > 10 s; 0 never reported (not tracked); 2 reported at 8 s
     assert v.candidates(E) == [0, 2] and v.state(E, 1) is WorkerState.SILENT
     v.refresh(18.5)
     assert v.candidates(E) == [0]
@@ -158,11 +183,19 @@ def test_route_books_the_work_and_completions_release_it():
     image = RequestProfile(1000, (MediaJob("x", "image", 0.113, 576, 576 * 8192),))
     decision = router.route(image, 0.0)
     v = router.view
-    assert v.outstanding_ms[E][decision.encoder] == pytest.approx(decision.estimate.encode_ms) and decision.estimate.encode_ms > 0
-    assert v.outstanding_ms[P][decision.prefill] == pytest.approx(decision.estimate.prefill_ms) and decision.estimate.prefill_ms > 0
+    assert (
+        v.outstanding_ms[E][decision.encoder] == pytest.approx(decision.estimate.encode_ms)
+        and decision.estimate.encode_ms > 0
+    )
+    assert (
+        v.outstanding_ms[P][decision.prefill] == pytest.approx(decision.estimate.prefill_ms)
+        and decision.estimate.prefill_ms > 0
+    )
     assert v.outstanding[D][decision.decode] == 1
     # the next request sees that queue and goes elsewhere
-    other = router.route(RequestProfile(1000, (MediaJob("y", "image", 0.113, 576, 576 * 8192),)), 0.0)
+    other = router.route(
+        RequestProfile(1000, (MediaJob("y", "image", 0.113, 576, 576 * 8192),)), 0.0
+    )
     assert other.encoder != decision.encoder and other.prefill != decision.prefill
     assert other.estimate.encoder_queue_ms == 0.0
     for d in (decision, other):
@@ -181,10 +214,17 @@ def test_completions_calibrate_the_chosen_fleet():
         decision = router.route(profile, k * 0.01)
         slow = 2.0 if decision.encoder == 1 else 1.0
         router.encode_done(decision, k * 0.01, duration_ms=slow * (1 + 35 * size))
-        router.prefill_done(decision, k * 0.01, duration_ms=(3.0 if decision.prefill == 1 else 1.0) * (2 + profile.num_prompt_tokens / 20))
+        router.prefill_done(
+            decision,
+            k * 0.01,
+            duration_ms=(3.0 if decision.prefill == 1 else 1.0)
+            * (2 + profile.num_prompt_tokens / 20),
+        )
         router.decode_done(decision, k * 0.01)
     cost = router.cost
-    assert cost.encode_ms(1, "image", 0.3) / cost.encode_ms(0, "image", 0.3) == pytest.approx(2.0, rel=0.1)
+    assert cost.encode_ms(1, "image", 0.3) / cost.encode_ms(0, "image", 0.3) == pytest.approx(
+        2.0, rel=0.1
+    )
     assert cost.prefill_ms(1, 1000) / cost.prefill_ms(0, 1000) == pytest.approx(3.0, rel=0.1)
 
 
@@ -204,7 +244,9 @@ def test_router_imports_no_torch_and_no_ray():
         "assert 'torch' not in sys.modules and 'ray' not in sys.modules, "
         "[m for m in sys.modules if m.split('.')[0] in ('torch', 'ray')]"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -217,18 +259,35 @@ def test_record_constructors_build_the_same_records():
     from router.types import TTFTEstimate
 
     est = TTFTEstimate.of(1.0, 2.0, 3.0, 4.0, 5.0)
-    assert est == TTFTEstimate(1.0, 2.0, 3.0, 4.0, 5.0) and hash(est) == hash(TTFTEstimate(1.0, 2.0, 3.0, 4.0, 5.0))
+    assert est == TTFTEstimate(1.0, 2.0, 3.0, 4.0, 5.0) and hash(est) == hash(
+        TTFTEstimate(1.0, 2.0, 3.0, 4.0, 5.0)
+    )
     decision = RouteDecision.of(1, 2, 3, est, (_ITEM,), (), 7)
-    assert decision == RouteDecision(1, 2, 3, est, (_ITEM,), (), 7) and decision.estimated_ttft_ms == 15.0
+    assert (
+        decision == RouteDecision(1, 2, 3, est, (_ITEM,), (), 7)
+        and decision.estimated_ttft_ms == 15.0
+    )
     share = EncoderShare.of(1, ("image",), 2, (_ITEM,), 1.0, 2.0, 3.0)
     assert share == EncoderShare(1, ("image",), 2, (_ITEM,), 1.0, 2.0, 3.0)
     split = RouteDecision.of(1, 2, 3, est, (_ITEM,), (), 7, (share,))
-    assert split == RouteDecision(1, 2, 3, est, (_ITEM,), (), 7, (share,)) and split.encoder_for("image") == 1
+    assert (
+        split == RouteDecision(1, 2, 3, est, (_ITEM,), (), 7, (share,))
+        and split.encoder_for("image") == 1
+    )
     job = MediaJob.of("a", "image", 0.05, 16, 4096)
     assert job == _ITEM and hash(job) == hash(_ITEM)
     profile = RequestProfile.of(100, (job,), ("h",), 16, 8)
-    assert profile == RequestProfile(100, (_ITEM,), ("h",), 16, 8) and profile.modalities == {"image"}
-    for record in (est, decision, share, split, job, profile):  # every field set: a field added to the class must be added to `of`
+    assert profile == RequestProfile(100, (_ITEM,), ("h",), 16, 8) and profile.modalities == {
+        "image"
+    }
+    for record in (
+        est,
+        decision,
+        share,
+        split,
+        job,
+        profile,
+    ):  # every field set: a field added to the class must be added to `of`
         assert set(vars(record)) == {f.name for f in fields(record)}
     with pytest.raises(AttributeError):  # still frozen
         est.encode_ms = 0.0
@@ -253,6 +312,9 @@ def test_decode_loads_kept_incrementally_equal_the_definition():
             v.begin_route(RouteDecision(None, 0, d), 0)
         v.refresh(now)
         limit = v.now_s - v.staleness_s
-        expected = [o if r is None or r.running is None or r.at_s < limit else max(o, r.running) for o, r in zip(v.outstanding[D], v.reports[D])]
+        expected = [
+            o if r is None or r.running is None or r.at_s < limit else max(o, r.running)
+            for o, r in zip(v.outstanding[D], v.reports[D])
+        ]
         assert v.decode_loads() == expected, step
         assert LeastLoaded().pick(TEXT, v, None, now).decode in range(5)

@@ -13,7 +13,13 @@ pytest.importorskip("torch")
 from actors.decode import DecodeWorker  # noqa: E402
 from actors.prefill import PrefillWorker  # noqa: E402
 from actors.runtime import WorkerSpec  # noqa: E402
-from actors.types import DecodeRequest, FinishReason, PrefillRequest, SamplingParams, WorkerRequestError  # noqa: E402
+from actors.types import (
+    DecodeRequest,
+    FinishReason,
+    PrefillRequest,
+    SamplingParams,
+    WorkerRequestError,
+)  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = [tuple(range(3, 3 + n)) for n in (9, 17, 5, 12)]
@@ -25,11 +31,15 @@ def workers(ckpt):
     return PrefillWorker(spec, max_chunk_tokens=64), DecodeWorker(spec, max_batch_size=8)
 
 
-async def _run(prefill: PrefillWorker, decode: DecodeWorker, rid: str, prompt, sampling: SamplingParams):
+async def _run(
+    prefill: PrefillWorker, decode: DecodeWorker, rid: str, prompt, sampling: SamplingParams
+):
     result = await prefill.prefill(PrefillRequest(rid, prompt, (), GREEDY))
     await decode.receive(rid, 0, await prefill.pop_kv(rid))
     tokens, reason = [result.first_token_id], None
-    async for chunk in decode.generate(DecodeRequest(rid, result.num_prompt_tokens, result.first_token_id, sampling)):
+    async for chunk in decode.generate(
+        DecodeRequest(rid, result.num_prompt_tokens, result.first_token_id, sampling)
+    ):
         tokens += chunk.token_ids
         reason = chunk.finish_reason
     return tokens, reason
@@ -37,11 +47,18 @@ async def _run(prefill: PrefillWorker, decode: DecodeWorker, rid: str, prompt, s
 
 def test_a_row_that_cannot_be_sampled_ends_alone_and_the_batch_is_token_exact(workers):
     prefill, decode = workers
-    alone = [asyncio.run(_run(prefill, decode, f"solo{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)]
-    bad = dataclasses.replace(GREEDY, temperature=1e-38, seed=5)  # past the HTTP check, as a bug would be
+    alone = [
+        asyncio.run(_run(prefill, decode, f"solo{i}", p, GREEDY)) for i, p in enumerate(PROMPTS)
+    ]
+    bad = dataclasses.replace(
+        GREEDY, temperature=1e-38, seed=5
+    )  # past the HTTP check, as a bug would be
 
     async def together():
-        runs = [_run(prefill, decode, f"mix{i}", p, bad if i == 1 else GREEDY) for i, p in enumerate(PROMPTS)]
+        runs = [
+            _run(prefill, decode, f"mix{i}", p, bad if i == 1 else GREEDY)
+            for i, p in enumerate(PROMPTS)
+        ]
         return await asyncio.gather(*runs)
 
     mixed = asyncio.run(together())
@@ -53,7 +70,9 @@ def test_a_row_that_cannot_be_sampled_ends_alone_and_the_batch_is_token_exact(wo
 
 def test_a_first_token_that_cannot_be_sampled_fails_that_prefill_alone(workers):
     prefill, _ = workers
-    bad = dataclasses.replace(GREEDY, temperature=1e-45, seed=5)  # a denormal: every logit overflows
+    bad = dataclasses.replace(
+        GREEDY, temperature=1e-45, seed=5
+    )  # a denormal: every logit overflows
     with pytest.raises(WorkerRequestError, match="could not be sampled"):
         asyncio.run(prefill.prefill(PrefillRequest("bad", PROMPTS[0], (), bad)))
     assert prefill.stats()["held_kv"] == 0
@@ -110,7 +129,10 @@ def test_a_stream_interval_sends_fewer_chunks_of_the_same_tokens(ckpt):
     """decode.stream_interval 4: chunks of at least 4 tokens (the last one may be shorter),
     the same tokens and finish reason as one token a chunk."""
     spec = WorkerSpec(str(ckpt), "float32", "cpu", 1, 256)
-    prefill, decode = PrefillWorker(spec, max_chunk_tokens=64), DecodeWorker(spec, max_batch_size=8, stream_interval=4)
+    prefill, decode = (
+        PrefillWorker(spec, max_chunk_tokens=64),
+        DecodeWorker(spec, max_batch_size=8, stream_interval=4),
+    )
 
     async def run(rid: str):
         result = await prefill.prefill(PrefillRequest(rid, PROMPTS[1], (), GREEDY))
@@ -119,8 +141,12 @@ def test_a_stream_interval_sends_fewer_chunks_of_the_same_tokens(ckpt):
         return [result.first_token_id], [chunk async for chunk in decode.generate(request)]
 
     first, chunks = asyncio.run(run("gathered"))
-    assert [len(c.token_ids) for c in chunks[:-1]] and all(len(c.token_ids) >= 4 for c in chunks[:-1])
+    assert [len(c.token_ids) for c in chunks[:-1]] and all(
+        len(c.token_ids) >= 4 for c in chunks[:-1]
+    )
     assert len(chunks) <= -(-(GREEDY.max_tokens - 1) // 4), "fewer chunks than tokens"
     tokens = first + [t for c in chunks for t in c.token_ids]
-    one_by_one, _ = asyncio.run(_run(prefill, DecodeWorker(spec, max_batch_size=8), "single", PROMPTS[1], GREEDY))
+    one_by_one, _ = asyncio.run(
+        _run(prefill, DecodeWorker(spec, max_batch_size=8), "single", PROMPTS[1], GREEDY)
+    )
     assert tokens == one_by_one and chunks[-1].finish_reason == FinishReason.LENGTH

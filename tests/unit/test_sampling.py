@@ -43,7 +43,9 @@ def test_same_seed_and_position_gives_same_sample():
     again = [sample(x, [p], [pos])[0] for pos in range(30)]
     assert first == again
     assert len(set(first)) > 1, "different positions draw different randomness"
-    other_seed = [sample(x, [SamplingParams(temperature=1.5, seed=124)], [pos])[0] for pos in range(30)]
+    other_seed = [
+        sample(x, [SamplingParams(temperature=1.5, seed=124)], [pos])[0] for pos in range(30)
+    ]
     assert other_seed != first
 
 
@@ -117,7 +119,11 @@ def test_a_row_that_cannot_be_sampled_fails_alone(temperature):
     """Dividing by a denormal temperature overflows to inf: that row gets None, its
     neighbours (greedy and sampled) are untouched."""
     x = logits(3, seed=12, scale=3.0)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=temperature, seed=1), SamplingParams(temperature=1.0, seed=2)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=temperature, seed=1),
+        SamplingParams(temperature=1.0, seed=2),
+    ]
     alone = sample(x[2:], params[2:], [5])[0]
     tokens = sample(x, params, [5, 5, 5])
     assert tokens == [int(x[0].argmax()), None, alone]

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
-from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor  # noqa: E402
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)  # noqa: E402
 
 from actors.engine.sampling import process, sample, sample_rows  # noqa: E402
 from actors.types import SamplingParams, TokenHistory  # noqa: E402
@@ -20,7 +23,9 @@ def logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 
 def history(seed: int, prompt: int = 12, output: int = 7) -> TokenHistory:
-    ids = torch.randint(0, VOCAB, (prompt + output,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ids = torch.randint(
+        0, VOCAB, (prompt + output,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
     return TokenHistory(tuple(ids[:prompt]), tuple(ids[prompt:]))
 
 
@@ -63,7 +68,9 @@ def test_logit_bias_bans_and_forces():
     forced = SamplingParams(temperature=0.0, logit_bias=((11, 100.0),))
     tokens = sample(x, [banned, forced], [0, 0])
     assert tokens[0] != top and tokens[0] == int(x[0].topk(2).indices[1]) and tokens[1] == 11
-    assert torch.equal(process(x, [SamplingParams()] * 2, [TokenHistory()] * 2), x), "no processor: untouched"
+    assert torch.equal(process(x, [SamplingParams()] * 2, [TokenHistory()] * 2), x), (
+        "no processor: untouched"
+    )
 
 
 def test_penalties_change_greedy_output():
@@ -80,11 +87,15 @@ def test_mixed_batch_rows_match_each_row_alone():
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=0.8, seed=1, repetition_penalty=1.5),
         SamplingParams(temperature=0.0, presence_penalty=1.0, logit_bias=((4, 5.0),)),
-        SamplingParams(temperature=1.0, seed=2, min_tokens=9, stop_token_ids=(EOS,), num_logprobs=3),
+        SamplingParams(
+            temperature=1.0, seed=2, min_tokens=9, stop_token_ids=(EOS,), num_logprobs=3
+        ),
         SamplingParams(temperature=0.0, frequency_penalty=-1.0, num_logprobs=0),
     ]
     together = sample_rows(x, params, [9] * 5, histories)
-    alone = [sample_rows(x[i : i + 1], params[i : i + 1], [9], histories[i : i + 1])[0] for i in range(5)]
+    alone = [
+        sample_rows(x[i : i + 1], params[i : i + 1], [9], histories[i : i + 1])[0] for i in range(5)
+    ]
     assert together == alone
 
 

@@ -12,14 +12,22 @@ import torch
 
 from actors.checkpoints import scenes
 from actors.checkpoints.llava import build_processor, build_tokenizer
-from actors.checkpoints.shapes import IGNORE, SHAPES_RECIPES, BatchMaker, build_shapes, generate_answer
+from actors.checkpoints.shapes import (
+    IGNORE,
+    SHAPES_RECIPES,
+    BatchMaker,
+    build_shapes,
+    generate_answer,
+)
 
 RECIPE = SHAPES_RECIPES["shapes-llava-v2"]
 
 
 def test_samples_are_seeded_and_vary():
     a, b, other = scenes.samples(5, 30), scenes.samples(5, 30), scenes.samples(6, 30)
-    assert [(s.scene, s.question, s.image.tobytes()) for s in a] == [(s.scene, s.question, s.image.tobytes()) for s in b]
+    assert [(s.scene, s.question, s.image.tobytes()) for s in a] == [
+        (s.scene, s.question, s.image.tobytes()) for s in b
+    ]
     assert [s.image.tobytes() for s in a] != [s.image.tobytes() for s in other]
     answerable = {a for a in scenes.Ask if a is not scenes.Ask.COUNT or scenes.MAX_COUNT > 1}
     assert {s.ask for s in scenes.samples(5, 200)} == answerable
@@ -31,7 +39,9 @@ def test_picture_shows_its_scene(seed):
     rng = np.random.default_rng(seed)
     scene = scenes.random_scene(rng, max_count=3)
     pixels = np.asarray(scenes.render(scene, rng)).astype(int)
-    coloured = np.abs(pixels - pixels.mean(axis=2, keepdims=True)).sum(axis=2) > 60  # the grey background is not
+    coloured = (
+        np.abs(pixels - pixels.mean(axis=2, keepdims=True)).sum(axis=2) > 60
+    )  # the grey background is not
     if scene.colour == "white":
         coloured = pixels.min(axis=2) > 150
     assert coloured.sum() > 30
@@ -60,7 +70,9 @@ def test_batches_score_only_the_answer_and_match_the_served_prompt():
     batch_samples = scenes.samples(3, 6)
     batch = BatchMaker(processor, RECIPE.render_px)(batch_samples)
     for row, s in enumerate(batch_samples):
-        text = processor.apply_chat_template(s.messages({"type": "image"}), add_generation_prompt=True, tokenize=False)
+        text = processor.apply_chat_template(
+            s.messages({"type": "image"}), add_generation_prompt=True, tokenize=False
+        )
         served = processor(text=text, images=[s.image], return_tensors="pt")
         prompt = served["input_ids"][0].tolist()
         scored = batch.labels[row] != IGNORE
@@ -75,7 +87,10 @@ def test_training_is_deterministic_and_leaves_global_state_alone():
     torch.manual_seed(99)
     before = torch.get_num_threads(), torch.get_rng_state()
     (m1, _), (m2, _) = build_shapes(short), build_shapes(short)
-    assert (torch.get_num_threads(), torch.get_rng_state().tolist()) == (before[0], before[1].tolist())
+    assert (torch.get_num_threads(), torch.get_rng_state().tolist()) == (
+        before[0],
+        before[1].tolist(),
+    )
     for (name, p1), p2 in zip(m1.state_dict().items(), m2.state_dict().values()):
         assert torch.equal(p1, p2), name
 
@@ -90,7 +105,11 @@ def trained():
 
     name = load_config().model.builtin
     path = ensure_checkpoint(builtin_model(name)["checkpoint"], name)
-    return SHAPES_RECIPES[name], LlavaForConditionalGeneration.from_pretrained(path).eval(), AutoProcessor.from_pretrained(path)
+    return (
+        SHAPES_RECIPES[name],
+        LlavaForConditionalGeneration.from_pretrained(path).eval(),
+        AutoProcessor.from_pretrained(path),
+    )
 
 
 def test_trained_checkpoint_answers_held_out_questions_with_generate(trained):
@@ -100,6 +119,8 @@ def test_trained_checkpoint_answers_held_out_questions_with_generate(trained):
     right = 0
     for s in held_out:
         new = generate_answer(model, processor, s)
-        assert new[-1] == processor.tokenizer.eos_token_id, "answers end with </s>, not at max_new_tokens"
+        assert new[-1] == processor.tokenizer.eos_token_id, (
+            "answers end with </s>, not at max_new_tokens"
+        )
         right += processor.tokenizer.decode(new, skip_special_tokens=True) == " " + s.answer
     assert right / len(held_out) >= 0.9, f"{right}/{len(held_out)}"

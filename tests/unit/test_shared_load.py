@@ -13,12 +13,18 @@ TEXT = RequestProfile(num_prompt_tokens=200)
 
 
 def _router(e: int = 2, p: int = 2, d: int = 2) -> Router:
-    infos = [WorkerInfo(E, i, modalities=ALL) for i in range(e)] + [WorkerInfo(P, i) for i in range(p)] + [WorkerInfo(D, i) for i in range(d)]
+    infos = (
+        [WorkerInfo(E, i, modalities=ALL) for i in range(e)]
+        + [WorkerInfo(P, i) for i in range(p)]
+        + [WorkerInfo(D, i) for i in range(d)]
+    )
     return Router(infos, policy="joint")
 
 
 def _image(identifier: str) -> RequestProfile:
-    return RequestProfile(num_prompt_tokens=200, items=(MediaJob(identifier, "image", 0.3, 64, 4096),))
+    return RequestProfile(
+        num_prompt_tokens=200, items=(MediaJob(identifier, "image", 0.3, 64, 4096),)
+    )
 
 
 def test_other_replicas_prefill_queue_steers_this_router_away():
@@ -27,7 +33,12 @@ def test_other_replicas_prefill_queue_steers_this_router_away():
     router.publish(P, 0, now_s=0.1, queued=6)  # six requests of another replica queue on prefill 0
     assert router.view.foreign[P] == [6, 0]
     decisions = [router.route(TEXT, 0.2) for _ in range(4)]
-    assert [d.prefill for d in decisions] == [1, 1, 1, 1]  # its own four still cost less than the other's six
+    assert [d.prefill for d in decisions] == [
+        1,
+        1,
+        1,
+        1,
+    ]  # its own four still cost less than the other's six
 
 
 def test_own_bookings_are_not_counted_twice():

@@ -30,7 +30,9 @@ def _scenario(name: str):
     if name == "hetero-joint":
         cluster, wl = _synthetic("4x4x4-hetero", 3000, 0.8, 3, prefix_share=0.5)
         return cluster, wl, "joint"
-    if name == "hetero-joint-fifo":  # prefill queues in arrival order: the pins from before shortest-first
+    if (
+        name == "hetero-joint-fifo"
+    ):  # prefill queues in arrival order: the pins from before shortest-first
         cluster, wl = _synthetic("4x4x4-hetero", 3000, 0.8, 3, prefix_share=0.5)
         return cluster.with_costs(prefill_order=PREFILL_FIFO), wl, "joint"
     if name == "hetero-round_robin":
@@ -40,13 +42,23 @@ def _scenario(name: str):
         return SimCluster.parse("3x2x2-split"), mixed_workload(1200), "joint"
     if name == "noisy-least_loaded":  # variability and ingress overhead on, bursty arrivals
         cluster = SimCluster.parse("3x3x2-hetero")
-        cluster = cluster.with_costs(variability=Variability(contention=0.1, sigma=0.3, host_sigma=0.2, seed=2), ingress_ms=2.0, ingress_media_ms=1.0)
+        cluster = cluster.with_costs(
+            variability=Variability(contention=0.1, sigma=0.3, host_sigma=0.2, seed=2),
+            ingress_ms=2.0,
+            ingress_media_ms=1.0,
+        )
         wl = make_workload("bursty", 2000, seed=5)
         return cluster, wl.at_rate(0.7 * capacity_rps(cluster, wl)), "least_loaded"
     raise KeyError(name)
 
 
-SCENARIOS = ("hetero-joint", "hetero-joint-fifo", "hetero-round_robin", "split-joint", "noisy-least_loaded")
+SCENARIOS = (
+    "hetero-joint",
+    "hetero-joint-fifo",
+    "hetero-round_robin",
+    "split-joint",
+    "noisy-least_loaded",
+)
 
 
 def fingerprint(name: str) -> dict:
@@ -68,7 +80,13 @@ def fingerprint(name: str) -> dict:
 
 PINNED: dict[str, dict] = {
     "hetero-joint": {
-        "ttft_ms": {"p50": 142.779, "p90": 652.11, "p99": 1295.133, "mean": 237.073, "max": 2754.599},
+        "ttft_ms": {
+            "p50": 142.779,
+            "p90": 652.11,
+            "p99": 1295.133,
+            "mean": 237.073,
+            "max": 2754.599,
+        },
         "utilisation": {"encoder": 0.0956, "prefill": 0.6849, "decode": 0.1501},
         "estimate_error_ms": {"mean_abs": 55.145, "mean_signed": 26.889},
         "cache_hit_rate": 0.1176,
@@ -76,7 +94,13 @@ PINNED: dict[str, dict] = {
         "sha256": "5c68f31780edd949",
     },
     "hetero-joint-fifo": {
-        "ttft_ms": {"p50": 156.958, "p90": 662.855, "p99": 1207.563, "mean": 254.865, "max": 1949.99},
+        "ttft_ms": {
+            "p50": 156.958,
+            "p90": 662.855,
+            "p99": 1207.563,
+            "mean": 254.865,
+            "max": 1949.99,
+        },
         "utilisation": {"encoder": 0.0955, "prefill": 0.6847, "decode": 0.15},
         "estimate_error_ms": {"mean_abs": 21.376, "mean_signed": 8.073},
         "cache_hit_rate": 0.119,
@@ -84,7 +108,13 @@ PINNED: dict[str, dict] = {
         "sha256": "5bed990a945b0dac",
     },
     "hetero-round_robin": {
-        "ttft_ms": {"p50": 267.397, "p90": 1431.237, "p99": 38199.978, "mean": 1743.343, "max": 49579.976},
+        "ttft_ms": {
+            "p50": 267.397,
+            "p90": 1431.237,
+            "p99": 38199.978,
+            "mean": 1743.343,
+            "max": 49579.976,
+        },
         "utilisation": {"encoder": 0.1258, "prefill": 0.7021, "decode": 0.1254},
         "estimate_error_ms": {"mean_abs": 6544.493, "mean_signed": 5411.221},
         "cache_hit_rate": 0.0514,
@@ -92,7 +122,13 @@ PINNED: dict[str, dict] = {
         "sha256": "89b0f5220626cfeb",
     },
     "split-joint": {
-        "ttft_ms": {"p50": 276.696, "p90": 23817.145, "p99": 33591.16, "mean": 6968.932, "max": 36027.933},
+        "ttft_ms": {
+            "p50": 276.696,
+            "p90": 23817.145,
+            "p99": 33591.16,
+            "mean": 6968.932,
+            "max": 36027.933,
+        },
         "utilisation": {"encoder": 0.2734, "prefill": 0.9934, "decode": 0.0415},
         "estimate_error_ms": {"mean_abs": 10299.464, "mean_signed": 6100.447},
         "cache_hit_rate": 0.1104,
@@ -100,7 +136,13 @@ PINNED: dict[str, dict] = {
         "sha256": "ff7fd40188bf8c7c",
     },
     "noisy-least_loaded": {
-        "ttft_ms": {"p50": 334.372, "p90": 2357.512, "p99": 8755.212, "mean": 937.154, "max": 12410.339},
+        "ttft_ms": {
+            "p50": 334.372,
+            "p90": 2357.512,
+            "p99": 8755.212,
+            "mean": 937.154,
+            "max": 12410.339,
+        },
         "utilisation": {"encoder": 0.167, "prefill": 0.8273, "decode": 0.2498},
         "estimate_error_ms": {"mean_abs": 1497.8, "mean_signed": 1008.719},
         "cache_hit_rate": 0.0629,

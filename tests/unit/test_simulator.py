@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from router.sim.cli import main as cli_main
-from router.sim.cluster_model import ClusterShapeError, EncodeCost, SimCluster, SimCosts, capacity_rps
+from router.sim.cluster_model import (
+    ClusterShapeError,
+    EncodeCost,
+    SimCluster,
+    SimCosts,
+    capacity_rps,
+)
 from router.sim.loop import simulate
 from router.sim.trace_file import load_trace, write_trace
 from router.sim.workload import Workload, WorkloadError, make_workload
@@ -50,8 +56,16 @@ def _hand_cluster() -> SimCluster:
         encode={"image": EncodeCost(fixed_ms=2.0, per_unit_ms=10.0, batch_exponent=0.5)},
         prefill_fixed_ms=5.0,
         prefill_tokens_per_ms=10.0,
-        bandwidth_bytes_per_ms={Placement.SAME_PROCESS: 1e6, Placement.SAME_NODE: 1e6, Placement.CROSS_NODE: 1e6},
-        transfer_latency_ms={Placement.SAME_PROCESS: 0.0, Placement.SAME_NODE: 0.0, Placement.CROSS_NODE: 0.0},
+        bandwidth_bytes_per_ms={
+            Placement.SAME_PROCESS: 1e6,
+            Placement.SAME_NODE: 1e6,
+            Placement.CROSS_NODE: 1e6,
+        },
+        transfer_latency_ms={
+            Placement.SAME_PROCESS: 0.0,
+            Placement.SAME_NODE: 0.0,
+            Placement.CROSS_NODE: 0.0,
+        },
     )
     return SimCluster.build(1, 1, 1, costs=costs, name="hand")
 
@@ -76,7 +90,9 @@ def test_single_worker_matches_hand_computed_ttft():
     wl = Workload("hand", profiles, np.array([0.0, 0.005, 0.006, 0.007]))
     r = simulate(_hand_cluster(), wl, "joint", slo_ms=50)
     assert r.ttft_ms == pytest.approx([45.0, 25.0, 54.0, 68.0], abs=1e-6)
-    assert r.service_ms == pytest.approx([12.001 + 15, 25.0, 9.0711 + 0.001 + 15, 9.0711 + 0.001 + 15], abs=1e-3)
+    assert r.service_ms == pytest.approx(
+        [12.001 + 15, 25.0, 9.0711 + 0.001 + 15, 9.0711 + 0.001 + 15], abs=1e-3
+    )
     assert r.summary()["goodput"]["fraction"] == pytest.approx(0.5)
 
 
@@ -87,7 +103,9 @@ def test_prefill_queue_order_is_the_engines_shortest_first_or_fifo(order):
     # fifo: the long one at 35 (TTFT 69), the short one at 70 (TTFT 75).
     profiles = [RequestProfile(300), RequestProfile(300), RequestProfile(20)]
     cluster = _hand_cluster().with_costs(prefill_order=order)
-    r = simulate(cluster, Workload("order", profiles, np.array([0.0, 0.001, 0.002])), "joint", slo_ms=50)
+    r = simulate(
+        cluster, Workload("order", profiles, np.array([0.0, 0.001, 0.002])), "joint", slo_ms=50
+    )
     expected = [35.0, 76.0, 40.0] if order == "shortest_first" else [35.0, 69.0, 75.0]
     assert r.ttft_ms == pytest.approx(expected, abs=1e-6)
 
@@ -116,7 +134,9 @@ def test_a_short_prompt_overtakes_a_long_one_at_its_next_chunk(chunk):
     r = simulate(cluster, Workload("chunks", profiles, np.array([0.0, 0.001])), "joint", slo_ms=50)
     expected = [42.0, 35 / 3 + 7 - 1] if chunk else [35.0, 41.0]
     assert r.ttft_ms == pytest.approx(expected, abs=1e-6)
-    assert r.service_ms == pytest.approx([35.0, 7.0], abs=1e-6)  # chunking moves work, never adds it
+    assert r.service_ms == pytest.approx(
+        [35.0, 7.0], abs=1e-6
+    )  # chunking moves work, never adds it
 
 
 def test_chunks_keep_arrival_order_under_fifo_and_every_prompt_finishes():
@@ -125,7 +145,12 @@ def test_chunks_keep_arrival_order_under_fifo_and_every_prompt_finishes():
     arrivals = np.array([0.0, 0.001, 0.002, 0.003, 0.004])
     base = _hand_cluster().with_costs(prefill_order="fifo")
     whole = simulate(base, Workload("w", profiles, arrivals), "joint", slo_ms=50)
-    chunked = simulate(base.with_costs(prefill_chunk_tokens=64), Workload("c", profiles, arrivals), "joint", slo_ms=50)
+    chunked = simulate(
+        base.with_costs(prefill_chunk_tokens=64),
+        Workload("c", profiles, arrivals),
+        "joint",
+        slo_ms=50,
+    )
     assert chunked.ttft_ms == pytest.approx(whole.ttft_ms, abs=1e-6)
     assert chunked.completed == len(profiles)
 
@@ -133,19 +158,30 @@ def test_chunks_keep_arrival_order_under_fifo_and_every_prompt_finishes():
 def test_a_prefill_order_the_engine_does_not_know_is_refused_by_name(tmp_path):
     yml = tmp_path / "c.yaml"
     yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts: {prefill_order: lifo}\n")
-    with pytest.raises(ClusterShapeError, match="costs.prefill_order must be 'shortest_first' or 'fifo', got 'lifo'"):
+    with pytest.raises(
+        ClusterShapeError,
+        match="costs.prefill_order must be 'shortest_first' or 'fifo', got 'lifo'",
+    ):
         SimCluster.from_yaml(yml)
-    with pytest.raises(ClusterShapeError, match="costs.prefill_order must be 'shortest_first' or 'fifo', got 'lifo'"):
+    with pytest.raises(
+        ClusterShapeError,
+        match="costs.prefill_order must be 'shortest_first' or 'fifo', got 'lifo'",
+    ):
         _hand_cluster().with_costs(prefill_order="lifo")
     yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts: {prefill_chunk_tokens: -5}\n")
     with pytest.raises(ClusterShapeError, match="costs.prefill_chunk_tokens must be a number >= 0"):
         SimCluster.from_yaml(yml)
-    with pytest.raises(ClusterShapeError, match="costs.prefill_aging_tokens_per_s must be a number >= 0, got -1"):
+    with pytest.raises(
+        ClusterShapeError, match="costs.prefill_aging_tokens_per_s must be a number >= 0, got -1"
+    ):
         _hand_cluster().with_costs(prefill_aging_tokens_per_s=-1)
 
 
 def test_encoder_cache_hit_skips_encoding():
-    profiles = [RequestProfile(100, (_image("same", 1.0),)), RequestProfile(100, (_image("same", 1.0),))]
+    profiles = [
+        RequestProfile(100, (_image("same", 1.0),)),
+        RequestProfile(100, (_image("same", 1.0),)),
+    ]
     wl = Workload("hit", profiles, np.array([0.0, 1.0]))
     r = simulate(_hand_cluster(), wl, "joint", slo_ms=50)
     assert r.ttft_ms == pytest.approx([12.001 + 15, 0.001 + 15], abs=1e-6)
@@ -174,7 +210,9 @@ def test_router_calibrates_toward_simulated_speeds():
     from router.sim.loop import run_router as run_engine
 
     router = make_router(cluster, "joint", seed=5)
-    run_engine(cluster, wl, router, "joint", slo_ms=1000, progress=False, record_decisions=False, load=0.5)
+    run_engine(
+        cluster, wl, router, "joint", slo_ms=1000, progress=False, record_decisions=False, load=0.5
+    )
     fast, slow = router.cost.prefill_ms(0, 1000), router.cost.prefill_ms(1, 1000)
     assert fast == pytest.approx(5 + 1000 / 30, rel=0.05)
     assert slow == pytest.approx(2 * (5 + 1000 / 30), rel=0.05)
@@ -213,7 +251,9 @@ def test_seed_classes_carry_the_table_costs():
     assert by_tokens[18280].items[0].size == 30 and by_tokens[18280].items[0].modality == "video"
     enc = SimCosts().encode
     assert enc["image"].solo_ms(by_tokens[1576].items[0].size) == pytest.approx(5.0)
-    assert enc["image"].batch_ms(4 * by_tokens[1576].items[0].size, 4) == pytest.approx(12.0, abs=0.1)
+    assert enc["image"].batch_ms(4 * by_tokens[1576].items[0].size, 4) == pytest.approx(
+        12.0, abs=0.1
+    )
     assert enc["video"].solo_ms(30) == pytest.approx(48.0)
     assert enc["audio"].solo_ms(30) == pytest.approx(85.0)
 
@@ -249,7 +289,15 @@ def test_malformed_trace_line_is_named(tmp_path):
                 "arrival_s": 1.0,
                 "num_prompt_tokens": 5,
                 "max_tokens": 4,
-                "items": [{"identifier": "x", "modality": "smell", "size": 1, "num_embeddings": 1, "embedding_bytes": 1}],
+                "items": [
+                    {
+                        "identifier": "x",
+                        "modality": "smell",
+                        "size": 1,
+                        "num_embeddings": 1,
+                        "embedding_bytes": 1,
+                    }
+                ],
             }
         )
     )
@@ -299,10 +347,17 @@ def test_cli_bad_input_exits_2_naming_the_problem(tmp_path, capsys):
 
 
 def test_cli_json_compares_policies(capsys):
-    assert cli_main(["--cluster", "2x2x2", "--policy", "all", "--requests", "400", "--json", "--seed", "1"]) == 0
+    assert (
+        cli_main(
+            ["--cluster", "2x2x2", "--policy", "all", "--requests", "400", "--json", "--seed", "1"]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     policies = [r["policy"] for r in doc["results"]]
-    assert policies[0] == "joint" and {"random", "least_loaded", "round_robin", "affinity"} <= set(policies)
+    assert policies[0] == "joint" and {"random", "least_loaded", "round_robin", "affinity"} <= set(
+        policies
+    )
     for r in doc["results"]:
         assert r["requests"] == 400 and math.isfinite(r["ttft_ms"]["p99"])
 
@@ -310,7 +365,24 @@ def test_cli_json_compares_policies(capsys):
 def test_cli_plots(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "cdf.png"
-    assert cli_main(["--cluster", "2x2x2", "--policy", "joint,random", "--requests", "300", "--sweep", "0.5,0.8", "--plot", str(out), "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "--cluster",
+                "2x2x2",
+                "--policy",
+                "joint,random",
+                "--requests",
+                "300",
+                "--sweep",
+                "0.5,0.8",
+                "--plot",
+                str(out),
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert out.stat().st_size > 1000 and (tmp_path / "cdf_load.png").stat().st_size > 1000
 
 
@@ -330,4 +402,6 @@ def test_router_sim_imports_neither_torch_nor_ray():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
     for path in (REPO / "router").rglob("*.py"):
         text = path.read_text()
-        assert "import torch" not in text and "import ray" not in text and "from ray" not in text, path
+        assert "import torch" not in text and "import ray" not in text and "from ray" not in text, (
+            path
+        )

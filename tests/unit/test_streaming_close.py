@@ -29,7 +29,9 @@ def test_a_disconnect_that_cancels_a_send_still_closes_the_body():
             await asyncio.sleep(3600)
 
         scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
-        task = asyncio.ensure_future(ClosingStreamingResponse(body(), media_type="text/event-stream")(scope, receive, send))
+        task = asyncio.ensure_future(
+            ClosingStreamingResponse(body(), media_type="text/event-stream")(scope, receive, send)
+        )
         await sent.wait()
         task.cancel()
         for _ in range(100):

@@ -53,7 +53,10 @@ class _Fleet:
 def _setup(monkeypatch):
     monkeypatch.setattr(sup, "PING_TIMEOUT_S", 0.05)
     fleet = _Fleet()
-    router = Router([WorkerInfo(E, 0, modalities=frozenset({"image"})), WorkerInfo(P, 0), WorkerInfo(D, 0)], dead_after_s=10.0)
+    router = Router(
+        [WorkerInfo(E, 0, modalities=frozenset({"image"})), WorkerInfo(P, 0), WorkerInfo(D, 0)],
+        dead_after_s=10.0,
+    )
     return fleet, router, sup.Supervisor(fleet, router)
 
 
@@ -88,7 +91,11 @@ def test_a_dead_worker_leaves_routing_at_once_and_is_replaced(monkeypatch):
         return healthy_during
 
     assert asyncio.run(run()) is False
-    assert fleet.replaced == [(P, 0)] and router.view.healthy[P][0] is True and supervisor.num_restarts == 1
+    assert (
+        fleet.replaced == [(P, 0)]
+        and router.view.healthy[P][0] is True
+        and supervisor.num_restarts == 1
+    )
 
 
 def test_a_worker_silent_past_the_hung_limit_is_restarted(monkeypatch):

@@ -16,8 +16,15 @@ FREE = {pl: 0.0 for pl in Placement}
 
 
 def text_cluster(prefill: int = 2, **costs) -> SimCluster:
-    base = SimCosts(prefill_fixed_ms=5.0, prefill_tokens_per_ms=10.0, transfer_latency_ms=FREE, bandwidth_bytes_per_ms={pl: 1e12 for pl in Placement})
-    return SimCluster.build(1, prefill, 1, costs=SimCosts(**{**base.__dict__, **costs}), name="hand")
+    base = SimCosts(
+        prefill_fixed_ms=5.0,
+        prefill_tokens_per_ms=10.0,
+        transfer_latency_ms=FREE,
+        bandwidth_bytes_per_ms={pl: 1e12 for pl in Placement},
+    )
+    return SimCluster.build(
+        1, prefill, 1, costs=SimCosts(**{**base.__dict__, **costs}), name="hand"
+    )
 
 
 def text(n: int, gaps_s: list[float]) -> Workload:
@@ -29,12 +36,16 @@ def test_contention_slows_a_service_by_the_requests_in_flight():
     # with r0 in flight: 25 x (1 + 0.5 x 1) = 37.5 ms
     r = simulate(text_cluster(variability=Variability(contention=0.5)), text(2, [0.001]), "joint")
     assert r.ttft_ms == pytest.approx([25.0, 37.5])
-    assert simulate(text_cluster(), text(2, [0.001]), "joint").ttft_ms == pytest.approx([25.0, 25.0])
+    assert simulate(text_cluster(), text(2, [0.001]), "joint").ttft_ms == pytest.approx(
+        [25.0, 25.0]
+    )
 
 
 def test_ingress_overhead_delays_routing_and_adds_to_ttft():
     image = MediaJob("x", "image", 0.0, 10, 1000)
-    wl = Workload("hand", [RequestProfile(200), RequestProfile(200, (image,))], np.array([0.0, 1.0]))
+    wl = Workload(
+        "hand", [RequestProfile(200), RequestProfile(200, (image,))], np.array([0.0, 1.0])
+    )
     r = simulate(text_cluster(ingress_ms=10.0, ingress_media_ms=4.0), wl, "joint")
     encode = SimCosts().encode["image"].solo_ms(0.0)  # 2 ms
     assert r.ttft_ms == pytest.approx([10.0 + 25.0, 14.0 + encode + 25.0])
@@ -56,17 +67,26 @@ def test_noise_keeps_the_mean_and_spreads_the_tail():
 def test_multipliers_have_mean_one():
     m = Multipliers(Variability(sigma=0.6, seed=3))
     draws = np.array([m.service(0) for _ in range(40_000)])
-    assert draws.mean() == pytest.approx(1.0, rel=0.02) and np.log(draws).std() == pytest.approx(0.6, rel=0.02)
+    assert draws.mean() == pytest.approx(1.0, rel=0.02) and np.log(draws).std() == pytest.approx(
+        0.6, rel=0.02
+    )
     assert Multipliers(Variability(contention=0.25)).service(4) == 2.0
-    assert Multipliers(Variability(contention=0.25, max_others=2)).service(4) == 1.5  # held beyond what a fit saw
+    assert (
+        Multipliers(Variability(contention=0.25, max_others=2)).service(4) == 1.5
+    )  # held beyond what a fit saw
 
 
 def test_in_flight_counts_requests_between_arrival_and_first_token():
-    arrival, ttft = np.array([0.0, 0.1, 0.2]), np.array([150.0, 50.0, 500.0])  # in flight [0, .15), [.1, .15), [.2, .7)
+    arrival, ttft = (
+        np.array([0.0, 0.1, 0.2]),
+        np.array([150.0, 50.0, 500.0]),
+    )  # in flight [0, .15), [.1, .15), [.2, .7)
     at = np.array([0.05, 0.12, 0.16, 0.3, 0.7])
     assert in_flight(arrival, ttft, at).tolist() == [1, 2, 0, 1, 0]
     # the third waits in a prefill queue over [0.25, 0.6) (prefill 100 ms, queued 350 ms): not busy then
-    assert busy(arrival, ttft, np.array([10.0, 10.0, 100.0]), np.array([0.0, 0.0, 350.0]), at).tolist() == [1, 2, 0, 0, 0]
+    assert busy(
+        arrival, ttft, np.array([10.0, 10.0, 100.0]), np.array([0.0, 0.0, 350.0]), at
+    ).tolist() == [1, 2, 0, 0, 0]
 
 
 def test_fit_service_recovers_contention_noise_and_costs():
@@ -76,7 +96,9 @@ def test_fit_service_recovers_contention_noise_and_costs():
     noise = np.exp(0.3 * rng.standard_normal(3000) - 0.045)
     measured = (4.0 + 0.05 * tokens) * (1 + 0.3 * others) * noise
     fit = fit_service(tokens, measured, others)
-    assert fit.contention == pytest.approx(0.3, abs=0.03) and fit.sigma == pytest.approx(0.3, abs=0.02)
+    assert fit.contention == pytest.approx(0.3, abs=0.03) and fit.sigma == pytest.approx(
+        0.3, abs=0.02
+    )
     assert fit.per_unit_ms == pytest.approx(0.05, rel=0.1) and fit.samples == 3000
     flat = fit_service(tokens, (4.0 + 0.05 * tokens) * noise, others)
     assert flat.contention <= 0.02
@@ -87,14 +109,25 @@ def simulated_trace(truth: Variability) -> list[dict]:
     variability: arrival, TTFT, stage times (a text request's service is its prefill, the rest of
     its TTFT the prefill queue), route."""
     cluster = text_cluster(prefill=4, variability=truth)
-    wl = make_workload("poisson", 3000, seed=4, mix={"text": 1.0}, rate_rps=20.0)  # ~50% load: busy workers vary
+    wl = make_workload(
+        "poisson", 3000, seed=4, mix={"text": 1.0}, rate_rps=20.0
+    )  # ~50% load: busy workers vary
     from router.sim.loop import make_router, run_router
 
     router = make_router(cluster, "round_robin", seed=1)
     decisions = []
     route = router.route
     router.route = lambda profile, now_s: decisions.append(route(profile, now_s)) or decisions[-1]
-    sim = run_router(cluster, wl, router, "round_robin", slo_ms=1e3, progress=False, record_decisions=False, load=None)
+    sim = run_router(
+        cluster,
+        wl,
+        router,
+        "round_robin",
+        slo_ms=1e3,
+        progress=False,
+        record_decisions=False,
+        load=None,
+    )
     return [
         {
             "arrival_s": a,
@@ -113,10 +146,15 @@ def simulated_trace(truth: Variability) -> list[dict]:
 def test_fit_trace_on_a_simulated_trace():
     """Record a trace from a simulation with known variability, fit it back."""
     fit = fit_trace(simulated_trace(Variability(contention=0.2, sigma=0.25, seed=5)))
-    assert fit.prefill.contention == pytest.approx(0.2, abs=0.05) and fit.prefill.sigma == pytest.approx(0.25, abs=0.05)
+    assert fit.prefill.contention == pytest.approx(
+        0.2, abs=0.05
+    ) and fit.prefill.sigma == pytest.approx(0.25, abs=0.05)
     assert fit.prefill.base_ms(1000) == pytest.approx(5 + 1000 / 10, rel=0.1)
     assert fit.speeds[1] == pytest.approx(1.0, rel=0.1)
-    assert fit.ingress_ms == pytest.approx(0.0, abs=1e-6) and fit.variability(3).max_others == fit.max_others > 0
+    assert (
+        fit.ingress_ms == pytest.approx(0.0, abs=1e-6)
+        and fit.variability(3).max_others == fit.max_others > 0
+    )
 
 
 def test_fit_trace_takes_the_busiest_worker_as_its_reference():
@@ -128,19 +166,27 @@ def test_fit_trace_takes_the_busiest_worker_as_its_reference():
         r["route"] = [None, 2, 0]
     fit = fit_trace(records)
     assert fit.reference == 2 and fit.prefill.base_ms(1000) == pytest.approx(5 + 1000 / 10, rel=0.1)
-    assert 0 in fit.speeds and 2 not in fit.speeds  # worker 0's speed is measured relative to worker 2
+    assert (
+        0 in fit.speeds and 2 not in fit.speeds
+    )  # worker 0's speed is measured relative to worker 2
     assert fit_trace(records, reference=0).reference == 0
 
 
 def test_variability_from_yaml_and_bad_values(tmp_path):
     yml = tmp_path / "c.yaml"
-    yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  ingress_ms: 3\n  variability: {contention: 0.2, sigma: 0.3}\n")
+    yml.write_text(
+        "encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  ingress_ms: 3\n  variability: {contention: 0.2, sigma: 0.3}\n"
+    )
     c = SimCluster.from_yaml(yml)
-    assert c.costs.variability == Variability(contention=0.2, sigma=0.3) and c.costs.ingress_ms == 3.0
+    assert (
+        c.costs.variability == Variability(contention=0.2, sigma=0.3) and c.costs.ingress_ms == 3.0
+    )
     yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  variability: {sigma: -1}\n")
     with pytest.raises(ClusterShapeError, match="sigma"):
         SimCluster.from_yaml(yml)
-    yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  variability: {contention: 0.1, count_decoding: 'yes'}\n")
+    yml.write_text(
+        "encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  variability: {contention: 0.1, count_decoding: 'yes'}\n"
+    )
     with pytest.raises(ClusterShapeError, match="count_decoding"):
         SimCluster.from_yaml(yml)
     yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  variability: {spread: 1}\n")
@@ -152,10 +198,14 @@ def test_host_slowness_is_shared_correlated_and_mean_one():
     m = Multipliers(Variability(host_sigma=0.5, host_tau_s=1.0, seed=2))
     times = np.arange(0, 20_000, 0.5)
     h = np.array([m.host(t) for t in times])
-    assert h.mean() == pytest.approx(1.0, rel=0.05) and np.log(h).std() == pytest.approx(0.5, rel=0.05)
+    assert h.mean() == pytest.approx(1.0, rel=0.05) and np.log(h).std() == pytest.approx(
+        0.5, rel=0.05
+    )
     lag1 = np.corrcoef(np.log(h[:-1]), np.log(h[1:]))[0, 1]
     assert lag1 == pytest.approx(np.exp(-0.5), abs=0.03)  # exp(-dt / tau)
-    assert m.host(times[-1]) == h[-1]  # the same time, the same slowness (services starting together)
+    assert (
+        m.host(times[-1]) == h[-1]
+    )  # the same time, the same slowness (services starting together)
 
 
 def test_a_measured_host_profile_is_interpolated():
@@ -180,7 +230,10 @@ def test_fit_host_and_the_measured_host_recover_a_slow_spell():
     assert share > 0.5 and tau > 1.0
     host = fit_measured_host(tokens, measured, others, t)
     knots = dict(host.profile)
-    inside, outside = np.mean([v for k, v in knots.items() if 22 < k < 28]), np.mean([v for k, v in knots.items() if k < 15 or k > 35])
+    inside, outside = (
+        np.mean([v for k, v in knots.items() if 22 < k < 28]),
+        np.mean([v for k, v in knots.items() if k < 15 or k > 35]),
+    )
     assert np.exp(inside - outside) == pytest.approx(4.0, rel=0.15)
     assert host.prefill.contention <= 0.04 and host.prefill.sigma == pytest.approx(0.2, abs=0.05)
 
@@ -190,15 +243,24 @@ def test_requests_decoding_count_as_busy_where_decode_times_are_given():
     no_queue, at = np.zeros(2), np.array([0.06, 0.12, 0.2, 0.4])
     assert busy(arrival, ttft, ttft, no_queue, at).tolist() == [0, 1, 0, 0]
     # decoding for 100 ms after the first token: [.05, .15) and [.15, .25)
-    assert busy(arrival, ttft, ttft, no_queue, at, decode_ms=np.array([100.0, 100.0])).tolist() == [1, 2, 1, 0]
+    assert busy(arrival, ttft, ttft, no_queue, at, decode_ms=np.array([100.0, 100.0])).tolist() == [
+        1,
+        2,
+        1,
+        0,
+    ]
 
 
 def test_the_simulator_counts_decoding_requests_as_contention_when_asked():
     # r0 at 0: 25 ms, then decodes 8 x 10 ms until 105 ms. r1 at 50 ms, on the other prefill worker: 25 ms
     # alone; with decoding counted, r0's decode is one other busy request: 25 x (1 + 0.5) = 37.5 ms
-    wl = Workload("hand", [RequestProfile(200, max_tokens=8) for _ in range(2)], np.array([0.0, 0.05]))
+    wl = Workload(
+        "hand", [RequestProfile(200, max_tokens=8) for _ in range(2)], np.array([0.0, 0.05])
+    )
     plain = text_cluster(decode_step_ms=10.0, variability=Variability(contention=0.5))
-    counted = text_cluster(decode_step_ms=10.0, variability=Variability(contention=0.5, count_decoding=True))
+    counted = text_cluster(
+        decode_step_ms=10.0, variability=Variability(contention=0.5, count_decoding=True)
+    )
     assert simulate(plain, wl, "joint").ttft_ms == pytest.approx([25.0, 25.0])
     assert simulate(counted, wl, "joint").ttft_ms == pytest.approx([25.0, 37.5])
 
@@ -220,6 +282,8 @@ def test_fit_trace_counts_decoding_only_when_every_record_has_its_decode_time():
         for i in range(40)
     ]
     assert fit_trace(records).count_decoding and fit_trace(records).variability().count_decoding
-    assert fit_trace(records).max_others >= 1  # the previous requests still decoding when each one's prefill starts
+    assert (
+        fit_trace(records).max_others >= 1
+    )  # the previous requests still decoding when each one's prefill starts
     del records[3]["decode_ms"]
     assert not fit_trace(records).count_decoding and fit_trace(records).max_others == 0

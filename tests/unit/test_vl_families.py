@@ -11,7 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from PIL import Image  # noqa: E402
-from transformers import AutoProcessor, LlavaNextForConditionalGeneration, Qwen2_5_VLForConditionalGeneration  # noqa: E402
+from transformers import (
+    AutoProcessor,
+    LlavaNextForConditionalGeneration,
+    Qwen2_5_VLForConditionalGeneration,
+)  # noqa: E402
 
 from actors.engine.lm_runner import LMRunner  # noqa: E402
 from actors.models.adapter import Part, load_adapter  # noqa: E402
@@ -41,7 +45,10 @@ def _family(model_class, path):
         AutoProcessor.from_pretrained(path),
         PromptPlanner(path),
         load_adapter(path, part=Part.ENCODER, dtype="float32", device="cpu"),
-        LMRunner(load_adapter(path, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"), max_chunk_tokens=64),
+        LMRunner(
+            load_adapter(path, part=Part.LANGUAGE_MODEL, dtype="float32", device="cpu"),
+            max_chunk_tokens=64,
+        ),
     )
 
 
@@ -69,12 +76,22 @@ COMMON_FILES = {
 def test_qwen_vl_checkpoint_has_the_published_layout(qwen_vl_ckpt):
     assert {p.name for p in qwen_vl_ckpt.iterdir()} == COMMON_FILES
     config = json.loads((qwen_vl_ckpt / "config.json").read_text())
-    assert config["model_type"] == "qwen2_5_vl" and config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
-    assert "text_config" not in config and config["hidden_size"] == 64  # text fields flat, as Qwen's repos have them
+    assert config["model_type"] == "qwen2_5_vl" and config["architectures"] == [
+        "Qwen2_5_VLForConditionalGeneration"
+    ]
+    assert (
+        "text_config" not in config and config["hidden_size"] == 64
+    )  # text fields flat, as Qwen's repos have them
     assert config["vision_config"]["model_type"] == "qwen2_5_vl_vision"
-    assert config["rope_scaling"]["type"] == "mrope" and sum(config["rope_scaling"]["mrope_section"]) == 8
+    assert (
+        config["rope_scaling"]["type"] == "mrope"
+        and sum(config["rope_scaling"]["mrope_section"]) == 8
+    )
     preprocessor = json.loads((qwen_vl_ckpt / "preprocessor_config.json").read_text())
-    assert preprocessor["processor_class"] == "Qwen2_5_VLProcessor" and preprocessor["max_pixels"] == 16 * 28 * 28
+    assert (
+        preprocessor["processor_class"] == "Qwen2_5_VLProcessor"
+        and preprocessor["max_pixels"] == 16 * 28 * 28
+    )
 
 
 def test_llava_next_checkpoint_has_the_published_layout(llava_next_ckpt):
@@ -91,10 +108,24 @@ def _processor_count(processor, token_id: int, **media_kwargs) -> int:
     kind = "video" if "videos" in media_kwargs else "image"
     messages = [{"role": "user", "content": [{"type": kind}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return int((processor(text=[text], return_tensors="pt", **media_kwargs)["input_ids"] == token_id).sum())
+    return int(
+        (processor(text=[text], return_tensors="pt", **media_kwargs)["input_ids"] == token_id).sum()
+    )
 
 
-ODD_SIZES = [(37, 211), (211, 37), (300, 40), (40, 300), (1, 1), (3, 100), (5, 500), (29, 57), (97, 13), (32, 32), (64, 64)]
+ODD_SIZES = [
+    (37, 211),
+    (211, 37),
+    (300, 40),
+    (40, 300),
+    (1, 1),
+    (3, 100),
+    (5, 500),
+    (29, 57),
+    (97, 13),
+    (32, 32),
+    (64, 64),
+]
 
 
 @pytest.mark.parametrize("family", ["llava_next", "qwen_vl"])
@@ -102,16 +133,25 @@ ODD_SIZES = [(37, 211), (211, 37), (300, 40), (40, 300), (1, 1), (3, 100), (5, 5
 def test_image_counts_equal_the_processor_and_the_tower(request, family, height, width):
     model, processor, planner, encoder, _ = request.getfixturevalue(family)
     picture = image(height, width)
-    want = _processor_count(processor, model.config.image_token_id, images=[Image.fromarray(picture.data)])
+    want = _processor_count(
+        processor, model.config.image_token_id, images=[Image.fromarray(picture.data)]
+    )
     assert planner.spec.num_embeddings(picture) == want
     assert encoder.encode([picture])[0].shape[0] == want  # the model's own packing agrees
 
 
-@pytest.mark.parametrize("frames,height,width", [(1, 30, 30), (2, 40, 56), (3, 17, 90), (5, 64, 48), (7, 1, 1), (8, 100, 20)])
+@pytest.mark.parametrize(
+    "frames,height,width",
+    [(1, 30, 30), (2, 40, 56), (3, 17, 90), (5, 64, 48), (7, 1, 1), (8, 100, 20)],
+)
 def test_qwen_vl_video_counts_equal_the_processor(qwen_vl, frames, height, width):
     model, processor, planner, encoder, _ = qwen_vl
     clip = video(frames, height, width)
-    want = _processor_count(processor, model.config.video_token_id, videos=[torch.from_numpy(clip.data).permute(0, 3, 1, 2)])
+    want = _processor_count(
+        processor,
+        model.config.video_token_id,
+        videos=[torch.from_numpy(clip.data).permute(0, 3, 1, 2)],
+    )
     assert planner.spec.num_embeddings(clip) == want
     assert encoder.encode([clip])[0].shape[0] == want
 
@@ -121,7 +161,13 @@ QWEN_VL_CASES = {
     "two images": lambda: [image(37, 211), " and ", image(300, 40), " compare."],
     "video": lambda: [video(6, 40, 56), "Describe it."],
     "video at 1 fps": lambda: ["Slow: ", video(5, 56, 40, fps=1.0)],
-    "image and video": lambda: ["A ", image(50, 50), " then ", video(4, 30, 30, fps=3.0), " and text."],
+    "image and video": lambda: [
+        "A ",
+        image(50, 50),
+        " then ",
+        video(4, 30, 30, fps=3.0),
+        " and text.",
+    ],
 }
 LLAVA_NEXT_CASES = {
     "tall": lambda: [image(211, 37), "What is it?"],
@@ -149,18 +195,25 @@ def test_qwen_vl_items_arriving_after_the_text_match_generate(qwen_vl):
     model, processor, planner, encoder, runner = qwen_vl
     parts = QWEN_VL_CASES["image and video"]()
     plan = planner.plan(message(*parts), media(parts))
-    assert served_late(encoder, runner, plan, 8) == reference(model, processor, message(*parts), list(plan.items), 8)[1]
+    assert (
+        served_late(encoder, runner, plan, 8)
+        == reference(model, processor, message(*parts), list(plan.items), 8)[1]
+    )
 
 
 def test_qwen_vl_batched_encode_and_decode(qwen_vl):
     """Mixed media in one encoder batch and one decode batch, each row with its own rope delta."""
-    got, want, deltas = generate_batched(qwen_vl, [QWEN_VL_CASES[name]() for name in sorted(QWEN_VL_CASES)], 6)
+    got, want, deltas = generate_batched(
+        qwen_vl, [QWEN_VL_CASES[name]() for name in sorted(QWEN_VL_CASES)], 6
+    )
     assert len(set(deltas)) > 2, "the cases should exercise different rope deltas"
     assert got == want
 
 
 def test_llava_next_batched_encode_and_decode(llava_next):
-    got, want, _ = generate_batched(llava_next, [LLAVA_NEXT_CASES[name]() for name in sorted(LLAVA_NEXT_CASES)], 6)
+    got, want, _ = generate_batched(
+        llava_next, [LLAVA_NEXT_CASES[name]() for name in sorted(LLAVA_NEXT_CASES)], 6
+    )
     assert got == want
 
 
