@@ -1,9 +1,11 @@
-"""A prefill wait that grows with utilisation (router/busy.py), in the deterministic simulator: joint
-with max_busy 0 (booked work only, the default) and 0.95, against least_loaded, per load and seed.
+"""A prefill wait that grows with utilisation (router/busy.py), in the deterministic simulator:
+joint with max_busy 0 (booked work only, the default) and 0.95, against least_loaded, per load
+and seed.
 
-Default shape: issue #11's shape C, two prefill workers of speeds 1 and 0.25, text prompts of 120-1343
-tokens (bench_routing_live's range) at 0.65 ms a token, prefill in 512-token chunks, shortest remaining
-first. Prints joint / least_loaded p99 (and p50) per seed; `--shape 16x16x16-hetero` runs the seed mix.
+Default shape: shape C, two prefill workers of speeds 1 and 0.25, text prompts of 120-1343
+tokens (bench_routing_live's range) at 0.65 ms a token, prefill in 512-token chunks, shortest
+remaining first. Prints joint / least_loaded p99 (and p50) per seed; `--shape 16x16x16-hetero`
+runs the seed mix.
 
     .venv/bin/python scripts/bench_busy.py --loads 0.3 0.5 0.7 0.8 0.9 --seeds 1 2 3
 """
@@ -11,45 +13,20 @@ first. Prints joint / least_loaded p99 (and p50) per seed; `--shape 16x16x16-het
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from router.calibration import CalibrationConfig  # noqa: E402
-from router.sim.cluster_model import SimCluster, SimCosts, capacity_rps  # noqa: E402
-from router.sim.loop import simulate  # noqa: E402
-from router.sim.workload import (
-    Workload,  # noqa: E402
-    make_workload,  # noqa: E402
-)
-from router.types import RequestProfile  # noqa: E402
+from benchkit.sim_shapes import two_workers
+from router.calibration import CalibrationConfig
+from router.sim.cluster_model import SimCluster, capacity_rps
+from router.sim.loop import simulate
+from router.sim.workload import Workload, make_workload
 
 RUNS = (
     ("joint, booked wait", "joint", 0.0),
     ("joint, grown wait", "joint", 0.95),
     ("least_loaded", "least_loaded", 0.0),
 )
-
-
-def two_workers(requests: int, seed: int) -> tuple[SimCluster, Workload]:
-    costs = SimCosts(
-        prefill_fixed_ms=0.0,
-        prefill_tokens_per_ms=1 / 0.65,
-        prefill_chunk_tokens=512,
-        decode_step_ms=1.0,
-        decode_step_per_seq_ms=0.0,
-    )
-    cluster = SimCluster.build(
-        1, 2, 1, prefill_speeds=[1.0, 0.25], costs=costs, name="2 prefill, 1 and 0.25"
-    )
-    rng = np.random.default_rng(seed)
-    profiles = [RequestProfile(int(n), max_tokens=8) for n in rng.integers(120, 1344, requests)]
-    return cluster, Workload(
-        "text 120-1343 tokens", profiles, np.cumsum(rng.exponential(1.0, requests))
-    )
 
 
 def percentiles(

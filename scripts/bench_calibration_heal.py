@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from router.calibration import CalibrationConfig  # noqa: E402
-from router.sim.cluster_model import SimCluster, capacity_rps  # noqa: E402
-from router.sim.loop import make_router  # noqa: E402
-from router.sim.loop import run_router as run_engine  # noqa: E402
-from router.sim.variability import Variability  # noqa: E402
-from router.sim.workload import make_workload  # noqa: E402
-from router.types import WorkerKind  # noqa: E402
+from router.calibration import CalibrationConfig
+from router.sim.cluster_model import SimCluster, capacity_rps
+from router.sim.loop import make_router
+from router.sim.loop import run_router as run_engine
+from router.sim.variability import Variability
+from router.sim.workload import make_workload
+from router.types import WorkerKind
 
 SLOW = 7
 

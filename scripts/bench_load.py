@@ -12,88 +12,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import io
 import json
-import os
-import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from cluster.config import REPO_ROOT, load_config  # noqa: E402
-
-SUBJECTS = "a red car|the old bridge|two cats|a quiet lake|the tall tree|a small boat|the city at night|a green field".split(
-    "|"
-)
-ASKS = [
-    "Describe {s}.",
-    "What is near {s}?",
-    "Write one sentence about {s}.",
-    "Tell me a story about {s}.",
-    "What color is {s}?",
-    "Why would someone paint {s}?",
-]
-
-
-@dataclass
-class Req:
-    idx: int
-    arrival_s: float
-    prompt: str
-    png: bytes | None  # None: a text-only request
-
-
-@dataclass
-class Result:
-    ttft_s: float
-    tpot_s: float | None
-    tokens: int
-    first_s: float  # first and last token times, relative to the phase start
-    done_s: float
-    timings: dict | None = None
-
-
-# ----------------------------------------------------------------------------- workload
-
-
-def make_png(rng: random.Random) -> bytes:
-    """Random noise or a colour gradient, 128..512 px a side."""
-    w, h = rng.randint(128, 512), rng.randint(128, 512)
-    nprng = np.random.default_rng(rng.randrange(2**32))
-    if rng.random() < 0.5:
-        arr = nprng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-    else:
-        gy, gx = np.mgrid[0:h, 0:w]
-        c = nprng.uniform(0.2, 1.0, 3)
-        arr = (((gx / w)[..., None] * c + (gy / h)[..., None] * (1 - c)) * 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def make_workload(n: int, rate: float, image_fraction: float, seed: int) -> list[Req]:
-    """Poisson arrivals at `rate`; rate 0 gives all-image requests at t=0 (idle TTFT)."""
-    rng, t, reqs = random.Random(seed), 0.0, []
-    for i in range(n):
-        png = make_png(rng) if rate == 0 or rng.random() < image_fraction else None
-        reqs.append(Req(i, t, rng.choice(ASKS).format(s=rng.choice(SUBJECTS)), png))
-        t += rng.expovariate(rate) if rate else 0.0
-    return reqs
-
+from benchkit.cpu import CpuWatch
+from benchkit.http_client import Result, replay_cluster, sequential_cluster
+from benchkit.live_server import served
+from benchkit.stats import pct
+from benchkit.workload import Req, make_workload
+from cluster.config import REPO_ROOT, load_config
 
 # ----------------------------------------------------------------------------- measuring
-
-
-def pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 def summarize(results: list[Result], wall_s: float) -> dict:
@@ -115,144 +50,7 @@ def summarize(results: list[Result], wall_s: float) -> dict:
     }
 
 
-def procs() -> dict[int, tuple[str, int, float]]:
-    """pid -> (name, parent pid, CPU seconds incl. reaped children), from /proc."""
-    out, tick = {}, os.sysconf("SC_CLK_TCK")
-    for d in Path("/proc").glob("[0-9]*"):
-        try:
-            name, rest = (d / "stat").read_text()[:-1].split(" (", 1)[1].rsplit(") ", 1)
-            f = rest.split()
-            out[int(d.name)] = (name, int(f[1]), sum(int(x) for x in f[11:15]) / tick)
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-class CpuWatch:
-    """CPU seconds per process name in this process tree (Ray's raylet, GCS and workers
-    descend from this driver), and what processes outside it used meanwhile: other work
-    on the host skews every figure, so it is recorded and warned about."""
-
-    def __enter__(self):
-        self.start = self._snapshot()
-        return self
-
-    def __exit__(self, *exc):
-        end = self._snapshot()
-        self.other_cpu_s = max(0.0, end.pop("<other>") - self.start.pop("<other>"))
-        used = {k: round(v - self.start.get(k, 0.0), 2) for k, v in end.items()}
-        self.by_process = dict(sorted(used.items(), key=lambda kv: -kv[1]))
-        if self.other_cpu_s > 2.0:
-            print(
-                f"warning: other processes used {self.other_cpu_s:.1f} CPU-s during this phase",
-                file=sys.stderr,
-            )
-
-    @staticmethod
-    def _snapshot() -> dict[str, float]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-        busy = sum(fields[i] for i in (0, 1, 2, 5, 6)) / os.sysconf(
-            "SC_CLK_TCK"
-        )  # user nice system irq softirq
-        table, tree, frontier = procs(), {os.getpid()}, [os.getpid()]
-        while frontier:
-            kids = [
-                pid
-                for pid, (_, ppid, _) in table.items()
-                if ppid == frontier[-1] and pid not in tree
-            ]
-            frontier = frontier[:-1] + kids
-            tree.update(kids)
-        out = {}
-        for pid in tree & table.keys():
-            name = "driver (client)" if pid == os.getpid() else table[pid][0]
-            out[name] = out.get(name, 0.0) + table[pid][2]
-        return out | {"<other>": busy - sum(out.values())}
-
-
 # ----------------------------------------------------------------------------- cluster
-
-
-def chat_body(req: Req, model: str, max_tokens: int) -> bytes:
-    content = [{"type": "text", "text": req.prompt}]
-    if req.png is not None:
-        url = "data:image/png;base64," + base64.b64encode(req.png).decode()
-        content.insert(0, {"type": "image_url", "image_url": {"url": url}})
-    return json.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": content}],
-            "temperature": 0,
-            "max_tokens": max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
-
-
-async def stream_one(client, url: str, body: bytes, arrival: float, t0: float) -> Result:
-    first = last = None
-    usage, timings = {}, None
-    async with client.stream(
-        "POST", url, content=body, headers={"content-type": "application/json"}
-    ) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event, now = json.loads(line[6:]), time.perf_counter()
-            if "error" in event:
-                raise RuntimeError(f"server error: {event['error']}")
-            choice = (event.get("choices") or [{}])[0]
-            if choice.get("delta", {}).get("content") or choice.get("finish_reason"):
-                first, last = first or now, now
-            usage, timings = event.get("usage") or usage, event.get("timings") or timings
-    n = usage.get("completion_tokens", 0)
-    return Result(
-        first - (t0 + arrival),
-        (last - first) / (n - 1) if n > 1 else None,
-        n,
-        first - t0,
-        last - t0,
-        timings,
-    )
-
-
-async def replay_cluster(url: str, reqs: list[Req], model: str, args) -> tuple[list[Result], float]:
-    bodies = [chat_body(r, model, args.max_tokens) for r in reqs]
-    sem, bar = (
-        asyncio.Semaphore(args.concurrency),
-        tqdm(total=len(reqs), desc="cluster load", unit="req"),
-    )
-    limits = httpx.Limits(
-        max_connections=args.concurrency, max_keepalive_connections=args.concurrency
-    )
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        t0 = time.perf_counter()
-
-        async def one(req: Req, body: bytes) -> Result:
-            await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
-            async with sem:  # a request the cap holds back counts that wait in its TTFT
-                result = await stream_one(client, url, body, req.arrival_s, t0)
-            bar.update()
-            return result
-
-        results = await asyncio.gather(*(one(r, b) for r, b in zip(reqs, bodies)))
-    bar.close()
-    return list(results), max(r.done_s for r in results)
-
-
-async def sequential_cluster(
-    url: str, reqs: list[Req], model: str, args, desc: str
-) -> list[Result]:
-    """One request at a time, nothing else in flight (warm-up and idle TTFT)."""
-    async with httpx.AsyncClient(timeout=300) as client:
-        return [
-            await stream_one(
-                client, url, chat_body(r, model, args.max_tokens), 0.0, time.perf_counter()
-            )
-            for r in tqdm(reqs, desc=desc, unit="req")
-        ]
 
 
 def server_profile(results: list[Result]) -> dict:
@@ -268,33 +66,18 @@ def server_profile(results: list[Result]) -> dict:
 
 
 def run_cluster(args, reqs: list[Req], idle: list[Req], warmup: list[Req]) -> dict:
-    import ray
-    from ray import serve
-
-    from cluster.cli import start
-    from cluster.prepare import ensure_model
-
     cfg = load_config(args.config)
     if args.stream_interval:
         cfg = cfg.replace(decode={"stream_interval": args.stream_interval})
-    ensure_model(cfg)
-    if any(
-        name in ("raylet", "gcs_server") for name, _, _ in procs().values()
-    ):  # `ray status` misses token-auth ones
-        sys.exit(
-            "a Ray cluster is already running on this host; wait for it to stop before benchmarking"
-        )
-    base = start(cfg)
-    url, model = f"{base}/chat/completions", cfg.model.served_name
-    try:
-        asyncio.run(sequential_cluster(url, warmup, model, args, "cluster warm-up"))
+    with served(cfg) as base:
+        url, model, max_tokens = f"{base}/chat/completions", cfg.model.served_name, args.max_tokens
+        asyncio.run(sequential_cluster(url, warmup, model, max_tokens, "cluster warm-up"))
         with CpuWatch() as idle_watch:
-            idle_res = asyncio.run(sequential_cluster(url, idle, model, args, "cluster idle"))
+            idle_res = asyncio.run(sequential_cluster(url, idle, model, max_tokens, "cluster idle"))
         with CpuWatch() as watch:
-            results, wall = asyncio.run(replay_cluster(url, reqs, model, args))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+            results, wall = asyncio.run(
+                replay_cluster(url, reqs, model, max_tokens, args.concurrency)
+            )
     return summarize(results, wall) | {
         "idle_ttft_p50_ms": pct([r.ttft_s * 1e3 for r in idle_res], 50),
         "other_cpu_s": watch.other_cpu_s + idle_watch.other_cpu_s,
@@ -309,7 +92,8 @@ def run_cluster(args, reqs: list[Req], idle: list[Req], warmup: list[Req]) -> di
 
 class Baseline:
     """One process, one request at a time: PNG decode, preprocessing, `generate`, on the
-    config's device and dtype (so on a GPU the cluster is compared with `generate` on that GPU)."""
+    config's device and dtype (so on a GPU the cluster is compared with `generate` on that
+    GPU)."""
 
     def __init__(
         self, checkpoint: Path, max_tokens: int, *, device: str = "cpu", dtype: str = "float32"
@@ -358,9 +142,8 @@ class Baseline:
             self.processor(images=images, text=text, return_tensors="pt"),
             self.streamer_cls(),
         )
-        inputs = inputs.to(
-            self.device, dtype=self.model.dtype
-        )  # floats take the model's dtype; ids stay ints
+        # floats take the model's dtype; ids stay ints
+        inputs = inputs.to(self.device, dtype=self.model.dtype)
         with self.torch.inference_mode():
             self.model.generate(
                 **inputs, max_new_tokens=self.max_tokens, do_sample=False, streamer=streamer
@@ -370,9 +153,8 @@ class Baseline:
     def replay(self, reqs: list[Req], desc: str) -> tuple[list[Result], float]:
         results, t0 = [], time.perf_counter()
         for req in tqdm(reqs, desc=desc, unit="req"):
-            time.sleep(
-                max(0.0, t0 + req.arrival_s - time.perf_counter())
-            )  # FIFO: a request waits its turn
+            # FIFO: a request waits its turn
+            time.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
             _, ts = self.serve(req)
             tpot = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else None
             results.append(
@@ -498,9 +280,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     reqs = make_workload(args.num_requests, args.rate, args.image_fraction, args.seed)
     idle = make_workload(args.idle_requests, 0.0, 1.0, args.seed + 1)
-    warmup = make_workload(
-        args.warmup, 0.0, 1.0, args.seed + 2
-    )  # own images: the encoder caches by content
+    warmup = make_workload(args.warmup, 0.0, 1.0, args.seed + 2)  # own images: cached by content
     report = {
         "args": vars(args),
         "workload": {

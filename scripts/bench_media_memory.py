@@ -15,34 +15,24 @@ from __future__ import annotations
 
 import argparse
 import base64
-import io
 import json
 import subprocess
 import sys
 import threading
 import time
 
-import numpy as np
 import psutil
-from PIL import Image
+
+from benchkit.media import photo
 
 MIB = 2**20
 
 
 def image_url(megapixels: float, fmt: str, seed: int) -> str:
     """A photo-like (smooth plus noise) image; PNG ones carry alpha, the costliest RGB path."""
-    side = int((megapixels * 1e6) ** 0.5)
-    ramp = np.linspace(0, 255, side, dtype=np.float32)
-    noise = np.random.default_rng(seed).integers(0, 16, (side, side), dtype=np.uint8)
-    channel = (ramp[None, :] * 0.5 + ramp[:, None] * 0.5).astype(np.uint8) + noise
-    bands = [channel, channel[::-1], channel.T] + (
-        [np.full_like(channel, 200)] if fmt == "png" else []
-    )
-    buf = io.BytesIO()
-    Image.fromarray(np.dstack(bands)).save(
-        buf, fmt.upper(), **({"compress_level": 1} if fmt == "png" else {})
-    )
-    return f"data:image/{fmt};base64," + base64.b64encode(buf.getvalue()).decode()
+    png = fmt == "png"
+    data = photo(megapixels, seed, fmt.upper(), alpha=png, **({"compress_level": 1} if png else {}))
+    return f"data:image/{fmt};base64," + base64.b64encode(data).decode()
 
 
 class PeakRss:
@@ -166,7 +156,8 @@ def main() -> None:
     ]
     for mode in args.modes.split(","):
         print(
-            f"{args.rounds} rounds of {args.requests} requests x {args.images} x {args.megapixels:g} MP {args.format}, {MODES[mode]} ...",
+            f"{args.rounds} rounds of {args.requests} requests x {args.images} "
+            f"x {args.megapixels:g} MP {args.format}, {MODES[mode]} ...",
             file=sys.stderr,
             flush=True,
         )

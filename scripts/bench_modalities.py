@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import json
 import random
 import sys
@@ -29,129 +27,16 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import soundfile
-from PIL import Image
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_load import CpuWatch, pct, procs, stream_one  # noqa: E402
-
-from cluster.config import REPO_ROOT, load_config  # noqa: E402
-from router.sim.workload import DEFAULT_MIX  # noqa: E402
-
-VIDEO_FRAMES, VIDEO_FPS, AUDIO_S, IMAGE_SIDE = 30, 3, 30.0, 336
-
-
-# ----------------------------------------------------------------------------- media
-
-
-def image_part(rng: np.random.Generator) -> dict:
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)).save(
-        buf, format="PNG"
-    )
-    return {
-        "type": "image_url",
-        "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()},
-    }
-
-
-def video_part(rng: np.random.Generator) -> dict:
-    """A 10 s clip at 3 fps (30 frames, 224 px) as an animated GIF. Frames are palette images
-    (random indices into one random 256-colour palette): RGB frames make Pillow quantize each
-    one, 3.6 s a clip, which on a GPU host took longer than the phases the clips were for."""
-    palette = rng.integers(0, 256, 768, dtype=np.uint8).tobytes()
-    frames = [
-        Image.frombytes("P", (224, 224), rng.integers(0, 256, 224 * 224, dtype=np.uint8).tobytes())
-        for _ in range(VIDEO_FRAMES)
-    ]
-    for frame in frames:
-        frame.putpalette(palette)
-    buf = io.BytesIO()
-    frames[0].save(
-        buf,
-        format="GIF",
-        save_all=True,
-        append_images=frames[1:],
-        duration=1000 // VIDEO_FPS,
-        loop=0,
-    )
-    return {
-        "type": "video_url",
-        "video_url": {"url": "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()},
-    }
-
-
-def audio_part(rng: np.random.Generator) -> dict:
-    buf = io.BytesIO()
-    soundfile.write(
-        buf,
-        (0.1 * rng.standard_normal(int(AUDIO_S * 16000))).astype(np.float32),
-        16000,
-        format="WAV",
-    )
-    return {
-        "type": "input_audio",
-        "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"},
-    }
-
-
-def request_body(kind: str, rng: np.random.Generator, model: str, max_tokens: int) -> bytes:
-    media = {
-        "text": [],
-        "image": [image_part(rng)],
-        "images4": [image_part(rng) for _ in range(4)],
-        "video": [video_part(rng)],
-        "audio": [audio_part(rng)],
-    }[kind]
-    content = media + [
-        {"type": "text", "text": f"Describe what you see and hear, case {rng.integers(1e6)}."}
-    ]
-    return json.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": content}],
-            "temperature": 0,
-            "max_tokens": max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
-
-
-def workload(
-    kinds: list[str], rate_rps: float, seed: int, model: str, max_tokens: int
-) -> list[tuple[str, float, bytes]]:
-    """(kind, arrival_s, body) with Poisson arrivals at `rate_rps`."""
-    rnd, rng, t, out = random.Random(seed), np.random.default_rng(seed), 0.0, []
-    for kind in kinds:
-        out.append((kind, t, request_body(kind, rng, model, max_tokens)))
-        t += rnd.expovariate(rate_rps)
-    return out
-
-
-async def replay(
-    url: str, reqs: list[tuple[str, float, bytes]], desc: str
-) -> dict[str, list[float]]:
-    """TTFT in ms per request kind."""
-    bar = tqdm(total=len(reqs), desc=desc, unit="req")
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
-        t0 = time.perf_counter()
-
-        async def one(kind: str, arrival: float, body: bytes):
-            await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
-            result = await stream_one(client, url, body, arrival, t0)
-            bar.update()
-            return kind, result.ttft_s * 1e3
-
-        done = await asyncio.gather(*(one(*r) for r in reqs))
-    bar.close()
-    out: dict[str, list[float]] = {}
-    for kind, ttft in done:
-        out.setdefault(kind, []).append(ttft)
-    return out
-
+from benchkit.cpu import CpuWatch
+from benchkit.http_client import stream_one
+from benchkit.live_server import served
+from benchkit.media import VIDEO_FPS, audio_part, image_part, video_part
+from benchkit.modality_mix import replay, workload
+from benchkit.stats import pct
+from cluster.config import REPO_ROOT, load_config
+from router.sim.workload import DEFAULT_MIX
 
 # ----------------------------------------------------------------------------- phases
 
@@ -242,6 +127,7 @@ def encoder_throughput(cfg, args) -> dict:
     from actors.runtime import WorkerSpec
     from actors.types import EncodeJob
     from cluster.prompt_plan import PromptPlanner
+    from router.worker_settings import EncoderSettings
 
     planner, pool = PromptPlanner(cfg.model.checkpoint_path), cfg.encoder_pools[0]
     spec = WorkerSpec(
@@ -254,7 +140,8 @@ def encoder_throughput(cfg, args) -> dict:
     items = sample_items(planner, args)
     out = {}
     for batch in (1, pool.max_batch_size):
-        actor = EncoderActor.options(num_cpus=0).remote(spec, batch, pool.max_wait_ms, 0.0)
+        settings = EncoderSettings(batch, pool.max_wait_ms, cache_mb=0.0)
+        actor = EncoderActor.options(num_cpus=0).remote(spec, settings)
         ray.get(actor.ready.remote())
         for modality, group in items.items():
             jobs = [
@@ -310,7 +197,8 @@ def sample_items(planner, args) -> dict:
 
 
 def prefix_tokens(base_url: str) -> dict[str, float]:
-    """Prompt tokens found in the prefix cache (hit) and computed (miss), from the ingress's /metrics."""
+    """Prompt tokens found in the prefix cache (hit) and computed (miss), from the ingress's
+    /metrics."""
     text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=30).text
     total = lambda name: sum(
         float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)
@@ -350,7 +238,8 @@ def multi_turn(url: str, model: str, args) -> dict:
                     (await stream_one(client, url, body(first), 0.0, time.perf_counter())).ttft_s
                     * 1e3
                 )
-                # A fixed reply stands in for the answer: the prefix turn 2 shares is turn 1's whole prompt either way.
+                # A fixed reply stands in for the answer: the prefix turn 2 shares is turn 1's
+                # whole prompt either way.
                 second = first + [
                     {"role": "assistant", "content": "A picture of coloured noise."},
                     {
@@ -390,7 +279,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--load-fraction",
         type=float,
-        help="offer the text+video phase this fraction of the mix's measured capacity (overrides --text-rate)",
+        help=(
+            "offer the text+video phase this fraction of the mix's measured capacity "
+            "(overrides --text-rate)"
+        ),
     )
     p.add_argument(
         "--capacity-text-requests",
@@ -416,21 +308,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    import ray
-    from ray import serve
-
-    from cluster.cli import start
-    from cluster.prepare import ensure_model
-
     args = parse_args(argv)
     cfg = load_config(args.config)
-    ensure_model(cfg)
-    if any(name in ("raylet", "gcs_server") for name, _, _ in procs().values()):
-        sys.exit(
-            "a Ray cluster is already running on this host; wait for it to stop before benchmarking"
-        )
-    url, report = f"{start(cfg)}/chat/completions", {"config": args.config, "args": vars(args)}
-    try:
+    report = {"config": args.config, "args": vars(args)}
+    with served(cfg) as base:
+        url = f"{base}/chat/completions"
         asyncio.run(
             replay(
                 url,
@@ -453,9 +335,6 @@ def main(argv=None) -> int:
             Path(args.out).write_text(
                 json.dumps(report, indent=2)
             )  # each phase kept even if a later one fails
-    finally:
-        serve.shutdown()
-        ray.shutdown()
     print(
         json.dumps({k: v for k, v in report.items() if k != "args"}, indent=2, default=str)[:4000]
     )

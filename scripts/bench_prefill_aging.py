@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Shortest-remaining-first with aging (prefill.aging_tokens_per_s) on the real prefill engine
+r"""Shortest-remaining-first with aging (prefill.aging_tokens_per_s) on the real prefill engine
 (actors/engine/prefill.py, no Ray), the bench-llava LM, one process, in real time.
 
 Text prompts of 120-1343 tokens (shape C's range) arrive as a Poisson stream at `--load` of
@@ -8,13 +8,14 @@ aging setting, the settings alternating over `--rounds` rounds (this host drifts
 TTFT percentiles (arrival to the prompt's first token: queue and prefill) and each against
 aging 0 in the same round. Writes a JSON report and a plot of the TTFT distributions.
 
-`--simulate` runs the router's simulator instead, on issue #11's shape C (two prefill workers
-of speeds 1 and 0.25, scripts/bench_busy.py) under joint and least_loaded, per load, 6,000
-requests, the mean over `--seeds`: TTFT (queue, prefill and the rest of the path) against the
-first setting.
+`--simulate` runs the router's simulator instead, on shape C (two prefill workers of speeds 1
+and 0.25, scripts/bench_busy.py) under joint and least_loaded, per load, 6,000 requests, the
+mean over `--seeds`: TTFT (queue, prefill and the rest of the path) against the first setting.
 
-    .venv/bin/python scripts/bench_prefill_aging.py --aging 0 100 --load 0.85 --requests 200 --rounds 2
-    .venv/bin/python scripts/bench_prefill_aging.py --simulate --aging 0 50 100 200 --loads 0.5 0.8 0.9
+    .venv/bin/python scripts/bench_prefill_aging.py --aging 0 100 --load 0.85 \
+        --requests 200 --rounds 2
+    .venv/bin/python scripts/bench_prefill_aging.py --simulate --aging 0 50 100 200 \
+        --loads 0.5 0.8 0.9
 """
 
 from __future__ import annotations
@@ -29,14 +30,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from actors.engine.lm_runner import LMRunner  # noqa: E402
-from actors.engine.prefill import PrefillEngine  # noqa: E402
-from actors.models.adapter import Part, load_adapter  # noqa: E402
-from actors.types import PrefillRequest, SamplingParams  # noqa: E402
-from cluster.config import REPO_ROOT, load_config  # noqa: E402
-from cluster.prepare import ensure_model  # noqa: E402
+from actors.engine.lm_runner import LMRunner
+from actors.engine.prefill import PrefillEngine
+from actors.models.adapter import Part, load_adapter
+from actors.types import PrefillRequest, SamplingParams
+from cluster.config import REPO_ROOT, load_config
+from cluster.prepare import ensure_model
+from router.worker_settings import PrefillSettings
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 PERCENTILES = (50, 90, 99, 100)
@@ -47,8 +47,10 @@ def prompt(rng: np.random.Generator, num_tokens: int, vocab: int) -> tuple[int, 
 
 
 def ms_per_token(lm, budget: int, prompts: list[tuple[int, ...]]) -> float:
-    """Service per prompt token, from prompts prefilled alone (the capacity the load is a share of)."""
-    engine, tokens, started = PrefillEngine(LMRunner(lm, budget), budget), 0, time.perf_counter()
+    """Service per prompt token, from prompts prefilled alone (the capacity the load is a
+    share of)."""
+    engine = PrefillEngine(LMRunner(lm, budget), PrefillSettings(budget))
+    tokens, started = 0, time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add(PrefillRequest(f"probe{i}", ids, (), GREEDY))
         while engine.has_work:
@@ -61,7 +63,7 @@ def replay(
     lm, budget: int, aging: float, prompts: list[tuple[int, ...]], arrivals_s: np.ndarray, bar
 ) -> np.ndarray:
     """Feed the prompts at their arrival times, step while there is work; TTFT ms of each."""
-    engine = PrefillEngine(LMRunner(lm, budget), budget, aging_tokens_per_s=aging)
+    engine = PrefillEngine(LMRunner(lm, budget), PrefillSettings(budget, aging_tokens_per_s=aging))
     ttft_ms, nxt, t0 = np.full(len(prompts), np.nan), 0, time.perf_counter()
     while nxt < len(prompts) or engine.has_work:
         now = time.perf_counter() - t0
@@ -100,13 +102,13 @@ def plot(results: dict[float, list[np.ndarray]], path: Path, title: str) -> None
 
 
 def simulated_shape_c(args) -> None:
-    from bench_busy import two_workers
-
+    from benchkit.sim_shapes import two_workers
     from router.sim.cluster_model import capacity_rps
     from router.sim.loop import simulate
 
     print(
-        "shape C, simulated: TTFT ms p50 / p90 / p99 / max (mean over seeds), and against the first setting"
+        "shape C, simulated: TTFT ms p50 / p90 / p99 / max (mean over seeds), "
+        "and against the first setting"
     )
     for load in args.loads:
         for policy in ("joint", "least_loaded"):
@@ -115,7 +117,7 @@ def simulated_shape_c(args) -> None:
                 rows = []
                 for seed in args.seeds:
                     cluster, wl = two_workers(6000, seed)
-                    cluster = cluster.with_costs(prefill_aging_tokens_per_s=aging)
+                    cluster = cluster.with_prefill(aging_tokens_per_s=aging)
                     r = simulate(
                         cluster, wl.at_rate(load * capacity_rps(cluster, wl)), policy, seed=seed
                     )
@@ -198,7 +200,8 @@ def main(argv=None) -> int:
         f"one prefill worker at {args.load:.0%} load, {args.requests} prompts x {args.rounds}",
     )
     print(
-        f"{per_token_ms:.3f} ms a token alone; {rate:.2f} req/s offered ({args.load:.0%}); TTFT ms p50 / p90 / p99 / max, per round:"
+        f"{per_token_ms:.3f} ms a token alone; {rate:.2f} req/s offered ({args.load:.0%}); "
+        "TTFT ms p50 / p90 / p99 / max, per round:"
     )
     for aging, row in report["settings"].items():
         for r, (q, ratio) in enumerate(

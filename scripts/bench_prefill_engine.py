@@ -8,7 +8,7 @@ one process, each figure against its baseline in the same run:
 2. Short prompts behind a long one: one long prompt and `--shorts` short ones reach the
    worker together; ms until each short one has its first token, shortest-remaining-first
    against a queue (arrival order), same budget per step.
-3. Encode/prefill overlap (issue #10): a request with `--text-tokens` of text before one
+3. Encode/prefill overlap: a request with `--text-tokens` of text before one
    image; the encoder runs in a thread of its own while the engine steps, either replaying
    its measured time as a wait (an encoder on its own core or device, as in the cluster) or
    really encoding on this host's cores. ms from the start to the first token with overlap
@@ -33,17 +33,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from actors.engine.lm_runner import LMRunner  # noqa: E402
-from actors.engine.prefill import PrefillEngine  # noqa: E402
-from actors.models.adapter import Part, load_adapter  # noqa: E402
-from actors.types import MediaItem, PrefillRequest, SamplingParams  # noqa: E402
-from cluster.config import REPO_ROOT, load_config  # noqa: E402
-from cluster.media.identifiers import media_identifier  # noqa: E402
-from cluster.prepare import ensure_model  # noqa: E402
-from cluster.prompt_plan import PromptPlanner  # noqa: E402
-from router.prefill_schedule import Order  # noqa: E402
-from router.types import Modality  # noqa: E402
+from actors.engine.lm_runner import LMRunner
+from actors.engine.prefill import PrefillEngine
+from actors.models.adapter import Part, load_adapter
+from actors.types import MediaItem, PrefillRequest, SamplingParams
+from cluster.config import REPO_ROOT, load_config
+from cluster.media.identifiers import media_identifier
+from cluster.prepare import ensure_model
+from cluster.prompt_plan import PromptPlanner
+from router.prefill_schedule import Order
+from router.types import Modality
+from router.worker_settings import PrefillSettings
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
@@ -51,7 +51,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 def run(
     engine: PrefillEngine, requests: list[tuple[PrefillRequest, list[torch.Tensor]]]
 ) -> dict[str, tuple[float, int]]:
-    """Add all at once, step to the end: per request (ms from the add to its first token, cached tokens)."""
+    """Add all at once, step to the end: per request (ms from the add to its first token,
+    cached tokens)."""
     started, out = time.perf_counter(), {}
     for request, items in requests:
         engine.add(request, items)
@@ -74,8 +75,9 @@ def request(planner, name: str, messages: list[dict], items: list[MediaItem]) ->
 
 def multi_turn(planner, lm, encoder, args) -> dict:
     rng, budget = np.random.default_rng(11), args.budget
-    warm = PrefillEngine(LMRunner(lm), budget, block_size=args.block, cache_bytes=256 << 20)
-    cold = PrefillEngine(LMRunner(lm), budget, block_size=args.block)
+    cached = PrefillSettings(budget, prefix_block_tokens=args.block, prefix_cache_mb=256)
+    warm = PrefillEngine(LMRunner(lm), cached)
+    cold = PrefillEngine(LMRunner(lm), PrefillSettings(budget, prefix_block_tokens=args.block))
     t1, t2, t2_cold, hit, total = [], [], [], 0, 0
     for i in range(args.conversations):
         array = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
@@ -132,7 +134,7 @@ def short_behind_long(lm, args) -> dict:
         Order.SHORTEST_REMAINING,
     ):  # twice each: this host is noisy
         got = run(
-            PrefillEngine(LMRunner(lm), args.budget, order=order),
+            PrefillEngine(LMRunner(lm), PrefillSettings(args.budget), order=order),
             [(r, []) for r in [long, *shorts]],
         )
         row = out.setdefault(order.value, {"short_ms": [], "long_ms": []})
@@ -225,7 +227,9 @@ def overlap_encode(planner, lm, encoder, args) -> dict:
             for overlap in (
                 (False, True) if trial % 2 else (True, False)
             ):  # alternate who goes first: this host drifts
-                measured = ttft_ms(PrefillEngine(LMRunner(lm), args.budget), req, encode, overlap)
+                measured = ttft_ms(
+                    PrefillEngine(LMRunner(lm), PrefillSettings(args.budget)), req, encode, overlap
+                )
                 rows.setdefault((mode, overlap), []).extend([measured] if trial >= 0 else [])
     med = statistics.median
     report = {

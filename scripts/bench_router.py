@@ -1,14 +1,17 @@
 """Router decision time: p50 / p99 of Router.route() per policy and cluster shape.
 
-    .venv/bin/python scripts/bench_router.py                  # 16x16x16 and 256x256x256, every policy
+    # 16x16x16 and 256x256x256, every policy:
+    .venv/bin/python scripts/bench_router.py
     .venv/bin/python scripts/bench_router.py --decisions 5000 --json out.json
-    .venv/bin/python scripts/bench_router.py --split          # encoders split by tower, some image + audio requests
+    # encoders split by tower, some image + audio requests:
+    .venv/bin/python scripts/bench_router.py --split
 
 Columns: wall-clock p50 / p99 / mean / max, and CPU-time p50 / p99 (the thread's own CPU time,
-which a busy machine inflates less). Requests are a seeded mix (text, one image, four images, video, audio, with repeated media
-and shared system prompts); workers publish their caches every 500 requests, completions
-come back in FIFO order with timings that calibrate the cost model, so the view, the caches
-and the fits are all live while route() is timed. Only route() itself is inside the timer.
+which a busy machine inflates less). Requests are a seeded mix (text, one image, four images,
+video, audio, with repeated media and shared system prompts); workers publish their caches every
+500 requests, completions come back in FIFO order with timings that calibrate the cost model, so
+the view, the caches and the fits are all live while route() is timed. Only route() itself is
+inside the timer.
 """
 
 from __future__ import annotations
@@ -24,12 +27,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from router.cost_model import CostPriors  # noqa: E402
-from router.policies import POLICIES  # noqa: E402
-from router.router import Router  # noqa: E402
-from router.types import MediaJob, RequestProfile, RouteDecision, WorkerInfo, WorkerKind  # noqa: E402
+from router.cost_model import CostPriors
+from router.policies import POLICIES
+from router.router import Router
+from router.types import MediaJob, RequestProfile, RouteDecision, WorkerInfo, WorkerKind
 
 E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 
@@ -182,7 +183,10 @@ def main() -> None:
     parser.add_argument(
         "--split",
         action="store_true",
-        help="encoders split by tower (every 4th audio only, the rest image + video) and 10%% image + audio requests",
+        help=(
+            "encoders split by tower (every 4th audio only, the rest image + video) "
+            "and 10%% image + audio requests"
+        ),
     )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
@@ -221,7 +225,8 @@ def main() -> None:
             f"{row['shape']:<18}{row['policy']:<14}" + "".join(f"{row[key]:>9}" for key in columns)
         )
     print(
-        "wall: perf_counter around route(); cpu: this thread's CPU time (excludes time the OS ran other processes)"
+        "wall: perf_counter around route(); "
+        "cpu: this thread's CPU time (excludes time the OS ran other processes)"
     )
     if args.json:
         args.json.write_text(

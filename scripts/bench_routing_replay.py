@@ -1,14 +1,18 @@
-"""Both policies in the simulator calibrated from each saved live round: is a live ratio the policy or the noise?
+r"""Both policies in the simulator calibrated from each saved live round: is a live ratio the
+policy or the noise?
 
-A live round offers each policy its own arrivals on a host whose speed drifts, and the p99 of a few hundred
-requests rests on three of them, so one round's joint / least_loaded ratio carries much noise. This replays
-the joint phase's requests (arrivals, prompts, images) through the simulator calibrated from that phase
-(bench_routing_live's models: "variable" by default), once per policy and per noise seed, and prints the
-simulated ratios beside the live ones. Router settings may be varied (--calibration key=value ...), so a
-change to the router can be tried against the conditions of a recorded run before a live one.
+A live round offers each policy its own arrivals on a host whose speed drifts, and the p99 of a
+few hundred requests rests on three of them, so one round's joint / least_loaded ratio carries
+much noise. This replays the joint phase's requests (arrivals, prompts, images) through the
+simulator calibrated from that phase (bench_routing_live's models: "variable" by default), once
+per policy and per noise seed, and prints the simulated ratios beside the live ones. Router
+settings may be varied (--calibration key=value ...), so a change to the router can be tried
+against the conditions of a recorded run before a live one.
 
-    .venv/bin/python scripts/bench_routing_replay.py --out-dir /tmp/live_C --config configs/bench_cpu.yaml --rate 0 --load 0.8
-    .venv/bin/python scripts/bench_routing_replay.py --out-dir /tmp/live_C ... --calibration max_busy=0.95
+    .venv/bin/python scripts/bench_routing_replay.py --out-dir /tmp/live_C \
+        --config configs/bench_cpu.yaml --rate 0 --load 0.8
+    .venv/bin/python scripts/bench_routing_replay.py --out-dir /tmp/live_C ... \
+        --calibration max_busy=0.95
 
 Arguments other than those below are bench_routing_live's (the ones its saved runs were made with).
 """
@@ -23,16 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import bench_routing_live as live  # noqa: E402
-
-from router.calibration import CalibrationConfig  # noqa: E402
-from router.sim.loop import simulate  # noqa: E402
-from router.sim.trace_file import load_trace  # noqa: E402
-
-POLICIES = ("least_loaded", "joint")
+from benchkit.routing import config as live_config
+from benchkit.routing.config import POLICIES
+from benchkit.routing.runs import join, live_summary, saved_rounds, timed_trace
+from benchkit.routing.sim import MODELS, calibrate
+from router.calibration import CalibrationConfig
+from router.sim.loop import simulate
+from router.sim.trace_file import load_trace
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -42,7 +43,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
     p.add_argument(
         "--model",
         default="variable",
-        choices=live.MODELS,
+        choices=MODELS,
         help="the simulator's calibration (bench_routing_live)",
     )
     p.add_argument(
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, argparse.Namespace]:
         help="router CalibrationConfig settings",
     )
     ours, rest = p.parse_known_args(argv)
-    return ours, live.parse_args(["--analyze", *rest])
+    return ours, live_config.parse_args(["--analyze", *rest])
 
 
 def calibration(pairs: list[str]) -> CalibrationConfig:
@@ -91,9 +92,9 @@ def simulated_percentiles(
 
 def replay_round(k: int, runs: dict[str, dict], ours, args, config) -> dict:
     run = runs["joint"]
-    trace = live.timed_trace(run)
-    pairs = live.join(trace, run["records"])
-    cluster, _ = live.calibrate(run, trace, pairs, args, ours.model)
+    trace = timed_trace(run)
+    pairs = join(trace, run["records"])
+    cluster, _ = calibrate(run, trace, pairs, args, ours.model)
     path = Path(args.out_dir) / f"replay_trace_r{k}.jsonl"
     path.write_text("".join(json.dumps(rec) + "\n" for rec in trace))
     in_load = {id(t) for t, _ in pairs}
@@ -103,7 +104,7 @@ def replay_round(k: int, runs: dict[str, dict], ours, args, config) -> dict:
         for pol in POLICIES
     }
     ratio = sim["joint"] / sim["least_loaded"]
-    measured = {pol: live.live_summary(r)["client_ttft_ms"] for pol, r in runs.items()}
+    measured = {pol: live_summary(r)["client_ttft_ms"] for pol, r in runs.items()}
     live_ratio = [measured["joint"][q] / measured["least_loaded"][q] for q in ("p50", "p90", "p99")]
     return {
         "round": k,
@@ -121,12 +122,14 @@ def main(argv=None) -> int:
     ours, args = parse_args(argv)
     config = calibration(ours.calibration)
     print(
-        f"joint / least_loaded, p50 p90 p99: live, and simulated ({ours.model} model, {ours.seeds} noise seeds)"
+        "joint / least_loaded, p50 p90 p99: live, and simulated "
+        f"({ours.model} model, {ours.seeds} noise seeds)"
     )
-    for k, runs in enumerate(live.saved_rounds(args)):
+    for k, runs in enumerate(saved_rounds(args)):
         r = replay_round(k, runs, ours, args, config)
         print(
-            f"round {k}: live {two_places(r['live'])}   simulated {two_places(r['simulated'])}   (simulated p99 ms: {r['sim_p99_ms']})",
+            f"round {k}: live {two_places(r['live'])}   simulated {two_places(r['simulated'])}   "
+            f"(simulated p99 ms: {r['sim_p99_ms']})",
             flush=True,
         )
     return 0

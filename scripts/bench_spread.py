@@ -7,16 +7,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from router.calibration import CalibrationConfig  # noqa: E402
-from router.sim.cluster_model import SimCluster, capacity_rps  # noqa: E402
-from router.sim.loop import simulate  # noqa: E402
-from router.sim.variability import Variability  # noqa: E402
-from router.sim.workload import make_workload  # noqa: E402
+from router.calibration import CalibrationConfig
+from router.sim.cluster_model import SimCluster, capacity_rps
+from router.sim.loop import simulate
+from router.sim.variability import Variability
+from router.sim.workload import make_workload
 
 RUNS = (
     ("joint z=0", "joint", 0.0),

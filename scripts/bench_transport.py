@@ -73,7 +73,8 @@ def main() -> None:
     print(f"{'transport':<14}{'MiB':>8}{'median ms':>12}{'GiB/s':>8}")
     for row in rows:
         print(
-            f"{row['transport']:<14}{row['size_mib']:>8g}{row['median_ms']:>12.2f}{row['gib_per_s']:>8.2f}"
+            f"{row['transport']:<14}{row['size_mib']:>8g}"
+            f"{row['median_ms']:>12.2f}{row['gib_per_s']:>8.2f}"
         )
     if args.out:
         with open(args.out, "w") as f:

@@ -1,6 +1,8 @@
-"""Held-out accuracy of a trained shapes checkpoint through plain HF `generate`, per kind of question.
+r"""Held-out accuracy of a trained shapes checkpoint through plain HF `generate`, per kind of
+question.
 
-    .venv/bin/python scripts/eval_shapes.py ~/.cache/epd/models/shapes-llava-v2 --recipe shapes-llava-v2
+    .venv/bin/python scripts/eval_shapes.py ~/.cache/epd/models/shapes-llava-v2 \
+        --recipe shapes-llava-v2
 
 The reference for the HTTP figure of tests/integration/test_default_model.py: the same
 prompts and greedy decoding, without the cluster.
@@ -18,7 +20,7 @@ from actors.checkpoints.shapes import SHAPES_RECIPES, generate_answer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--recipe", default="shapes-llava-v2", choices=sorted(SHAPES_RECIPES))
     parser.add_argument(

@@ -8,6 +8,7 @@ growth while loading (after a warm-up load, so lazy imports do not count).
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -21,11 +22,15 @@ from actors.models.omni import load_thinker
 from transformers import Qwen2_5OmniForConditionalGeneration
 def rss_mib(): return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
 path, which = sys.argv[1], sys.argv[2]
-load = (lambda: load_thinker(path, torch.float32)) if which == "thinker" else (lambda: Qwen2_5OmniForConditionalGeneration.from_pretrained(path))
+if which == "thinker":
+    load = lambda: load_thinker(path, torch.float32)
+else:
+    load = lambda: Qwen2_5OmniForConditionalGeneration.from_pretrained(path)
 load(); gc.collect()  # warm-up: imports and allocator
 before = rss_mib()
 model = load(); gc.collect()
-print(json.dumps({"param_mib": sum(p.nbytes for p in model.parameters()) / 2**20, "rss_growth_mib": rss_mib() - before}))
+param_mib = sum(p.nbytes for p in model.parameters()) / 2**20
+print(json.dumps({"param_mib": param_mib, "rss_growth_mib": rss_mib() - before}))
 """
 
 
@@ -42,21 +47,22 @@ def probe(checkpoint: Path, which: str) -> dict:
 
 
 def main() -> None:
-    sys.path.insert(0, str(REPO))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("checkpoint", nargs="?", type=Path, help="default: tiny-qwen2.5-omni")
+    args = parser.parse_args()
     from actors.checkpoints.build import ensure_checkpoint
 
-    checkpoint = (
-        Path(sys.argv[1])
-        if len(sys.argv) > 1
-        else ensure_checkpoint(
-            Path("~/.cache/epd/models/tiny-qwen2.5-omni").expanduser(), "tiny-qwen2.5-omni"
-        )
+    checkpoint = args.checkpoint or ensure_checkpoint(
+        Path("~/.cache/epd/models/tiny-qwen2.5-omni").expanduser(), "tiny-qwen2.5-omni"
     )
     thinker, whole = probe(checkpoint, "thinker"), probe(checkpoint, "whole")
     print(f"checkpoint {checkpoint}")
     for name, row in (("thinker only (epd)", thinker), ("whole model (baseline)", whole)):
         print(
-            f"{name:24s} params {row['param_mib']:8.2f} MiB   RSS growth {row['rss_growth_mib']:8.2f} MiB"
+            f"{name:24s} params {row['param_mib']:8.2f} MiB   "
+            f"RSS growth {row['rss_growth_mib']:8.2f} MiB"
         )
     print(f"ratio thinker/whole: params {thinker['param_mib'] / whole['param_mib']:.3f}")
 

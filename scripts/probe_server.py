@@ -3,15 +3,17 @@
 bounded media memory, nothing leaks, back-pressure, retries instead of lost requests.
 
     python scripts/probe_server.py --url http://127.0.0.1:8000 [--phases bad,burst,kill,disconnect]
-        [--burst 200] [--timeout 30] [--kill-kinds encoder,prefill,decode] [--kill-ingress] [--json out.json]
+        [--burst 200] [--timeout 30] [--kill-kinds encoder,prefill,decode] [--kill-ingress]
+        [--json out.json]
 
 Phases: bad (raw bad-input cases), burst (N concurrent requests), media (concurrent
-requests with several large images each: ingress RSS before / peak / after), kill (SIGKILL one worker
-of each kind mid-traffic; --kill-ingress also the ingress replica), disconnect (clients
+requests with several large images each: ingress RSS before / peak / after), kill (SIGKILL one
+worker of each kind mid-traffic; --kill-ingress also the ingress replica), disconnect (clients
 drop streams; worker state must drain). RSS of the ingress and every worker is sampled
 every 0.2 s throughout. Only the given (loopback) URL is contacted; every loop is bounded.
-Helpers: probe_cases.py (the bad-input bodies), probe_client.py (one request, classified),
-probe_rss.py (pids and RSS).
+Helpers, in scripts/benchkit/: probe_cases.py (the bad-input bodies), probe_client.py (one
+request, classified), rss.py (pids and RSS), probe_faults.py (the kill and disconnect
+phases), probe_report.py (results and tables).
 """
 
 from __future__ import annotations
@@ -19,72 +21,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import probe_cases as pc  # noqa: E402
-from probe_client import Outcome, chat_body, is_openai_error, run_chat  # noqa: E402
-from probe_rss import GROUPS, RssSampler, ingress_pid, worker_pids  # noqa: E402
-
-KINDS = ("encoder", "prefill", "decode")
-DRAIN_FIELDS = (
-    "held_kv",
-    "held_embeddings",
-    "rows",
-    "running",
-    "queued",
-    "kv_reserved_bytes",
-    "cache_encoding_entries",
-    "cache_referenced_entries",
-)
-
-
-@dataclass
-class BadRow:
-    case: str
-    modality: str | None
-    applies: bool  # False: the case is about media the served model does not take
-    status: int | None  # None: hang or connection error
-    openai_shape: bool
-    latency_ms: float
-    message: str
-
-
-@dataclass
-class PhaseResult:
-    phase: str
-    cases: int = 0
-    n2xx: int = 0
-    n4xx: int = 0
-    n5xx: int = 0
-    hangs: int = 0
-    lost: int = 0
-    recover_s: float | None = None
-    note: str = ""
-    rss: dict = field(default_factory=dict)  # group -> [before, peak, after] MB
-    rows: list = field(default_factory=list)
-
-
-def count(result: PhaseResult, outcomes: list[Outcome]) -> None:
-    for o in outcomes:
-        status = o.status or 0
-        result.cases += 1
-        result.n2xx += 200 <= status < 300 and not (o.lost or o.broken)
-        result.n4xx += 400 <= status < 500
-        result.n5xx += status >= 500 or (
-            status == 200 and (o.lost or o.broken)
-        )  # in-band errors are server errors
-        result.hangs += o.hang
-        result.lost += o.lost and not o.hang
-
+from benchkit import probe_cases as pc
+from benchkit.probe_client import chat_body, gather_bar, is_openai_error, run_chat
+from benchkit.probe_faults import phase_disconnect, phase_kill
+from benchkit.probe_report import BadRow, PhaseResult, count, print_phase, print_summary
+from benchkit.rss import KINDS, RssSampler
 
 # ----------------------------------------------------------------------------- phases
 
@@ -96,9 +45,8 @@ async def phase_bad(ctx) -> PhaseResult:
         row = await send_case(ctx, case)
         row.applies = case.modality is None or case.modality in takes
         result.rows.append(row)
-        if (
-            i % 5 == 4 or (row.status or 500) >= 500
-        ):  # every 5th case and after every failure: still serving?
+        # every 5th case and after every failure: still serving?
+        if i % 5 == 4 or (row.status or 500) >= 500:
             canaries += 1
             if not (await run_chat(ctx.client, ctx.url, chat_body(ctx.model), ctx.timeout)).ok:
                 harmed.append(case.name)
@@ -112,7 +60,8 @@ async def phase_bad(ctx) -> PhaseResult:
     names = lambda pred: ", ".join(r.case for r in result.rows if pred(r)) or "none"  # noqa: E731
     result.note = (
         f"model takes {','.join(sorted(takes))}; canaries failed {len(harmed)}/{canaries} "
-        f"(after: {', '.join(harmed) or 'none'}); 5xx/hang: {names(lambda r: (r.status or 500) >= 500)}; "
+        f"(after: {', '.join(harmed) or 'none'}); "
+        f"5xx/hang: {names(lambda r: (r.status or 500) >= 500)}; "
         f"not OpenAI-shaped: {names(lambda r: (r.status or 0) >= 400 and not r.openai_shape)}"
     )
     return result
@@ -179,7 +128,8 @@ async def phase_burst(ctx) -> PhaseResult:
 
 
 async def phase_media(ctx) -> PhaseResult:
-    """Concurrent requests each carrying several large images: does the ingress's memory come back?"""
+    """Concurrent requests each carrying several large images: does the ingress's memory come
+    back?"""
     result, a = PhaseResult("media"), ctx.args
     images = [pc.photo_jpeg(a.media_megapixels, seed=i) for i in range(a.media_images)]
     bodies = [
@@ -202,215 +152,7 @@ async def phase_media(ctx) -> PhaseResult:
     return result
 
 
-async def gather_bar(coros, desc: str) -> list:
-    bar = tqdm(total=len(coros), desc=desc, unit="req")
-
-    async def one(c):
-        try:
-            return await c
-        finally:
-            bar.update()
-
-    try:
-        return await asyncio.gather(*[one(c) for c in coros])
-    finally:
-        bar.close()
-
-
-async def phase_kill(ctx, kind: str) -> PhaseResult:
-    result = PhaseResult(f"kill:{kind}")
-    pids = (
-        [await asyncio.to_thread(ingress_pid, ctx.url)]
-        if kind == "ingress"
-        else (await asyncio.to_thread(worker_pids, ctx.url)).get(kind, [])
-    )
-    pid = next((p for p in pids if p), None)
-    if pid is None:
-        result.note = f"no {kind} pid found; skipped"
-        return result
-    images = (
-        [pc.png(96, 96, seed=1000 + i) for i in range(20)] if kind == "encoder" else [None] * 20
-    )
-    bodies = [
-        chat_body(ctx.model, words=24, max_tokens=32, stream=i % 2 == 0, image=img, seed=i)
-        for i, img in enumerate(images)
-    ]
-    requests = [
-        asyncio.ensure_future(staggered(ctx, b, i * ctx.args.kill_spread / len(bodies)))
-        for i, b in enumerate(bodies)
-    ]
-    await asyncio.sleep(ctx.args.kill_delay)
-    os.kill(pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    recovery = asyncio.ensure_future(wait_recovered(ctx, kind, pid, killed_at))
-    outcomes = await gather_bar(requests, f"kill {kind} (pid {pid})")
-    count(result, outcomes)
-    result.recover_s, result.rows = await recovery, [asdict(o) for o in outcomes]
-    broken = [o for o in outcomes if o.broken]
-    result.note = (
-        f"killed pid {pid}; ok={sum(o.ok for o in outcomes)} lost={result.lost} broken_mid_stream={len(broken)} "
-        f"(clean error event {sum(o.clean_error for o in broken)}) hung={result.hangs}"
-    )
-    return result
-
-
-async def staggered(ctx, body: dict, delay: float) -> Outcome:
-    # A tiny model answers 20 requests in about a second: spreading the arrivals keeps some
-    # in flight at the kill and sends others to the dead worker before anyone noticed.
-    await asyncio.sleep(delay)
-    return await run_chat(ctx.client, ctx.url, body, ctx.timeout)
-
-
-async def wait_recovered(ctx, kind: str, pid: int, since: float) -> float | None:
-    """Seconds from the kill until /health is 200 without the killed pid and a fresh chat
-    succeeds (health alone can still say 200 before the supervisor notices the death)."""
-    deadline = since + ctx.args.recover_timeout
-    while time.monotonic() < deadline:
-        await asyncio.sleep(0.25)
-        try:
-            resp = await ctx.client.get(f"{ctx.url}/health", params={"verbose": 1}, timeout=5)
-        except httpx.HTTPError:
-            continue
-        if resp.status_code != 200:
-            continue
-        pids = {w.get("pid") for ws in (resp.json().get("workers") or {}).values() for w in ws}
-        if kind == "ingress":
-            pids = {await asyncio.to_thread(ingress_pid, ctx.url)}
-        if pid not in pids and (await run_chat(ctx.client, ctx.url, chat_body(ctx.model), 10)).ok:
-            return round(time.monotonic() - since, 2)
-    return None
-
-
-async def phase_disconnect(ctx) -> PhaseResult:
-    result = PhaseResult("disconnect")
-    bodies = [
-        chat_body(ctx.model, words=400, max_tokens=64, stream=True, seed=i) for i in range(30)
-    ]
-
-    async def drop(body, n):  # own client per stream: closing it surely closes the socket
-        async with httpx.AsyncClient(timeout=ctx.timeout) as client:
-            return await run_chat(client, ctx.url, body, ctx.timeout, stop_after=n)
-
-    outcomes = await gather_bar([drop(b, 1 + i % 2) for i, b in enumerate(bodies)], "disconnect")
-    count(result, outcomes)
-    closed_at = time.monotonic()
-    leaked, drained_s = await wait_drained(ctx, closed_at + ctx.args.drain_s)
-    result.rows = [{"worker": w, "field": f, "value": v} for w, f, v in leaked]
-    drained = (
-        f"drained in {drained_s - closed_at:.1f}s"
-        if drained_s
-        else f"NOT drained after {ctx.args.drain_s:.0f}s"
-    )
-    result.note = f"{drained}; leaked: " + (
-        ", ".join(f"{w}.{f}={v}" for w, f, v in leaked) or "none"
-    )
-    return result
-
-
-async def wait_drained(ctx, deadline: float) -> tuple[list, float | None]:
-    leaked = [("health", "unreachable", 1)]
-    while True:
-        try:
-            resp = await ctx.client.get(f"{ctx.url}/health", params={"verbose": 1}, timeout=5)
-            workers = resp.json().get("workers") or {}
-            leaked = [
-                (f"{kind}{i}", f, w[f])
-                for kind, ws in workers.items()
-                for i, w in enumerate(ws)
-                for f in DRAIN_FIELDS
-                if w.get(f)
-            ]
-            if resp.status_code == 200 and not leaked:
-                return [], time.monotonic()
-        except (httpx.HTTPError, ValueError):
-            pass
-        if time.monotonic() >= deadline:
-            return leaked, None
-        await asyncio.sleep(0.5)
-
-
 # ----------------------------------------------------------------------------- output
-
-
-def table(headers: list[str], rows: list[list]) -> str:
-    cells = [
-        [("-" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)) for v in r]
-        for r in rows
-    ]
-    widths = [
-        max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)
-    ]
-    line = lambda r: "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
-
-
-def print_phase(result: PhaseResult) -> None:
-    print(f"\n== {result.phase}: {result.note}")
-    if result.phase == "bad":
-        print(
-            table(
-                ["case", "media", "applies", "status", "openai_shape", "ms", "message"],
-                [
-                    [
-                        r.case,
-                        r.modality or "",
-                        r.applies,
-                        r.status if r.status else "HANG/ERR",
-                        r.openai_shape if (r.status or 0) >= 400 else "",
-                        r.latency_ms,
-                        r.message,
-                    ]
-                    for r in result.rows
-                ],
-            )
-        )
-    print(
-        table(
-            ["process", "RSS MB before", "peak", "after"],
-            [[g, *result.rss.get(g, [None] * 3)] for g in GROUPS],
-        )
-    )
-
-
-def print_summary(results: list[PhaseResult]) -> None:
-    def mb(r, groups):
-        vals = [r.rss.get(g) for g in groups if r.rss.get(g)]
-        return "/".join(f"{sum(v[i] for v in vals):.0f}" for i in range(3)) if vals else "-"
-
-    rows = [
-        [
-            r.phase,
-            r.cases,
-            r.n2xx,
-            r.n4xx,
-            r.n5xx,
-            r.hangs,
-            r.lost,
-            r.recover_s,
-            mb(r, ["ingress"]),
-            mb(r, KINDS),
-        ]
-        for r in results
-    ]
-    print("\n== summary (RSS in MB: before/peak/after; workers summed)")
-    print(
-        table(
-            [
-                "phase",
-                "cases",
-                "2xx",
-                "4xx",
-                "5xx",
-                "hangs",
-                "lost",
-                "recover_s",
-                "ingress RSS",
-                "worker RSS",
-            ],
-            rows,
-        )
-    )
-    print("\n".join(f"  {r.phase}: {r.note}" for r in results))
 
 
 # ----------------------------------------------------------------------------- main

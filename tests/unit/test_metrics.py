@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchkit import dashboard
 from cluster.metrics import Metrics, latency_buckets_s
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import grafana_dashboard  # noqa: E402
 
 _SUFFIXES = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",)}
 
@@ -46,7 +44,7 @@ def test_every_dashboard_query_names_an_exported_metric():
 
 
 def test_dashboard_file_is_current():
-    assert (ROOT / "docs" / "grafana" / "epd.json").read_text() == grafana_dashboard.render()
+    assert (ROOT / "docs" / "grafana" / "epd.json").read_text() == dashboard.render()
 
 
 def test_vllm_names_and_model_label_in_the_exposition():

@@ -1,4 +1,4 @@
-"""Bad-input cases and media builders for scripts/probe_server.py.
+"""Bad-input cases and media builders for the hardening probe (scripts/probe_server.py).
 
 Every case is a raw request body (bytes), so it can be exactly the defect it names: a JSON
 library or Pillow would refuse to write most of them. Media that must lie about itself
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-LIMIT_BYTES = (
-    32 * 1024 * 1024
-)  # the default limits.max_request_bytes; the oversize case goes just past it
+from benchkit.media import photo
+
+# The default limits.max_request_bytes; the oversize case goes just past it.
+LIMIT_BYTES = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,7 @@ class Case:
     name: str
     body: bytes
     content_type: str = "application/json"
-    modality: str | None = (
-        None  # the media the case is about: meaningful only if the model takes it
-    )
+    modality: str | None = None  # the media it is about: meaningful only if the model takes it
 
 
 # ----------------------------------------------------------------------------- request bodies
@@ -84,16 +83,8 @@ def png(width: int, height: int, seed: int = 0) -> bytes:
 
 
 def photo_jpeg(megapixels: float, seed: int = 0) -> bytes:
-    """A large photo-like JPEG (smooth ramps plus noise): megabytes to send, tens of MB to decode."""
-    side = int((megapixels * 1e6) ** 0.5)
-    ramp = np.linspace(0, 255, side, dtype=np.float32)
-    noise = np.random.default_rng(seed).integers(0, 16, (side, side), dtype=np.uint8)
-    channel = (ramp[None, :] * 0.5 + ramp[:, None] * 0.5).astype(np.uint8) + noise
-    out = io.BytesIO()
-    Image.fromarray(np.dstack([channel, channel[::-1], channel.T])).save(
-        out, format="JPEG", quality=85
-    )
-    return out.getvalue()
+    """A large photo-like JPEG: megabytes to send, tens of MB to decode."""
+    return photo(megapixels, seed, "JPEG", quality=85)
 
 
 def _png_chunk(kind: bytes, data: bytes) -> bytes:
@@ -115,17 +106,16 @@ def png_header_bomb(width: int = 20000, height: int = 20000) -> bytes:
 def gif(
     width: int, height: int, frames: int, delay_cs: int, canvas: tuple[int, int] | None = None
 ) -> bytes:
-    """GIF89a by hand: `frames` frames of width x height on a `canvas` (default: the frame size).
-    A 1x1 frame is the classic smallest LZW stream; larger frames repeat colour 0 uncompressed-ish."""
+    """GIF89a by hand: `frames` frames of width x height on a `canvas` (default: the frame
+    size). A 1x1 frame is the classic smallest LZW stream; larger frames repeat colour 0
+    uncompressed-ish."""
     cw, ch = canvas or (width, height)
     out = bytearray(
         b"GIF89a" + struct.pack("<HHBBB", cw, ch, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff"
     )
     out += b"!\xff\x0bNETSCAPE2.0\x03\x01\x00\x00\x00"  # loop forever, as real animated GIFs do
     for _ in range(frames):
-        out += (
-            b"!\xf9\x04\x00" + struct.pack("<H", delay_cs) + b"\x00\x00"
-        )  # graphic control: delay
+        out += b"!\xf9\x04\x00" + struct.pack("<H", delay_cs) + b"\x00\x00"  # its delay
         out += b"," + struct.pack("<HHHHB", 0, 0, width, height, 0)
         out += _lzw_zeros(width * height)
     return bytes(out + b";")

@@ -1,6 +1,7 @@
-"""One chat request as a client sees it, for scripts/probe_server.py: sent over httpx,
-streamed or not, and classified (ok, lost before its first token, broken mid-stream,
-hung), so every phase counts failures the same way."""
+"""One chat request as a client sees it, for the hardening probe (scripts/probe_server.py):
+sent over httpx, streamed or not, and classified (ok, lost before its first token, broken
+mid-stream, hung), so every phase counts failures the same way; and many at once, with a
+progress bar."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import time
 from dataclasses import dataclass
 
 import httpx
-import probe_cases as pc
+from tqdm import tqdm
+
+from benchkit import probe_cases as pc
 
 PROMPT_WORDS = "the quick brown fox jumps over a lazy dog near an old stone bridge".split()
 
@@ -102,3 +105,19 @@ async def _read_sse(resp: httpx.Response, out: Outcome, stop_after: int) -> None
             out.ok = True  # the client chose to leave; the server did nothing wrong
             return
     out.lost, out.broken = out.tokens == 0, out.tokens > 0  # stream ended without [DONE]
+
+
+async def gather_bar(coros, desc: str) -> list:
+    """asyncio.gather with a progress bar over the coroutines as they finish."""
+    bar = tqdm(total=len(coros), desc=desc, unit="req")
+
+    async def one(c):
+        try:
+            return await c
+        finally:
+            bar.update()
+
+    try:
+        return await asyncio.gather(*[one(c) for c in coros])
+    finally:
+        bar.close()

@@ -1,4 +1,4 @@
-"""Process discovery and RSS sampling for scripts/probe_server.py.
+"""Process discovery and RSS sampling for the hardening probe (scripts/probe_server.py).
 
 Worker pids come from the server itself (`GET /health?verbose=1`), so only this server's
 processes are ever sampled or killed. The ingress replica's pid comes from the health body
@@ -13,7 +13,8 @@ import time
 import httpx
 import psutil
 
-GROUPS = ("ingress", "encoder", "prefill", "decode")
+KINDS = ("encoder", "prefill", "decode")  # worker kinds
+GROUPS = ("ingress", *KINDS)
 PERIOD_S = 0.2
 REFRESH_S = 2.0  # pids change when a worker is restarted
 

@@ -1,0 +1,72 @@
+"""A served app for a benchmark: started on a Ray of this process's own (never a shared one)
+and shut down afterwards, however the benchmark ends."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from benchkit.cpu import ray_running
+
+
+@contextmanager
+def served(cfg) -> Iterator[str]:
+    """The model made ready, the app started for `cfg`; yields its /v1 base URL, then shuts
+    Serve and Ray down. Refuses a host where a Ray cluster already runs (it would share it)."""
+    import ray
+    from ray import serve
+
+    from cluster.cli import start
+    from cluster.prepare import ensure_model
+
+    ensure_model(cfg)
+    if ray_running():
+        sys.exit(
+            "a Ray cluster is already running on this host; wait for it to stop before benchmarking"
+        )
+    base = start(cfg)
+    try:
+        yield base
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def require_free_port(port: int) -> None:
+    with socket.socket() as sock:
+        port_taken = sock.connect_ex(("127.0.0.1", port)) == 0
+    if port_taken:
+        sys.exit(f"port {port} is in use (another engineer's Serve?); pass --port")
+
+
+@contextmanager
+def own_ray(num_cpus: int) -> Iterator[None]:
+    """A local Ray of `num_cpus` logical CPUs for several fleets in turn; shut down after."""
+    import ray
+    from ray import serve
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@contextmanager
+def fleet(config) -> Iterator[str]:
+    """One app (on the Ray already up) for `config`; yields its /v1 base URL, then deletes it
+    with its fleet controller and workers, so the next fleet starts on a quiet host."""
+    from ray import serve
+
+    from cluster.cli import start
+    from cluster.controller import retire
+
+    base = start(config)
+    try:
+        yield base
+    finally:
+        serve.delete("epd")
+        retire("epd")
