@@ -18,21 +18,14 @@ from actors.inbox import TensorInbox
 from actors.models.adapter import Part
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import DecodeRequest, FinishReason, TokenChunk
+from router.worker_settings import DecodeSettings
 
 
 class DecodeWorker(ModelWorker):
-    def __init__(
-        self,
-        spec: WorkerSpec,
-        max_batch_size: int,
-        kv_budget_bytes: int | None = None,
-        stream_interval: int = 1,
-    ):
+    def __init__(self, spec: WorkerSpec, settings: DecodeSettings):
         super().__init__(spec, Part.LANGUAGE_MODEL)
-        self.stream_interval = stream_interval  # tokens a stream gathers before it yields (fewer Ray objects under load)
-        self.engine = DecodeEngine(
-            LMRunner(self.adapter), max_batch_size, spec.max_model_len, kv_budget_bytes
-        )
+        self.settings = settings
+        self.engine = DecodeEngine(LMRunner(self.adapter), settings, spec.max_model_len)
         self.inbox = TensorInbox()  # packed KV from prefill, until generate() claims it
         self._outboxes: dict[str, asyncio.Queue] = {}
 
@@ -72,7 +65,7 @@ class DecodeWorker(ModelWorker):
         tokens unless it finished (a caller that fell behind gets all it missed at once)."""
         tokens, logprobs, last = [], [], None
         while last is None or not (
-            last.finished or (outbox.empty() and len(tokens) >= self.stream_interval)
+            last.finished or (outbox.empty() and len(tokens) >= self.settings.stream_interval)
         ):
             last = outbox.get_nowait() if not outbox.empty() else await outbox.get()
             tokens.extend(last.token_ids)

@@ -19,16 +19,18 @@ from actors.engine.encoder_cache import EncoderCache, EntryState
 from actors.models.adapter import Part
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import EncodeJob, EncodeStats
+from router.worker_settings import EncoderSettings
 
 
 class EncoderWorker(ModelWorker):
-    def __init__(self, spec: WorkerSpec, max_batch_size: int, max_wait_ms: float, cache_mb: float):
+    def __init__(self, spec: WorkerSpec, settings: EncoderSettings):
         super().__init__(spec, Part.ENCODER)
-        self.cache = EncoderCache(int(cache_mb * 2**20))
+        self.settings = settings
+        self.cache = EncoderCache(settings.cache_bytes)
         self.batcher = MicroBatcher(
             self._encode_batch,
-            max_batch_size=max_batch_size,
-            max_wait_s=max_wait_ms / 1e3,
+            max_batch_size=settings.max_batch_size,
+            max_wait_s=settings.max_wait_ms / 1e3,
             key=lambda job: job.item.modality,
         )
         self._running = 0
@@ -44,7 +46,8 @@ class EncoderWorker(ModelWorker):
         for job, emb in zip(jobs, embeddings, strict=True):
             if emb.shape[0] != job.num_embeddings:
                 raise ValueError(
-                    f"item {job.item.identifier[:12]} gave {emb.shape[0]} embeddings, planned {job.num_embeddings}"
+                    f"item {job.item.identifier[:12]} gave {emb.shape[0]} embeddings, "
+                    f"planned {job.num_embeddings}"
                 )
         return [(emb, encode_ms) for emb in embeddings]
 

@@ -19,6 +19,7 @@ from actors.inbox import TensorInbox
 from actors.models.adapter import Part
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import EncodeStats, PrefillRequest, PrefillResult, WorkerRequestError
+from router.worker_settings import PrefillSettings
 
 
 @dataclass
@@ -36,26 +37,10 @@ class _InFlight:
 
 
 class PrefillWorker(ModelWorker):
-    def __init__(
-        self,
-        spec: WorkerSpec,
-        max_chunk_tokens: int,
-        prefix_block_tokens: int = 16,
-        prefix_cache_bytes: int = 0,
-        max_media_tokens_per_step: int | None = None,
-        min_early_tokens: int = 0,
-        aging_tokens_per_s: float = 0.0,
-    ):
+    def __init__(self, spec: WorkerSpec, settings: PrefillSettings):
         super().__init__(spec, Part.LANGUAGE_MODEL)
-        self.engine = PrefillEngine(
-            LMRunner(self.adapter, max_chunk_tokens),
-            max_chunk_tokens,
-            block_size=prefix_block_tokens,
-            cache_bytes=prefix_cache_bytes,
-            max_media_tokens_per_step=max_media_tokens_per_step,
-            min_early_tokens=min_early_tokens,
-            aging_tokens_per_s=aging_tokens_per_s,
-        )
+        self.settings = settings
+        self.engine = PrefillEngine(LMRunner(self.adapter, settings.max_chunk_tokens), settings)
         self.embeddings = TensorInbox()  # from encoders, until the prefill call
         self.kv = TensorInbox()  # for the decode worker, until it pulls it
         self._waiters: dict[str, asyncio.Future] = {}
@@ -103,7 +88,8 @@ class PrefillWorker(ModelWorker):
                 )  # it may be waiting for items: free it now
         if out.first is None:  # nothing to hand to decode; this request alone fails
             raise WorkerRequestError(
-                f"the first token of request {request.request_id} could not be sampled (the model gave non-finite logits)"
+                f"the first token of request {request.request_id} could not be sampled "
+                "(the model gave non-finite logits)"
             )
         self.kv.put(
             request.request_id, out.packed_kv
@@ -137,7 +123,8 @@ class PrefillWorker(ModelWorker):
                 )
             elif flight is not None and not flight.complete:
                 # The prefix cache covered an item still being encoded: the result waits for
-                # its encode stats (encoder-cache and transfer accounting), as it did before overlap.
+                # its encode stats (encoder-cache and transfer accounting), as it did before
+                # overlap.
                 flight.output = out
             else:
                 self._settle(out.request_id, out)

@@ -6,6 +6,7 @@ falls back to a default. Cross-stage checks run here, before any actor starts.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 from pathlib import Path
@@ -14,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from router.types import Modality
+from router.worker_settings import DecodeSettings, EncoderSettings, PrefillSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local_cpu.yaml"
@@ -31,6 +33,11 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _settings(record: type, pool: BaseModel):
+    """The worker settings `record` of `pool`: its fields of the same names, as validated."""
+    return record(**{f.name: getattr(pool, f.name) for f in dataclasses.fields(record)})
+
+
 class Transport(str, enum.Enum):
     OBJECT_STORE = "object_store"
     GLOO = "gloo"
@@ -39,7 +46,8 @@ class Transport(str, enum.Enum):
 
     @property
     def collective(self) -> bool:
-        """Whether transfers run in a collective group (gloo, nccl): sends and receives pair by order."""
+        """Whether transfers run in a collective group (gloo, nccl): sends and receives pair by
+        order."""
         return self in (Transport.GLOO, Transport.NCCL)
 
 
@@ -48,9 +56,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 class ModelConfig(Strict):
     checkpoint: str = Field(
-        description="Checkpoint directory loaded with from_pretrained (~ and $VARS expand), or a Hugging "
-        "Face repo id (org/name) resolved through the Hugging Face cache: downloaded when online, "
-        "read from the filled cache when offline (HF_HUB_OFFLINE=1)."
+        description="Checkpoint directory loaded with from_pretrained (~ and $VARS expand), or a "
+        "Hugging Face repo id (org/name) resolved through the Hugging Face cache: downloaded when "
+        "online, read from the filled cache when offline (HF_HUB_OFFLINE=1)."
     )
     revision: str | None = Field(
         None,
@@ -68,7 +76,8 @@ class ModelConfig(Strict):
     served_name: str = Field(description="Model id that clients send and GET /v1/models reports.")
     dtype: str = Field(
         "float32",
-        description="Weights and activations dtype: float32, bfloat16, float16, or auto (bfloat16 on cuda, float32 on cpu).",
+        description="Weights and activations dtype: float32, bfloat16, float16, or auto "
+        "(bfloat16 on cuda, float32 on cpu).",
     )
     device: str = Field("cpu", description="Torch device of every worker: cpu or cuda.")
     max_model_len: int = Field(
@@ -83,7 +92,8 @@ class ModelConfig(Strict):
 
     @property
     def checkpoint_path(self) -> Path:
-        """The checkpoint's directory on this node (a repo id resolves through this node's cache)."""
+        """The checkpoint's directory on this node (a repo id resolves through this node's
+        cache)."""
         from actors.models.source import resolve_checkpoint
 
         return resolve_checkpoint(self.checkpoint, self.revision, self.hub_cache_dir)
@@ -103,20 +113,22 @@ class PoolConfig(Strict):
     idle_torch_threads: int | None = Field(
         None,
         ge=1,
-        description="Idle-core borrowing: threads a device step may use while no other worker of the fleet on its node has "
-        "work, so an idle cluster answers with every core; under load each worker keeps torch_threads. At most the cores "
-        "the node can spare. Unset: always torch_threads.",
+        description="Idle-core borrowing: threads a device step may use while no other worker of "
+        "the fleet on its node has work, so an idle cluster answers with every core; under load "
+        "each worker keeps torch_threads. At most the cores the node can spare. Unset: always "
+        "torch_threads.",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
-        description="Custom Ray resources each actor reserves, e.g. {encoder_node: 1}: pins the pool to the node types "
-        "that declare them (ray start --resources, a node type's `resources` in cluster.yaml, rayStartParams in KubeRay). "
-        "Checked against the cluster before any actor starts.",
+        description="Custom Ray resources each actor reserves, e.g. {encoder_node: 1}: pins the "
+        "pool to the node types that declare them (ray start --resources, a node type's "
+        "`resources` in cluster.yaml, rayStartParams in KubeRay). Checked against the cluster "
+        "before any actor starts.",
     )
     slowdown: list[float] = Field(
         default_factory=list,
-        description="Experiments only: per-worker factors (>= 1) by which each worker's device work is slowed, "
-        "to study routing with heterogeneous workers. Missing entries mean 1.0.",
+        description="Experiments only: per-worker factors (>= 1) by which each worker's device "
+        "work is slowed, to study routing with heterogeneous workers. Missing entries mean 1.0.",
     )
 
     @model_validator(mode="after")
@@ -129,7 +141,8 @@ class PoolConfig(Strict):
     def _idle_threads_not_fewer(self) -> PoolConfig:
         if self.idle_torch_threads is not None and self.idle_torch_threads < self.torch_threads:
             raise ValueError(
-                f"idle_torch_threads ({self.idle_torch_threads}) is fewer than torch_threads ({self.torch_threads}): it may only add idle cores"
+                f"idle_torch_threads ({self.idle_torch_threads}) is fewer than "
+                f"torch_threads ({self.torch_threads}): it may only add idle cores"
             )
         return self
 
@@ -152,6 +165,10 @@ class PoolConfig(Strict):
     def slowdown_of(self, index: int) -> float:
         return self.slowdown[index] if index < len(self.slowdown) else 1.0
 
+    def settings(self) -> EncoderSettings | PrefillSettings | DecodeSettings:
+        """The record of what this pool's workers read; each kind of pool has its own."""
+        raise NotImplementedError
+
 
 class EncoderPoolConfig(PoolConfig):
     max_batch_size: int = Field(8, ge=1, description="Most items one tower forward pass takes.")
@@ -163,55 +180,69 @@ class EncoderPoolConfig(PoolConfig):
     )
     modalities: list[Modality] | None = Field(
         None,
-        description="Modalities this pool encodes (image, video, audio); unset: every modality the model takes. "
-        "Give `encoder` a list of pools to split encoding by modality, e.g. a vision pool and an audio pool.",
+        description="Modalities this pool encodes (image, video, audio); unset: every modality the "
+        "model takes. Give `encoder` a list of pools to split encoding by modality, e.g. a vision "
+        "pool and an audio pool.",
     )
+
+    def settings(self) -> EncoderSettings:
+        """What this pool's workers and their engines read (router/worker_settings.py)."""
+        return _settings(EncoderSettings, self)
 
 
 class PrefillPoolConfig(PoolConfig):
     max_chunk_tokens: int = Field(
         512,
         ge=16,
-        description="Prompt tokens per prefill step, shared by the requests in the worker (chunked prefill, shortest remaining first).",
+        description="Prompt tokens per prefill step, shared by the requests in the worker "
+        "(chunked prefill, shortest remaining first).",
     )
     max_media_tokens_per_step: int = Field(
         4096,
         ge=1,
-        description="Encoder-output budget: embedding tokens one prefill step may splice in, over all its requests.",
+        description="Encoder-output budget: embedding tokens one prefill step may splice in, over "
+        "all its requests.",
     )
     overlap_encode: bool = Field(
         True,
-        description="Encode/prefill overlap: send the prefill call at once and each item's embeddings as the encoder finishes "
-        "them, so the text before the first item is prefilled while the encoder runs. False: deliver every item first (the baseline).",
+        description="Encode/prefill overlap: send the prefill call at once and each item's "
+        "embeddings as the encoder finishes them, so the text before the first item is prefilled "
+        "while the encoder runs. False: deliver every item first (the baseline).",
     )
     overlap_min_tokens: int = Field(
         64,
         ge=0,
-        description="With overlap_encode: the shortest run of text before a missing item worth prefilling ahead of it. "
-        "A forward has a fixed cost, so a shorter prefix (e.g. `USER: ` before an image) waits and goes in one forward with the item.",
+        description="With overlap_encode: the shortest run of text before a missing item worth "
+        "prefilling ahead of it. A forward has a fixed cost, so a shorter prefix (e.g. `USER: ` "
+        "before an image) waits and goes in one forward with the item.",
     )
     aging_tokens_per_s: float = Field(
         0.0,
         ge=0,
         allow_inf_nan=False,
-        description="Shortest-remaining-first with aging: each second a request has waited in the worker counts as this many "
-        "prompt tokens fewer, so under sustained load a long prompt is no longer passed over without end (it goes ahead of "
-        "any newcomer after its length / this many seconds). 0: pure shortest first. It trades median for tail: in the "
-        "simulator on two workers (speeds 1 and 0.25, 120-1343-token prompts) at 80% load, 100 cut p99 TTFT by 22-29% "
-        "and the longest by 78-80%, and cost 7-9% on p50 and 11-27% on p90; at 30% load it changes next to nothing "
-        "(docs/BENCHMARKS.md, scripts/bench_prefill_aging.py).",
+        description="Shortest-remaining-first with aging: each second a request has waited in the "
+        "worker counts as this many prompt tokens fewer, so under sustained load a long prompt is "
+        "no longer passed over without end (it goes ahead of any newcomer after its length / this "
+        "many seconds). 0: pure shortest first. It trades median TTFT for tail TTFT under "
+        "sustained load. Measured trade-offs: docs/BENCHMARKS.md.",
     )
     prefix_block_tokens: int = Field(
         16,
         ge=1,
-        description="Tokens per prefix-cache block (the unit of KV reuse and of the router's prefix index).",
+        description="Tokens per prefix-cache block (the unit of KV reuse and of the router's "
+        "prefix index).",
     )
     prefix_cache_mb: float = Field(
         64.0,
         ge=0,
-        description="Prefix cache budget per prefill worker: KV of finished prompts' blocks, kept by block hash "
-        "and evicted least recently used when unreferenced. 0 turns prefix caching off.",
+        description="Prefix cache budget per prefill worker: KV of finished prompts' blocks, kept "
+        "by block hash and evicted least recently used when unreferenced. 0 turns prefix caching "
+        "off.",
     )
+
+    def settings(self) -> PrefillSettings:
+        """What this pool's workers and their engines read (router/worker_settings.py)."""
+        return _settings(PrefillSettings, self)
 
 
 class DecodePoolConfig(PoolConfig):
@@ -221,24 +252,30 @@ class DecodePoolConfig(PoolConfig):
     kv_cache_mb: float = Field(
         4096.0,
         gt=0,
-        description="KV budget per decode worker, in MiB: a waiting request joins the batch only while the KV of its prompt "
-        "plus max_tokens fits beside what the running ones reserve (a burst queues); a request that could never fit gets a 400.",
+        description="KV budget per decode worker, in MiB: a waiting request joins the batch only "
+        "while the KV of its prompt plus max_tokens fits beside what the running ones reserve (a "
+        "burst queues); a request that could never fit gets a 400.",
     )
     stream_interval: int = Field(
         1,
         ge=1,
-        description="Tokens a request's stream gathers before they go to the ingress (as vLLM's --stream-interval): 1 sends "
-        "every token at once; more sends fewer, larger chunks, which cuts the per-chunk serving cost under load at the price "
-        "of burstier streaming. The first token (from prefill) and the last always go at once.",
+        description="Tokens a request's stream gathers before they go to the ingress (as vLLM's "
+        "--stream-interval): 1 sends every token at once; more sends fewer, larger chunks, which "
+        "cuts the per-chunk serving cost under load at the price of burstier streaming. The first "
+        "token (from prefill) and the last always go at once.",
     )
+
+    def settings(self) -> DecodeSettings:
+        """What this pool's workers and their engines read (router/worker_settings.py)."""
+        return _settings(DecodeSettings, self)
 
 
 class TransportConfig(Strict):
     embeddings: Transport = Field(
         Transport.OBJECT_STORE,
-        description="How embeddings travel encoder -> prefill: object_store; gloo (CPU tensors); nccl (a whole GPU per "
-        "worker); cuda_ipc (experimental: workers sharing one GPU map each other's memory; token-exact on an H200, but "
-        "one KV transfer hung under 24 req/s there, docs/GPU_CHECKS.md).",
+        description="How embeddings travel encoder -> prefill: object_store; gloo (CPU tensors); "
+        "nccl (a whole GPU per worker); cuda_ipc (experimental: workers sharing one GPU map each "
+        "other's memory). What each was checked to do on a GPU: docs/GPU_CHECKS.md.",
     )
     kv: Transport = Field(
         Transport.OBJECT_STORE,
@@ -247,11 +284,13 @@ class TransportConfig(Strict):
 
 
 class RemoteMediaConfig(Strict):
-    """Fetching http(s) media URLs (image_url, video_url, audio_url). Off unless hosts are listed."""
+    """Fetching http(s) media URLs (image_url, video_url, audio_url): off unless hosts are
+    listed."""
 
     allowed_hosts: list[str] = Field(
         default_factory=list,
-        description="Hosts media URLs may name: exact names, '*.example.com' for its subdomains, or '*' for any host. Empty: fetching is off.",
+        description="Hosts media URLs may name: exact names, '*.example.com' for its subdomains, "
+        "or '*' for any host. Empty: fetching is off.",
     )
     allowed_networks: list[str] = Field(
         default_factory=list,
@@ -284,32 +323,37 @@ class LimitsConfig(Strict):
     max_image_pixels: int = Field(
         16_000_000,
         gt=0,
-        description="Most pixels in one decoded image or video frame (decompression bombs stop here).",
+        description="Most pixels in one decoded image or video frame (decompression bombs stop "
+        "here).",
     )
     max_audio_s: float = Field(
         600.0,
         gt=0,
-        description="Longest audio clip accepted, in seconds (checked from the file header before decoding).",
+        description="Longest audio clip accepted, in seconds (checked from the file header before "
+        "decoding).",
     )
     max_video_s: float = Field(600.0, gt=0, description="Longest video accepted, in seconds.")
     max_video_frames: int = Field(
         256,
         ge=1,
-        description="Hard cap on the frames kept from one video, whatever media.video_max_frames says.",
+        description="Hard cap on the frames kept from one video, whatever media.video_max_frames "
+        "says.",
     )
     max_video_pixels: int = Field(
         96_000_000,
         gt=0,
-        description="Most pixels decoded for one video, checked from its headers before any frame is rendered: "
-        "sampled frames x frame size, and for GIF/WebP every frame up to the last sampled one (each is rendered on the full canvas). "
-        "96 MP holds the default 32 sampled frames of 1080p (66 MP) and caps one video near 290 MB of RGB.",
+        description="Most pixels decoded for one video, checked from its headers before any frame "
+        "is rendered: sampled frames x frame size, and for GIF/WebP every frame up to the last "
+        "sampled one (each is rendered on the full canvas). 96 MP holds the default 32 sampled "
+        "frames of 1080p (66 MP) and caps one video near 290 MB of RGB.",
     )
     max_request_pixels: int = Field(
         128_000_000,
         gt=0,
-        description="Most decoded pixels of all images and videos in one request together (counted as for "
-        "max_video_pixels), checked before each item is decoded: a 1080p video at the default sampling and a few photos fit; "
-        "about 384 MB of RGB arrays per request in the ingress.",
+        description="Most decoded pixels of all images and videos in one request together "
+        "(counted as for max_video_pixels), checked before each item is decoded: a 1080p video at "
+        "the default sampling and a few photos fit; about 384 MB of RGB arrays per request in the "
+        "ingress.",
     )
     max_concurrent_decodes: int = Field(
         2,
@@ -320,26 +364,29 @@ class LimitsConfig(Strict):
     max_decode_memory_mb: int = Field(
         3072,
         ge=256,
-        description="Address-space cap (RLIMIT_AS) of each media decoding process: a decode that needs more "
-        "fails with a 400 naming this limit, and the process is replaced. The default holds the largest video "
-        "max_video_pixels allows (about 290 MB of RGB, plus its decoder's buffers) with room to spare.",
+        description="Address-space cap (RLIMIT_AS) of each media decoding process: a decode that "
+        "needs more fails with a 400 naming this limit, and the process is replaced. The default "
+        "holds the largest video max_video_pixels allows (about 290 MB of RGB, plus its decoder's "
+        "buffers) with room to spare.",
     )
     max_decodes_per_process: int = Field(
         32,
         ge=1,
-        description="Media items one decoding process decodes before it exits and is replaced, so that no heap grows with what it has decoded.",
+        description="Media items one decoding process decodes before it exits and is replaced, so "
+        "that no heap grows with what it has decoded.",
     )
     max_decode_s: float = Field(
         30.0,
         gt=0,
-        description="Deadline for decoding one media item in a decoding process: a process that has not answered by "
-        "then is killed and replaced, and the request fails with a 400 naming this limit (other requests go on). "
-        "Not enforced with decode_in_process (a thread cannot be stopped).",
+        description="Deadline for decoding one media item in a decoding process: a process that "
+        "has not answered by then is killed and replaced, and the request fails with a 400 naming "
+        "this limit (other requests go on). Not enforced with decode_in_process (a thread cannot "
+        "be stopped).",
     )
     decode_in_process: bool = Field(
         False,
-        description="Decode media in the ingress process itself (threads, no memory cap): for debugging only, "
-        "its memory does not come back after large items.",
+        description="Decode media in the ingress process itself (threads, no memory cap): for "
+        "debugging only, its memory does not come back after large items.",
     )
     max_request_bytes: int = Field(
         32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted."
@@ -353,7 +400,8 @@ class LimitsConfig(Strict):
             for name in ("max_decode_s", "max_decode_memory_mb", "max_decodes_per_process"):
                 if getattr(self, name) != type(self).model_fields[name].default:
                     raise ValueError(
-                        f"limits.{name} applies to decoding processes only; it cannot be enforced with limits.decode_in_process: true"
+                        f"limits.{name} applies to decoding processes only; "
+                        "it cannot be enforced with limits.decode_in_process: true"
                     )
         return self
 
@@ -363,8 +411,9 @@ class LimitsConfig(Strict):
     default_max_tokens: int | None = Field(
         None,
         ge=1,
-        description="max_tokens when a request gives none; None: the rest of the context (max_model_len minus "
-        "the prompt), as OpenAI and vLLM do for chat (text completions default to 16, as theirs).",
+        description="max_tokens when a request gives none; None: the rest of the context "
+        "(max_model_len minus the prompt), as OpenAI and vLLM do for chat (text completions "
+        "default to 16, as theirs).",
     )
     request_timeout_s: float = Field(
         120.0, gt=0, description="A request that has not finished by then fails with 504."
@@ -372,13 +421,14 @@ class LimitsConfig(Strict):
     max_waiting_tokens_per_prefill_worker: int = Field(
         16384,
         ge=1,
-        description="Back-pressure: prompt tokens of requests still waiting for their first token, per prefill "
-        "worker; a request beyond it gets 429 with Retry-After.",
+        description="Back-pressure: prompt tokens of requests still waiting for their first "
+        "token, per prefill worker; a request beyond it gets 429 with Retry-After.",
     )
     max_generating_per_decode_worker: int = Field(
         256,
         ge=1,
-        description="Back-pressure: requests past their first token and still generating, per decode worker; beyond it, 429 with Retry-After.",
+        description="Back-pressure: requests past their first token and still generating, per "
+        "decode worker; beyond it, 429 with Retry-After.",
     )
     retry_after_s: int = Field(
         1, ge=1, description="Seconds a 429 tells the client to wait (Retry-After)."
@@ -386,7 +436,8 @@ class LimitsConfig(Strict):
     max_attempts: int = Field(
         3,
         ge=1,
-        description="Times a request is run when workers die under it: each retry resumes on healthy workers from the tokens already produced.",
+        description="Times a request is run when workers die under it: each retry resumes on "
+        "healthy workers from the tokens already produced.",
     )
 
 
@@ -399,7 +450,8 @@ class MediaConfig(Strict):
     video_max_frames: int = Field(
         32,
         ge=1,
-        description="Most frames sampled from one video; longer clips are sampled more sparsely. At most limits.max_video_frames.",
+        description="Most frames sampled from one video; longer clips are sampled more sparsely. "
+        "At most limits.max_video_frames.",
     )
 
 
@@ -414,7 +466,9 @@ class RouterConfig(Strict):
     )
     calibration: dict = Field(
         default_factory=dict,
-        description="How the cost model learns online (router.calibration.CalibrationConfig fields: pool_memory, speed_rate, idle_rounds, heal_rounds, max_relative, error_memory, resume_after_heal, spread_z, busy_memory_s, max_busy).",
+        description="How the cost model learns online (router.calibration.CalibrationConfig "
+        "fields: pool_memory, speed_rate, idle_rounds, heal_rounds, max_relative, error_memory, "
+        "resume_after_heal, spread_z, busy_memory_s, max_busy).",
     )
     staleness_s: float = Field(
         5.0, gt=0, description="Cache contents a worker published longer ago than this are ignored."
@@ -460,15 +514,17 @@ class ServerConfig(Strict):
     wait_for_nodes_s: float = Field(
         0.0,
         ge=0,
-        description="How long to wait for the nodes that pinned pools need (custom resources, GPUs) to join "
-        "before failing: worker nodes of a freshly launched cluster join after the head.",
+        description="How long to wait for the nodes that pinned pools need (custom resources, "
+        "GPUs) to join before failing: worker nodes of a freshly launched cluster join after the "
+        "head.",
     )
     num_replicas: int = Field(
         1,
         ge=1,
-        description="Ingress replicas sharing the one worker fleet (owned by the fleet controller, so it outlives "
-        "any replica). Each admits 1/num_replicas of the back-pressure budget; /metrics on any of them reports the whole app "
-        "(every replica's counts, pushed to the controller each second). Object-store transport only when above 1.",
+        description="Ingress replicas sharing the one worker fleet (owned by the fleet controller, "
+        "so it outlives any replica). Each admits 1/num_replicas of the back-pressure budget; "
+        "/metrics on any of them reports the whole app (every replica's counts, pushed to the "
+        "controller each second). Object-store transport only when above 1.",
     )
     api_key: str | None = Field(
         None,
@@ -480,7 +536,8 @@ class ServerConfig(Strict):
     )
     log_prompts: bool = Field(
         False,
-        description="Add the prompt's text to each request's log line (off: prompts may be private).",
+        description="Add the prompt's text to each request's log line (off: prompts may be "
+        "private).",
     )
 
 
@@ -512,7 +569,8 @@ class ClusterConfig(Strict):
         self._check_transports()
         if self.media.video_max_frames > self.limits.max_video_frames:
             raise ValueError(
-                f"media.video_max_frames ({self.media.video_max_frames}) must not exceed limits.max_video_frames ({self.limits.max_video_frames})"
+                f"media.video_max_frames ({self.media.video_max_frames}) must not exceed "
+                f"limits.max_video_frames ({self.limits.max_video_frames})"
             )
         return self
 
@@ -523,16 +581,20 @@ class ClusterConfig(Strict):
                 raise ValueError(f"transport {gpu_only.value} needs model.device: cuda")
         shared = [name for name, pool in self.named_pools() if pool.num_gpus < 1]
         if Transport.NCCL in used and shared:
-            # Measured on one H200 (docs/GPU_CHECKS.md): the group forms, then the first transfer hangs.
+            # Measured on one H200 (docs/GPU_CHECKS.md): the group forms, then the first transfer
+            # hangs.
             raise ValueError(
-                f"transport nccl needs a whole GPU per worker, but {', '.join(shared)} num_gpus is below 1: NCCL cannot "
+                "transport nccl needs a whole GPU per worker, "
+                f"but {', '.join(shared)} num_gpus is below 1: NCCL cannot "
                 "connect two workers on one GPU; use object_store where workers share a GPU"
             )
         collective = {t for t in used if t.collective}
         if collective and self.server.num_replicas > 1:
             raise ValueError(
-                f"transport {collective.pop().value} needs server.num_replicas: 1 (got {self.server.num_replicas}): "
-                "RDT transfers must run one at a time (gloo pairs sends and receives by order alone), "
+                f"transport {collective.pop().value} needs server.num_replicas: 1 "
+                f"(got {self.server.num_replicas}): "
+                "RDT transfers must run one at a time "
+                "(gloo pairs sends and receives by order alone), "
                 "and a replica can order only its own; use object_store to run several replicas"
             )
 
@@ -541,7 +603,7 @@ class ClusterConfig(Strict):
         return self.encoder if isinstance(self.encoder, list) else [self.encoder]
 
     def named_pools(self) -> list[tuple[str, PoolConfig]]:
-        """Every pool with the name errors use: encoder (or encoder[i] in a list), prefill, decode."""
+        """Every pool with the name errors use: encoder (encoder[i] in a list), prefill, decode."""
         encoders = (
             [("encoder", self.encoder)]
             if not isinstance(self.encoder, list)
@@ -561,11 +623,13 @@ class ClusterConfig(Strict):
         for pool in per_pool:
             if extra := pool - model_modalities:
                 raise ConfigError(
-                    f"an encoder pool is given {sorted(m.value for m in extra)}, which model {self.model.served_name!r} does not take"
+                    f"an encoder pool is given {sorted(m.value for m in extra)}, "
+                    f"which model {self.model.served_name!r} does not take"
                 )
         if missing := model_modalities - frozenset().union(*per_pool):
             raise ConfigError(
-                f"no encoder pool encodes {sorted(m.value for m in missing)}, which model {self.model.served_name!r} takes"
+                f"no encoder pool encodes {sorted(m.value for m in missing)}, "
+                f"which model {self.model.served_name!r} takes"
             )
         return [m for pool, m in zip(self.encoder_pools, per_pool) for _ in range(pool.num_workers)]
 
@@ -574,7 +638,8 @@ class ClusterConfig(Strict):
         return hashlib.sha1(self.model_dump_json().encode()).hexdigest()[:12]
 
     def replace(self, **sections) -> ClusterConfig:
-        """A copy with whole sections or fields swapped, re-validated (tests and benchmarks use it)."""
+        """A copy with whole sections or fields swapped, re-validated (for tests and
+        benchmarks)."""
         data = self.model_dump()
         for key, value in sections.items():
             data[key] = {**data[key], **value} if isinstance(value, dict) else value
@@ -599,5 +664,6 @@ def load_config(path: str | Path = DEFAULT_CONFIG) -> ClusterConfig:
 
 def builtin_model(recipe: str) -> dict[str, str]:
     """The `model` section serving built-in `recipe` from the shared cache, built on first use:
-    `load_config().replace(model=builtin_model("tiny-llava"))` is the default with random weights."""
+    `load_config().replace(model=builtin_model("tiny-llava"))` is the default with random
+    weights."""
     return {"checkpoint": f"~/.cache/epd/models/{recipe}", "builtin": recipe, "served_name": recipe}

@@ -38,8 +38,16 @@ _WORKER_ENV = {
 }
 
 
+_ACTORS = {
+    WorkerKind.ENCODER: EncoderActor,
+    WorkerKind.PREFILL: PrefillActor,
+    WorkerKind.DECODE: DecodeActor,
+}
+
+
 def _rdt_transport(config: ClusterConfig) -> Transport | None:
-    """The collective transport the workers' group is formed for (cuda_ipc is one-sided: no group)."""
+    """The collective transport the workers' group is formed for (cuda_ipc is one-sided: no
+    group)."""
     used = {t for t in (config.transport.embeddings, config.transport.kv) if t.collective}
     return used.pop() if used else None
 
@@ -49,7 +57,8 @@ class Fleet:
         self.config = config
         self.rdt = _rdt_transport(config)
         m = config.model
-        # The checkpoint as configured (a repo id stays one): each worker resolves it on its own node.
+        # The checkpoint as configured (a repo id stays one): each worker resolves it on its own
+        # node.
         self.spec = WorkerSpec(
             m.checkpoint,
             m.resolved_dtype,
@@ -112,23 +121,8 @@ class Fleet:
             runtime_env={"env_vars": _WORKER_ENV},
             max_concurrency=1000,
         )
-        if kind == WorkerKind.ENCODER:
-            return EncoderActor.options(**options).remote(
-                spec, pool.max_batch_size, pool.max_wait_ms, pool.cache_mb
-            )
-        if kind == WorkerKind.PREFILL:
-            return PrefillActor.options(**options).remote(
-                spec,
-                pool.max_chunk_tokens,
-                pool.prefix_block_tokens,
-                int(pool.prefix_cache_mb * 2**20),
-                pool.max_media_tokens_per_step,
-                pool.overlap_min_tokens,
-                pool.aging_tokens_per_s,
-            )
-        return DecodeActor.options(**options).remote(
-            spec, pool.max_batch_size, int(pool.kv_cache_mb * 2**20), pool.stream_interval
-        )
+        # The pool's settings travel as one record, under the config's names.
+        return _ACTORS[kind].options(**options).remote(spec, pool.settings())
 
     def worker_infos(self, model_modalities: frozenset[Modality]) -> list[WorkerInfo]:
         """The router's static picture of the fleet: kind, index, node (for placements) and,

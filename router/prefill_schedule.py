@@ -8,14 +8,15 @@ capacity anyway; but then without end, as long as shorter prompts keep coming. A
 that: each second a request has been in the worker counts as `aging_tokens_per_s` tokens
 fewer, so a prompt of L tokens goes ahead of any newcomer after L / aging seconds at most.
 (remaining - aging x waited orders as remaining + aging x added_s: a key fixed per request.)
+`order_key` is that order; the simulator's prefill queues (router/sim/pools.py) sort by it too.
 
 A chunk never enters a media item's placeholder span unless that item's embeddings have
 arrived (until then the span's inputs are unknown): each request is computable up to its
-first missing item (`computable_end`), and one waiting there takes no budget; and the embedding tokens a
-step splices in are capped by `max_media_tokens_per_step`, so a burst of media prompts
+first missing item (`computable_end`), and one waiting there takes no budget; and the embedding
+tokens a step splices in are capped by `max_media_tokens_per_step`, so a burst of media prompts
 cannot build a step's whole input out of embeddings at once.
 
-Text before a missing item goes early only when it is at least `min_early_tokens` long: a
+Text before a missing item goes early only when it is at least `overlap_min_tokens` long: a
 forward has a fixed cost (on CPU a 7-token one costs what ~40 prompt tokens do), so a short
 prefix such as `USER: ` before an image waits and goes in one forward with the image.
 """
@@ -54,7 +55,7 @@ class PrefillState:
     spans: tuple[Span, ...] = ()
     arrival: int = 0  # order of arrival in the worker (tie-break)
     added_s: float = 0.0  # when it came (a monotonic clock): its age, for aging
-    min_early_tokens: int = 0  # the shortest chunk worth running ahead of a missing item
+    overlap_min_tokens: int = 0  # the shortest chunk worth running ahead of a missing item
 
     @property
     def remaining(self) -> int:
@@ -74,7 +75,7 @@ class PrefillState:
         ahead = self.computable_end - self.num_computed
         if self.computable_end == self.num_tokens:  # nothing missing ahead: whatever is left
             return ahead > 0
-        return ahead >= max(self.min_early_tokens, 1)
+        return ahead >= max(self.overlap_min_tokens, 1)
 
 
 @dataclass(frozen=True)
@@ -92,24 +93,37 @@ def media_tokens(state: PrefillState, start: int, end: int) -> int:
     return sum(max(0, min(end, s.end) - max(start, s.offset)) for s in state.spans)
 
 
+def order_key(
+    num_tokens_left: int,
+    added_s: float,
+    arrival: int,
+    order: Order = Order.SHORTEST_REMAINING,
+    aging_tokens_per_s: float = 0.0,
+) -> tuple[float, int]:
+    """A request's place in its worker's order, smallest first: the engine's steps and the
+    simulator's queues both sort by it. Shortest remaining first: tokens left less what the
+    request has aged (a key fixed while it waits); ties, and arrival order: the earlier arrival."""
+    if order is Order.SHORTEST_REMAINING:
+        return num_tokens_left + aging_tokens_per_s * added_s, arrival
+    return 0.0, arrival
+
+
 def plan_step(
     states: list[PrefillState],
-    token_budget: int,
-    max_media_tokens: int | None = None,
+    max_chunk_tokens: int,
+    max_media_tokens_per_step: int | None = None,
     order: Order = Order.SHORTEST_REMAINING,
     aging_tokens_per_s: float = 0.0,
 ) -> list[Chunk]:
-    """The chunks of the next step, at most `token_budget` tokens together (each request at
-    most one chunk), shortest remaining first (less what each has aged)."""
+    """The chunks of the next step, at most `max_chunk_tokens` tokens together (each request
+    at most one chunk), in `order_key` order."""
     chunks: list[Chunk] = []
-    budget, media_budget = token_budget, max_media_tokens
-    if order is Order.SHORTEST_REMAINING:
-        key = lambda s: (s.remaining + aging_tokens_per_s * s.added_s, s.arrival)  # noqa: E731
-    else:
-        key = lambda s: s.arrival  # noqa: E731
-    for state in sorted(
-        (s for s in states if s.runnable), key=key
-    ):  # a request waiting for an item costs nothing
+    budget, media_budget = max_chunk_tokens, max_media_tokens_per_step
+    runnable = [s for s in states if s.runnable]  # a request waiting for an item costs nothing
+    runnable.sort(
+        key=lambda s: order_key(s.remaining, s.added_s, s.arrival, order, aging_tokens_per_s)
+    )
+    for state in runnable:
         if budget <= 0:
             break
         start = state.num_computed

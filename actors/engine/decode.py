@@ -19,6 +19,7 @@ from actors.engine import kv
 from actors.engine.decode_state import DecodeScheduler, Sequence
 from actors.engine.lm_runner import LMRunner
 from actors.types import DecodeRequest, FinishReason, TokenChunk
+from router.worker_settings import DecodeSettings
 
 
 @dataclass(frozen=True)
@@ -30,15 +31,11 @@ class DecodeOutput:
 
 
 class DecodeEngine:
-    def __init__(
-        self,
-        runner: LMRunner,
-        max_batch_size: int,
-        max_model_len: int,
-        kv_budget_bytes: int | None = None,
-    ):
-        self.runner = runner
-        self.scheduler = DecodeScheduler(max_batch_size, max_model_len, kv_budget_bytes)
+    def __init__(self, runner: LMRunner, settings: DecodeSettings, max_model_len: int):
+        self.runner, self.settings = runner, settings
+        self.scheduler = DecodeScheduler(
+            settings.max_batch_size, max_model_len, settings.kv_cache_bytes
+        )
         self.batch = kv.BatchedKV()
         self._intake: deque[Sequence | str] = (
             deque()

@@ -31,6 +31,7 @@ from actors.engine.prefix_cache import BlockPool, MediaKey, block_hashes
 from actors.engine.sampling import Sampled
 from actors.types import PrefillRequest, TokenHistory
 from router.prefill_schedule import Order, PrefillState, Span, plan_step
+from router.worker_settings import PrefillSettings
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class PrefillOutput:
     queue_ms: float  # added -> first chunk
     prefill_ms: float  # first chunk -> done, less the time spent waiting for items meanwhile
     item_wait_ms: float = 0.0  # how long it could not advance for want of an item's embeddings
-    compute_ms: float = 0.0  # its own forwards and finish: its service time (prefill_ms also counts those sharing its steps)
+    # its own forwards and finish: its service time (prefill_ms also counts those sharing its steps)
+    compute_ms: float = 0.0
     error: str | None = (
         None  # the request failed alone (e.g. an item that does not fit its placeholders)
     )
@@ -67,7 +69,7 @@ class _Job:
     items: dict[int, torch.Tensor]  # by slot, until spliced
     arrival: int
     added_s: float
-    min_early_tokens: int = 0  # PrefillState.min_early_tokens
+    overlap_min_tokens: int = 0  # PrefillState.overlap_min_tokens
     embeds: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     rope_delta: int = 0
@@ -96,7 +98,7 @@ class _Job:
             spans,
             self.arrival,
             self.added_s,
-            self.min_early_tokens,
+            self.overlap_min_tokens,
         )
 
     def note_wait(self, now: float) -> None:
@@ -134,27 +136,12 @@ class PrefillEngine:
     def __init__(
         self,
         runner: LMRunner,
-        token_budget: int,
+        settings: PrefillSettings,
         *,
-        block_size: int = 16,
-        cache_bytes: int = 0,
-        max_media_tokens_per_step: int | None = None,
-        order: Order = Order.SHORTEST_REMAINING,
-        min_early_tokens: int = 0,
-        aging_tokens_per_s: float = 0.0,
+        order: Order = Order.SHORTEST_REMAINING,  # benchmarks compare it with arrival order
     ):
-        self.runner, self.token_budget, self.block_size, self.order = (
-            runner,
-            token_budget,
-            block_size,
-            order,
-        )
-        self.aging_tokens_per_s = aging_tokens_per_s  # shortest-first with aging (prefill_schedule): bounds a long prompt's wait
-        self.min_early_tokens = (
-            min_early_tokens  # overlap: the shortest text worth prefilling ahead of a missing item
-        )
-        self.max_media_tokens_per_step = max_media_tokens_per_step
-        self.pool = BlockPool(cache_bytes)
+        self.runner, self.settings, self.order = runner, settings, order
+        self.pool = BlockPool(settings.prefix_cache_bytes)
         self.jobs: dict[str, _Job] = {}
         self._failed: list[PrefillOutput] = []  # requests that failed alone since the last step
         self._intake: deque[_Job | _Item | str] = (
@@ -178,7 +165,8 @@ class PrefillEngine:
         before an item comes is held aside until one does: it costs no step (and so keeps
         this worker idle on the node's idle-core board while its encoder runs)."""
         given = dict(items) if isinstance(items, Mapping) else dict(enumerate(items))
-        job = _Job(request, given, next(self._arrivals), time.perf_counter(), self.min_early_tokens)
+        arrival, min_tokens = next(self._arrivals), self.settings.overlap_min_tokens
+        job = _Job(request, given, arrival, time.perf_counter(), min_tokens)
         self._admit(job)
 
     def add_item(self, request_id: str, slot: int, embeddings: torch.Tensor) -> None:
@@ -221,12 +209,13 @@ class PrefillEngine:
         if not self.jobs:
             return failed
         states = [job.state() for job in self.jobs.values()]
+        s = self.settings
         chunks = plan_step(
             states,
-            self.token_budget,
-            self.max_media_tokens_per_step,
+            s.max_chunk_tokens,
+            s.max_media_tokens_per_step,
             self.order,
-            self.aging_tokens_per_s,
+            s.aging_tokens_per_s,
         )
         now = time.perf_counter()
         for chunk in chunks:
@@ -301,10 +290,17 @@ class PrefillEngine:
     @staticmethod
     def _misfit(request: PrefillRequest, item: _Item) -> str | None:
         if not 0 <= item.slot < len(request.placeholders):
-            return f"item slot {item.slot} is out of range: the prompt has {len(request.placeholders)} media items"
+            return (
+                f"item slot {item.slot} is out of range: "
+                f"the prompt has {len(request.placeholders)} media items"
+            )
         r = request.placeholders[item.slot]
         if item.embeddings.shape[0] != r.length:
-            return f"item {item.slot} has {item.embeddings.shape[0]} embeddings for its {r.length} placeholders"
+            return (
+                f"item {item.slot} has {item.embeddings.shape[0]} embeddings "
+                f"for its {r.length} placeholders"
+            )
+
         return None
 
     def _reuse_prefix(self, job: _Job) -> None:
@@ -312,14 +308,15 @@ class PrefillEngine:
         req = job.request
         if self.pool.capacity_bytes <= 0:
             return
-        job.hashes = block_hashes(req.prompt_token_ids, self.block_size, media_keys(req))
+        bs = self.settings.prefix_block_tokens
+        job.hashes = block_hashes(req.prompt_token_ids, bs, media_keys(req))
         # At least the last prompt token is computed: its hidden state gives the first token.
-        usable = job.hashes[: (len(req.prompt_token_ids) - 1) // self.block_size]
+        usable = job.hashes[: (len(req.prompt_token_ids) - 1) // bs]
         payloads = self.pool.acquire(usable)
         job.held = usable[: len(payloads)]
         if payloads:
             job.cache = kv.cache_of(torch.cat(payloads, dim=3).to(self.runner.device))
-            job.num_cached = job.num_computed = len(payloads) * self.block_size
+            job.num_cached = job.num_computed = len(payloads) * bs
 
     def _finish(self, job: _Job) -> PrefillOutput:
         req, finishing_s = job.request, time.perf_counter()
@@ -350,7 +347,7 @@ class PrefillEngine:
         )
 
     def _keep_blocks(self, job: _Job, packed: torch.Tensor) -> None:
-        bs = self.block_size
+        bs = self.settings.prefix_block_tokens
         for i, block_hash in enumerate(job.hashes):
             if block_hash not in self.pool.blocks:
                 block = packed[

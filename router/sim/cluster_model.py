@@ -10,11 +10,11 @@ Ground truth, at speed 1.0 (a worker's durations are divided by its speed):
   is cheaper than its items one by one (exponent < 1). Defaults follow the seed
   encoding-cost table: a 336x336 image 5 ms, four of them 12 ms batched, 30 video
   frames 48 ms, 30 s of audio 85 ms.
-- prefill (one request at a time, the queue shortest prompt first like the engine's scheduler,
-  less `prefill_aging_tokens_per_s` for each second waited, as the engine's aging,
-  or FIFO: `prefill_order`): prefill_fixed_ms + uncached_tokens / prefill_tokens_per_ms; with
-  `prefill_chunk_tokens`, in chunks of that many tokens, the worker going on after each chunk
-  with the request of fewest tokens left (the engine's shortest-remaining-first)
+- prefill (one request at a time, the queue in the engine's own order, `order_key` of
+  router/prefill_schedule.py: shortest prompt first less `prefill.aging_tokens_per_s` for each
+  second waited, or FIFO: `prefill_order`): prefill_fixed_ms + uncached_tokens /
+  prefill_tokens_per_ms; with `prefill.max_chunk_tokens`, in chunks of that many tokens, the
+  worker going on after each chunk with the request of fewest tokens left
 - decode (continuous batching, approximated): a request admitted when b requests are
   active (itself included) takes max_tokens * (decode_step_ms + decode_step_per_seq_ms * b).
   The batch size is frozen at admission: requests leaving or joining later do not
@@ -38,6 +38,7 @@ both is split across them, see router/split.py; combines with -hetero), or a YAM
     decode: 16
     costs:                           # optional overrides of SimCosts
       prefill_tokens_per_ms: 40
+      prefill: {max_chunk_tokens: 512, aging_tokens_per_s: 100}   # the engine's settings
       encode: {image: {fixed_ms: 1.5, per_unit_ms: 30.0, batch_exponent: 0.8}}
       bandwidth_bytes_per_ms: {cross_node: 12.5e6}
 
@@ -53,8 +54,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from router.prefill_schedule import Order
 from router.sim.variability import Variability
 from router.types import ALL_MODALITIES, Modality, Placement, RequestProfile, WorkerInfo, WorkerKind
+from router.worker_settings import PrefillSettings
 
 
 class ClusterShapeError(ValueError):
@@ -96,6 +99,13 @@ def _default_latency() -> dict[Placement, float]:
 
 
 PREFILL_SHORTEST_FIRST, PREFILL_FIFO = "shortest_first", "fifo"  # SimCosts.prefill_order
+PREFILL_ORDERS = {PREFILL_SHORTEST_FIRST: Order.SHORTEST_REMAINING, PREFILL_FIFO: Order.ARRIVAL}
+# The engine's prefill settings the simulator models; max_chunk_tokens 0: a prompt in one go.
+SIM_PREFILL_FIELDS = ("max_chunk_tokens", "aging_tokens_per_s")
+
+
+def _whole_prompts() -> PrefillSettings:
+    return PrefillSettings(max_chunk_tokens=0)
 
 
 @dataclass(frozen=True)
@@ -111,12 +121,11 @@ class SimCosts:
     prefill_order: str = (
         PREFILL_SHORTEST_FIRST  # a worker's queue: shortest prompt first (the engine's) or fifo
     )
-    # Tokens a prefill runs before its worker looks at its queue again (the engine's max_chunk_tokens):
-    # shortest-first then means shortest remaining first, chunk by chunk. 0: a prompt in one go.
-    prefill_chunk_tokens: int = 0
-    # Shortest-first with aging (the engine's prefill_aging_tokens_per_s): each second a prompt has
-    # waited at its worker counts as that many tokens fewer. 0: pure shortest first.
-    prefill_aging_tokens_per_s: float = 0.0
+    # The prefill workers' settings (the config's `prefill` section), of which SIM_PREFILL_FIELDS
+    # count: max_chunk_tokens, the tokens a prefill runs before its worker looks at its queue again
+    # (shortest first then means shortest remaining first, chunk by chunk; 0: a prompt in one go),
+    # and aging_tokens_per_s (each second a prompt has waited counts as that many tokens fewer).
+    prefill: PrefillSettings = field(default_factory=_whole_prompts)
     decode_step_ms: float = 12.0
     decode_step_per_seq_ms: float = 0.15
     decode_max_batch: int = 64
@@ -125,7 +134,8 @@ class SimCosts:
     transfer_latency_ms: dict[Placement, float] = field(default_factory=_default_latency)
     publish_interval_s: float = 2.0  # how often workers publish queues and cache contents
     # Ingress overhead per request (+ per request with media): admission, RPCs and hand-overs the
-    # workers above do not model. It delays the request's routing and so its TTFT; no worker is busy.
+    # workers above do not model. It delays the request's routing and so its TTFT; no worker is
+    # busy.
     ingress_ms: float = 0.0
     ingress_media_ms: float = 0.0
     variability: Variability = field(
@@ -218,9 +228,12 @@ class SimCluster:
         suffixes = m.group(4).split("-")[1:] if m else []
         if not m or len(set(suffixes)) != len(suffixes):
             raise ClusterShapeError(
-                f"cannot parse cluster shape {spec!r}: expected ENCxPREFILLxDECODE such as '16x16x16', "
-                "optionally with '-hetero' (half the encoders and prefill workers at 0.5x) and/or '-split' "
-                "(encoders split by tower: image + video on the first half, audio on the rest), or a .yaml file"
+                f"cannot parse cluster shape {spec!r}: "
+                "expected ENCxPREFILLxDECODE such as '16x16x16', "
+                "optionally with '-hetero' (half the encoders and prefill workers at 0.5x) "
+                "and/or '-split' "
+                "(encoders split by tower: image + video on the first half, audio on the rest), "
+                "or a .yaml file"
             )
         e, p, d = (int(g) for g in m.groups()[:3])
         half = lambda n: [1.0 if i < (n + 1) // 2 else 0.5 for i in range(n)]  # noqa: E731
@@ -287,7 +300,8 @@ class SimCluster:
                         )
                     if not isinstance(mods, list) or not set(mods) <= ALL_MODALITIES:
                         raise ClusterShapeError(
-                            f"{path}: {pool}[{k}].modalities must be a list drawn from {sorted(ALL_MODALITIES)}"
+                            f"{path}: {pool}[{k}].modalities must be a list drawn from "
+                            f"{sorted(ALL_MODALITIES)}"
                         )
             groups[pool] = entries
 
@@ -331,15 +345,19 @@ class SimCluster:
                     raise ClusterShapeError(
                         f"cluster {self.name!r}: worker speed must be > 0, got {w.speed}"
                     )
-        if self.costs.prefill_order not in (PREFILL_SHORTEST_FIRST, PREFILL_FIFO):
+        if self.costs.prefill_order not in PREFILL_ORDERS:
             raise ClusterShapeError(
-                f"cluster {self.name!r}: costs.prefill_order must be {PREFILL_SHORTEST_FIRST!r} or {PREFILL_FIFO!r}, got {self.costs.prefill_order!r}"
+                f"cluster {self.name!r}: costs.prefill_order must be "
+                f"{PREFILL_SHORTEST_FIRST!r} or {PREFILL_FIFO!r}, "
+                f"got {self.costs.prefill_order!r}"
             )
-        aging = self.costs.prefill_aging_tokens_per_s
-        if not (isinstance(aging, (int, float)) and 0 <= aging < math.inf):
-            raise ClusterShapeError(
-                f"cluster {self.name!r}: costs.prefill_aging_tokens_per_s must be a number >= 0, got {aging!r}"
-            )
+        for name in SIM_PREFILL_FIELDS:
+            value = getattr(self.costs.prefill, name)
+            if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+                raise ClusterShapeError(
+                    f"cluster {self.name!r}: "
+                    f"costs.prefill.{name} must be a number >= 0, got {value!r}"
+                )
         try:
             self.costs.variability.validate()
         except ValueError as exc:
@@ -358,10 +376,12 @@ class SimCluster:
         if missing:
             if not self.encoders:
                 raise ClusterShapeError(
-                    f"cluster {self.name!r} has no encoder, but the workload has {', '.join(missing)} items"
+                    f"cluster {self.name!r} has no encoder, "
+                    f"but the workload has {', '.join(missing)} items"
                 )
             raise ClusterShapeError(
-                f"cluster {self.name!r} cannot serve the workload: no encoder hosts {', '.join(missing)}"
+                f"cluster {self.name!r} cannot serve the workload: "
+                f"no encoder hosts {', '.join(missing)}"
             )
         unknown = sorted(needed - set(self.costs.encode))
         if unknown:
@@ -392,6 +412,10 @@ class SimCluster:
         cluster.validate()
         return cluster
 
+    def with_prefill(self, **changes) -> SimCluster:
+        """A copy with some prefill settings changed (`costs.prefill`), checked as `with_costs`."""
+        return self.with_costs(prefill=replace(self.costs.prefill, **changes))
+
     def describe(self) -> str:
         def pool(ws: tuple[SimWorker, ...]) -> str:
             speeds: dict[float, int] = {}
@@ -400,7 +424,10 @@ class SimCluster:
             return "+".join(f"{n}@{s:g}x" for s, n in sorted(speeds.items(), reverse=True)) or "0"
 
         nodes = len({w.node for w in (*self.encoders, *self.prefill, *self.decode)})
-        return f"{self.name}: encoders {pool(self.encoders)}, prefill {pool(self.prefill)}, decode {pool(self.decode)} on {nodes} node(s)"
+        return (
+            f"{self.name}: encoders {pool(self.encoders)}, prefill {pool(self.prefill)}, "
+            f"decode {pool(self.decode)} on {nodes} node(s)"
+        )
 
 
 VISION, AUDIO = (
@@ -410,7 +437,8 @@ VISION, AUDIO = (
 
 
 def split_towers(num_encoders: int, spec: str) -> list[frozenset[str]]:
-    """The '-split' shape: the vision tower (image + video) on the first ceil(E/2) encoders, audio on the rest."""
+    """The '-split' shape: the vision tower (image + video) on the first ceil(E/2) encoders, audio
+    on the rest."""
     if num_encoders < 2:
         raise ClusterShapeError(
             f"cluster shape {spec!r}: '-split' needs at least 2 encoders (one per tower)"
@@ -452,6 +480,8 @@ def _costs_from_dict(raw: dict, path) -> SimCosts:
                 raise ClusterShapeError(f"{path}: costs.variability: {exc}") from None
         elif key == "prefill_order":
             changes[key] = value  # SimCluster.validate names a bad one
+        elif key == "prefill":
+            changes[key] = _prefill_from_dict(value, base.prefill, path)
         elif key in ("bandwidth_bytes_per_ms", "transfer_latency_ms"):
             if not isinstance(value, dict):
                 raise ClusterShapeError(f"{path}: costs.{key} must map placement -> number")
@@ -469,6 +499,18 @@ def _costs_from_dict(raw: dict, path) -> SimCosts:
                 raise ClusterShapeError(f"{path}: costs.{key} must be a number >= 0")
             changes[key] = type(getattr(base, key))(value)
     return replace(base, **changes)
+
+
+def _prefill_from_dict(raw, base: PrefillSettings, path) -> PrefillSettings:
+    """costs.prefill: those of the engine's settings that the simulator models."""
+    if not isinstance(raw, dict) or not set(raw) <= set(SIM_PREFILL_FIELDS):
+        raise ClusterShapeError(
+            f"{path}: costs.prefill must map some of {list(SIM_PREFILL_FIELDS)} to numbers"
+        )
+    for key, value in raw.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ClusterShapeError(f"{path}: costs.prefill.{key} must be a number >= 0")
+    return replace(base, **{key: type(getattr(base, key))(value) for key, value in raw.items()})
 
 
 # ----------------------------------------------------------------------------- capacity

@@ -322,7 +322,8 @@ class Engine:
         heappush(self.heap, (now + xfer * 1e-3, EV_PF_ARRIVE, r, 0))
 
     def _send(self, e: int, p: int, items) -> float:
-        """Transfer ms of `items`' embeddings from encoder e to prefill worker p (reported to the router)."""
+        """Transfer ms of `items`' embeddings from encoder e to prefill worker p (reported to the
+        router)."""
         num_bytes = sum([it.embedding_bytes for it in items])
         placement, ms = self.network.send_ms(
             self.encoders.workers[e].node, self.prefill.workers[p].node, num_bytes
@@ -339,7 +340,7 @@ class Engine:
 
     def _prefill_done(self, now: float, p: int, r: int) -> None:
         """First token out: TTFT ends; the KV cache leaves for decode; the next job starts.
-        (Only a chunk of r's prompt, with SimCosts.prefill_chunk_tokens: the worker went on.)"""
+        (Only a chunk of r's prompt, with SimCosts.prefill.max_chunk_tokens: the worker went on.)"""
         done = self.prefill.finish(p, now)
         if done is None:
             return

@@ -16,7 +16,8 @@ from collections import OrderedDict, deque
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING
 
-from router.sim.cluster_model import PREFILL_SHORTEST_FIRST, SimCosts, SimWorker
+from router.prefill_schedule import order_key
+from router.sim.cluster_model import PREFILL_ORDERS, SimCosts, SimWorker
 from router.types import Placement, WorkerKind
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class Network:
 
 
 class KeySnapshots:
-    """An LRU's keys as a set, and a frozen copy of it re-taken only after a change (for publish)."""
+    """An LRU's keys as a set, and a frozen copy of it re-taken only after a change (to publish)."""
 
     __slots__ = ("keys", "dirty", "_frozen")
 
@@ -117,7 +118,8 @@ class EncoderPool:
     """One batch at a time per encoder: up to `encode_max_batch` items of the modality whose oldest
     queued item is oldest, timed by `EncodeCost.batch_ms`; each item's share of the batch time is
     in proportion to its solo cost. Items are cached (LRU of `encoder_cache_bytes`) when their batch
-    finishes; an item the chosen encoder holds at routing (or twice in one request) skips the queue."""
+    finishes; an item the chosen encoder holds at routing (or twice in one request) skips the
+    queue."""
 
     def __init__(
         self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine
@@ -131,7 +133,8 @@ class EncoderPool:
         self.cache_hits = 0
 
     def queue_request(self, r: int, req: Request, now: float) -> bool:
-        """Queue the request's items on their encoders (cache hits skip); False if none needs encoding."""
+        """Queue the request's items on their encoders (cache hits skip); False if none needs
+        encoding."""
         decision, items, workers = req.decision, req.profile.items, self.workers
         split = decision.shares
         counts: dict[int, int] = {}
@@ -190,7 +193,7 @@ class EncoderPool:
         heappush(self.engine.heap, (now + ms * 1e-3, EV_ENC_DONE, e, 0))
 
     def finish_batch(self, e: int, now: float) -> None:
-        """The batch is done: cache its items, credit each request, hand on the fully encoded ones."""
+        """Batch done: cache its items, credit each request, hand on the fully encoded ones."""
         worker = self.workers[e]
         items, ms, share0, share1 = worker.batch
         worker.batch = None
@@ -246,7 +249,7 @@ class Prefill:
 
     def __init__(self, worker: SimWorker, node: int):
         self.speed, self.node = worker.speed, node
-        self.queue: list[tuple[int, int, int]] = []  # heap of (order key, arrival here, r)
+        self.queue: list[tuple[tuple[float, int], int]] = []  # heap of (order_key, r)
         self.current: tuple | None = (
             None  # in service: (r, ms, uncached tokens), ms of the whole prefill
         )
@@ -258,12 +261,12 @@ class Prefill:
 class PrefillPool:
     """One request at a time per worker: prefill_fixed_ms + uncached / prefill_tokens_per_ms, the
     uncached part being what the worker's prefix LRU (`prefix_cache_blocks`) misses at the start.
-    The queue is served shortest prompt first, as the live engine's scheduler does, or in arrival
-    order (`SimCosts.prefill_order`). With `SimCosts.prefill_chunk_tokens` a prompt runs in chunks
-    and goes back to the queue, keyed by the tokens it has left, after each one, so a shorter prompt
-    that arrived meanwhile goes next (the engine's chunk-wise preemption); the service drawn at its
-    start is spread over its chunks by tokens. `SimCosts.prefill_aging_tokens_per_s` ages the key as
-    the engine does: a request's tokens less that many per second it has been at its worker."""
+    The queue is in the live engine's own order (`order_key` of router/prefill_schedule.py, under
+    the engine's settings `SimCosts.prefill`): shortest prompt first, less `aging_tokens_per_s`
+    for each second at the worker, or arrival order (`SimCosts.prefill_order`).
+    With `max_chunk_tokens` a prompt runs in chunks and goes back to the queue, keyed by the tokens
+    it has left, after each one, so a shorter prompt that arrived meanwhile goes next (the engine's
+    chunk-wise preemption); the service drawn at its start is spread over its chunks by tokens."""
 
     def __init__(
         self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine
@@ -271,33 +274,30 @@ class PrefillPool:
         self.workers = [Prefill(w, nodes.index(w.node)) for w in workers]
         self.fixed_ms, self.tokens_per_ms = costs.prefill_fixed_ms, costs.prefill_tokens_per_ms
         self.prefix_cap = costs.prefix_cache_blocks
-        self.shortest_first = costs.prefill_order == PREFILL_SHORTEST_FIRST
-        self.chunk_tokens = costs.prefill_chunk_tokens
-        self.aging = (
-            costs.prefill_aging_tokens_per_s
-        )  # key = tokens left + aging x arrival time (s)
-        self.arrived: dict[int, float] = {}  # r -> when it reached its worker, while aging
+        self.order = PREFILL_ORDERS[costs.prefill_order]
+        self.chunk_tokens = costs.prefill.max_chunk_tokens
+        self.aging = costs.prefill.aging_tokens_per_s
+        self.arrived: dict[int, tuple[float, int]] = {}  # r -> (when, order) it reached its worker
         self.parts: dict[
             int, list
         ] = {}  # r -> [tokens left, (r, ms, uncached)]: prompts begun in chunks
         self.arrivals = (
             itertools.count()
-        )  # at a worker's queue (after encode and transfer): the FIFO order and tie-break
+        )  # at a worker (after encode and transfer): the order of arrival, as the engine counts it
         self.engine = engine
 
     def arrive(self, p: int, r: int, now: float) -> None:
+        self.arrived[r] = (now, next(self.arrivals))
         if self.workers[p].current is None:
             self.start(p, r, now)
         else:
-            seq = next(self.arrivals)
-            key = (
-                self.engine.requests[r].profile.num_prompt_tokens + self.aging * now
-                if self.shortest_first
-                else seq
-            )
-            heappush(self.workers[p].queue, (key, seq, r))
-        if self.aging:
-            self.arrived[r] = now
+            self._queue(p, r, self.engine.requests[r].profile.num_prompt_tokens)
+
+    def _queue(self, p: int, r: int, num_tokens_left: int) -> None:
+        """r waits at p, at its place in the engine's order."""
+        added_s, arrival = self.arrived[r]
+        key = order_key(num_tokens_left, added_s, arrival, self.order, self.aging)
+        heappush(self.workers[p].queue, (key, r))
 
     def start(self, p: int, r: int, now: float) -> None:
         worker, prof = self.workers[p], self.engine.requests[r].profile
@@ -336,14 +336,11 @@ class PrefillPool:
         part = self.parts.get(r) if self.parts else None
         if part is not None:
             if part[0] > 0:
-                # begun before anything queued: first in arrival order, and first among equals
-                key = part[0] + self.aging * self.arrived.get(r, now) if self.shortest_first else -1
-                heappush(worker.queue, (key, -1, r))
+                self._queue(p, r, part[0])
                 self.start_next(p, now)
                 return None
             del self.parts[r]
-        if self.aging:
-            self.arrived.pop(r, None)
+        del self.arrived[r]
         return ms, uncached
 
     def remember(self, p: int, prefix_hashes: tuple[str, ...]) -> None:
@@ -363,7 +360,7 @@ class PrefillPool:
     def start_next(self, p: int, now: float) -> None:
         worker = self.workers[p]
         if worker.queue:
-            r = heappop(worker.queue)[2]
+            r = heappop(worker.queue)[1]
             part = self.parts.get(r) if self.parts else None
             if part is None:
                 self.start(p, r, now)
@@ -391,9 +388,10 @@ class PrefillPool:
 
 
 class DecodePool:
-    """Continuous batching, approximated: admitted while fewer than `decode_max_batch` run, else FIFO;
-    a request admitted as the b-th active takes max_tokens x (step + per_seq x b) / speed, b frozen then.
-    To save an event, admission is decided when the prefill finishes and takes effect when the KV lands."""
+    """Continuous batching, approximated: admitted while fewer than `decode_max_batch` run, else
+    FIFO; a request admitted as the b-th active takes max_tokens x (step + per_seq x b) / speed, b
+    frozen then. To save an event, admission is decided when the prefill finishes and takes effect
+    when the KV lands."""
 
     def __init__(
         self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine

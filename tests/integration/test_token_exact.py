@@ -105,8 +105,9 @@ def test_greedy_outputs_depend_on_the_input(references):
     ids=["object_store", "gloo", "no_overlap_aging"],
 )
 def test_cluster_equals_generate_under_load(ray_session, references, transport, overlap, aging):
-    """`overlap`: prefill.overlap_encode (the prefill call before the embeddings) or the baseline path;
-    `aging`: prefill.aging_tokens_per_s (10,000: the order is about arrival; the answers must not move)."""
+    """`overlap`: prefill.overlap_encode (the prefill call before the embeddings) or the baseline
+    path; `aging`: prefill.aging_tokens_per_s (10,000: the order is about arrival; the answers must
+    not move)."""
     prefill = {"overlap_encode": overlap, "aging_tokens_per_s": aging}
     app = deploy(
         cluster_config(transport={"embeddings": transport, "kv": transport}, prefill=prefill)
@@ -145,7 +146,7 @@ def _prefill_engine_aging(app) -> float:
 
     controller = ray.get_actor(controller_name(APP_NAME, app.config), namespace=NAMESPACE)
     worker = ray.get(controller.snapshot.remote()).pools[WorkerKind.PREFILL][0]
-    return ray.get(worker.__ray_call__.remote(lambda self: self.engine.aging_tokens_per_s))
+    return ray.get(worker.__ray_call__.remote(lambda self: self.engine.settings.aging_tokens_per_s))
 
 
 def test_streaming_equals_whole_response(app, references):

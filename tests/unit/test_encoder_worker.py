@@ -15,6 +15,7 @@ from actors.encoder import EncoderWorker  # noqa: E402
 from actors.runtime import WorkerSpec  # noqa: E402
 from actors.types import EncodeJob, MediaItem  # noqa: E402
 from router.types import Modality  # noqa: E402
+from router.worker_settings import EncoderSettings  # noqa: E402
 
 NUM_EMBEDDINGS = 16  # tiny-llava: one image, 16 placeholder tokens
 
@@ -23,9 +24,7 @@ NUM_EMBEDDINGS = 16  # tiny-llava: one image, 16 placeholder tokens
 def worker(ckpt) -> EncoderWorker:
     return EncoderWorker(
         WorkerSpec(str(ckpt), "float32", "cpu", 1, 256),
-        max_batch_size=4,
-        max_wait_ms=5,
-        cache_mb=64,
+        EncoderSettings(max_batch_size=4, max_wait_ms=5, cache_mb=64),
     )
 
 

@@ -19,14 +19,23 @@ from actors.engine.lm_runner import LMRunner  # noqa: E402
 from actors.engine.prefill import PrefillEngine, PrefillOutput  # noqa: E402
 from actors.types import MediaItem, PrefillRequest  # noqa: E402
 from router.types import Modality  # noqa: E402
+from router.worker_settings import PrefillSettings  # noqa: E402
 from tests.unit.test_lm_runner import (
     GREEDY,
+    encoder,  # noqa: F401 (a fixture)
     hf_greedy,
+    hf_model,  # noqa: F401 (a fixture)
+    lm,  # noqa: F401 (a fixture)
     placeholder_ranges,
-)  # noqa: E402,F401
+    processor,  # noqa: F401 (a fixture)
+)
 
 LONG_TEXT = "Here is a long description of the scene that comes before the picture itself. " * 4
-BIG_CACHE = 1 << 30
+BIG_CACHE_MB = 1024
+
+
+def _cached(max_chunk_tokens: int) -> PrefillSettings:
+    return PrefillSettings(max_chunk_tokens, prefix_block_tokens=4, prefix_cache_mb=BIG_CACHE_MB)
 
 
 def text_then_images(
@@ -83,7 +92,7 @@ def decode_tokens(
 
 
 def up_front(lm, request: PrefillRequest, items: list[torch.Tensor], budget: int) -> PrefillOutput:
-    engine = PrefillEngine(LMRunner(lm), budget)
+    engine = PrefillEngine(LMRunner(lm), PrefillSettings(budget))
     engine.add(request, items)
     while not (outs := engine.step()):
         pass
@@ -105,7 +114,7 @@ def test_text_before_the_image_goes_while_the_encoder_runs(
     ids, ranges, inputs = text_then_images(processor, hf_model.config.image_token_id, [array])
     [emb] = embed(encoder, [array])
     request = PrefillRequest("r", ids, ranges, GREEDY, media_identifiers=("img0",))
-    engine = PrefillEngine(LMRunner(lm), budget)
+    engine = PrefillEngine(LMRunner(lm), PrefillSettings(budget))
     engine.add(request)
     while engine.has_work:
         engine.step()
@@ -124,17 +133,19 @@ def test_text_before_the_image_goes_while_the_encoder_runs(
     assert not engine.jobs and not engine.has_work
 
 
-def test_a_prefix_shorter_than_min_early_tokens_waits_and_goes_in_one_forward(
+def test_a_prefix_shorter_than_overlap_min_tokens_waits_and_goes_in_one_forward(
     lm, encoder, hf_model, processor
 ):
-    """min_early_tokens above the text before the image: the request costs no step until the
+    """overlap_min_tokens above the text before the image: the request costs no step until the
     image comes, then the prompt goes in one chunk, token-exact; the wait is item wait, not
     queue. An abort while it is held leaves nothing."""
     array = np.random.default_rng(6).integers(0, 256, (40, 50, 3), dtype=np.uint8)
     ids, ranges, inputs = text_then_images(processor, hf_model.config.image_token_id, [array])
     [emb] = embed(encoder, [array])
     request = PrefillRequest("r", ids, ranges, GREEDY, media_identifiers=("img0",))
-    engine = PrefillEngine(LMRunner(lm), 512, min_early_tokens=ranges[0].offset + 1)
+    engine = PrefillEngine(
+        LMRunner(lm), PrefillSettings(512, overlap_min_tokens=ranges[0].offset + 1)
+    )
     engine.add(request)
     assert not engine.has_work and not engine.jobs, "held aside: not a step until the image comes"
     assert engine.stats()["waiting_for_items"] == 1 and engine.stats()["queued"] == 1, (
@@ -172,7 +183,7 @@ def test_items_out_of_order_and_a_text_request_is_not_held(lm, encoder, hf_model
     )
     embs = embed(encoder, arrays)
     request = PrefillRequest("r", ids, ranges, GREEDY, media_identifiers=("img0", "img1"))
-    engine = PrefillEngine(LMRunner(lm), 16)
+    engine = PrefillEngine(LMRunner(lm), PrefillSettings(16))
     engine.add(request)
     engine.add(PrefillRequest("text", tuple(range(20, 60)), (), GREEDY))
     assert len(ranges) == 2
@@ -197,7 +208,7 @@ def test_a_prefix_hit_needs_no_late_item_and_one_arriving_after_the_end_is_dropp
     array = np.random.default_rng(5).integers(0, 256, (40, 40, 3), dtype=np.uint8)
     ids, ranges, _ = text_then_images(processor, hf_model.config.image_token_id, [array])
     [emb] = embed(encoder, [array])
-    engine = PrefillEngine(LMRunner(lm), 64, block_size=4, cache_bytes=BIG_CACHE)
+    engine = PrefillEngine(LMRunner(lm), _cached(64))
     engine.add(PrefillRequest("turn1", ids, ranges, GREEDY, media_identifiers=("img0",)), [emb])
     while engine.has_work:
         engine.step()
@@ -226,7 +237,7 @@ def test_abort_while_waiting_for_an_item_frees_everything(lm, encoder, hf_model,
     array = np.random.default_rng(6).integers(0, 256, (40, 40, 3), dtype=np.uint8)
     ids, ranges, _ = text_then_images(processor, hf_model.config.image_token_id, [array])
     [emb] = embed(encoder, [array])
-    engine = PrefillEngine(LMRunner(lm), 512, block_size=4, cache_bytes=BIG_CACHE)
+    engine = PrefillEngine(LMRunner(lm), _cached(512))
     engine.add(
         PrefillRequest("warm", ids[: ranges[0].offset], (), GREEDY)
     )  # its blocks become this request's cached prefix
@@ -250,7 +261,7 @@ def served_late(encoder, runner: LMRunner, plan, num_tokens: int, budget: int = 
     """`test_families.served` through the prefill engine with every item arriving late, the
     last first (3-D rotary families: positions come from the plan, not the embeddings)."""
     embeddings = [encoder.encode([item])[0] for item in plan.items]
-    engine = PrefillEngine(runner, budget)
+    engine = PrefillEngine(runner, PrefillSettings(budget))
     request = PrefillRequest("r", plan.token_ids, plan.placeholders, GREEDY)
     engine.add(request)
     late = {slot: (4 * (len(embeddings) - slot), e) for slot, e in enumerate(embeddings)}
@@ -267,7 +278,7 @@ def test_an_item_that_does_not_fit_fails_its_request_alone(lm, encoder, hf_model
     array = np.random.default_rng(7).integers(0, 256, (40, 40, 3), dtype=np.uint8)
     ids, ranges, _ = text_then_images(processor, hf_model.config.image_token_id, [array])
     [emb] = embed(encoder, [array])
-    engine = PrefillEngine(LMRunner(lm), 64, block_size=4, cache_bytes=BIG_CACHE)
+    engine = PrefillEngine(LMRunner(lm), _cached(64))
     engine.add(PrefillRequest("bad", ids, ranges, GREEDY, media_identifiers=("img0",)))
     engine.add(PrefillRequest("slot", ids, ranges, GREEDY, media_identifiers=("img0",)))
     engine.add(PrefillRequest("text", tuple(range(20, 60)), (), GREEDY))

@@ -15,15 +15,20 @@ from actors.engine.lm_runner import LMRunner  # noqa: E402
 from actors.engine.prefill import PrefillEngine  # noqa: E402
 from actors.types import MediaItem, PrefillRequest  # noqa: E402
 from router.types import Modality  # noqa: E402
+from router.worker_settings import MIB, PrefillSettings  # noqa: E402
 from tests.unit.test_lm_runner import (
     GREEDY,
+    encoder,  # noqa: F401 (a fixture)
     engines,
     hf_greedy,
+    hf_model,  # noqa: F401 (a fixture)
+    lm,  # noqa: F401 (a fixture)
     placeholder_ranges,
+    processor,  # noqa: F401 (a fixture)
     run_engines,
-)  # noqa: E402,F401
+)
 
-BIG_CACHE = 1 << 30
+BIG_CACHE_MB = 1024
 
 
 def image_prompt(processor, image_token_id: int, array: np.ndarray, question: str):
@@ -37,11 +42,11 @@ def image_prompt(processor, image_token_id: int, array: np.ndarray, question: st
 
 
 @pytest.mark.parametrize(
-    "block_size,token_budget,cache_blocks",
+    "prefix_block_tokens,max_chunk_tokens,cache_blocks",
     [(4, 7, None), (5, 512, None), (16, 16, None), (4, 7, 6)],
 )
 def test_warm_prefix_matches_generate(
-    lm, encoder, hf_model, processor, block_size, token_budget, cache_blocks
+    lm, encoder, hf_model, processor, prefix_block_tokens, max_chunk_tokens, cache_blocks
 ):
     """Turn 2 repeats turn 1's prompt and image and adds text; turn 3 repeats turn 1 exactly.
     `cache_blocks`: a budget of that many blocks, so eviction runs while prefixes are in use."""
@@ -59,10 +64,10 @@ def test_warm_prefix_matches_generate(
     cfg = lm.config.text_config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     block_bytes = (
-        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * block_size * 4
+        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * prefix_block_tokens * 4
     )  # float32
-    cache = BIG_CACHE if cache_blocks is None else cache_blocks * block_bytes
-    prefill, decode = engines(lm, token_budget, cache, block_size)
+    cache = BIG_CACHE_MB * MIB if cache_blocks is None else cache_blocks * block_bytes
+    prefill, decode = engines(lm, max_chunk_tokens, cache / MIB, prefix_block_tokens)
     got, cached = run_engines(
         prompts, [0, 60, 120], prefill, decode, [("id-a",)] * 3, expect_batching=False
     )
@@ -74,16 +79,16 @@ def test_warm_prefix_matches_generate(
         assert got[f"r{i}"] == want, f"turn {i + 1}"
     assert cached["r0"] == 0
     if cache_blocks is None:
-        full = (len(token_ids) // block_size) * block_size
+        full = (len(token_ids) // prefix_block_tokens) * prefix_block_tokens
         assert cached["r1"] == full > ranges[0].offset + ranges[0].length, (
             "turn 2 reuses turn 1's blocks, image included"
         )
-        assert cached["r2"] == ((len(token_ids) - 1) // block_size) * block_size, (
-            "a full hit still computes the last token"
-        )
+        assert (
+            cached["r2"] == ((len(token_ids) - 1) // prefix_block_tokens) * prefix_block_tokens
+        ), "a full hit still computes the last token"
     else:
         assert prefill.pool.stats.evictions > 0 and prefill.pool.num_bytes <= cache
-    assert prefill.stats()["prefix_hit_blocks"] == sum(cached.values()) // block_size
+    assert prefill.stats()["prefix_hit_blocks"] == sum(cached.values()) // prefix_block_tokens
 
 
 def test_equal_token_ids_different_images_never_share_kv(lm, encoder, hf_model, processor):
@@ -107,10 +112,13 @@ def test_equal_token_ids_different_images_never_share_kv(lm, encoder, hf_model, 
             pass
         return outs[0]
 
-    warm = PrefillEngine(LMRunner(lm), 8, block_size=4, cache_bytes=BIG_CACHE)
+    warm = PrefillEngine(
+        LMRunner(lm), PrefillSettings(8, prefix_block_tokens=4, prefix_cache_mb=BIG_CACHE_MB)
+    )
     a = prefill_once(warm, "a", embs[0], "id-red")
     b = prefill_once(warm, "b", embs[1], "id-blue")
-    cold_b = prefill_once(PrefillEngine(LMRunner(lm), 8, block_size=4), "b", embs[1], "id-blue")
+    cold = PrefillEngine(LMRunner(lm), PrefillSettings(8, prefix_block_tokens=4))
+    cold_b = prefill_once(cold, "b", embs[1], "id-blue")
     warm.pool.check_integrity()
     assert 0 < b.num_cached_tokens <= ranges[0].offset, (
         "only the text before the image may be shared"

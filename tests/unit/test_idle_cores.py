@@ -125,11 +125,12 @@ def test_the_prefill_worker_steps_with_borrowed_threads_only_while_its_peer_is_i
     from actors.prefill import PrefillWorker
     from actors.runtime import WorkerSpec
     from actors.types import PrefillRequest, SamplingParams
+    from router.worker_settings import PrefillSettings
 
     monkeypatch.setattr(idle_cores, "default_root", lambda: tmp_path)
     board = f"epd-cores-{uuid.uuid4().hex[:8]}"
     spec = WorkerSpec(str(ckpt), "float32", "cpu", 1, 256, idle_torch_threads=2, board=board)
-    worker = PrefillWorker(spec, max_chunk_tokens=64)
+    worker = PrefillWorker(spec, PrefillSettings(max_chunk_tokens=64))
     peer = NodeBoard(board, tmp_path, pid=live_pid())
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     try:

@@ -24,8 +24,15 @@ from actors.engine.lm_runner import LMRunner, splice  # noqa: E402
 from actors.engine.prefill import PrefillEngine  # noqa: E402
 from actors.models.adapter import Part  # noqa: E402
 from actors.models.llava import LlavaAdapter
-from actors.types import DecodeRequest, MediaItem, PlaceholderRange, PrefillRequest, SamplingParams  # noqa: E402
+from actors.types import (  # noqa: E402
+    DecodeRequest,
+    MediaItem,
+    PlaceholderRange,
+    PrefillRequest,
+    SamplingParams,
+)
 from router.types import Modality  # noqa: E402
+from router.worker_settings import MIB, DecodeSettings, PrefillSettings  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -122,12 +129,13 @@ def run_engines(
 
 
 def engines(
-    lm, token_budget: int, cache_bytes: int = 0, block_size: int = 4
+    lm, max_chunk_tokens: int, prefix_cache_mb: float = 0.0, prefix_block_tokens: int = 4
 ) -> tuple[PrefillEngine, DecodeEngine]:
-    prefill = PrefillEngine(
-        LMRunner(lm), token_budget, block_size=block_size, cache_bytes=cache_bytes
+    settings = PrefillSettings(
+        max_chunk_tokens, prefix_block_tokens=prefix_block_tokens, prefix_cache_mb=prefix_cache_mb
     )
-    return prefill, DecodeEngine(LMRunner(lm), max_batch_size=4, max_model_len=10_000)
+    prefill = PrefillEngine(LMRunner(lm), settings)
+    return prefill, DecodeEngine(LMRunner(lm), DecodeSettings(max_batch_size=4), 10_000)
 
 
 @pytest.mark.parametrize("max_chunk_tokens", [4, 512])
@@ -171,7 +179,7 @@ def test_chunked_prefill_matches_one_pass(lm):
 def test_compute_ms_is_a_requests_own_forwards_not_those_sharing_its_steps(lm):
     """The router calibrates prefill cost from compute_ms: under shortest-remaining-first a long
     prompt's first-chunk-to-done time also holds the short prompts' forwards."""
-    engine = PrefillEngine(LMRunner(lm), token_budget=16)
+    engine = PrefillEngine(LMRunner(lm), PrefillSettings(max_chunk_tokens=16))
     engine.add(PrefillRequest("long", tuple(range(10, 74)), (), GREEDY))  # 64 tokens: 4 steps alone
     engine.add(
         PrefillRequest("short", tuple(range(10, 22)), (), GREEDY)
@@ -192,7 +200,9 @@ def test_compute_ms_is_a_requests_own_forwards_not_those_sharing_its_steps(lm):
 def test_aging_puts_a_prompt_that_waited_ahead_of_a_shorter_newcomer(lm, aging):
     """The engine orders by remaining tokens less aging x seconds waited: a 64-token prompt
     that came 10 s before a 12-token one goes first at 100 tokens/s; the answers do not move."""
-    engine = PrefillEngine(LMRunner(lm), token_budget=16, aging_tokens_per_s=aging)
+    engine = PrefillEngine(
+        LMRunner(lm), PrefillSettings(max_chunk_tokens=16, aging_tokens_per_s=aging)
+    )
     engine.add(PrefillRequest("long", tuple(range(10, 74)), (), GREEDY))
     engine._intake[
         -1
@@ -297,7 +307,7 @@ def test_image_embeddings_change_the_output(lm, encoder, processor):
 
 
 def test_kv_bytes_per_token_from_the_config_is_what_prefill_packs(lm):
-    """The ingress sizes a request's KV from the config; the decode worker from the packed tensor."""
+    """The ingress sizes a request's KV from the config, the decode worker from the packed KV."""
     from actors.engine import kv
 
     _, packed, _ = LMRunner(lm).prefill((10, 11, 12, 13, 14), (), [], GREEDY)
@@ -327,7 +337,7 @@ def test_a_kv_budget_queues_a_burst_and_stays_token_exact(lm, hf_model):
     budget = 2 * per_token * max(len(p[0]) + p[3] for p in prompts)
     prefill, _ = engines(lm, 512)
     decode = DecodeEngine(
-        LMRunner(lm), max_batch_size=8, max_model_len=10_000, kv_budget_bytes=budget
+        LMRunner(lm), DecodeSettings(max_batch_size=8, kv_cache_mb=budget / MIB), 10_000
     )
     reserved, waited, step = [], [], decode.step
 

@@ -90,31 +90,31 @@ def test_overlap_chunks_stop_at_the_first_missing_item_and_waiting_costs_no_budg
 
 
 def test_a_short_prefix_waits_for_its_item_and_a_long_one_goes_early():
-    """min_early_tokens: text before a missing item goes early only when at least that long;
+    """overlap_min_tokens: text before a missing item goes early only when at least that long;
     a shorter run waits and goes in one chunk with the item; nothing missing ahead: no floor."""
     spans = [Span(7, 50, ready=False)]
-    short = PrefillState("s", 100, 0, tuple(spans), min_early_tokens=64)
+    short = PrefillState("s", 100, 0, tuple(spans), overlap_min_tokens=64)
     assert not short.runnable and plan_step([short], 512) == [], (
         "7 tokens of `USER: ` wait for the image"
     )
     assert PrefillState("s", 100, 0, tuple(spans)).runnable, "without the floor they go early"
-    long = PrefillState("l", 400, 0, (Span(200, 50, ready=False),), min_early_tokens=64)
+    long = PrefillState("l", 400, 0, (Span(200, 50, ready=False),), overlap_min_tokens=64)
     assert plan_step([long], 512) == [Chunk("l", 0, 200)]
     assert not PrefillState(
-        "l", 400, 150, (Span(200, 50, ready=False),), min_early_tokens=64
+        "l", 400, 150, (Span(200, 50, ready=False),), overlap_min_tokens=64
     ).runnable, "50 left before it: wait"
-    arrived = PrefillState("s", 100, 0, (Span(7, 50),), min_early_tokens=64)
+    arrived = PrefillState("s", 100, 0, (Span(7, 50),), overlap_min_tokens=64)
     assert plan_step([arrived], 512) == [Chunk("s", 0, 100)], (
         "the item came: the whole prompt in one chunk"
     )
-    tail = PrefillState("t", 100, 90, (Span(7, 50),), min_early_tokens=64)
+    tail = PrefillState("t", 100, 90, (Span(7, 50),), overlap_min_tokens=64)
     assert plan_step([tail], 512) == [Chunk("t", 90, 100)], "the last tokens of a prompt always go"
 
 
 def test_media_budget_per_step_is_shared():
     a = state("a", 100, 0, [Span(0, 80)], arrival=0)
     b = state("b", 120, 0, [Span(10, 80)], arrival=1)
-    chunks = plan_step([a, b], 512, max_media_tokens=100)
+    chunks = plan_step([a, b], 512, max_media_tokens_per_step=100)
     assert chunks == [Chunk("a", 0, 100), Chunk("b", 0, 30)], (
         "b keeps its text and 20 of its 80 media tokens"
     )

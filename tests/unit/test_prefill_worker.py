@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from actors.prefill import PrefillWorker  # noqa: E402
 from actors.runtime import WorkerSpec  # noqa: E402
 from actors.types import EncodeStats, PrefillRequest, WorkerRequestError  # noqa: E402
+from router.worker_settings import PrefillSettings  # noqa: E402
 from tests.unit.test_engine_overlap import text_then_images  # noqa: E402
 from tests.unit.test_lm_runner import GREEDY, encoder, processor  # noqa: E402,F401
 
@@ -26,7 +27,7 @@ def worker(ckpt):  # one per test: its drive task belongs to that test's event l
         checkpoint=str(ckpt), dtype="float32", device="cpu", torch_threads=1, max_model_len=4096
     )
     return PrefillWorker(
-        spec, max_chunk_tokens=32, prefix_block_tokens=4, prefix_cache_bytes=1 << 28
+        spec, PrefillSettings(max_chunk_tokens=32, prefix_block_tokens=4, prefix_cache_mb=256)
     )
 
 
@@ -114,7 +115,7 @@ def test_a_slowed_workers_timings_count_its_emulated_slowness(ckpt):
         max_model_len=4096,
         slowdown=4.0,
     )
-    slowed = PrefillWorker(spec, max_chunk_tokens=512)
+    slowed = PrefillWorker(spec, PrefillSettings(max_chunk_tokens=512))
     prompt_ids = tuple(range(10, 210))
 
     async def timed(name: str):

@@ -20,6 +20,7 @@ from actors.types import (
     SamplingParams,
     WorkerRequestError,
 )  # noqa: E402
+from router.worker_settings import DecodeSettings, PrefillSettings  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 PROMPTS = [tuple(range(3, 3 + n)) for n in (9, 17, 5, 12)]
@@ -28,7 +29,7 @@ PROMPTS = [tuple(range(3, 3 + n)) for n in (9, 17, 5, 12)]
 @pytest.fixture(scope="module")
 def workers(ckpt):
     spec = WorkerSpec(str(ckpt), "float32", "cpu", 1, 256)
-    return PrefillWorker(spec, max_chunk_tokens=64), DecodeWorker(spec, max_batch_size=8)
+    return PrefillWorker(spec, PrefillSettings(64)), DecodeWorker(spec, DecodeSettings(8))
 
 
 async def _run(
@@ -98,7 +99,10 @@ def test_a_request_aborted_while_waiting_for_a_row_ends_its_stream(ckpt):
     """The ingress drains a stream it no longer wants (dropping it would cancel the call): an
     abort must end it even when the request never got a row, and the running one is unharmed."""
     spec = WorkerSpec(str(ckpt), "float32", "cpu", 1, 256)
-    prefill, decode = PrefillWorker(spec, max_chunk_tokens=64), DecodeWorker(spec, max_batch_size=1)
+    prefill, decode = (
+        PrefillWorker(spec, PrefillSettings(64)),
+        DecodeWorker(spec, DecodeSettings(1)),
+    )
     long = dataclasses.replace(GREEDY, max_tokens=40)
 
     async def generate(rid: str, prompt, sampling: SamplingParams) -> list:
@@ -130,8 +134,8 @@ def test_a_stream_interval_sends_fewer_chunks_of_the_same_tokens(ckpt):
     the same tokens and finish reason as one token a chunk."""
     spec = WorkerSpec(str(ckpt), "float32", "cpu", 1, 256)
     prefill, decode = (
-        PrefillWorker(spec, max_chunk_tokens=64),
-        DecodeWorker(spec, max_batch_size=8, stream_interval=4),
+        PrefillWorker(spec, PrefillSettings(64)),
+        DecodeWorker(spec, DecodeSettings(max_batch_size=8, stream_interval=4)),
     )
 
     async def run(rid: str):
@@ -147,6 +151,6 @@ def test_a_stream_interval_sends_fewer_chunks_of_the_same_tokens(ckpt):
     assert len(chunks) <= -(-(GREEDY.max_tokens - 1) // 4), "fewer chunks than tokens"
     tokens = first + [t for c in chunks for t in c.token_ids]
     one_by_one, _ = asyncio.run(
-        _run(prefill, DecodeWorker(spec, max_batch_size=8), "single", PROMPTS[1], GREEDY)
+        _run(prefill, DecodeWorker(spec, DecodeSettings(8)), "single", PROMPTS[1], GREEDY)
     )
     assert tokens == one_by_one and chunks[-1].finish_reason == FinishReason.LENGTH

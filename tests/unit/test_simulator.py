@@ -11,8 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from router.prefill_schedule import PrefillState, plan_step
 from router.sim.cli import main as cli_main
 from router.sim.cluster_model import (
+    PREFILL_ORDERS,
     ClusterShapeError,
     EncodeCost,
     SimCluster,
@@ -75,7 +77,8 @@ def _image(ident: str, size: float) -> MediaJob:
 
 
 def test_single_worker_matches_hand_computed_ttft():
-    # r0 t=0    image 1.0 MP: encode 2 + 10*1.0 = 12 ms, transfer 0.001 ms, prefill 5 + 100/10 = 15 ms
+    # r0 t=0    image 1.0 MP: encode 2 + 10*1.0 = 12 ms, transfer 0.001 ms,
+    #           prefill 5 + 100/10 = 15 ms
     # r1 t=5ms  text, 200 tokens: prefill idle -> 5..30 ms                         TTFT 25
     # r0 reaches prefill at 12.001, waits for r1: 30..45                           TTFT 45
     # r2 t=6ms, r3 t=7ms  images 0.5 MP each: queued behind r0's batch, batched at 12 ms:
@@ -99,7 +102,7 @@ def test_single_worker_matches_hand_computed_ttft():
 @pytest.mark.parametrize("order", ["shortest_first", "fifo"])
 def test_prefill_queue_order_is_the_engines_shortest_first_or_fifo(order):
     # 300 tokens at t=0 (5 + 30 = 35 ms), then 300 and 20 queue behind it (at 1 and 2 ms).
-    # shortest first: the 20-token prompt goes at 35 ms (7 ms: TTFT 40), the long one at 42 (TTFT 76);
+    # shortest first: the 20-token prompt at 35 ms (7 ms: TTFT 40), the long one at 42 (TTFT 76);
     # fifo: the long one at 35 (TTFT 69), the short one at 70 (TTFT 75).
     profiles = [RequestProfile(300), RequestProfile(300), RequestProfile(20)]
     cluster = _hand_cluster().with_costs(prefill_order=order)
@@ -110,27 +113,51 @@ def test_prefill_queue_order_is_the_engines_shortest_first_or_fifo(order):
     assert r.ttft_ms == pytest.approx(expected, abs=1e-6)
 
 
+@pytest.mark.parametrize(
+    "order,aging,expected",
+    [
+        ("shortest_first", 0.0, [2, 4, 6, 5, 1, 3]),
+        ("shortest_first", 5000.0, [2, 4, 1, 5, 6, 3]),  # keys 130, 70, 250, 115, 190, 210
+        ("fifo", 0.0, [1, 2, 3, 4, 5, 6]),
+    ],
+)
+def test_the_simulator_serves_a_queue_in_the_engines_own_order(order, aging, expected):
+    # r0 (300 tokens: 35 ms) holds the worker while six prompts queue behind it; the simulator
+    # serves them one by one, the engine's scheduler (plan_step) orders their states in a step.
+    sizes, arrivals = [300, 120, 40, 200, 40, 90, 60], [0.0, 0.002, 0.006, 0.01, 0.015, 0.02, 0.03]
+    cluster = _hand_cluster().with_costs(prefill_order=order).with_prefill(aging_tokens_per_s=aging)
+    wl = Workload("queue", [RequestProfile(n) for n in sizes], np.array(arrivals))
+    r = simulate(cluster, wl, "joint", slo_ms=50)
+    served = np.argsort(np.array(arrivals) + r.ttft_ms / 1e3)[1:].tolist()
+    states = [
+        PrefillState(str(i), n, 0, arrival=i, added_s=t)
+        for i, (n, t) in enumerate(zip(sizes, arrivals))
+    ][1:]
+    planned = plan_step(states, sum(sizes), order=PREFILL_ORDERS[order], aging_tokens_per_s=aging)
+    assert served == [int(c.request_id) for c in planned] == expected
+
+
 @pytest.mark.parametrize("aging", [0.0, 10_000.0])
 def test_aging_bounds_how_long_shorter_arrivals_pass_a_long_prompt(aging):
     # An overloaded stream of 20-token prompts (7 ms each, one every 5 ms from t=2 ms) and a
-    # 300-token one (35 ms) at t=1 ms, behind a 20-token one in service (0-7 ms). Shortest first, the
-    # long one waits for all 20 of the stream: it starts at 21 x 7 = 147 ms (TTFT 181). With aging
-    # 10,000 tokens/s its key is 300 + 10 and stream prompt k's is 20 + 10 x (2 + 5k): prompts 0-5
-    # go first (keys 40-290), then it runs 49-84 ms (TTFT 83).
+    # 300-token one (35 ms) at t=1 ms, behind a 20-token one in service (0-7 ms). Shortest first,
+    # the long one waits for all 20 of the stream: it starts at 21 x 7 = 147 ms (TTFT 181). With
+    # aging 10,000 tokens/s its key is 300 + 10 and stream prompt k's is 20 + 10 x (2 + 5k): prompts
+    # 0-5 go first (keys 40-290), then it runs 49-84 ms (TTFT 83).
     profiles = [RequestProfile(20), RequestProfile(300)] + [RequestProfile(20)] * 20
     arrivals = np.array([0.0, 0.001] + [0.002 + 0.005 * k for k in range(20)])
-    cluster = _hand_cluster().with_costs(prefill_aging_tokens_per_s=aging)
+    cluster = _hand_cluster().with_prefill(aging_tokens_per_s=aging)
     r = simulate(cluster, Workload("aging", profiles, arrivals), "joint", slo_ms=50)
     assert r.ttft_ms[1] == pytest.approx(181.0 if aging == 0 else 83.0, abs=1e-6)
 
 
 @pytest.mark.parametrize("chunk", [0, 100])
 def test_a_short_prompt_overtakes_a_long_one_at_its_next_chunk(chunk):
-    # 300 tokens at t=0 (35 ms); 20 tokens (7 ms) arrive at 1 ms. In one go: the long one ends at 35,
-    # the short at 42 (TTFT 41). In 100-token chunks (35/3 ms each): the short one goes after the
-    # first chunk (11.67 -> 18.67, TTFT 17.67), the long one's two chunks follow (ends at 42).
+    # 300 tokens at t=0 (35 ms); 20 tokens (7 ms) arrive at 1 ms. In one go: the long one ends at
+    # 35, the short at 42 (TTFT 41). In 100-token chunks (35/3 ms each): the short one goes after
+    # the first chunk (11.67 -> 18.67, TTFT 17.67), the long one's two chunks follow (ends at 42).
     profiles = [RequestProfile(300), RequestProfile(20)]
-    cluster = _hand_cluster().with_costs(prefill_chunk_tokens=chunk)
+    cluster = _hand_cluster().with_prefill(max_chunk_tokens=chunk)
     r = simulate(cluster, Workload("chunks", profiles, np.array([0.0, 0.001])), "joint", slo_ms=50)
     expected = [42.0, 35 / 3 + 7 - 1] if chunk else [35.0, 41.0]
     assert r.ttft_ms == pytest.approx(expected, abs=1e-6)
@@ -146,7 +173,7 @@ def test_chunks_keep_arrival_order_under_fifo_and_every_prompt_finishes():
     base = _hand_cluster().with_costs(prefill_order="fifo")
     whole = simulate(base, Workload("w", profiles, arrivals), "joint", slo_ms=50)
     chunked = simulate(
-        base.with_costs(prefill_chunk_tokens=64),
+        base.with_prefill(max_chunk_tokens=64),
         Workload("c", profiles, arrivals),
         "joint",
         slo_ms=50,
@@ -168,13 +195,15 @@ def test_a_prefill_order_the_engine_does_not_know_is_refused_by_name(tmp_path):
         match="costs.prefill_order must be 'shortest_first' or 'fifo', got 'lifo'",
     ):
         _hand_cluster().with_costs(prefill_order="lifo")
-    yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts: {prefill_chunk_tokens: -5}\n")
-    with pytest.raises(ClusterShapeError, match="costs.prefill_chunk_tokens must be a number >= 0"):
+    yml.write_text("encoders: 1\nprefill: 1\ndecode: 1\ncosts: {prefill: {max_chunk_tokens: -5}}\n")
+    with pytest.raises(
+        ClusterShapeError, match="costs.prefill.max_chunk_tokens must be a number >= 0"
+    ):
         SimCluster.from_yaml(yml)
     with pytest.raises(
-        ClusterShapeError, match="costs.prefill_aging_tokens_per_s must be a number >= 0, got -1"
+        ClusterShapeError, match="costs.prefill.aging_tokens_per_s must be a number >= 0, got -1"
     ):
-        _hand_cluster().with_costs(prefill_aging_tokens_per_s=-1)
+        _hand_cluster().with_prefill(aging_tokens_per_s=-1)
 
 
 def test_encoder_cache_hit_skips_encoding():
@@ -392,11 +421,13 @@ def test_cli_plots(tmp_path, capsys):
 def test_router_sim_imports_neither_torch_nor_ray():
     code = (
         "import sys\n"
-        "import router.sim, router.sim.cli, router.sim.loop, router.sim.report, router.sim.workload\n"
+        "import router.sim, router.sim.cli, router.sim.loop, "
+        "router.sim.report, router.sim.workload\n"
         "import router.sim.cluster_model, router.router\n"
         "from router.sim import SimCluster, make_workload, simulate\n"
         "simulate(SimCluster.parse('1x1x1'), make_workload('poisson', 50, rate_rps=5.0), 'joint')\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'ray', 'matplotlib'))\n"
+        "bad = sorted(m for m in sys.modules "
+        "if m.split('.')[0] in ('torch', 'ray', 'matplotlib'))\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
