@@ -27,7 +27,7 @@ MIN_PER_KIND = (
 
 
 @pytest.fixture(scope="module")
-def default_app(ray_session):
+def default_app(ray_session, default_model_built):
     config = ensure_model(load_config())  # the embedded default, as `./scripts/serve` serves it
     return deploy(config.replace(server={"port": TEST_PORT, "trace_path": str(TRACE_PATH)}))
 

@@ -96,15 +96,14 @@ def test_training_is_deterministic_and_leaves_global_state_alone():
 
 
 @pytest.fixture(scope="module")
-def trained():
-    """The default config's trained model from the shared cache (trained there on first use, as `epd serve` does)."""
+def trained(default_model_built):
+    """The default config's trained model from the shared cache (trained there on first use,
+    as `epd serve` does)."""
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from actors.checkpoints.build import ensure_checkpoint
-    from cluster.config import builtin_model, load_config
+    from cluster.config import load_config
 
-    name = load_config().model.builtin
-    path = ensure_checkpoint(builtin_model(name)["checkpoint"], name)
+    name, path = load_config().model.builtin, default_model_built
     return (
         SHAPES_RECIPES[name],
         LlavaForConditionalGeneration.from_pretrained(path).eval(),
