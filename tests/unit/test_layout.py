@@ -158,3 +158,21 @@ def test_each_package_keeps_its_import_rules(package):
 
 def test_the_rules_are_read():
     assert _rules("router") == ([], ["torch", "ray", "transformers"])
+
+
+def _readme_map() -> set[str]:
+    """Paths named at the start of a line in the README's layout block."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    return {line.split()[0] for line in block.splitlines() if line and not line[0].isspace()}
+
+
+def test_the_readme_map_lists_every_module_and_nothing_else():
+    listed = _readme_map()
+    modules = {str(p.relative_to(ROOT)) for p in MODULES.values() if p.name != "__init__.py"}
+    packages = {
+        str(p.parent.relative_to(ROOT)) + "/" for p in MODULES.values() if p.name == "__init__.py"
+    }
+    assert sorted(modules - listed) == []
+    assert sorted(packages - listed) == []
+    assert sorted(p for p in listed if not (ROOT / p).exists()) == []
