@@ -63,7 +63,8 @@ class ModelWorker:
         )
         self._executor = ThreadPoolExecutor(max_workers=1)
         self._loop_task: asyncio.Task | None = None
-        # Every worker posts whether it has work, also one that never borrows: the others must see it.
+        # Every worker posts whether it has work, also one that never borrows: the others must
+        # see it.
         self.threads = ThreadPolicy(
             spec.torch_threads,
             spec.idle_torch_threads,
@@ -78,7 +79,7 @@ class ModelWorker:
 
     @property
     def step_threads(self) -> int:
-        """Torch threads of the latest device step (more than torch_threads: borrowed idle cores)."""
+        """Torch threads of the latest device step (above torch_threads: borrowed idle cores)."""
         return self._num_threads
 
     async def run_device(self, fn, *args):

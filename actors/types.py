@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from router.types import Modality  # noqa: F401  (one spelling of the modalities, shared with the router)
+# One spelling of the modalities, shared with the router.
+from router.types import Modality  # noqa: F401
 
 
 class FinishReason(str, enum.Enum):
@@ -131,10 +132,9 @@ class PrefillRequest:
     prompt_token_ids: tuple[int, ...]
     placeholders: tuple[PlaceholderRange, ...]
     sampling: SamplingParams
-    num_output_tokens: int = (
-        0  # the last ones of prompt_token_ids were generated (a resumed request)
-    )
-    # Content identifier per placeholder (the prefix cache's extra key); empty: media blocks are not cached.
+    num_output_tokens: int = 0  # the last ones of prompt_token_ids were generated (resumed)
+    # Content identifier per placeholder (the prefix cache's extra key); empty: media blocks are
+    # not cached.
     media_identifiers: tuple[str, ...] = ()
 
 
@@ -166,7 +166,8 @@ class PrefillResult:
     item_wait_ms: float = (
         0.0  # encode/prefill overlap: time the prefill waited for items' embeddings
     )
-    compute_ms: float = 0.0  # its own device time (prefill_ms, first chunk to done, also counts requests sharing its steps)
+    # its own device time (prefill_ms, first chunk to done, also counts requests sharing its steps)
+    compute_ms: float = 0.0
 
 
 @dataclass(frozen=True)

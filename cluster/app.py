@@ -21,7 +21,7 @@ from ray import serve
 from ray.exceptions import TaskCancelledError
 
 from actors.types import TokenChunk
-from cluster import controller, responses
+from cluster import controller, leftovers, responses
 from cluster.admitted import Admitted, Endpoint
 from cluster.backpressure import Admission, Overloaded, Ticket
 from cluster.config import REPO_ROOT, ClusterConfig, load_config
@@ -43,7 +43,8 @@ from router.types import WorkerKind
 log = logging.getLogger(__name__)
 api = FastAPI(title="epd")
 HEALTH_POLL_TIMEOUT_S = 2.0
-ADMIT_THREADS = 32  # parse + plan + media decode; the decode slots (limits.max_concurrent_decodes) bound the heavy part
+# parse + plan + media decode; the decode slots (limits.max_concurrent_decodes) bound the heavy part
+ADMIT_THREADS = 32
 # A client that leaves cancels its request's task; an await on a worker call then raises
 # Ray's own TaskCancelledError instead of asyncio's (epd never cancels Ray tasks itself).
 CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError)
@@ -69,7 +70,8 @@ async def _require_api_key(request: Request, call_next):
 
 
 def _error(exc: RequestError, request_id: str) -> JSONResponse:
-    headers = {}  # Serve's proxy adds the x-request-id; the request log line pairs it with `request_id`
+    # Serve's proxy adds the x-request-id; the request log line pairs it with `request_id`
+    headers = {}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(exc.retry_after_s)
     body = error_body(exc.message, type=exc.type, param=exc.param, code=exc.code)
@@ -85,7 +87,7 @@ class ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            responses.close_soon(self.body_iterator)
+            leftovers.close_soon(self.body_iterator)
 
 
 @serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
@@ -210,7 +212,8 @@ class Ingress:
         if len(body) > self.config.limits.max_request_bytes:
             raise RequestError(
                 413,
-                f"request body is {len(body)} bytes; the limit is {self.config.limits.max_request_bytes}",
+                f"request body is {len(body)} bytes; "
+                f"the limit is {self.config.limits.max_request_bytes}",
             )
         # Media decoding must not stall the loop; admission has threads of its own, since
         # requests waiting for a decode slot must not hold up text-only ones.
@@ -231,7 +234,7 @@ class Ingress:
         except BaseException:
             for ticket, stream in zip(tickets, chunks):
                 ticket.release()  # also when `chunks` never started, so its own clean-up never runs
-                responses.close_soon(stream)
+                leftovers.close_soon(stream)
             raise
         streams = [self._guarded(first, rest) for first, rest in zip(firsts, chunks)]
         shape = responses.Shape(adm, self.planner.tokenizer)
@@ -294,7 +297,7 @@ class Ingress:
                 yield chunk
         finally:
             ticket.release()
-            responses.close_soon(chunks)
+            leftovers.close_soon(chunks)
 
     @staticmethod
     async def _guarded(
@@ -307,7 +310,7 @@ class Ingress:
                 async for chunk in rest:
                     yield chunk
         finally:
-            responses.close_soon(rest)
+            leftovers.close_soon(rest)
 
     async def _sse(
         self, collectors: list[responses.Collector], events: AsyncIterator[bytes]
@@ -333,7 +336,7 @@ class Ingress:
             )
         finally:
             self._log_done(collectors, status)
-            responses.close_soon(events)
+            leftovers.close_soon(events)
 
     def _log_done(self, collectors: list[responses.Collector], status: str) -> None:
         """One line per request: all choices' tokens, the first choice's TTFT and finish reason."""
@@ -439,17 +442,19 @@ def build_app(config: ClusterConfig):
 
 
 class AppArgs(BaseModel):
-    """The `args` of the Serve application in configs/serve.yaml (serve run / serve deploy / KubeRay)."""
+    """The `args` of the Serve application in configs/serve.yaml (serve run, serve deploy,
+    KubeRay)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     config: str = Field(
         "configs/local_cpu.yaml",
-        description="epd config file; a relative path is taken from the "
-        "working directory if it is there, else from the epd checkout (serve deploy builds elsewhere).",
+        description="epd config file; a relative path is taken from the working directory if it "
+        "is there, else from the epd checkout (serve deploy builds elsewhere).",
     )
     overrides: dict = Field(
         default_factory=dict,
-        description="Sections or fields replaced in that config, e.g. {decode: {num_workers: 2}} (ClusterConfig.replace).",
+        description="Sections or fields replaced in that config, e.g. "
+        "{decode: {num_workers: 2}} (ClusterConfig.replace).",
     )
 
 

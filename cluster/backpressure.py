@@ -69,7 +69,8 @@ class Admission:
             )
         if self.generating >= self.max_generating:
             raise Overloaded(
-                f"the cluster is at capacity: {self.generating} requests are generating (the limit is {self.max_generating}); retry later"
+                f"the cluster is at capacity: {self.generating} requests are generating "
+                f"(the limit is {self.max_generating}); retry later"
             )
         self.waiting_tokens += prompt_tokens
         self.waiting += 1

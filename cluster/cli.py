@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         default=None,
         metavar="ID_OR_DIR",
-        help="serve this checkpoint (a directory or a Hugging Face repo id) instead of the config's",
+        help="serve this checkpoint (a directory or a Hugging Face repo id) "
+        "instead of the config's",
     )
     serve_p.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: --model)"

@@ -36,7 +36,8 @@ class Intake:
         if request.model != self.config.model.served_name:
             raise RequestError(
                 404,
-                f"model {request.model!r} does not exist; this server serves {self.config.model.served_name!r}",
+                f"model {request.model!r} does not exist; "
+                f"this server serves {self.config.model.served_name!r}",
                 "model",
                 code="model_not_found",
             )
@@ -67,8 +68,9 @@ class Intake:
             return
         raise RequestError(
             400,
-            f"this request's KV cache would take {need / 2**20:.2f} MiB ({num_prompt_tokens} prompt tokens + max_tokens "
-            f"{max_tokens}, {per_token} bytes per token); a decode worker holds at most decode.kv_cache_mb = {limit_mb:g} MiB: "
+            f"this request's KV cache would take {need / 2**20:.2f} MiB "
+            f"({num_prompt_tokens} prompt tokens + max_tokens {max_tokens}, {per_token} bytes "
+            f"per token); a decode worker holds at most decode.kv_cache_mb = {limit_mb:g} MiB: "
             "lower max_tokens or shorten the prompt",
             "max_tokens" if per_token * num_prompt_tokens <= limit_mb * 2**20 else prompt_param,
             code="kv_cache_limit_exceeded",
@@ -96,7 +98,8 @@ class Intake:
         if len(media) > limits.max_items_per_request:
             raise RequestError(
                 400,
-                f"request has {len(media)} media items; the limit is {limits.max_items_per_request}",
+                f"request has {len(media)} media items; "
+                f"the limit is {limits.max_items_per_request}",
                 "messages",
             )
         items, budget = [], PixelBudget(limits.max_request_pixels)  # shared by the request's items
@@ -104,7 +107,8 @@ class Intake:
             if part.modality not in self.planner.spec.modalities:
                 raise RequestError(
                     400,
-                    f"model {self.config.model.served_name!r} does not take {part.modality.value} input",
+                    f"model {self.config.model.served_name!r} "
+                    f"does not take {part.modality.value} input",
                     part.param,
                 )
             try:

@@ -24,7 +24,8 @@ CLOSE_RETRY_S, CLOSE_RETRY_FOR_S = (
     0.02,
     30.0,
 )  # close_soon: a running stream is closed once its step ends
-DRAIN_FOR_S = 60.0  # drain_soon: a worker told to abort ends its stream within a step; this bounds a stuck one
+# drain_soon: a worker told to abort ends its stream within a step; this bounds a stuck one
+DRAIN_FOR_S = 60.0
 
 T = TypeVar("T")
 
@@ -38,9 +39,9 @@ def _in_background(coro: Coroutine) -> None:
 
 
 def detached(submit: Callable[..., T], *args) -> T:
-    """`submit(*args)` (an actor method's `.remote`), as a call the request's cancellation does not cancel:
-    Ray finds a call's parent task in a context variable, and in an empty context it has none.
-    Only the request path's own clean-up ends such a call: an abort the worker honours."""
+    """`submit(*args)` (an actor method's `.remote`), as a call the request's cancellation does not
+    cancel: Ray finds a call's parent task in a context variable, and in an empty context it has
+    none. Only the request path's own clean-up ends such a call: an abort the worker honours."""
     return contextvars.Context().run(submit, *args)
 
 
@@ -76,9 +77,9 @@ def drain_soon(stream: AsyncIterator[Awaitable], within_s: float = DRAIN_FOR_S) 
                 async for ref in stream:
                     try:
                         await ref
-                    except Exception:  # noqa: BLE001 - an error chunk or a dead worker: the stream ends either way
-                        pass
-        except Exception:  # noqa: BLE001 - the timeout, or the stream itself failing: nothing is waiting for it
-            pass
+                    except Exception:  # noqa: BLE001
+                        pass  # an error chunk or a dead worker: the stream ends either way
+        except Exception:  # noqa: BLE001
+            pass  # the timeout, or the stream itself failing: nothing is waiting for it
 
     _in_background(drain())

@@ -63,7 +63,8 @@ class MetricsShare:
         )
 
     async def exposition(self) -> bytes:
-        """This replica's live metrics plus every other replica's (live: latest push; dead: retired)."""
+        """This replica's live metrics plus every other replica's (live: latest push; dead:
+        retired)."""
         seq, own = next(self._renderings), self._own()
         try:
             share = self._fleet.controller.share_metrics.remote(self._fleet.owner, own, seq)

@@ -55,8 +55,9 @@ def unplaceable(config: ClusterConfig, shapes: list[NodeShape]) -> list[str]:
         bundle = pool.ray_resources()
         if missing := [r for r in bundle if not any(r in shape.resources for shape in shapes)]:
             problems.append(
-                f"pool {name!r} needs {missing} (each actor reserves {bundle}), which no node of the "
-                f"cluster offers, nor any node type its autoscaler may launch; the nodes offer {offered}"
+                f"pool {name!r} needs {missing} (each actor reserves {bundle}), which no node "
+                "of the cluster offers, nor any node type its autoscaler may launch; "
+                f"the nodes offer {offered}"
             )
         elif not any(shape.holds(bundle) for shape in shapes):
             largest = [f"{s.source}: {_shown(s.resources)}" for s in shapes]
@@ -78,7 +79,8 @@ def _short(config: ClusterConfig, shapes: list[NodeShape]) -> list[str]:
         if (needed := sum(parts.values())) > offered:
             split = ", ".join(f"{name} {amount:g}" for name, amount in parts.items() if amount)
             problems.append(
-                f"the pools reserve {needed:g} {resource} in all ({split}); the cluster offers {offered:g}"
+                f"the pools reserve {needed:g} {resource} in all ({split}); "
+                f"the cluster offers {offered:g}"
             )
     return problems
 

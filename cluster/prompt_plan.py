@@ -130,7 +130,8 @@ class PromptPlanner:
             mine = [n for item, n in zip(items, counts) if item.modality == modality]
             if len(pieces) - 1 != len(mine):
                 raise PromptError(
-                    f"prompt has {len(pieces) - 1} {token} placeholders for {len(mine)} {modality.value} items; "
+                    f"prompt has {len(pieces) - 1} {token} placeholders for {len(mine)} "
+                    f"{modality.value} items; "
                     f"the text must not contain the reserved token {token}"
                 )
             text = pieces[0] + "".join(token * n + rest for n, rest in zip(mine, pieces[1:]))
@@ -149,7 +150,8 @@ class PromptPlanner:
             run = positions[item.modality][taken[item.modality] : taken[item.modality] + n]
             if len(run) != n or run[-1] - run[0] != n - 1:
                 raise PromptError(
-                    f"placeholder run for a {item.modality.value} item is not contiguous after tokenization"
+                    f"placeholder run for a {item.modality.value} item is not contiguous "
+                    "after tokenization"
                 )
             taken[item.modality] += n
             ranges.append(PlaceholderRange(int(run[0]), n))

@@ -112,7 +112,8 @@ def _check_text(text: str, path: tuple[int | str, ...]) -> None:
     except UnicodeEncodeError as exc:
         where = format_param(path) or "request"
         raise BodyError(
-            f"Invalid '{where}': lone UTF-16 surrogate {text[exc.start]!r} at character {exc.start} is not valid Unicode",
+            f"Invalid '{where}': lone UTF-16 surrogate {text[exc.start]!r} "
+            f"at character {exc.start} is not valid Unicode",
             format_param(path),
         ) from None
 

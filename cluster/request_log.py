@@ -1,5 +1,5 @@
-"""One log line per finished request (logger `ray.serve.epd.requests`): id, outcome, tokens, TTFT and
-end-to-end time, and the prompt's text only where the config asks for it."""
+"""One log line per finished request (logger `ray.serve.epd.requests`): id, outcome, tokens, TTFT
+and end-to-end time, and the prompt's text only where the config asks for it."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ RETRY_AFTER_S = 2  # what a 503 tells clients to wait: about one supervisor chec
 
 
 @dataclass
-class Trace:
+class RequestTimings:
     """Per-request timings, filled in as the request moves (ms since arrival unless noted)."""
 
     route: RouteDecision | None = None
@@ -80,7 +80,7 @@ class RequestPath:
         return self.intake.admit(body, request_id, arrived_s, endpoint)
 
     # -- 2. route ---------------------------------------------------------------------------
-    async def route(self, job: Job, trace: Trace) -> RouteDecision:
+    async def route(self, job: Job, trace: RequestTimings) -> RouteDecision:
         """Pick the workers; while a stage has no healthy worker (one is restarting), wait for
         one until the request's deadline rather than failing at once."""
         trace.profile = self.routing.profile(job.adm.plan, job.token_ids, job.sampling.max_tokens)
@@ -96,7 +96,7 @@ class RequestPath:
             await asyncio.sleep(ROUTE_RETRY_S)
 
     # -- 3..5. encode, prefill, decode --------------------------------------------------------
-    async def run(self, adm: Admitted, trace: Trace) -> AsyncIterator[TokenChunk]:
+    async def run(self, adm: Admitted, trace: RequestTimings) -> AsyncIterator[TokenChunk]:
         """The request's tokens. When a worker dies under it, the request goes on on healthy
         workers from the tokens it already has: the prompt plus those tokens are prefilled
         again, and sampling (keyed by seed and position) continues as if nothing happened."""
@@ -114,7 +114,8 @@ class RequestPath:
                 await self.on_worker_lost(lost)
                 self.metrics.retries.labels(lost.kind).inc()
                 failure = lost
-            finally:  # closed now, not whenever the garbage collector gets to it: its clean-up frees KV
+            finally:
+                # closed now, not whenever the garbage collector gets to it: its clean-up frees KV
                 close_soon(attempt_stream)
             if done := self._finished_already(
                 adm, produced
@@ -123,7 +124,8 @@ class RequestPath:
                 return
         raise RequestError(
             503,
-            f"workers failed {self.config.limits.max_attempts} times under this request; last: {failure}",
+            f"workers failed {self.config.limits.max_attempts} times under this request; "
+            f"last: {failure}",
             type="server_error",
             retry_after_s=RETRY_AFTER_S,
         )
@@ -137,7 +139,7 @@ class RequestPath:
         )
         return TokenChunk((), reason) if reason is not None else None
 
-    async def _attempt(self, job: Job, trace: Trace) -> AsyncIterator[TokenChunk]:
+    async def _attempt(self, job: Job, trace: RequestTimings) -> AsyncIterator[TokenChunk]:
         decision = await self.route(job, trace)
         prefilled = False
         try:
@@ -173,7 +175,7 @@ class RequestPath:
             detached(self.fleet.pools[WorkerKind.PREFILL][decision.prefill].drop.remote, job.job_id)
             self.routing.release(decision, before_prefill=not prefilled)
 
-    def _record_ttft(self, job: Job, decision: RouteDecision, trace: Trace) -> None:
+    def _record_ttft(self, job: Job, decision: RouteDecision, trace: RequestTimings) -> None:
         trace.ttft_ms = (time.perf_counter() - job.adm.arrived_s) * 1e3
         self.routing.record_ttft(decision, trace.ttft_ms)
         if self.trace is not None:
@@ -329,9 +331,8 @@ class RequestPath:
             ):  # the client left, a stop string matched or a worker failed: free the row and the KV
                 detached(decoder.abort.remote, job.job_id)
                 if stream is not None:
-                    drain_soon(
-                        stream
-                    )  # never dropped unfinished: that cancels the call, which can crash this process
+                    # never dropped unfinished: that cancels the call, which can crash this process
+                    drain_soon(stream)
 
     async def _start_decode(self, decoder, decision: RouteDecision, request: DecodeRequest, kv_ref):
         """Over the object store (and CUDA IPC) the KV rides on the generate call itself: no
@@ -349,7 +350,7 @@ class RequestPath:
         )
         return streaming.remote(request)
 
-    def _record_prefill(self, result: PrefillResult, trace: Trace) -> None:
+    def _record_prefill(self, result: PrefillResult, trace: RequestTimings) -> None:
         stage = self.metrics.stage
         stage.labels("prefill").observe(result.prefill_ms / 1e3)
         stage.labels("prefill_queue").observe(result.queue_ms / 1e3)

@@ -29,7 +29,7 @@ from cluster.protocol import (
     Usage,
     sse_event,
 )
-from cluster.request_path import Trace
+from cluster.request_path import RequestTimings
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Collector:
         )
         self.num_tokens = 0
         self.num_chars = 0
-        self.trace = Trace()
+        self.trace = RequestTimings()
         self.finish_reason: str | None = None
         self._logprobs: list[tuple[int, TokenLogprob]] = []  # not yet sent with a delta
         self._last_chunk_s: float | None = None

@@ -192,7 +192,8 @@ class SamplingFields(Strict):
         for token_id, _ in bias:
             if token_id >= vocab_size:
                 raise ParamError(
-                    f"Invalid 'logit_bias': token id {token_id} is not in this model's vocabulary of {vocab_size} tokens",
+                    f"Invalid 'logit_bias': token id {token_id} is not in this model's "
+                    f"vocabulary of {vocab_size} tokens",
                     "logit_bias",
                 )
         return bias
@@ -203,13 +204,14 @@ class SamplingFields(Strict):
         max_tokens = self.effective_max_tokens(num_prompt_tokens, bounds)
         if self.min_tokens > max_tokens:
             raise ParamError(
-                f"Invalid 'min_tokens': {self.min_tokens} is more than the {max_tokens} tokens this request "
-                f"may generate ({self.max_tokens_param} or the rest of the context)",
+                f"Invalid 'min_tokens': {self.min_tokens} is more than the {max_tokens} tokens "
+                f"this request may generate ({self.max_tokens_param} or the rest of the context)",
                 "min_tokens",
             )
         if self.top_k > bounds.vocab_size:
             raise ParamError(
-                f"Invalid 'top_k': {self.top_k} is more than this model's vocabulary of {bounds.vocab_size} tokens (-1 or 0: off)",
+                f"Invalid 'top_k': {self.top_k} is more than this model's vocabulary of "
+                f"{bounds.vocab_size} tokens (-1 or 0: off)",
                 "top_k",
             )
         return SamplingParams(

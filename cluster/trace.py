@@ -30,7 +30,8 @@ class TraceWriter:
     ) -> None:
         """`arrived_s` is a perf_counter reading; the trace counts from the writer's creation.
         `timings`: anything with the measured encode_ms, prefill_queue_ms and prefill_ms (the
-        request path's Trace), recorded so the simulator can fit its variability from the trace."""
+        request path's RequestTimings), recorded so the simulator can fit its variability from
+        the trace."""
         measured = (
             None if timings is None else {key: getattr(timings, key) for key in MEASURED_STAGES}
         )

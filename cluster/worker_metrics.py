@@ -58,7 +58,8 @@ class WorkerStatsCollector:
             for name, doc in (
                 (
                     "hits",
-                    "Encoder cache lookups served without a new tower pass (since the worker started).",
+                    "Encoder cache lookups served without a new tower pass "
+                    "(since the worker started).",
                 ),
                 ("misses", "Encoder cache lookups that ran the tower."),
                 ("evictions", "Unreferenced encoder cache entries evicted under the budget."),

@@ -11,11 +11,12 @@ rho is each worker's booked prefill work per unit time, an exponentially weighte
 memory of `CalibrationConfig.busy_memory_s`, capped at `max_busy`. Kept as values relative to a
 reference time, so a read costs one exp for all workers.
 
-Off by default (max_busy 0: booked work alone). In the simulator, exact costs, max_busy 0.95 brought
-joint to 0.94-1.02x least_loaded's p99 on that shape and the 16x16x16-hetero target from 54% to 56-57%
-below least_loaded; on the live shape C it did not: 1.03-1.26x, with the long prompts of its tail sent
-to the slow worker (the live rho, learned from the router's own estimates, sits near the cap, where
-1 / (1 - rho) is steepest). scripts/bench_busy.py and docs/BENCHMARKS.md have the figures.
+Off by default (max_busy 0: booked work alone). In the simulator, exact costs, max_busy 0.95
+brought joint to 0.94-1.02x least_loaded's p99 on that shape and the 16x16x16-hetero target from
+54% to 56-57% below least_loaded; on that shape live it did not: 1.03-1.26x, with the long prompts
+of its tail sent to the slow worker (the live rho, learned from the router's own estimates, sits
+near the cap, where 1 / (1 - rho) is steepest). scripts/bench_busy.py and docs/BENCHMARKS.md have
+the figures.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ class BusyRates:
         return [v * decay for v in self.value]
 
     def factors(self, now_s: float) -> list[float]:
-        """1 / (1 - min(rho, max_busy)) of every worker now: what its booked work's wait grows by."""
+        """1 / (1 - min(rho, max_busy)) of every worker now: what its booked work's wait grows
+        by."""
         if self.max_busy <= 0.0:
             return self.ones
         cache = self._cache

@@ -54,12 +54,14 @@ class CalibrationConfig:
     resume_after_heal: bool = (
         True  # a probe that finds a healed worker as slow as before restores its estimate
     )
-    spread_z: float = 1.0  # joint: candidates within spread_z x the fit's error of the best are near-ties (0: argmin)
+    # joint: candidates within spread_z x the fit's error of the best are near-ties (0: argmin)
+    spread_z: float = 1.0
     busy_memory_s: float = (
         20.0  # seconds: memory of each prefill worker's utilisation (router/busy.py)
     )
-    # joint ranks prefill workers by booked / (1 - utilisation), utilisation capped here; 0 (the default):
-    # by booked work alone. An experiment: it helps in simulation, it hurt p99 live (router/busy.py)
+    # joint ranks prefill workers by booked / (1 - utilisation), utilisation capped here; 0 (the
+    # default): by booked work alone. An experiment: it helps in simulation, it hurt p99 live
+    # (router/busy.py)
     max_busy: float = 0.0
 
     def __post_init__(self) -> None:
@@ -72,7 +74,8 @@ class CalibrationConfig:
         for name in ("pool_memory", "error_memory", "heal_rounds", "idle_rounds"):
             if not getattr(self, name) >= 1:
                 raise ValueError(
-                    f"calibration {name} must be >= 1 (observations / rounds), got {getattr(self, name)!r}"
+                    f"calibration {name} must be >= 1 (observations / rounds), "
+                    f"got {getattr(self, name)!r}"
                 )
         if not self.busy_memory_s > 0:
             raise ValueError(
@@ -94,7 +97,8 @@ class CalibrationConfig:
             )
         if "busy_memory_s" in data and not data.get("max_busy"):
             raise ValueError(
-                "calibration busy_memory_s has no effect while max_busy is 0 (the default): set max_busy > 0 or drop it"
+                "calibration busy_memory_s has no effect while max_busy is 0 (the default): "
+                "set max_busy > 0 or drop it"
             )
         return cls(**data)
 
@@ -223,7 +227,8 @@ class RelativeTimes:
         return [e * scale for e in self.exp]
 
     def learn(self, worker: int, log_ratio: float) -> None:
-        """The worker took exp(log_ratio) x the pool curve's time: move its relative time a little toward it."""
+        """The worker took exp(log_ratio) x the pool curve's time: move its relative time a little
+        toward it."""
         mean = self.sum / self.n
         current = start = self.log[worker] - mean
         if (

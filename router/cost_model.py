@@ -40,7 +40,8 @@ _TIERS = (Placement.SAME_PROCESS, Placement.SAME_NODE, Placement.CROSS_NODE)  # 
 _TIER_INDEX = {placement: i for i, placement in enumerate(_TIERS)}
 
 
-# Seed table (ViT-L/14, Whisper-small): a 0.113 MP image ~5 ms, 30 video frames ~48 ms, 30 s audio ~85 ms.
+# Seed table (ViT-L/14, Whisper-small): a 0.113 MP image ~5 ms, 30 video frames ~48 ms,
+# 30 s audio ~85 ms.
 DEFAULT_ENCODE = {
     Modality.IMAGE.value: LinearCost(1.0, 35.0),
     Modality.VIDEO.value: LinearCost(3.0, 1.5),
@@ -69,7 +70,8 @@ class CostPriors:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CostPriors:
-        """From config: any subset of the fields; `encode` and `bandwidth_gbps` merge over the defaults."""
+        """From config: any subset of the fields; `encode` and `bandwidth_gbps` merge over the
+        defaults."""
         known = {
             "encode",
             "prefill_tokens_per_ms",
@@ -150,8 +152,9 @@ class CostModel:
         # the three transfer fits' coefficients, in _TIERS order, for transfer_tiers()
         self._transfer_a = [self._transfer[pl].a for pl in _TIERS]
         self._transfer_b = [self._transfer[pl].b for pl in _TIERS]
-        # Prefill or transfers observed since their flat coefficients were last copied: brought up to
-        # date before the next read, so observing stays a few multiply-adds (encode fits: _modality()).
+        # Prefill or transfers observed since their flat coefficients were last copied: brought up
+        # to date before the next read, so observing stays a few multiply-adds (encode fits:
+        # _modality()).
         self._pending = False
 
     @classmethod
@@ -290,11 +293,12 @@ class CostModel:
         self._transfer[placement].observe(num_bytes, duration_ms)
         self._pending = True
 
-    # -- one (encoder, prefill) pair: what every policy reports ---------------------------------------
+    # -- one (encoder, prefill) pair: what every policy reports ------------------------------
     def evaluate(
         self, profile: RequestProfile, view: ClusterView, encoder: int | None, prefill: int
     ) -> tuple[TTFTEstimate, tuple[MediaJob, ...], int]:
-        """The estimate for one pair, the items expected to miss the encoder cache, the uncached tokens."""
+        """The estimate for one pair, the items expected to miss the encoder cache, the uncached
+        tokens."""
         if encoder is None:
             return self.pair_estimate(profile, view, None, prefill, (), [], (0.0, 0.0, 0.0))
         items = unique_items(profile.items)
@@ -313,8 +317,9 @@ class CostModel:
         holders: list[int],
         tiers: tuple[float, float, float],
     ) -> tuple[TTFTEstimate, tuple[MediaJob, ...], int]:
-        """evaluate(), given what depends on the request only and the joint policy has already worked
-        out: the unique items, their holder bitmasks (view.item_holders) and the transfer tiers."""
+        """evaluate(), given what depends on the request only and the joint policy has already
+        worked out: the unique items, their holder bitmasks (view.item_holders) and the transfer
+        tiers."""
         if self._pending:
             self._sync()
         uncached = profile.num_prompt_tokens  # what uncached_tokens() gives, without the call
@@ -370,7 +375,7 @@ class CostModel:
     def uncached_tokens(profile: RequestProfile, cached_blocks: int) -> int:
         return max(0, profile.num_prompt_tokens - cached_blocks * profile.block_size)
 
-    # -- all workers at once: the joint policy's fast path ------------------------------------------
+    # -- all workers at once: the joint policy's fast path -----------------------------------
     def encoder_costs(self, profile: RequestProfile, view: ClusterView) -> list[float]:
         """queue + encode per encoder index (meaningful for the request's candidates only)."""
         items = unique_items(profile.items)
@@ -416,7 +421,8 @@ class CostModel:
         return costs
 
     def prefill_costs(self, profile: RequestProfile, view: ClusterView) -> list[float]:
-        """queue + prefill per prefill index (the prefix holders' cached blocks taken off their tokens)."""
+        """queue + prefill per prefill index (the prefix holders' cached blocks taken off their
+        tokens)."""
         if self._pending:
             self._sync()
         now_ms, n = view.now_s * 1e3, profile.num_prompt_tokens
@@ -427,8 +433,8 @@ class CostModel:
                 uncached = n - blocks * bs
                 tokens[p] = uncached if uncached > 0 else 0
         # prefill_queue_ms() of each worker, inlined (this runs for every worker on every decision)
-        # and without its clamp at 0, which the view's invariant service_ms <= outstanding_ms makes moot;
-        # times what shorter arrivals add to the wait (router/busy.py)
+        # and without its clamp at 0, which the view's invariant service_ms <= outstanding_ms makes
+        # moot; times what shorter arrivals add to the wait (router/busy.py)
         costs = [
             (
                 queued - (done if done < now_ms - started else now_ms - started)

@@ -18,7 +18,8 @@ def bits(mask: int) -> Iterator[int]:
 
 class HolderIndex:
     """key -> bitmask of the workers holding it: published sets (trusted while fresh) plus the
-    router's own recent dispatches (kept ttl/2..ttl in two generations: O(1) per key, no per-key expiry)."""
+    router's own recent dispatches (kept ttl/2..ttl in two generations: O(1) per key, no per-key
+    expiry)."""
 
     def __init__(self, num_workers: int, ttl_s: float):
         self.ttl_s = ttl_s

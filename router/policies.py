@@ -37,7 +37,8 @@ class Policy(abc.ABC):
         cost: CostModel | None = None,
         now_s: float | None = None,
     ) -> RouteDecision:
-        """`cost` and `now_s` may be left out by callers that predate the cost model (priors, wall clock)."""
+        """`cost` and `now_s` may be left out by callers that predate the cost model (priors, wall
+        clock)."""
         cost = cost or self._default_cost(view)
         view.refresh(time.monotonic() if now_s is None else now_s)
         return self.decision(profile, view, cost)
@@ -206,8 +207,8 @@ def _pair(
     spread: float = 0.0,
 ) -> tuple[int, int]:
     """The (encoder, prefill) pair of least enc_cost + transfer + prefill_cost; ties to the lowest
-    prefill index; with `spread` > 0, the near-tie of least booked work (see Joint and _least_booked).
-    `encoders_on`: the candidate encoders per node id.
+    prefill index; with `spread` > 0, the near-tie of least booked work (see Joint and
+    _least_booked). `encoders_on`: the candidate encoders per node id.
 
     Any prefill worker can have the cheapest encoder `best` cross-node; being on a node whose own
     cheapest encoder is within (t_cross - t_node) of it saves at most that much (transfers are

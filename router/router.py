@@ -110,7 +110,7 @@ class Router:
         self.view.end(_D, decision.decode, 1)
 
     def observe_encode(self, encoder: int, modality: str, size: float, duration_ms: float) -> None:
-        """Per-item timing straight from the encoder (its EncodeStats), instead of encode_done's split."""
+        """Per-item timing straight from the encoder (its EncodeStats), not encode_done's split."""
         self.cost.observe_encode(encoder, modality, size, duration_ms)
 
     def observe_transfer(self, placement: Placement, num_bytes: int, duration_ms: float) -> None:

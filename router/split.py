@@ -101,7 +101,7 @@ def by_modality(items: tuple[MediaJob, ...]) -> dict[str, tuple[MediaJob, ...]]:
 def least_cost_encoder(
     items: tuple[MediaJob, ...], encoders: list[int], view: ClusterView, cost: CostModel
 ) -> int:
-    """The encoder of least estimated queue + encode for `items` (unique), ties to the lowest index."""
+    """The encoder of least estimated queue + encode for `items` (unique); ties: lowest index."""
     costs = cost.encoder_costs_of(items, view.item_holders(items), view)
     return min(encoders, key=costs.__getitem__)
 
@@ -115,7 +115,8 @@ def share_on(
     view: ClusterView,
     cost: CostModel,
 ) -> EncoderShare:
-    """What `encoder` takes of a split request: `items` (all of one modality, repeats included; `unique` without)."""
+    """What `encoder` takes of a split request: `items` (all of one modality, repeats included;
+    `unique` without)."""
     misses = tuple(
         [item for item, held in zip(unique, view.item_holders(unique)) if not held >> encoder & 1]
     )

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 
 class Modality(str, enum.Enum):
-    """The kinds of media item; the one spelling of them (actors.types re-exports it). A str enum, so
-    a member and its value are equal, hash alike and may key the same dict."""
+    """The kinds of media item; the one spelling of them (actors.types re-exports it). A str enum,
+    so a member and its value are equal, hash alike and may key the same dict."""
 
     IMAGE = "image"
     VIDEO = "video"
@@ -142,8 +142,8 @@ class TTFTEstimate:
         prefill_queue_ms: float,
         prefill_ms: float,
     ) -> TTFTEstimate:
-        """TTFTEstimate(...) with every field given, at about half the cost: the router builds one per
-        request, and a frozen dataclass's generated __init__ sets each field through
+        """TTFTEstimate(...) with every field given, at about half the cost: the router builds one
+        per request, and a frozen dataclass's generated __init__ sets each field through
         object.__setattr__. tests/unit/test_router.py checks both build equal records."""
         record = object.__new__(cls)
         object.__setattr__(
@@ -196,7 +196,7 @@ class EncoderShare:
         encode_ms: float,
         transfer_ms: float,
     ) -> EncoderShare:
-        """EncoderShare(...) with every field given, at about half the cost (see TTFTEstimate.of)."""
+        """EncoderShare(...) with every field given, at about half the cost (TTFTEstimate.of)."""
         record = object.__new__(cls)
         object.__setattr__(
             record,
@@ -250,7 +250,7 @@ class RouteDecision:
         uncached_tokens: int,
         shares: tuple[EncoderShare, ...] = (),
     ) -> RouteDecision:
-        """RouteDecision(...) with every field given, at about half the cost (see TTFTEstimate.of)."""
+        """RouteDecision(...) with every field given, at about half the cost (TTFTEstimate.of)."""
         record = object.__new__(cls)
         object.__setattr__(
             record,

@@ -120,9 +120,9 @@ class ClusterView:
         # clock (inf: none), and its booked ms; the cost model credits the part of it already done
         # (CostModel.prefill_queue_ms). The router sees no start events, so it infers them: a job
         # booked on an idle worker starts once its embeddings are in (its estimated encoder queue +
-        # encode + transfer after dispatch: begin_route); the next one as soon as a job finishes, its
-        # booked ms taken as the mean of those left (end). Both may be early (the next job may still
-        # be encoding). Either way service_ms <= outstanding_ms.
+        # encode + transfer after dispatch: begin_route); the next one as soon as a job finishes,
+        # its booked ms taken as the mean of those left (end). Both may be early (the next job may
+        # still be encoding). Either way service_ms <= outstanding_ms.
         self.service_started_ms = [math.inf] * sizes[_P]
         self.service_ms = [0.0] * sizes[_P]
         # decode_loads(), kept up to date on every change instead of rebuilt per decision:
@@ -140,7 +140,8 @@ class ClusterView:
         self._valid_until = math.inf
         self._candidates: dict[WorkerKind, list[int]] = {}
         self._masks: dict[WorkerKind, int] = {}
-        # modalities (or one modality's name) -> (candidate encoders hosting them, the same per node id)
+        # modalities (or one modality's name) -> (candidate encoders hosting them, the same per
+        # node id)
         self._by_modalities: dict[frozenset[str] | str, tuple[list[int], dict[int, list[int]]]] = {}
         self._splittable: set[frozenset[str]] = (
             set()
@@ -317,7 +318,7 @@ class ClusterView:
         return found.get(prefill, 0)
 
     def prefix_matches(self, prefix_hashes: tuple[str, ...]) -> dict[int, int]:
-        """Leading blocks held, per candidate prefill worker holding at least one (do not mutate)."""
+        """Leading blocks held, per candidate prefill worker holding at least one (read-only)."""
         if not prefix_hashes:
             return {}
         among, version, memo = self.candidate_mask(_P), self.prefix_cache.version, self._prefix_memo
@@ -334,7 +335,8 @@ class ClusterView:
 
     # -- decode load ------------------------------------------------------------------------------
     def least_loaded_decode(self) -> int:
-        """The candidate decode worker of fewest running sequences (decode_loads()); ties to the lowest index."""
+        """The candidate decode worker of fewest running sequences (decode_loads()); ties to the
+        lowest index."""
         self._ensure()
         decoders, loads = self._candidates[_D], self._loads
         if self._oldest_running_at < self.now_s - self.staleness_s:  # decode_loads(), inlined

@@ -16,7 +16,8 @@ def fill_hf_cache(
     checkpoint: Path,
     commit: str = "0123456789abcdef" * 2 + "01234567",
 ) -> Path:
-    """Put `checkpoint`'s files into `cache_dir` as revision `commit` (main) of `repo_id`; the snapshot dir."""
+    """Put `checkpoint`'s files into `cache_dir` as revision `commit` (main) of `repo_id`; the
+    snapshot dir."""
     repo = cache_dir / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / commit
     (repo / "blobs").mkdir(parents=True, exist_ok=True)

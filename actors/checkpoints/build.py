@@ -1,4 +1,4 @@
-"""Build any built-in checkpoint by recipe name (no downloads), for tests, benchmarks and `epd serve`.
+"""Build any built-in checkpoint by recipe name (no downloads): for tests, benchmarks, `epd serve`.
 
 `python -m actors.checkpoints RECIPE OUT_DIR` writes a dir that `AutoProcessor` and the
 family's `from_pretrained` load, as they would a published checkpoint.

@@ -19,15 +19,17 @@ SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<unk>", "<image>", "<video>", "<audio
 
 
 _WORDS = (
-    "the a an this that one two three many some every no all each other small big old new red green blue "
-    "black white yellow bright dark tall short long quiet happy fast slow warm cold cat dog bird fish horse "
-    "child man woman friend teacher team city river lake sea mountain tree flower garden house window door "
-    "road car train boat picture image photo scene sky sun moon star night morning day year time water bread "
-    "apple table book word number color shape person people animal bridge field stone sees likes shows finds "
-    "carries describes watches paints counts opens reads writes holds takes makes gives walks runs sits looks "
-    "wants knows is are was were has have had will can could would should may do does did not in on at of to "
-    "from with near under over behind between into through after before and or but because while when where "
-    "what which who why how yes very also only just still here there now then today above below left right"
+    "the a an this that one two three many some every no all each other small big old new red "
+    "green blue black white yellow bright dark tall short long quiet happy fast slow warm cold cat "
+    "dog bird fish horse child man woman friend teacher team city river lake sea mountain tree "
+    "flower garden house window door road car train boat picture image photo scene sky sun moon "
+    "star night morning day year time water bread apple table book word number color shape person "
+    "people animal bridge field stone sees likes shows finds carries describes watches paints "
+    "counts opens reads writes holds takes makes gives walks runs sits looks wants knows is are "
+    "was were has have had will can could would should may do does did not in on at of to from "
+    "with near under over behind between into through after before and or but because while when "
+    "where what which who why how yes very also only just still here there now then today above "
+    "below left right"
 ).split()
 
 
@@ -42,7 +44,7 @@ def _lcg(x: int) -> Iterator[int]:
 
 
 def _corpus(n_sentences: int) -> list[str]:
-    """Fixed English-like text: real words plus syllable pseudo-words, digits, punctuation, newlines."""
+    """Fixed English-like text: real words, syllable pseudo-words, digits, punctuation, newlines."""
     rnd = _lcg(7)
     pseudo = [
         "".join(_SYLLABLES[next(rnd) % len(_SYLLABLES)] for _ in range(2 + next(rnd) % 3))
@@ -57,7 +59,10 @@ def _corpus(n_sentences: int) -> list[str]:
             words.insert(next(rnd) % len(words), str(next(rnd) % 2000))
         s = " ".join(words)
         sentences.append(s[0].upper() + s[1:] + ends[next(rnd) % len(ends)])
-    fixed = "SYSTEM: Be kind.\nUSER: What is in this image?\nASSISTANT: A lake.\ndef f(x):\n    return x\n"
+    fixed = (
+        "SYSTEM: Be kind.\nUSER: What is in this image?\nASSISTANT: A lake.\n"
+        "def f(x):\n    return x\n"
+    )
     # Newline-joined "documents" so newlines and indentation get merges too.
     return ["\n".join(sentences[i : i + 8]) for i in range(0, len(sentences), 8)] + [fixed] * 50
 

@@ -61,7 +61,9 @@ CHAT_TEMPLATE = (
 @dataclass(frozen=True)
 class QwenRecipe:
     name: str
-    family: str  # "qwen2_audio" | "qwen2_5_omni_thinker" | "qwen2_5_omni" (the published layout, thinker + talker)
+    # "qwen2_audio" | "qwen2_5_omni_thinker" |
+    # "qwen2_5_omni" (the published layout, thinker + talker)
+    family: str
     seed: int
     vocab_size: int
     text_hidden: int = 64

@@ -125,7 +125,7 @@ def _draw(
 def _centres(
     rng: np.random.Generator, count: int, side: str | None, size_px: int, r: float
 ) -> list[tuple[float, float]]:
-    """Centres of `count` shapes of radius `r` that do not touch; one shape sits clearly on `side`."""
+    """Centres of `count` shapes of radius `r` that do not touch; one sits clearly on `side`."""
     lo, hi = r + 1, size_px - r - 1
     if side is not None:
         x_lo, x_hi = (lo, size_px * 0.38) if side == "left" else (size_px * 0.62, hi)
@@ -169,7 +169,7 @@ def random_scene(rng: np.random.Generator, max_count: int = MAX_COUNT) -> Scene:
 def random_sample(
     rng: np.random.Generator, size_px: int = 64, asks: tuple[Ask, ...] = tuple(Ask)
 ) -> Sample:
-    """A random scene, a question of one of `asks` that it can answer, and where the picture goes."""
+    """A random scene, a question of one of `asks` it can answer, and where the picture goes."""
     scene = random_scene(rng)
     fit = [
         a

@@ -1,11 +1,12 @@
-"""Train `shapes-llava-v2` (and `shapes-llava`): small LLaVAs that answer questions about pictures of shapes.
+"""Train `shapes-llava-v2` (and `shapes-llava`): small LLaVAs that answer questions about
+pictures of shapes.
 
 The random-weight checkpoints answer noise, so a working cluster and a broken one look the
 same; `shapes-llava-v2` names the colour, the shape and the side (left or right) of what
-`actors.checkpoints.scenes` draws (`shapes-llava`: colour and side). It is the same architecture and files
-as `tiny-llava` (CLIP tower + projector + Llama LM, processor, chat template), trained end to
-end from a seed in 70-80 s of one CPU core: AdamW, fresh pictures every step, loss on the
-answer tokens only.
+`actors.checkpoints.scenes` draws (`shapes-llava`: colour and side). It is the same
+architecture and files as `tiny-llava` (CLIP tower + projector + Llama LM, processor, chat
+template), trained end to end from a seed in 70-80 s of one CPU core: AdamW, fresh pictures
+every step, loss on the answer tokens only.
 """
 
 from __future__ import annotations
@@ -44,15 +45,14 @@ class TrainedRecipe:
     asks: tuple[scenes.Ask, ...] = tuple(scenes.Ask)  # what it is taught to answer
     first_asks: tuple[scenes.Ask, ...] = ()  # curriculum: only these are asked for the first
     first_steps: int = 0  # `first_steps` steps (the slow question gets the tower to itself first)
-    num_threads: int = (
-        1  # tiny matrices gain little from a second thread, and two threads on a busy
-    )
-    # 2-core box spin-wait on each other (measured: 7 s a step instead of 0.6); a fixed count keeps runs repeatable
+    # Tiny matrices gain little from a second thread, and two threads on a busy 2-core box
+    # spin-wait on each other (measured: 7 s a step instead of 0.6); a fixed count keeps runs
+    # repeatable.
+    num_threads: int = 1
     render_px: int = 64  # drawn at this size, then resized by the processor as served pictures are
-    feature_strategy: str = (
-        "default"  # LLaVA's vision_feature_select_strategy; "full" also hands the
-    )
-    # LM the CLS token, the tower's summary of the whole picture (what naming the shape needs)
+    # LLaVA's vision_feature_select_strategy; "full" also hands the LM the CLS token, the tower's
+    # summary of the whole picture (what naming the shape needs)
+    feature_strategy: str = "default"
 
     @property
     def name(self) -> str:
@@ -181,7 +181,7 @@ def train(
 
 
 def build_shapes(recipe: TrainedRecipe, *, progress: bool = False):
-    """(model, processor) of `recipe`, trained; deterministic for a given torch build and thread count."""
+    """(model, processor) of `recipe`, trained; deterministic per torch build and thread count."""
     import torch
     from transformers import LlavaForConditionalGeneration
 
@@ -210,7 +210,7 @@ def build_shapes(recipe: TrainedRecipe, *, progress: bool = False):
 def generate_answer(
     model: LlavaForConditionalGeneration, processor: LlavaProcessor, sample: scenes.Sample
 ) -> list[int]:
-    """The new token ids of plain HF greedy `generate` on `sample`, prompted as the server prompts."""
+    """New token ids of plain HF greedy `generate` on `sample`, prompted as the server prompts."""
     text = processor.apply_chat_template(
         sample.messages({"type": "image"}), add_generation_prompt=True, tokenize=False
     )
@@ -237,7 +237,8 @@ _ARCH = Recipe(
 )
 
 SHAPES_RECIPES: dict[str, TrainedRecipe] = {
-    # Colour and side only; kept as it was so its shared cache stays valid (`shapes-llava-v2` is the default).
+    # Colour and side only; kept as it was so its shared cache stays valid (`shapes-llava-v2` is
+    # the default).
     "shapes-llava": TrainedRecipe(
         arch=_ARCH,
         num_steps=400,

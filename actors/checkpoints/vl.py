@@ -64,12 +64,15 @@ LLAVA_NEXT_TEMPLATE = (
     "{%- if message['role'] == 'user' -%}{{- '[INST] ' -}}"
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- else -%}"
-    "{%- for part in message['content'] if part['type'] == 'image' -%}{{- '<image>\\n' -}}{%- endfor -%}"
-    "{%- for part in message['content'] if part['type'] == 'text' -%}{{- part['text'] -}}{%- endfor -%}"
+    "{%- for part in message['content'] if part['type'] == 'image' -%}"
+    "{{- '<image>\\n' -}}{%- endfor -%}"
+    "{%- for part in message['content'] if part['type'] == 'text' -%}"
+    "{{- part['text'] -}}{%- endfor -%}"
     "{%- endif -%}{{- ' [/INST]' -}}"
     "{%- else -%}"
     "{%- if message['content'] is string -%}{{- ' ' + message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] if part['type'] == 'text' -%}{{- ' ' + part['text'] -}}{%- endfor -%}"
+    "{%- else -%}{%- for part in message['content'] if part['type'] == 'text' -%}"
+    "{{- ' ' + part['text'] -}}{%- endfor -%}"
     "{%- endif -%}"
     "{%- if message['role'] == 'assistant' -%}{{- eos_token -}}{%- endif -%}"
     "{%- endif -%}"
@@ -133,7 +136,8 @@ VL_RECIPES: dict[str, VLRecipe] = {
 
 
 def _flatten_qwen_config(path: Path) -> None:
-    """Text fields at the top level and rope as `rope_scaling: {type: mrope}`, as Qwen's config.json has them."""
+    """Text fields at the top level and rope as `rope_scaling: {type: mrope}`, as Qwen's
+    config.json has them."""
     config = json.loads(path.read_text())
     text = config.pop("text_config")
     rope = text.pop("rope_parameters")

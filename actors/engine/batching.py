@@ -1,10 +1,10 @@
 """Batch formation for the encoder pool, in plain asyncio (no Ray, no torch).
 
-Jobs are grouped by a key (the tower that runs them); a batch leaves when it is full or
-when its oldest job has waited `max_wait_s`, except that a lone job reaching an idle
-batcher runs at once: waiting only pays while jobs keep coming, and would add `max_wait_s`
-to an idle request's latency (jobs arriving meanwhile form the next batch). If a batch fails, its jobs are retried one
-by one so a single bad item fails alone and the rest of the batch still finishes.
+Jobs are grouped by a key (the tower that runs them); a batch leaves when it is full or when its
+oldest job has waited `max_wait_s`, except that a lone job reaching an idle batcher runs at once:
+waiting only pays while jobs keep coming, and would add `max_wait_s` to an idle request's latency
+(jobs arriving meanwhile form the next batch). If a batch fails, its jobs are retried one by one so
+a single bad item fails alone and the rest of the batch still finishes.
 """
 
 from __future__ import annotations

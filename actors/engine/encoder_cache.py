@@ -102,7 +102,7 @@ class EncoderCache:
         self._ref(identifier, entry, holder)
 
     def fill(self, identifier: str, value: Any, num_bytes: int) -> None:
-        """The tower's output for an ENCODING entry; it stays REFERENCED while a request wants it."""
+        """The tower's output for an ENCODING entry; REFERENCED while a request wants it."""
         entry = self._entries[identifier]
         assert entry.encoding, f"{identifier[:12]} was filled twice"
         entry.value, entry.num_bytes, entry.encoding = value, num_bytes, False

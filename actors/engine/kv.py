@@ -45,7 +45,7 @@ class _Slab:
         return [(k[: self.n, :, cols], v[: self.n, :, cols]) for k, v in zip(self.k, self.v)]
 
     def regrown(self, rows: int, left: int, right: int) -> _Slab:
-        """A copy with room for `rows` rows, `left` columns before the window and `right` after it."""
+        """A copy with room for `rows` rows, `left` columns before the window, `right` after."""
         width = self.end - self.start
         out = _Slab(
             list(zip(self.k, self.v)), max(rows, self.n), left + width + right, left + width

@@ -88,7 +88,7 @@ class LMRunner:
 
     @torch.inference_mode()
     def splice_item(self, embeds: torch.Tensor, r: PlaceholderRange, item: torch.Tensor) -> None:
-        """Write one item's embeddings over its range of `embeds` (the job's own tensor), in place."""
+        """Write one item's embeddings over its range of `embeds` (the job's own), in place."""
         check_item(r, item)
         embeds[0, r.offset : r.offset + r.length] = item.to(embeds.device, embeds.dtype)
 

@@ -89,7 +89,7 @@ class BlockPool:
         return n
 
     def acquire(self, hashes: list[str]) -> list[Any]:
-        """Reference the leading held blocks (counted as hits; the rest as misses); their payloads."""
+        """Reference the leading held blocks (hits; the rest count as misses); their payloads."""
         n = self.match(hashes)
         self.stats.hit_blocks += n
         self.stats.miss_blocks += len(hashes) - n
@@ -143,7 +143,7 @@ class BlockPool:
         return sum(1 for b in self.blocks.values() if b.refs)
 
     def check_integrity(self) -> None:
-        """Invariants: sizes add up, within capacity, free list == unreferenced blocks, no negative refs."""
+        """Invariants: sizes add up, within capacity, free list == unreferenced, no refs < 0."""
         assert self.num_bytes == sum(b.num_bytes for b in self.blocks.values()), (
             "byte count drifted"
         )

@@ -116,14 +116,16 @@ def merged_kwargs(processor) -> dict:
     )
 
 
-# model_type -> module defining ADAPTER (a ModelAdapter) and build_spec(config, processor, dtype_bytes)
+# model_type -> module defining ADAPTER (a ModelAdapter) and
+# build_spec(config, processor, dtype_bytes)
 FAMILIES: dict[str, str] = {
     "llava": "actors.models.llava",
     "qwen2_audio": "actors.models.qwen2_audio",
     "qwen2_5_omni_thinker": "actors.models.omni",
     "qwen2_5_vl": "actors.models.qwen2_5_vl",
     "llava_next": "actors.models.llava_next",
-    "qwen2_5_omni": "actors.models.omni",  # the published layout: its thinker is served, the talker ignored
+    # the published layout: its thinker is served, the talker ignored
+    "qwen2_5_omni": "actors.models.omni",
 }
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -134,8 +136,8 @@ class UnsupportedFamily(ValueError):
 
 
 def check_family(checkpoint: Path) -> str:
-    """The checkpoint's model_type; UnsupportedFamily naming it and the supported ones if
-    epd has no adapter for it. Reads config.json itself: transformers may not know the type either."""
+    """The checkpoint's model_type; UnsupportedFamily naming it and the supported ones if epd has no
+    adapter for it. Reads config.json itself: transformers may not know the type either."""
     try:
         model_type = json.loads((Path(checkpoint) / "config.json").read_text()).get("model_type")
     except (OSError, ValueError) as exc:
@@ -153,7 +155,8 @@ def check_family(checkpoint: Path) -> str:
 def _family(config):
     if config.model_type not in FAMILIES:
         raise UnsupportedFamily(
-            f"model_type {config.model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+            f"model_type {config.model_type!r} is not supported; "
+            f"supported: {', '.join(sorted(FAMILIES))}"
         )
     return importlib.import_module(FAMILIES[config.model_type])
 

@@ -1,6 +1,6 @@
 """Qwen2.5-Omni thinker, bare (`qwen2_5_omni_thinker`) or inside the published layout
-(`qwen2_5_omni`, talker ignored): one model for images, video and audio (vision tower with 2x2
-patch merging and 2-frame temporal patches, Whisper-style audio tower, LM with 3-D rotary positions).
+(`qwen2_5_omni`, talker ignored): one model for images, video and audio (vision tower with 2x2 patch
+merging and 2-frame temporal patches, Whisper-style audio tower, LM with 3-D rotary positions).
 
 Encoding calls the checkpoint's own sub-processors with the kwargs its processor would merge,
 so features equal what `processor(...)` gives. Positions: the prefill worker lays out the
@@ -36,7 +36,8 @@ class OmniSpec(VisionGridSpec):
 
 
 def thinker_config(config):
-    """The thinker's config: the checkpoint's own (bare thinker) or nested in the published layout."""
+    """The thinker's config: the checkpoint's own (bare thinker) or nested in the published
+    layout's."""
     return getattr(config, "thinker_config", config)
 
 
@@ -129,7 +130,8 @@ class OmniAdapter(VisionEncoding, ModelAdapter):
             video_grid_thw=as_tensor(grids[Modality.VIDEO]),
             attention_mask=torch.ones_like(token_ids),
             use_audio_in_video=False,
-            # get_rope_index wants mel frames per audio; 4n - 1 frames is one length the tower maps to n embeddings
+            # get_rope_index wants mel frames per audio; 4n - 1 frames is one length the tower
+            # maps to n embeddings
             audio_seqlens=as_tensor(
                 [4 * r.length - 1 for r in ranges if r.modality == Modality.AUDIO]
             ),

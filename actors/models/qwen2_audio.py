@@ -91,7 +91,8 @@ class Qwen2AudioAdapter(ModelAdapter):
         return [rows[:n].contiguous() for rows, n in zip(projected, out_lengths.tolist())]
 
     def _mask(self, mel: torch.Tensor, feat_lengths: torch.Tensor):
-        """The tower's attention mask over its post-conv sequence, as the model's forward builds it."""
+        """The tower's attention mask over its post-conv sequence, as the model's forward
+        builds it."""
         batch, _, num_frames = mel.shape
         seq_len = (num_frames - 2) // 2 + 1
         valid = torch.arange(seq_len, device=mel.device).unsqueeze(0) < feat_lengths.to(

@@ -70,8 +70,8 @@ def _not_found(location: str, revision: str | None, cache_dir: str | None, exc: 
     )
     at = f" at revision {revision!r}" if revision else ""
     return (
-        f"model.checkpoint {location!r} is not a local directory, and as a Hugging Face repo id it is not "
-        f"in the cache at {cache}{at}, and {why}; give an existing directory, fill the cache "
-        f"(`hf download {location}` where the Hub is reachable, or copy a cache)"
+        f"model.checkpoint {location!r} is not a local directory, and as a Hugging Face repo id "
+        f"it is not in the cache at {cache}{at}, and {why}; give an existing directory, "
+        f"fill the cache (`hf download {location}` where the Hub is reachable, or copy a cache)"
         + (", or unset HF_HUB_OFFLINE" if constants.HF_HUB_OFFLINE else "")
     )

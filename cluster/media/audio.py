@@ -156,7 +156,8 @@ def _check_header(sound: sf.SoundFile, *, max_duration_s: float, param: str) -> 
     rate, channels = sound.samplerate, sound.channels
     if not MIN_SAMPLE_RATE_HZ <= rate <= MAX_SAMPLE_RATE_HZ:
         raise MediaError(
-            f"audio sample rate {rate} Hz is outside the accepted {MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ} Hz",
+            f"audio sample rate {rate} Hz is outside the accepted "
+            f"{MIN_SAMPLE_RATE_HZ}..{MAX_SAMPLE_RATE_HZ} Hz",
             param,
         )
     if not 1 <= channels <= MAX_CHANNELS:

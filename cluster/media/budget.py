@@ -56,7 +56,8 @@ class PixelBudget:
         if total > self.max_pixels:
             others = f" (with the request's other media, {total})" if self.spent_pixels else ""
             raise MediaError(
-                f"{noun} decodes to {cost.describe()}{others}, over this server's limit of {self.max_pixels} pixels per request (max_request_pixels)",
+                f"{noun} decodes to {cost.describe()}{others}, over this server's limit of "
+                f"{self.max_pixels} pixels per request (max_request_pixels)",
                 param,
             )
         self.spent_pixels = total

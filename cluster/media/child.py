@@ -136,7 +136,8 @@ def main() -> None:
     parser.add_argument("--max-tasks", type=int, required=True, help="tasks served before exiting")
     args = parser.parse_args()
     conn = Connection(args.fd)
-    import cluster.media.decoders  # noqa: F401 - load the decoders before the cap, so the cap measures decoding
+    # Load the decoders before the cap, so the cap measures decoding.
+    import cluster.media.decoders  # noqa: F401
 
     cap_memory(args.max_memory_mb)
     conn.send("ready")

@@ -1,9 +1,9 @@
 """Decoding of one content part, whatever its modality: the dispatch a decoding process runs.
 
-Sends a content part to the image, audio or video decoder with the cluster's limits, the
-request's pixel budget and the model's input options (cluster/media/load.py decides in which
-process). Everything a client sends is untrusted: each failure becomes a MediaError that names the offending content
-part, so the HTTP layer can answer 400 instead of 500. No torch here: this runs in the
+Sends a content part to the image, audio or video decoder with the cluster's limits, the request's
+pixel budget and the model's input options (cluster/media/load.py decides in which process).
+Everything a client sends is untrusted: each failure becomes a MediaError that names the offending
+content part, so the HTTP layer can answer 400 instead of 500. No torch here: this runs in the
 ingress, before any model is involved.
 """
 
@@ -75,7 +75,8 @@ class RemoteSnapshot:
 
 @dataclass(frozen=True)
 class LimitsSnapshot:
-    """The MediaLimits a decoding process needs, as plain data (whatever class the caller's limits are)."""
+    """The MediaLimits a decoding process needs, as plain data (whatever class the caller's limits
+    are)."""
 
     max_image_pixels: int
     remote_media: RemoteSnapshot

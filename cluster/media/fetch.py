@@ -58,7 +58,7 @@ class FetchPolicy:
 
 
 def fetch(url: str, policy: FetchPolicy, *, noun: str, param: str) -> tuple[str, bytes]:
-    """(MIME type, body) of an http(s) URL under `policy`; MediaError naming the reason otherwise."""
+    """(MIME type, body) of an http(s) URL under `policy`; else a MediaError naming the reason."""
     deadline = time.monotonic() + policy.timeout_s
     for _ in range(policy.max_redirects + 1):
         status, headers, body = _get_once(url, policy, deadline, noun=noun, param=param)
@@ -130,7 +130,8 @@ def _checked_address(host: str, port: int, policy: FetchPolicy, *, noun: str, pa
     refused = [a for a in addresses if not policy.address_allowed(a)]
     if refused:  # all or nothing: a name with one private answer is refused whole
         raise MediaError(
-            f"cannot fetch the {noun}: host '{host}' resolves to a private or reserved address ({refused[0]})",
+            f"cannot fetch the {noun}: host '{host}' resolves to a private or reserved address "
+            f"({refused[0]})",
             param,
         )
     return addresses[0]

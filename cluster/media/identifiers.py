@@ -16,7 +16,8 @@ _VERSION = b"epd-media-id-v1"
 
 
 def _field(value: bytes) -> bytes:
-    # Length-prefix each field so no two different (namespace, modality, ...) tuples concatenate alike.
+    # Length-prefix each field so that no two different (namespace, modality, ...) tuples
+    # concatenate alike.
     return len(value).to_bytes(8, "little") + value
 
 

@@ -92,12 +92,14 @@ def header_size(data: bytes) -> tuple[int, int] | None:
 def check_pixels(
     width: int, height: int, *, max_pixels: int, param: str, noun: str = "image"
 ) -> None:
-    """MediaError unless 0 < width * height <= max_pixels; `noun` names the thing ("video frame")."""
+    """MediaError unless 0 < width * height <= max_pixels; `noun` names the thing (e.g. "video
+    frame")."""
     if width <= 0 or height <= 0:
         raise MediaError(f"{noun} has zero size ({width}x{height})", param)
     if width * height > max_pixels:
         raise MediaError(
-            f"{noun} is {width}x{height} = {width * height} pixels, over this server's limit of {max_pixels} pixels",
+            f"{noun} is {width}x{height} = {width * height} pixels, "
+            f"over this server's limit of {max_pixels} pixels",
             param,
         )
 
@@ -120,7 +122,8 @@ def _open_and_load(
 ) -> Image.Image:
     """Open (header only), check format and size, then decode every pixel."""
     require_strict_pillow()
-    # Why catch_warnings: Pillow only warns between MAX_IMAGE_PIXELS and twice that; make it an error.
+    # Why catch_warnings: Pillow only warns between MAX_IMAGE_PIXELS and twice that; make it an
+    # error.
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:

@@ -77,7 +77,8 @@ def _decode_in_child(
     options: MediaOptions,
     budget: PixelBudget | None,
 ) -> Decoded:
-    """decode_media in one of this process's decoding processes; the request's budget is charged here as there."""
+    """decode_media in one of this process's decoding processes; the request's budget is charged
+    here as there."""
     shape = PoolShape(
         limits.max_concurrent_decodes,
         limits.max_decode_memory_mb,

@@ -23,7 +23,8 @@ class UrlKind:
 
     noun: str  # "image", "video": used in every message
     mime_types: frozenset[str]  # accepted MIME types, lower case
-    advice: str  # the accepted types as a client should read them, e.g. "image/png, image/jpeg or image/webp"
+    # the accepted types as a client should read them, e.g. "image/png, image/jpeg or image/webp"
+    advice: str
     example: str  # e.g. "data:image/png;base64,..."
 
 
@@ -36,14 +37,16 @@ def data_url_bytes(
     if scheme in ("http", "https"):
         if remote is None:
             raise MediaError(
-                f"fetching remote media is disabled on this server; send the {kind.noun} inline as a base64 data URL",
+                "fetching remote media is disabled on this server; "
+                f"send the {kind.noun} inline as a base64 data URL",
                 param,
             )
         return _fetched(url, kind, remote, param)
     if scheme != "data":
         shown = f"'{scheme}' URLs" if scheme else "this URL"
         raise MediaError(
-            f"unsupported {kind.noun} URL: {shown} cannot be used; send a base64 data URL ({kind.example})",
+            f"unsupported {kind.noun} URL: {shown} cannot be used; "
+            f"send a base64 data URL ({kind.example})",
             param,
         )
     header, sep, payload = url[5:].partition(",")

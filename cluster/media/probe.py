@@ -39,7 +39,8 @@ class _Truncated(Exception):
 
 
 def probe_animation(data: bytes, fmt: str, *, max_frames: int, param: str) -> AnimationHeader:
-    """Header of an animated (or still) GIF or WEBP; MediaError if `data` is not one or is cut short."""
+    """Header of an animated (or still) GIF or WEBP; MediaError if `data` is not one or is cut
+    short."""
     probe = _probe_gif if fmt == "GIF" else _probe_webp
     try:
         return probe(data, max_frames, param)

@@ -108,7 +108,8 @@ class DecodePool:
         self._closed = False
 
     def decode(self, task: DecodeTask) -> tuple[DecodeReply, np.ndarray]:
-        """Run `task` in a child: (reply, array); MediaError (or the child's own exception) on failure."""
+        """Run `task` in a child: (reply, array); MediaError (or the child's own exception) on
+        failure."""
         with self._slots:
             child = self._take()
             try:
@@ -126,7 +127,8 @@ class DecodePool:
 
     def _exchange(self, child: _Child, task: DecodeTask) -> tuple[DecodeReply, np.ndarray | None]:
         """Send `task`, read its answer. A child silent past the deadline is a MediaError naming
-        limits.max_decode_s; `decode` then kills it, as it does any child an exchange failed with."""
+        limits.max_decode_s; `decode` then kills it, as it does any child an exchange failed
+        with."""
         try:
             child.wait_ready()  # a child's start is not the item's fault: outside the deadline
             deadline_s = time.monotonic() + self.shape.max_decode_s
@@ -150,15 +152,17 @@ class DecodePool:
     def _await(self, child: _Child, deadline_s: float, param: str) -> None:
         if not child.conn.poll(max(0.0, deadline_s - time.monotonic())):
             raise MediaError(
-                f"decoding this item took longer than this server's {self.shape.max_decode_s:g} s per item "
-                "(limits.max_decode_s); its decoding process was stopped. Send a smaller or simpler item",
+                "decoding this item took longer than this server's "
+                f"{self.shape.max_decode_s:g} s per item (limits.max_decode_s); its decoding "
+                "process was stopped. Send a smaller or simpler item",
                 param,
             )
 
     def _died(self, code: int) -> str:
         return (
-            f"decoding this item stopped its decoding process (exit status {code}); it may need more than this "
-            f"server's {self.shape.max_memory_mb} MB per decode (limits.max_decode_memory_mb)"
+            f"decoding this item stopped its decoding process (exit status {code}); it may need "
+            f"more than this server's {self.shape.max_memory_mb} MB per decode "
+            "(limits.max_decode_memory_mb)"
         )
 
     def _raise_failure(self, reply: DecodeReply, param: str) -> None:
@@ -166,8 +170,9 @@ class DecodePool:
             raise MediaError(*reply.media_error)
         if reply.out_of_memory:
             raise MediaError(
-                f"decoding this item needs more than this server's {self.shape.max_memory_mb} MB per "
-                "decode (limits.max_decode_memory_mb); send a smaller or shorter item",
+                "decoding this item needs more than this server's "
+                f"{self.shape.max_memory_mb} MB per decode (limits.max_decode_memory_mb); "
+                "send a smaller or shorter item",
                 param,
             )
         if reply.error is not None:
@@ -189,7 +194,8 @@ class DecodePool:
         self._retire(child)
 
     def _retire(self, child: _Child) -> None:
-        """Stop `child` (its heap goes with it) and start its replacement, which imports while nobody waits."""
+        """Stop `child` (its heap goes with it) and start its replacement, which imports while
+        nobody waits."""
         child.close()
         with self._lock:
             if not self._closed:

@@ -71,7 +71,8 @@ class VideoSampling:
             raise ValueError(f"VideoSampling.fps must be a positive number, got {self.fps}")
         if not 1 <= self.min_frames <= self.max_frames:
             raise ValueError(
-                f"VideoSampling needs 1 <= min_frames <= max_frames, got {self.min_frames} and {self.max_frames}"
+                "VideoSampling needs 1 <= min_frames <= max_frames, "
+                f"got {self.min_frames} and {self.max_frames}"
             )
 
 
@@ -122,7 +123,8 @@ def decode_video_url(
     timeline = clip.timeline(max_duration_s)
     if timeline.duration_s > max_duration_s:
         raise MediaError(
-            f"video is {timeline.duration_s:.1f} s long, over this server's limit of {max_duration_s:g} s",
+            f"video is {timeline.duration_s:.1f} s long, "
+            f"over this server's limit of {max_duration_s:g} s",
             param,
         )
     indices, frames_per_s = select_frames(timeline, sampling, max_frames=max_frames)
@@ -268,7 +270,8 @@ class _AvVideo:
             stream = self._stream(container)
             if container.duration is not None and container.duration / 1e6 > max_duration_s:
                 raise MediaError(
-                    f"video is {container.duration / 1e6:.1f} s long, over this server's limit of {max_duration_s:g} s",
+                    f"video is {container.duration / 1e6:.1f} s long, "
+                    f"over this server's limit of {max_duration_s:g} s",
                     self.param,
                 )
             codec = stream.codec_context
@@ -344,7 +347,8 @@ class _AvVideo:
                     break  # nothing after the last kept frame is needed
         if len(out) < len(wanted):
             raise MediaError(
-                f"corrupt {self.fmt} video: {len(wanted) - len(out)} of the sampled frames could not be decoded",
+                f"corrupt {self.fmt} video: {len(wanted) - len(out)} of the sampled frames "
+                "could not be decoded",
                 self.param,
             )
         return out

@@ -190,7 +190,8 @@ def run(args: argparse.Namespace, out=None) -> int:
         actual_load = wl.rate_rps / capacity
         if not args.json:
             print(
-                f"{cluster.describe()}\nworkload {wl.name}: {len(wl)} requests at {wl.rate_rps:.2f} req/s "
+                f"{cluster.describe()}\nworkload {wl.name}: {len(wl)} requests "
+                f"at {wl.rate_rps:.2f} req/s "
                 f"= {actual_load:.2f} x capacity ({capacity:.2f} req/s); SLO {args.slo_ms:g} ms",
                 file=out,
                 flush=True,

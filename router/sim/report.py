@@ -82,14 +82,18 @@ def summarize(result) -> dict:
 
 def format_table(summaries: Sequence[Mapping]) -> str:
     """A plain-text comparison table, one row per summary."""
-    head = f"{'policy':<14}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}{'tput/s':>10}{'good%':>8}{'|err|':>9}{'util E/P/D':>17}{'wall s':>8}"
+    head = (
+        f"{'policy':<14}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}{'tput/s':>10}"
+        f"{'good%':>8}{'|err|':>9}{'util E/P/D':>17}{'wall s':>8}"
+    )
     lines = [head, "-" * len(head)]
     for s in summaries:
         t = s["ttft_ms"]
         u = s["utilisation"]
         util = f"{u.get('encoder', 0):.2f}/{u.get('prefill', 0):.2f}/{u.get('decode', 0):.2f}"
         lines.append(
-            f"{s['policy']:<14}{t['p50']:>10.1f}{t['p90']:>10.1f}{t['p99']:>10.1f}{t['mean']:>10.1f}"
+            f"{s['policy']:<14}{t['p50']:>10.1f}{t['p90']:>10.1f}{t['p99']:>10.1f}"
+            f"{t['mean']:>10.1f}"
             f"{s['throughput_rps']:>10.2f}{100 * s['goodput']['fraction']:>7.1f}%"
             f"{s['estimate_error_ms']['mean_abs']:>9.1f}{util:>17}{s['wall_seconds']:>8.1f}"
         )
@@ -153,8 +157,8 @@ def _save(plt, fig, path: str | Path) -> Path:
 def plot_load_sweep(
     sweep: Mapping[str, Sequence[Mapping]], path: str | Path, *, title: str | None = None
 ) -> Path:
-    """TTFT p50 (dashed) and p99 (solid) vs offered load (fraction of capacity), one colour per policy.
-    `sweep`: policy -> list of summaries (each with 'load' and 'ttft_ms')."""
+    """TTFT p50 (dashed) and p99 (solid) vs offered load (fraction of capacity), one colour per
+    policy. `sweep`: policy -> list of summaries (each with 'load' and 'ttft_ms')."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for k, (policy, rows) in enumerate(sweep.items()):

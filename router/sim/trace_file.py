@@ -13,12 +13,15 @@ per request, in any order (sorted by arrival on load); blank lines are skipped.
          "num_embeddings": 576,          # placeholder tokens it expands to (int >= 0)
          "embedding_bytes": 4718592}],   # bytes of its embeddings (int >= 0)
      "ttft_ms": 143.2,                   # optional: TTFT measured on the live cluster
-     "encode_ms": 12.5,                  # optional, measured: slowest item's encoder queue + encode,
+     "encode_ms": 12.5,                  # optional, measured: the slowest item's encoder
+                                         #   queue + encode,
      "prefill_queue_ms": 3.1,            #   the prefill worker's queue and prefill time
      "prefill_ms": 80.4,                 #   (router/sim/variability.py fits from these)
-     "prefill_compute_ms": 61.0,         #   of prefill_ms, its own forwards (the rest: others' chunks)
-     "decode_ms": 310.0,                 #   first token to last (in every record or none: the fit then
-                                         #   counts decoding requests as sharing the host)
+     "prefill_compute_ms": 61.0,         #   of prefill_ms, its own forwards (the rest:
+                                         #   others' chunks)
+     "decode_ms": 310.0,                 #   first token to last (in every record or none:
+                                         #   the fit then counts decoding requests as
+                                         #   sharing the host)
      "prefix_hashes": ["ab12", ...],     # optional: prompt block hashes, in order
      "block_size": 16}                   # optional: tokens per block (default 16)
 

@@ -1,8 +1,9 @@
 """Service-time variability for the simulator, and its fit from a recorded trace.
 
 The simulated workers are deterministic by default: a service always takes its cost-model
-time. Workers that share a host's CPU are not (docs/BENCHMARKS.md, issue #4: on a 2-core
-host prefill ran 0.5-3.4x its calibrated time, slower the more requests were in flight).
+time. Workers that share a host's CPU are not (docs/BENCHMARKS.md, routing on the live cluster:
+on a 2-core host prefill ran 0.5-3.4x its calibrated time, slower the more requests were in
+flight).
 `Variability` gives each service (an encode batch, a prefill, a request's ingress overhead)
 a multiplier
 
@@ -108,7 +109,8 @@ class Multipliers:
         self._log_h = [x for _, x in variability.host_profile]
 
     def _stream(self, sigma: float, lognormal: bool = True):
-        """An endless iterator of mean-1 lognormal factors (all 1.0 when sigma is 0), or of N(0, 1) draws."""
+        """An endless iterator of mean-1 lognormal factors (all 1.0 when sigma is 0), or of
+        N(0, 1) draws."""
         if sigma <= 0:
             while True:
                 yield 1.0
@@ -117,8 +119,8 @@ class Multipliers:
             yield from (np.exp(sigma * z - sigma * sigma / 2) if lognormal else z).tolist()
 
     def host(self, now_s: float) -> float:
-        """H(now): the Ornstein-Uhlenbeck state advanced exactly from its last reading (times never go back),
-        or the measured profile at `now_s`."""
+        """H(now): the Ornstein-Uhlenbeck state advanced exactly from its last reading (times never
+        go back), or the measured profile at `now_s`."""
         if self._knots_s:
             return math.exp(interpolate(self._knots_s, self._log_h, now_s))
         if self.host_sigma <= 0:
@@ -212,7 +214,8 @@ class ServiceFit:
 
 
 def linear_fit(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """Least squares y ~ a + b x with a, b >= 0 (through the origin when the intercept comes out negative)."""
+    """Least squares y ~ a + b x with a, b >= 0 (through the origin when the intercept comes out
+    negative)."""
     if len(x) >= 2 and np.ptp(x) > 0:
         b, a = np.polyfit(x, y, 1)
         if a >= 0 and b >= 0:
@@ -294,7 +297,8 @@ def fit_measured_host(
 ) -> MeasuredHost:
     """Fit y ~ base(x) * (1 + c n) * H(t) * noise with log H a Gaussian-kernel average of the log
     residuals around t: for each c, the bandwidth of least leave-one-out error; the c of least such
-    error wins (contention and background slowness fitted together, so neither absorbs the other)."""
+    error wins (contention and background slowness fitted together, so neither absorbs the
+    other)."""
     x, y, n, t = (np.asarray(v, dtype=float) for v in (x, y, n, t))
     kernels = []
     for bandwidth in BANDWIDTHS_S:
@@ -357,8 +361,8 @@ class TraceFit:
     count_decoding: bool = False  # the trace had decode_ms: decoding requests counted as busy
 
     def variability(self, seed: int = 0, measured_host: bool = False) -> Variability:
-        """The fitted variability: the host's share of each service's variance moves to a random H(t),
-        or with `measured_host` to H(t) as measured in the trace."""
+        """The fitted variability: the host's share of each service's variance moves to a random
+        H(t), or with `measured_host` to H(t) as measured in the trace."""
         if measured_host:
             m = self.measured
             return Variability(
@@ -484,7 +488,8 @@ def fit_trace(
 def fit_ingress(
     overhead_ms: np.ndarray, media: np.ndarray, factor: np.ndarray
 ) -> tuple[float, float, float]:
-    """(text ms, what media adds, sigma) of the ingress overhead with the slowdown `factor` taken out."""
+    """(text ms, what media adds, sigma) of the ingress overhead with the slowdown `factor` taken
+    out."""
     free = overhead_ms / factor
     text = float(free[~media].mean()) if (~media).any() else 0.0
     extra = float(free[media].mean()) - text if media.any() else 0.0

@@ -108,7 +108,8 @@ class BurstSpec:
             raise WorkloadError(f"bad burst spec {self}: need on_s, off_s > 0 and on_mult >= 1")
         if self.on_fraction * self.on_mult > 1.0 + 1e-12:
             raise WorkloadError(
-                f"bad burst spec {self}: ON periods alone exceed the mean rate (on_mult x on fraction = {self.on_fraction * self.on_mult:.2f} > 1)"
+                f"bad burst spec {self}: ON periods alone exceed the mean rate "
+                f"(on_mult x on fraction = {self.on_fraction * self.on_mult:.2f} > 1)"
             )
 
 

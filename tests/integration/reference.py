@@ -94,7 +94,8 @@ class _Media:
     def kwargs(self, video_fps: float) -> dict:
         out = {"images": self.images or None, "audio": self.audio or None}
         if self.videos:
-            # fps for the Omni processor, per-video metadata for Qwen2.5-VL's (which else assumes 24 fps)
+            # fps for the Omni processor, per-video metadata for Qwen2.5-VL's (which else assumes
+            # 24 fps)
             metadata = [{"total_num_frames": len(v), "fps": video_fps} for v in self.videos]
             out.update(
                 videos=self.videos, videos_kwargs={"fps": video_fps, "video_metadata": metadata}

@@ -15,8 +15,9 @@ from tests.integration.test_worker_failures import _requests_total, held, wait_u
 
 @pytest.fixture(scope="module")
 def tight(ray_session):
-    # One request may wait for prefill at a time; prefill is 60x slower; 2 s to the first token. (At 30x
-    # and 1 s, a short request's fixed costs on a busy 2-core CI host once took it past the limit.)
+    # One request may wait for prefill at a time; prefill is 60x slower; 2 s to the first token.
+    # (At 30x and 1 s, a short request's fixed costs on a busy 2-core CI host once took it past
+    # the limit.)
     app = deploy(
         cluster_config(
             prefill={"slowdown": [60.0]},

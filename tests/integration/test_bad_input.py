@@ -48,7 +48,8 @@ def _user(*parts) -> list[dict]:
 TEXT = {"type": "text", "text": "hi"}
 OK_IMAGE = _image_part(png_data_url(random_image(1, 32, 32)))
 
-# (name, body overrides or raw bytes, expected status, words the message must contain, expected param prefix)
+# (name, body overrides or raw bytes, expected status, words the message must contain,
+#  expected param prefix)
 CASES = [
     ("malformed json", b'{"model": "tiny-llava", "messages": [', 400, "JSON", None),
     ("unknown model", {"model": "gpt-17"}, 404, "gpt-17", "model"),
@@ -127,10 +128,11 @@ CASES = [
     ("top_p", {"top_p": 0}, 400, "top_p", "top_p"),
     ("max_tokens", {"max_tokens": 0}, 400, "max_tokens", "max_tokens"),
     ("n", {"n": 17}, 400, "n", "n"),
-    # Each of these was a 200 before (#12): a 400 naming the field now.
+    # Each of these was once answered with a 200: a 400 naming the field now.
     (
         "duplicate key",
-        b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "top_p": 0.5, "top_p": 1}',
+        b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], '
+        b'"top_p": 0.5, "top_p": 1}',
         400,
         "more than once",
         "top_p",
@@ -175,7 +177,8 @@ CASES = [
     ("temperature 1e-38", {"temperature": 1e-38, "seed": 1}, 400, "at least 0.01", "temperature"),
     (
         "NaN",
-        b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], '
+        b'"temperature": NaN}',
         400,
         "not a JSON number",
         "temperature",

@@ -84,7 +84,8 @@ def test_both_replicas_serve_exact_answers(pair):
 
 
 def _scrape(app) -> dict[str, float]:
-    """requests_total by status, and the e2e latency histogram's count, from one /metrics through the proxy."""
+    """requests_total by status, and the e2e latency histogram's count, from one /metrics
+    through the proxy."""
     r = app.http.get("/metrics")
     assert r.status_code == 200
     samples = [s for f in text_string_to_metric_families(r.text) for s in f.samples]
@@ -186,7 +187,8 @@ def test_killing_one_replica_rebuilds_nothing_and_loses_nothing_new(pair):
     results, after, first_s, all_s, shown = asyncio.run(under_fire())
     lost = [s for s, (status, _) in zip(seeds, results) if status != 200]
     print(
-        f"\nkill one of 2 replicas: {len(seeds)} in flight, {len(lost)} lost (on the killed replica), "
+        f"\nkill one of 2 replicas: {len(seeds)} in flight, "
+        f"{len(lost)} lost (on the killed replica), "
         f"first new request answered {first_s:.2f} s after the kill, 6 in {all_s:.2f} s"
     )
     assert len(lost) < len(seeds), "no request survived on the other replica"

@@ -122,7 +122,8 @@ def check_token_exact(app, requests: list[list[dict]], copies: int = 3) -> None:
         assert body["choices"][0]["finish_reason"] == finish
 
 
-# Media URLs on the local test server may be fetched; 127.0.0.2 is an allowed name whose address is not.
+# Media URLs on the local test server may be fetched; 127.0.0.2 is an allowed name whose address
+# is not.
 FETCH_LIMITS = {
     "remote_media": {
         "allowed_hosts": ["127.0.0.1", "127.0.0.2"],
@@ -168,7 +169,10 @@ def _pcm_wav(seconds: float, rate: int = 8000) -> bytes:
 _GIF_BOMB = (
     b"GIF89a\xa0\x0f\xa0\x0f\x80\x00\x00"
     + b"\x00\x00\x00\xff\xff\xff"
-    + b"\x21\xf9\x04\x00\xe8\x03\x00\x00\x2c\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02\x44\x01\x00"
+    + (
+        b"\x21\xf9\x04\x00\xe8\x03\x00\x00"
+        b"\x2c\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02\x44\x01\x00"
+    )
     * 2
     + b"\x3b"
 )
@@ -276,7 +280,8 @@ def test_bad_audio_and_video_are_named_and_harm_nothing_else(omni):
 
 
 def test_one_pixel_video_is_encoded_as_planned(omni):
-    """A 1x1 GIF once ended in a 500: the encoder misread its frames' layout (140 embeddings, 144 planned)."""
+    """A 1x1 GIF once ended in a 500: the encoder misread its frames' layout (140 embeddings,
+    144 planned)."""
     response = omni.chat(user(video(2, 1, 1, 7), text("What is it?")), temperature=0, max_tokens=4)
     assert response.status_code == 200, response.text
 

@@ -73,8 +73,9 @@ def test_chat_logprobs_shape_whole_and_streamed(client, model):
         for e in c.choices[0].logprobs.content
     ]
     assert [e.token for e in streamed] == [e.token for e in content]
-    # Tokens exactly, values to float32 rounding: CI once saw -3.9427488 against -3.9427490 for the same token.
-    # Not traced (1 and 2 torch threads gave bit-equal logits for this model, so not simply a borrowed thread).
+    # Tokens exactly, values to float32 rounding: CI once saw -3.9427488 against -3.9427490 for the
+    # same token. Not traced (1 and 2 torch threads gave bit-equal logits for this model, so not
+    # simply a borrowed thread).
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
     plain = client.chat.completions.create(
         model=model, messages=MESSAGES, temperature=0, max_tokens=6
@@ -344,8 +345,8 @@ def test_unhonoured_fields_are_refused_by_name(app, fields, param):
 
 def test_duplicate_keys_and_completions_fields_refused(app, model):
     raw = (
-        b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "max_tokens": 3}'
-        % model.encode()
+        b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], '
+        b'"max_tokens": 2, "max_tokens": 3}' % model.encode()
     )
     response = app.http.post(
         "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}

@@ -69,7 +69,8 @@ def test_one_log_line_per_request(keyed):
 
 
 def _log_lines_naming(*request_ids: str, within_s: float = 20) -> list[str]:
-    """The replica log line of each request id (Serve writes the ingress's log to its session dir)."""
+    """The replica log line of each request id (Serve writes the ingress's log to its session
+    dir)."""
     logs = ray._private.worker._global_node.get_logs_dir_path()
     deadline = time.monotonic() + within_s
     while True:

@@ -25,19 +25,21 @@ from tests.integration.test_multi_node import free_port, private_ray_env
 
 RAY = str(Path(sys.executable).parent / "ray")
 SERVE = str(Path(sys.executable).parent / "serve")
-# Runs the command with SIGINT at its default, as a terminal starts it: a suite started in the background
-# (`./.ci/run &`) ignores SIGINT, a child inherits that, and Python then installs no KeyboardInterrupt
-# handler, so `serve run` would sleep through the test's Ctrl-C. An exec, not preexec_fn: safe beside threads.
+# Runs the command with SIGINT at its default, as a terminal starts it: a suite started in the
+# background (`./.ci/run &`) ignores SIGINT, a child inherits that, and Python then installs no
+# KeyboardInterrupt handler, so `serve run` would sleep through the test's Ctrl-C. An exec, not
+# preexec_fn: safe beside threads.
 AS_FROM_A_TERMINAL = [
     sys.executable,
     "-c",
-    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.argv[1], sys.argv[1:])",
 ]
 
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
-    """`ray start --head --block`, stopped by signalling the process we started (never `ray stop`)."""
+    """`ray start --head --block`, stopped by signalling the process we started (not `ray stop`)."""
     env = private_ray_env()
     port = free_port()
     head = subprocess.Popen(
@@ -96,9 +98,10 @@ def _serve_yaml(tmp_path: Path, http_port: int) -> Path:
 
 
 def _interrupt(proc: subprocess.Popen, log: Path, within_s: float = 120) -> int:
-    """Ctrl-C, as a user stops `serve run` (it deletes its app and exits); its exit status. If it is still
-    up `within_s` later, its Python stacks go into the failure and it is killed, so it does not outlive
-    the test (that is how an inherited ignored SIGINT showed itself: see AS_FROM_A_TERMINAL)."""
+    """Ctrl-C, as a user stops `serve run` (it deletes its app and exits); its exit status. If it
+    is still up `within_s` later, its Python stacks go into the failure and it is killed, so it does
+    not outlive the test (that is how an inherited ignored SIGINT showed itself: see
+    AS_FROM_A_TERMINAL)."""
     proc.send_signal(signal.SIGINT)
     try:
         return proc.wait(timeout=within_s)
@@ -117,7 +120,8 @@ def _interrupt(proc: subprocess.Popen, log: Path, within_s: float = 120) -> int:
         proc.wait()
         stacks = (dump.stdout + dump.stderr) if dump else "(py-spy not installed: no stacks)"
         pytest.fail(
-            f"serve run still up {within_s:.0f} s after SIGINT; its stacks:\n{stacks}\nits log:\n{log.read_text()[-3000:]}"
+            f"serve run still up {within_s:.0f} s after SIGINT; its stacks:\n{stacks}\n"
+            f"its log:\n{log.read_text()[-3000:]}"
         )
 
 

@@ -95,7 +95,8 @@ def test_clients_that_leave_mid_stream_leave_nothing_behind(app):
     assert not any(wait_until_idle(app, within_s=10).values()), held(app)
     after = _requests_total(app)
     aborted, ok = (after.get(s, 0) - before.get(s, 0) for s in ("aborted", "ok"))
-    # Every outcome is counted. On a loaded host a stream may end before its client's leaving is noticed: then it is ok.
+    # Every outcome is counted. On a loaded host a stream may end before its client's leaving is
+    # noticed: then it is ok.
     assert aborted + ok == 12 and aborted >= 1, (aborted, ok)
 
 

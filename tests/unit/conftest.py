@@ -55,7 +55,13 @@ def published_omni_ckpt(tmp_path_factory) -> Path:
 # -- the router tests' shared factories (router/: plain Python, no model) --------------------------
 
 from router.sim.workload import Workload  # noqa: E402
-from router.types import ALL_MODALITIES, MediaJob, RequestProfile, WorkerInfo, WorkerKind  # noqa: E402
+from router.types import (  # noqa: E402
+    ALL_MODALITIES,
+    MediaJob,
+    RequestProfile,
+    WorkerInfo,
+    WorkerKind,
+)
 
 E, P, D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
 VISION, AUDIO = frozenset({"image", "video"}), frozenset({"audio"})
@@ -77,7 +83,7 @@ def audio(identifier: str) -> MediaJob:
 
 
 def fleet(e: int = 3, p: int = 3, d: int = 3, **encoder_mods: frozenset[str]) -> list[WorkerInfo]:
-    """e encoders (all modalities unless e.g. e1=AUDIO), p prefill and d decode workers, on one node."""
+    """e encoders (all modalities unless e.g. e1=AUDIO), p prefill, d decode workers, one node."""
     return (
         [WorkerInfo(E, i, modalities=encoder_mods.get(f"e{i}", ALL_MODALITIES)) for i in range(e)]
         + [WorkerInfo(P, i) for i in range(p)]
@@ -122,7 +128,7 @@ def assert_idle(router) -> None:
 
 
 def sim_run(shape: str, n: int, load: float, policy: str, seed: int = 3, **workload):
-    """A poisson workload of n requests at `load` x the capacity of the cluster `shape`, simulated."""
+    """A poisson workload of n requests at `load` x the capacity of cluster `shape`, simulated."""
     from router.sim.cluster_model import SimCluster, capacity_rps
     from router.sim.loop import simulate
     from router.sim.workload import make_workload

@@ -17,7 +17,7 @@ from tests.unit.conftest import fleet
 P = WorkerKind.PREFILL
 
 
-def test_a_steady_booking_rate_is_the_workers_utilisation_and_its_wait_grows_by_one_over_one_less_it():
+def test_a_steady_booking_rate_is_the_utilisation_and_its_wait_grows_by_one_over_one_less_it():
     busy = BusyRates(2, memory_s=10.0, max_busy=0.95)
     for k in range(1, 2001):  # 60 ms booked every 100 ms on worker 0, for 200 s (20 memories)
         busy.book(0, 60.0, k * 0.1)
@@ -75,8 +75,8 @@ def test_a_busy_memory_without_max_busy_is_refused_rather_than_ignored():
 
 
 def test_joint_sends_a_prompt_to_the_worker_whose_wait_grows_less():
-    # Two equal prefill workers, the same work booked on both; worker 0 has been twice as busy,
-    # so shorter arrivals will overtake more there: the plain argmin took worker 0 (the lower index).
+    # Two equal prefill workers, the same work booked on both; worker 0 has been twice as busy, so
+    # shorter arrivals will overtake more there: the plain argmin took worker 0 (the lower index).
     view = ClusterView(fleet(0, 2, 1))
     view.refresh(10.0)
     for p in (0, 1):
@@ -93,5 +93,6 @@ def test_joint_sends_a_prompt_to_the_worker_whose_wait_grows_less():
     assert Joint().pick(profile, view, plain, 10.0).prefill == 0
     decision = Joint().pick(profile, view, grown, 10.0)
     assert decision.prefill == 1
-    # the estimate it reports keeps the booked work: growth ranks workers, it does not price the wait
+    # the estimate it reports keeps the booked work: growth ranks workers, it does not price the
+    # wait
     assert decision.estimate.prefill_queue_ms == pytest.approx(300.0)

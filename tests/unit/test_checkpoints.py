@@ -117,7 +117,8 @@ def test_chat_template(processor):
     ]
     rendered = processor.apply_chat_template(messages, add_generation_prompt=True)
     assert rendered == (
-        "<s>SYSTEM: Be brief.\nUSER: <image>What?<video>\nASSISTANT: A cat.</s>\nUSER: <audio>And?\nASSISTANT:"
+        "<s>SYSTEM: Be brief.\nUSER: <image>What?<video>\nASSISTANT: A cat.</s>\n"
+        "USER: <audio>And?\nASSISTANT:"
     )
     without_prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False)
     assert without_prompt == rendered.removesuffix("\nASSISTANT:")
@@ -171,7 +172,10 @@ def test_build_is_deterministic(ckpt, tmp_path):
 
 def test_bpe_is_deterministic_across_processes(ckpt):
     """BPE training hashes words; a process with another hash seed must learn the same merges."""
-    code = "from actors.checkpoints import kit, llava; print(kit.train_bpe(llava.RECIPES['tiny-llava']).to_str())"
+    code = (
+        "from actors.checkpoints import kit, llava; "
+        "print(kit.train_bpe(llava.RECIPES['tiny-llava']).to_str())"
+    )
     env = {**os.environ, "PYTHONHASHSEED": "123", "TOKENIZERS_PARALLELISM": "true"}
     cmd = [sys.executable, "-c", code]
     out = subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)

@@ -1,4 +1,5 @@
-"""Unit tests for router/cost_model.py: each TTFT term by hand, cache hits, prefixes, calibration."""
+"""Unit tests for router/cost_model.py: each TTFT term by hand, cache hits, prefixes,
+calibration."""
 
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ def test_every_term_by_hand():
     assert est.prefill_ms == pytest.approx(1.0 + 952 / 10)
     assert est.total_ms == pytest.approx(7 + 19 + 2 + 30 + 96.2)
     assert misses == (A, B)
-    # encoder 1 (node b) to prefill 1 (node b): idle, uncached; to prefill 0 (node a): the transfer doubles
+    # encoder 1 (node b) to prefill 1 (node b): idle, uncached; to prefill 0 (node a): the
+    # transfer doubles
     est = cost.evaluate(REQUEST, view, 1, 1)[0]
     assert (est.encoder_queue_ms, est.transfer_ms, est.prefill_queue_ms, est.prefill_ms) == (
         0.0,
@@ -103,7 +105,8 @@ def test_cache_hits_zero_the_encode_term():
     assert est.encode_ms == pytest.approx(7.0) and misses == (A,) and est.encoder_queue_ms == 7.0
     view.encoder_cache.publish(0, frozenset({"img-a", "img-b"}), 0.0)
     est, misses, _ = cost.evaluate(REQUEST, view, 0, 0)
-    # all hits: no encoding and no queue (the encoder answers hits before batching); embeddings still move
+    # all hits: no encoding and no queue (the encoder answers hits before batching); embeddings
+    # still move
     assert (est.encode_ms, est.encoder_queue_ms, misses) == (0.0, 0.0, ())
     assert est.transfer_ms == pytest.approx(2.0)
     assert cost.evaluate(REQUEST, view, 1, 0)[0].encode_ms == pytest.approx(
@@ -184,7 +187,8 @@ def _drive(
     host: float = 1.0,
     sigma: float = 0.3,
 ) -> None:
-    """Prefill observations on `workers` (each `slowness` x the truth, x `host`, x lognormal noise)."""
+    """Prefill observations on `workers` (each `slowness` x the truth, x `host`, x lognormal
+    noise)."""
     for _ in range(rounds):
         for p in workers:
             tokens = rng.randint(200, 3000)

@@ -1,4 +1,5 @@
-"""Unit tests for actors.engine.decode_state: the decode worker's scheduler bookkeeping (no torch)."""
+"""Unit tests for actors.engine.decode_state: the decode worker's scheduler bookkeeping (no
+torch)."""
 
 from __future__ import annotations
 

@@ -163,7 +163,8 @@ def test_invariants_under_random_operations():
                 cache.fill(done, done, rng.randrange(1, 120))
         else:
             cache.release(holder)
-            cache._released.clear()  # holder ids are reused here; in the cluster each request's is new
+            # holder ids are reused here; in the cluster each request's is new
+            cache._released.clear()
             holders.pop(holder, None)
         cache.check_integrity()
         pinned = set().union(*holders.values()) if holders else set()

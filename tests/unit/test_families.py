@@ -70,7 +70,8 @@ def reference(
         kwargs["images"] = [Image.fromarray(i.data) for i in by[Modality.IMAGE]]
     if by[Modality.VIDEO]:
         kwargs["videos"] = [i.data for i in by[Modality.VIDEO]]
-        # fps for the Omni processor, per-video metadata for Qwen2.5-VL's (which else assumes 24 fps)
+        # fps for the Omni processor, per-video metadata for Qwen2.5-VL's (which else assumes
+        # 24 fps)
         kwargs["videos_kwargs"] = {
             "fps": by[Modality.VIDEO][0].frames_per_s,
             "video_metadata": [
@@ -151,7 +152,8 @@ def test_omni_matches_generate(omni, case):
 
 
 def test_omni_items_arriving_after_the_text_match_generate(omni):
-    """Encode/prefill overlap on the Omni thinker (3-D positions, audio): items come late, last first."""
+    """Encode/prefill overlap on the Omni thinker (3-D positions, audio): items come late, last
+    first."""
     from tests.unit.test_engine_overlap import served_late
 
     model, processor, planner, encoder, runner = omni

@@ -1,4 +1,5 @@
-"""cluster/media/identifiers.py: identifiers follow the decoded content, the model and the layout."""
+"""cluster/media/identifiers.py: identifiers follow the decoded content, the model and the
+layout."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""cluster/media/decoders.py and media_image.py: every rejection names the problem and the part; RGB matches transformers."""
+"""cluster/media/decoders.py and media_image.py: every rejection names the problem and the part;
+RGB matches transformers."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def test_wrapped_base64_and_mismatched_but_allowed_mime_are_accepted() -> None:
     np.testing.assert_array_equal(out, pixels())
 
 
-# ----------------------------------------------------------------------------- URL and payload rejections
+# ----------------------------------------------------------------------- URL and payload rejections
 
 
 def test_remote_urls_are_refused() -> None:
@@ -228,7 +229,7 @@ def test_pillow_bomb_guard_becomes_media_error(
     rejects(data_url(jpeg, "image/jpeg"), "image too large", "decompression bomb")
 
 
-# ----------------------------------------------------------------------------- RGB conversion = transformers'
+# ------------------------------------------------------------------- RGB conversion = transformers'
 
 
 def _images() -> dict[str, tuple[bytes, str]]:

@@ -1,4 +1,5 @@
-"""cluster/media/audio.py: any accepted format -> mono float32 at the model's rate; bad input names itself."""
+"""cluster/media/audio.py: any accepted format -> mono float32 at the model's rate; bad input names
+itself."""
 
 from __future__ import annotations
 
@@ -220,7 +221,7 @@ def test_bad_target_rate_is_a_server_bug_not_a_media_error() -> None:
         decode(encode(sine(8_000), 8_000), rate_hz=0)
 
 
-# ----------------------------------------------------------------------------- through the front door
+# ------------------------------------------------------------------------------ through the front d
 
 
 def Limits(**overrides) -> LimitsConfig:

@@ -1,4 +1,5 @@
-"""cluster/media/video.py: frames sampled on a time grid, from GIF, WebP, MP4 and WebM; limits hold."""
+"""cluster/media/video.py: frames sampled on a time grid, from GIF, WebP, MP4 and WebM; limits
+hold."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from router.types import Modality
 PARAM = "messages[0].content[1].video_url"
 LIMIT = 1_000_000
 STEP = 12  # animated images: red channel of source frame i is i * STEP
-BITS = 5  # encoded videos: source frame i shows i in binary as black/white stripes (survive lossy codecs)
+# encoded videos: source frame i shows i in binary as black/white stripes (survive lossy codecs)
+BITS = 5
 
 
 def data_url(data: bytes, mime: str) -> str:
@@ -132,7 +134,7 @@ def animated(frames: list[Image.Image], fmt: str, durations_ms: list[int] | int,
 
 
 def gif_with_partial_frames() -> bytes:
-    """Frames that change only a patch (Pillow writes them as sub-rectangles) with every disposal."""
+    """Frames that change only a patch (Pillow writes them as sub-rectangles), every disposal."""
     frames = []
     for i in range(6):
         rgb = np.full((20, 30, 3), (10, 20, 30), np.uint8)
@@ -376,7 +378,7 @@ def test_url_rejections() -> None:
     rejects("data:video/mp4;base64,", "empty video data")
 
 
-# ----------------------------------------------------------------------------- through the front door
+# ------------------------------------------------------------------------------ through the front d
 
 
 def Limits(**overrides) -> LimitsConfig:

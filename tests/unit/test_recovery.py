@@ -1,4 +1,4 @@
-"""Which failures under a request are a lost worker (retried elsewhere) and which are the request's."""
+"""Which failures under a request are a lost worker (retried elsewhere), which the request's."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import ray.exceptions as rx
 from cluster.recovery import is_transport_failure
 
 GROUP_GONE = (
-    "Actor(PrefillWorker, 11c9cdb63f7b96edd1de152a01000000) does not have tensor transport GLOO available. If using a "
-    'collective-based transport ("nccl" or "gloo"), please create a communicator with '
-    "`ray.experimental.collective.create_collective_group` before calling actor tasks with non-default tensor_transport."
+    "Actor(PrefillWorker, 11c9cdb63f7b96edd1de152a01000000) does not have tensor transport "
+    'GLOO available. If using a collective-based transport ("nccl" or "gloo"), please create a '
+    "communicator with `ray.experimental.collective.create_collective_group` before calling "
+    "actor tasks with non-default tensor_transport."
 )
 ABORTED = "ObjectRef(09b273cb) not found in RDT object store after 60.0s, transfer may have failed."
 

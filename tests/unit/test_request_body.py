@@ -60,7 +60,8 @@ def body(**fields) -> bytes:
         (body(max_tokens=16.0), "integer", "max_tokens"),
         (body(temperature=1e-38), "at least 0.01", "temperature"),
         (
-            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "temperature": 2}',
+            b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+            b'"temperature": 0, "temperature": 2}',
             "more than once",
             "temperature",
         ),

@@ -1,4 +1,5 @@
-"""cluster/request_path.py: the ingress decodes each media part with the config's limits and the model's options."""
+"""cluster/request_path.py: the ingress decodes each media part with the config's limits and the
+model's options."""
 
 from __future__ import annotations
 

@@ -250,7 +250,7 @@ def test_router_imports_no_torch_and_no_ray():
     assert result.returncode == 0, result.stderr
 
 
-# -- the fast paths keep the records and the loads exactly what the plain code gives ----------------
+# -- the fast paths keep the records and the loads exactly what the plain code gives ---------------
 
 
 def test_record_constructors_build_the_same_records():

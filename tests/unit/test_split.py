@@ -53,7 +53,8 @@ def test_a_mixed_request_is_split_booked_and_released_per_encoder(policy):
         and by_encoder[2].encode_ms > 50
     )
     assert view.outstanding_ms[E][vision] == pytest.approx(by_encoder[vision].encode_ms)
-    # The groups encode in parallel: the estimate follows the one arriving last (the 30 s audio clip)
+    # The groups encode in parallel: the estimate follows the one arriving last (the 30 s audio
+    # clip)
     last = max(decision.shares, key=lambda s: s.queue_ms + s.encode_ms + s.transfer_ms)
     assert last.encoder == 2 and decision.estimate.encode_ms == pytest.approx(last.encode_ms)
     assert set(decision.encode_items) == set(MIXED.items)
@@ -129,7 +130,7 @@ def test_live_routing_credits_and_releases_each_encoder(policy):
     assert_idle(live.router)
 
 
-# -- the simulator ------------------------------------------------------------------------------------
+# -- the simulator ---------------------------------------------------------------------------------
 
 
 def test_split_cluster_shapes():

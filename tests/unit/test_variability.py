@@ -83,7 +83,8 @@ def test_in_flight_counts_requests_between_arrival_and_first_token():
     )  # in flight [0, .15), [.1, .15), [.2, .7)
     at = np.array([0.05, 0.12, 0.16, 0.3, 0.7])
     assert in_flight(arrival, ttft, at).tolist() == [1, 2, 0, 1, 0]
-    # the third waits in a prefill queue over [0.25, 0.6) (prefill 100 ms, queued 350 ms): not busy then
+    # the third waits in a prefill queue over [0.25, 0.6) (prefill 100 ms, queued 350 ms): not
+    # busy then
     assert busy(
         arrival, ttft, np.array([10.0, 10.0, 100.0]), np.array([0.0, 0.0, 350.0]), at
     ).tolist() == [1, 2, 0, 0, 0]
@@ -161,7 +162,8 @@ def test_fit_trace_takes_the_busiest_worker_as_its_reference():
     """A worker the router avoided has a few warm-up requests: too few to fit the host by. The fit
     takes the worker that served most; an explicit reference is still honoured."""
     records = simulated_trace(Variability(contention=0.2, sigma=0.25, seed=5))
-    # the workers are equal, so worker 0's requests but 4 may be told as worker 2's (the busy counts stay)
+    # the workers are equal, so worker 0's requests but 4 may be told as worker 2's (the busy
+    # counts stay)
     for r in [r for r in records if r["route"][1] == 0][4:]:
         r["route"] = [None, 2, 0]
     fit = fit_trace(records)
@@ -175,7 +177,8 @@ def test_fit_trace_takes_the_busiest_worker_as_its_reference():
 def test_variability_from_yaml_and_bad_values(tmp_path):
     yml = tmp_path / "c.yaml"
     yml.write_text(
-        "encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  ingress_ms: 3\n  variability: {contention: 0.2, sigma: 0.3}\n"
+        "encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  ingress_ms: 3\n"
+        "  variability: {contention: 0.2, sigma: 0.3}\n"
     )
     c = SimCluster.from_yaml(yml)
     assert (
@@ -185,7 +188,8 @@ def test_variability_from_yaml_and_bad_values(tmp_path):
     with pytest.raises(ClusterShapeError, match="sigma"):
         SimCluster.from_yaml(yml)
     yml.write_text(
-        "encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n  variability: {contention: 0.1, count_decoding: 'yes'}\n"
+        "encoders: 1\nprefill: 1\ndecode: 1\ncosts:\n"
+        "  variability: {contention: 0.1, count_decoding: 'yes'}\n"
     )
     with pytest.raises(ClusterShapeError, match="count_decoding"):
         SimCluster.from_yaml(yml)
@@ -252,8 +256,9 @@ def test_requests_decoding_count_as_busy_where_decode_times_are_given():
 
 
 def test_the_simulator_counts_decoding_requests_as_contention_when_asked():
-    # r0 at 0: 25 ms, then decodes 8 x 10 ms until 105 ms. r1 at 50 ms, on the other prefill worker: 25 ms
-    # alone; with decoding counted, r0's decode is one other busy request: 25 x (1 + 0.5) = 37.5 ms
+    # r0 at 0: 25 ms, then decodes 8 x 10 ms until 105 ms. r1 at 50 ms, on the other prefill
+    # worker: 25 ms alone; with decoding counted, r0's decode is one other busy request:
+    # 25 x (1 + 0.5) = 37.5 ms
     wl = Workload(
         "hand", [RequestProfile(200, max_tokens=8) for _ in range(2)], np.array([0.0, 0.05])
     )

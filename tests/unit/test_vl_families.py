@@ -20,7 +20,13 @@ from transformers import (
 from actors.engine.lm_runner import LMRunner  # noqa: E402
 from actors.models.adapter import Part, load_adapter  # noqa: E402
 from cluster.prompt_plan import PromptPlanner  # noqa: E402
-from tests.unit.test_families import check_matches_generate, generate_batched, image, media, video  # noqa: E402
+from tests.unit.test_families import (  # noqa: E402
+    check_matches_generate,
+    generate_batched,
+    image,
+    media,
+    video,
+)
 
 
 def _build(tmp_path_factory, recipe: str):
