@@ -4,6 +4,7 @@ the wheel, and an installed copy imports and runs from a clean virtualenv away f
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,9 +26,14 @@ def _run(*argv: str | Path, cwd: Path | None = None) -> str:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    out, source = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("src") / "epd"
+    # A copy: setuptools builds in the source tree, and the checkout stays clean.
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", *OURS):
+        copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
+        copy(ROOT / name, source / name)
     pip = (sys.executable, "-m", "pip", "--disable-pip-version-check")
-    _run(*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out, ROOT)
+    _run(*pip, "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out, source)
     return next(out.glob("epd-*.whl"))
 
 
