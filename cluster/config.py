@@ -541,6 +541,10 @@ class ServerConfig(Strict):
     )
 
 
+# The sections the worker fleet is built from; the others only shape the ingress.
+FLEET_SECTIONS = ("model", "encoder", "prefill", "decode", "transport")
+
+
 class ClusterConfig(Strict):
     model: ModelConfig
     encoder: EncoderPoolConfig | list[EncoderPoolConfig] = Field(
@@ -636,6 +640,12 @@ class ClusterConfig(Strict):
     def fingerprint(self) -> str:
         """A short hash of the whole config: tells which config a running replica serves."""
         return hashlib.sha1(self.model_dump_json().encode()).hexdigest()[:12]
+
+    def fleet_fingerprint(self) -> str:
+        """A short hash of what the workers are built from (FLEET_SECTIONS): a redeploy that
+        changes only the ingress's settings (limits, server, media, router) keeps the fleet."""
+        fleet = self.model_dump_json(include=set(FLEET_SECTIONS))
+        return hashlib.sha1(fleet.encode()).hexdigest()[:12]
 
     def replace(self, **sections) -> ClusterConfig:
         """A copy with whole sections or fields swapped, re-validated (for tests and

@@ -6,9 +6,11 @@ attaches to the same one. It creates the workers and their collective group, rep
 worker a replica reports dead (bumping the generation), and hands out FleetSnapshots.
 Requests never pass through it: replicas call the workers directly.
 
-Its name carries the config's fingerprint, so a redeploy with another config never
-attaches to an old fleet; the new config's replicas retire the old controllers of their
-app (their workers die with them: the controller owns them). A controller no replica has
+Its name carries the fingerprint of what the workers are built from (model, pools,
+transport), so a redeploy that changes only ingress settings (an API key, limits, logging)
+attaches to the running fleet, and one that changes the workers never attaches to an old
+fleet: the new config's replicas retire the old controllers of their app (their workers die
+with them: the controller owns them). A controller no replica has
 asked anything for ORPHAN_AFTER_S (the app was deleted) shuts its fleet down itself.
 
 Replicas register with an owner tag that starts their requests' ids; the controller pings
@@ -48,7 +50,7 @@ def controller_prefix(app_name: str) -> str:
 
 
 def controller_name(app_name: str, config: ClusterConfig) -> str:
-    return controller_prefix(app_name) + config.fingerprint()
+    return controller_prefix(app_name) + config.fleet_fingerprint()
 
 
 @ray.remote(

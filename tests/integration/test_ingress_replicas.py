@@ -1,8 +1,8 @@
 """Two ingress replicas share one fleet, owned by the fleet controller: both serve exact
 answers and /metrics on either reports both; killing one with requests in flight rebuilds no
 worker, loses nothing that had not started on it, leaks nothing and takes nothing off the
-app's counters (not even those a scrape on it showed just before); a redeploy with another
-config gets a fleet of its own."""
+app's counters (not even those a scrape on it showed just before); a redeploy that changes
+only ingress settings keeps the fleet."""
 
 from __future__ import annotations
 
@@ -111,9 +111,9 @@ def test_metrics_on_either_replica_count_both(pair):
     before = _settled_scrapes(pair)
     assert all(s == before[0] for s in before), before
     own = _replicas(pair)
-    assert before[0].get("ok", 0) == sum(
-        r["served_ok"] for r in own.values()
-    )  # each replica's own count, added
+    # Each replica's own count, added, and what replicas of earlier configs on this fleet counted
+    # (an ingress-only redeploy keeps the fleet and its totals).
+    assert before[0].get("ok", 0) >= sum(r["served_ok"] for r in own.values())
     model, seeds, num_bad = pair.config.model.served_name, range(1100, 1112), 3
 
     async def send():
@@ -209,13 +209,14 @@ def test_killing_one_replica_rebuilds_nothing_and_loses_nothing_new(pair):
         assert scrape["in_progress"] == 0, scrape  # the dead replica's gauges went with it
 
 
-def test_a_redeploy_with_another_config_gets_its_own_fleet(pair):
-    assert controller.running("epd") == [controller.controller_name("epd", pair.config)]
-    old_ids = _verbose(pair)["fleet"]["actor_ids"]
-    other = deploy(cluster_config())  # the default config: the modules after this one reuse it
-    assert controller.running("epd") == [
-        controller.controller_name("epd", other.config)
-    ]  # the old one retired
-    new_ids = _verbose(other)["fleet"]["actor_ids"]
-    assert all(set(new_ids[kind]).isdisjoint(old_ids[kind]) for kind in old_ids), (old_ids, new_ids)
-    assert other.chat(_messages(1), temperature=0, max_tokens=4).status_code == 200
+def test_a_redeploy_that_changes_only_the_ingress_keeps_the_fleet(pair):
+    """Back to one replica, a server setting: the running controller and its workers serve the
+    new config (a change of the workers' settings gets a fleet of its own: test_token_exact)."""
+    name = controller.controller_name("epd", pair.config)
+    assert controller.running("epd") == [name]
+    before = _verbose(pair)["fleet"]
+    single = deploy(cluster_config())  # the default config: the modules after this one reuse it
+    assert single.config.fingerprint() != pair.config.fingerprint()
+    assert controller.running("epd") == [controller.controller_name("epd", single.config)] == [name]
+    assert _verbose(single)["fleet"]["actor_ids"] == before["actor_ids"]  # no worker rebuilt
+    assert single.chat(_messages(1), temperature=0, max_tokens=4).status_code == 200

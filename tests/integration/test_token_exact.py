@@ -99,6 +99,50 @@ def test_greedy_outputs_depend_on_the_input(references):
         assert len(set(ids)) > 3, ids  # not one token repeated
 
 
+def _prefill_engine_aging(app) -> float:
+    from cluster.cli import APP_NAME
+    from cluster.controller import NAMESPACE, controller_name, running
+    from router.types import WorkerKind
+
+    name = controller_name(APP_NAME, app.config)
+    assert running(APP_NAME) == [name]  # a change of the workers' settings: the old fleet retired
+    controller = ray.get_actor(name, namespace=NAMESPACE)
+    worker = ray.get(controller.snapshot.remote()).pools[WorkerKind.PREFILL][0]
+    return ray.get(worker.__ray_call__.remote(lambda self: self.engine.settings.aging_tokens_per_s))
+
+
+def test_streaming_equals_whole_response(app, references):
+    messages = varied_requests()[4]
+    with app.http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": app.config.model.served_name,
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    import json
+
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"])
+    assert text == references[4][1]
+    assert events[-1]["usage"]["completion_tokens"] == len(references[4][0])
+    assert [c["choices"][0]["finish_reason"] for c in events if c["choices"]][-1] in (
+        "stop",
+        "length",
+    )
+
+
+# Last: each transport after the first needs a fleet of its own, and the tests above share the
+# default one.
 @pytest.mark.parametrize(
     "transport,overlap,aging",
     [("object_store", True, 0.0), ("gloo", True, 0.0), ("object_store", False, 10_000.0)],
@@ -137,43 +181,3 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport, 
     assert all(w["rows"] == 0 for w in workers["decode"]) and all(
         w["held_kv"] == 0 for w in workers["prefill"]
     ), workers
-
-
-def _prefill_engine_aging(app) -> float:
-    from cluster.cli import APP_NAME
-    from cluster.controller import NAMESPACE, controller_name
-    from router.types import WorkerKind
-
-    controller = ray.get_actor(controller_name(APP_NAME, app.config), namespace=NAMESPACE)
-    worker = ray.get(controller.snapshot.remote()).pools[WorkerKind.PREFILL][0]
-    return ray.get(worker.__ray_call__.remote(lambda self: self.engine.settings.aging_tokens_per_s))
-
-
-def test_streaming_equals_whole_response(app, references):
-    messages = varied_requests()[4]
-    with app.http.stream(
-        "POST",
-        "/v1/chat/completions",
-        json={
-            "model": app.config.model.served_name,
-            "messages": messages,
-            "temperature": 0,
-            "max_tokens": MAX_TOKENS,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        },
-    ) as r:
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        lines = [line for line in r.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
-    import json
-
-    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"])
-    assert text == references[4][1]
-    assert events[-1]["usage"]["completion_tokens"] == len(references[4][0])
-    assert [c["choices"][0]["finish_reason"] for c in events if c["choices"]][-1] in (
-        "stop",
-        "length",
-    )

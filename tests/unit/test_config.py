@@ -349,3 +349,25 @@ def test_process_only_limits_are_refused_with_in_process_decoding(name, value):
     assert LimitsConfig(decode_in_process=True).decode_in_process  # defaults simply do not apply
     with pytest.raises(ValueError, match=f"limits.{name} applies to decoding processes only"):
         LimitsConfig(decode_in_process=True, **{name: value})
+
+
+def test_the_fleet_fingerprint_moves_with_the_workers_settings_only():
+    base = load_config()
+    ingress_only = [
+        {"server": {"api_key": "k", "num_replicas": 2, "log_prompts": True}},
+        {"limits": {"request_timeout_s": 5.0}},
+        {"router": {"policy": "least_loaded"}},
+    ]
+    for change in ingress_only:
+        other = base.replace(**change)
+        assert other.fingerprint() != base.fingerprint(), change
+        assert other.fleet_fingerprint() == base.fleet_fingerprint(), change
+    workers = [
+        {"decode": {"kv_cache_mb": 64.0}},
+        {"prefill": {"aging_tokens_per_s": 10.0}},
+        {"encoder": {"max_wait_ms": 1.0}},
+        {"transport": {"embeddings": "gloo", "kv": "gloo"}},
+        {"model": {"served_name": "other"}},
+    ]
+    for change in workers:
+        assert base.replace(**change).fleet_fingerprint() != base.fleet_fingerprint(), change
