@@ -31,6 +31,11 @@ def chat_body(req: Req, model: str, max_tokens: int) -> bytes:
     if req.png is not None:
         url = "data:image/png;base64," + base64.b64encode(req.png).decode()
         content.insert(0, {"type": "image_url", "image_url": {"url": url}})
+    return streaming_chat_body(model, content, max_tokens)
+
+
+def streaming_chat_body(model: str, content: list[dict], max_tokens: int) -> bytes:
+    """A greedy streaming chat request of one user message, with usage in its last chunk."""
     return json.dumps(
         {
             "model": model,

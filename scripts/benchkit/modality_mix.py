@@ -5,7 +5,6 @@ replay with TTFT per kind."""
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 
@@ -13,7 +12,7 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from benchkit.http_client import stream_one
+from benchkit.http_client import stream_one, streaming_chat_body
 from benchkit.media import audio_part, image_part, video_part
 
 
@@ -28,16 +27,7 @@ def request_body(kind: str, rng: np.random.Generator, model: str, max_tokens: in
     content = media + [
         {"type": "text", "text": f"Describe what you see and hear, case {rng.integers(1e6)}."}
     ]
-    return json.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": content}],
-            "temperature": 0,
-            "max_tokens": max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
+    return streaming_chat_body(model, content, max_tokens)
 
 
 def workload(

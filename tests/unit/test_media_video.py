@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageSequence
 
+from benchkit import media
 from cluster.config import LimitsConfig
 from cluster.media import video as media_video
 from cluster.media.decoders import MediaOptions
@@ -29,8 +30,7 @@ from router.types import Modality
 PARAM = "messages[0].content[1].video_url"
 LIMIT = 1_000_000
 STEP = 12  # animated images: red channel of source frame i is i * STEP
-# encoded videos: source frame i shows i in binary as black/white stripes (survive lossy codecs)
-BITS = 5
+BITS = media.STRIPE_BITS  # encoded videos: source frame i shows i in binary as stripes
 
 
 def data_url(data: bytes, mime: str) -> str:
@@ -71,15 +71,6 @@ def source_index(frames: np.ndarray) -> list[int]:
     return [int(round(float(frame[..., 0].mean()) / STEP)) for frame in frames]
 
 
-def stripes(index: int, height: int, width: int) -> np.ndarray:
-    rgb = np.zeros((height, width, 3), np.uint8)
-    stripe = width // BITS
-    for bit in range(BITS):
-        if index >> bit & 1:
-            rgb[:, bit * stripe : (bit + 1) * stripe] = 255
-    return rgb
-
-
 def stripe_index(frames: np.ndarray) -> list[int]:
     """Which source frame each decoded video frame is, read back from the stripes' centres."""
     stripe = frames.shape[2] // BITS
@@ -90,35 +81,13 @@ def stripe_index(frames: np.ndarray) -> list[int]:
 # ----------------------------------------------------------------------------- inputs built here
 
 
-def _codec(fmt: str) -> str:
-    av = pytest.importorskip("av")
-    wanted = ("mpeg4", "libx264", "h264") if fmt == "mp4" else ("libvpx", "libvpx-vp9")
-    for name in wanted:
-        if name in av.codecs_available:
-            return name
-    pytest.skip(f"no {fmt} encoder in this PyAV build")
-
-
-def encoded_video(
-    fmt: str = "mp4",
-    *,
-    codec: str | None = None,
-    num_frames: int = 20,
-    fps: int = 10,
-    width: int = 48,
-    height: int = 32,
-) -> bytes:
-    """width x height yuv420p, `fps` frames per second; frame i shows stripes(i)."""
-    av = pytest.importorskip("av")
-    buf = io.BytesIO()
-    with av.open(buf, "w", format=fmt) as container:
-        stream = container.add_stream(codec or _codec(fmt), rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for i in range(num_frames):
-            frame = av.VideoFrame.from_ndarray(stripes(i, height, width), format="rgb24")
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())
-    return buf.getvalue()
+def encoded_video(fmt: str = "mp4", **shape) -> bytes:
+    """benchkit's encoded video, or a skip where PyAV or its encoder for `fmt` is missing."""
+    pytest.importorskip("av")
+    try:
+        return media.encoded_video(fmt, **shape)
+    except RuntimeError as exc:  # no encoder for fmt in this PyAV build
+        pytest.skip(str(exc))
 
 
 def red_frames(count: int, size: tuple[int, int] = (30, 20)) -> list[Image.Image]:
