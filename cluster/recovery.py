@@ -9,8 +9,11 @@ to the request and is not retried.
 
 from __future__ import annotations
 
+import asyncio
+
 import ray.exceptions as rx
 
+from cluster.errors import RequestError
 from router.types import RouteDecision, WorkerKind
 
 # Failures that say a worker (or what it held) is gone, whatever the request was.
@@ -27,6 +30,15 @@ def is_transport_failure(exc: BaseException) -> bool:
     return isinstance(cause, TimeoutError) and "RDT object store" in str(
         cause
     )  # a receive whose transfer was aborted
+
+
+def worker_code_failure(exc: rx.RayTaskError) -> BaseException:
+    """What an exception from a worker's own code means for the request. A cancelled call
+    means its client left: epd never cancels a worker call itself, Ray does when the client of
+    the request that made the call disconnects. Anything else is a 500 that names it."""
+    if isinstance(exc.cause, (rx.TaskCancelledError, asyncio.CancelledError)):
+        return asyncio.CancelledError()
+    return RequestError(500, f"a worker failed on this request: {exc.cause!r}", type="server_error")
 
 
 class WorkerLost(Exception):

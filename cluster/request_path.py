@@ -32,7 +32,13 @@ from cluster.leftovers import close_soon, detached, drain_soon
 from cluster.metrics import Metrics
 from cluster.overlap import overlapped
 from cluster.prompt_plan import PromptPlanner
-from cluster.recovery import RETRYABLE, WorkerLost, is_transport_failure, lost_worker
+from cluster.recovery import (
+    RETRYABLE,
+    WorkerLost,
+    is_transport_failure,
+    lost_worker,
+    worker_code_failure,
+)
 from cluster.routing import LiveRouting, RoutingUnavailable
 from cluster.trace import TraceWriter
 from router.types import RequestProfile, RouteDecision, WorkerKind
@@ -166,9 +172,7 @@ class RequestPath:
                 raise lost_worker(exc, self.fleet, decision) from exc
             if not isinstance(exc, ray.exceptions.RayTaskError):
                 raise
-            raise RequestError(
-                500, f"a worker failed on this request: {exc.cause!r}", type="server_error"
-            ) from None
+            raise worker_code_failure(exc) from None
         finally:
             # Whatever the prefill worker still holds for this attempt (embeddings, KV that
             # decode never pulled) is freed, and late arrivals are refused.

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import ray.exceptions as rx
 
-from cluster.recovery import is_transport_failure
+from cluster.errors import RequestError
+from cluster.recovery import is_transport_failure, worker_code_failure
 
 GROUP_GONE = (
     "Actor(PrefillWorker, 11c9cdb63f7b96edd1de152a01000000) does not have tensor transport "
@@ -29,3 +32,14 @@ def test_the_requests_own_errors_are_not():
     assert not is_transport_failure(_task_error(TimeoutError("the request timed out")))
     assert not is_transport_failure(_task_error(ZeroDivisionError("division by zero")))
     assert not is_transport_failure(RuntimeError(GROUP_GONE))
+
+
+def test_a_cancelled_worker_call_means_the_client_left_not_a_server_error():
+    """Ray cancels the worker calls of a request whose client disconnected: that is counted as
+    a departure (aborted), never as a 500."""
+    for cancelled in (rx.TaskCancelledError(), asyncio.CancelledError()):
+        failure = worker_code_failure(rx.RayTaskError("generate", "tb", cancelled))
+        assert isinstance(failure, asyncio.CancelledError)
+    failure = worker_code_failure(rx.RayTaskError("generate", "tb", KeyError("row")))
+    assert isinstance(failure, RequestError) and failure.status == 500
+    assert "KeyError('row')" in failure.message
