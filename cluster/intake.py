@@ -126,6 +126,10 @@ class Intake:
                 )
             except MediaError as exc:
                 raise RequestError(400, exc.message, exc.param) from None
+            try:
+                self.planner.check_item(items[-1])
+            except PromptError as exc:
+                raise RequestError(400, str(exc), part.param) from None
         return items
 
     def _plan(self, hf_messages: list[dict], items: tuple[MediaItem, ...]) -> PromptPlan:

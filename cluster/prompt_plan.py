@@ -7,6 +7,7 @@ Runs on the processor and the model config only: no weights.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,33 @@ class PromptPlanner:
         return self.processor.apply_chat_template(
             hf_messages, add_generation_prompt=True, tokenize=False
         )
+
+    def check_item(self, item: MediaItem) -> None:
+        """PromptError naming the problem if this model's processor cannot take `item`'s shape:
+        an aspect ratio or size it refuses, a clip too short to make a single embedding."""
+        try:
+            layout = self.spec.layout(item)
+        except ValueError as exc:  # the family's own resize or layout rules refused it
+            raise PromptError(
+                f"this model cannot take this {item.modality.value} ({_shape(item)}): {exc}"
+            ) from None
+        if layout.num_embeddings < 1:
+            shortest = self._shortest_audio_samples() * 1e3 / self.spec.audio_sample_rate_hz
+            raise PromptError(
+                f"this {item.modality.value} ({_shape(item)}) is too short for this model, "
+                f"which needs at least {shortest:.1f} ms to make one embedding"
+            )
+
+    @functools.cache  # noqa: B019 - one planner per replica, for its lifetime
+    def _shortest_audio_samples(self) -> int:
+        """The fewest samples of audio this model makes an embedding of (a bisection over the
+        family's own length rule)."""
+        low, high = 1, self.spec.audio_window_samples or self.spec.audio_sample_rate_hz * 30
+        while low < high:
+            mid = (low + high) // 2
+            probe = MediaItem(Modality.AUDIO, "", np.zeros(mid, np.float32))
+            low, high = (low, mid) if self.spec.layout(probe).num_embeddings else (mid + 1, high)
+        return low
 
     def plan(self, hf_messages: list[dict], items: list[MediaItem]) -> PromptPlan:
         hf_messages, items = self.window_audio(hf_messages, items)
@@ -156,3 +184,13 @@ class PromptPlanner:
             taken[item.modality] += n
             ranges.append(PlaceholderRange(int(run[0]), n))
         return tuple(ranges)
+
+
+def _shape(item: MediaItem) -> str:
+    """The item's size as a client would state it."""
+    if item.modality == Modality.AUDIO:
+        return f"{len(item.data) * 1e3 / (item.sample_rate_hz or 1):.1f} ms"
+    height, width = item.data.shape[-3:-1]
+    if item.modality == Modality.VIDEO:
+        return f"{item.data.shape[0]} frames of {width}x{height} pixels"
+    return f"{width}x{height} pixels"

@@ -30,7 +30,10 @@ def path(modalities=(Modality.IMAGE, Modality.AUDIO, Modality.VIDEO), **spec) ->
         }
     )
     spec = {"audio_sample_rate_hz": 16_000, **spec}
-    return Intake(config, SimpleNamespace(spec=SimpleNamespace(modalities=set(modalities), **spec)))
+    planner = SimpleNamespace(
+        spec=SimpleNamespace(modalities=set(modalities), **spec), check_item=lambda item: None
+    )
+    return Intake(config, planner)
 
 
 def wav(seconds: float = 1.0, rate_hz: int = 8_000) -> str:
