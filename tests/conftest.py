@@ -1,20 +1,24 @@
-"""Suite-wide hooks: GPU-only tests are skipped where torch sees no CUDA device, and the
-default model, when a selected test needs it and it is not built yet, trains in the
-background from the start of the run instead of when its first test asks."""
+"""Suite-wide hooks: GPU-only tests are skipped where torch sees no CUDA device, and the slow
+self-contained work that selected tests need starts in the background as soon as the run is
+collected (tests/background.py): training the default model when it is not built yet, and
+the clusters of their own that test_multi_node.py and test_serve_run.py start."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
+from tests import background
+
 # Tests that serve or load the embedded default model (a trained built-in).
-NEEDS_DEFAULT_MODEL = ("test_shapes.py::test_trained", "test_default_model.py::")
-_build: dict[str, subprocess.Popen] = {}
+NEEDS_DEFAULT_MODEL = (
+    "test_shapes.py::test_trained",
+    "test_default_model.py::",
+    "test_serve_run.py::",
+)
+MULTI_NODE = "test_multi_node.py::"
+SERVE_RUN = "test_serve_run.py::"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -35,26 +39,39 @@ def _default_model_dir() -> tuple[str, Path]:
     return model.builtin, Path(model.checkpoint).expanduser()
 
 
+def _selected(session, keys: tuple[str, ...]) -> bool:
+    return any(key in item.nodeid for item in session.items for key in keys)
+
+
 def pytest_collection_finish(session):
-    """About 80 s of one core on a new machine: started beside the first tests, on the core
-    they leave (unit tests run one torch thread). The build is atomic, so a second builder
-    could only lose a race, never see half a checkpoint."""
-    if not any(key in item.nodeid for item in session.items for key in NEEDS_DEFAULT_MODEL):
-        return
+    """The default model takes about 80 s of one core on a new machine (unit tests run one
+    torch thread, so a core is left); its build is atomic, so a second builder could only lose
+    a race, never see half a checkpoint. The multi-node run and `serve run` bring Ray clusters
+    of their own."""
     recipe, path = _default_model_dir()
-    if recipe is None or (path / "config.json").is_file():
-        return
-    log = open(Path(tempfile.gettempdir()) / f"epd-default-model-build-{os.getpid()}.log", "w")
-    argv = [sys.executable, "-m", "actors.checkpoints", recipe, str(path)]
-    _build["default"] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    if _selected(session, NEEDS_DEFAULT_MODEL) and recipe and not (path / "config.json").is_file():
+        background.start("default-model", background.Job("actors.checkpoints", recipe, str(path)))
+    if _selected(session, (MULTI_NODE,)):
+        from tests.integration.test_multi_node import start_run
+
+        background.start("multi-node", start_run())
+    if _selected(session, (SERVE_RUN,)):
+        from tests.integration import test_serve_run
+
+        background.start("serve-run", test_serve_run.start_run())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    background.kill_all()
 
 
 @pytest.fixture(scope="session")
 def default_model_built() -> Path:
     """The default model's directory, once the background build (if any) has finished."""
-    proc = _build.get("default")
-    if proc is not None and proc.wait() != 0:
-        pytest.fail(f"building the default model failed (exit {proc.returncode}): {proc.args}")
+    job = background.take("default-model")
+    if job is not None:
+        status, out, err = job.finish(timeout_s=900)
+        assert status == 0, f"building the default model failed:\n{out[-2000:]}\n{err[-3000:]}"
     from actors.checkpoints.build import ensure_checkpoint
 
     recipe, path = _default_model_dir()

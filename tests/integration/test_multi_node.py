@@ -4,59 +4,28 @@ answer across nodes is token-exact. The cluster runs in a process of its own
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 
 import pytest
 
 from cluster.config import REPO_ROOT, load_config
+from tests import background
+from tests.background import Job, free_port, private_ray_env
 from tests.integration import multi_node_run as run
 from tests.integration.reference import reference_generate
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def private_ray_env() -> dict:
-    """The environment for a Ray of our own: its address file in a private RAY_TMPDIR, so
-    `ray.init()` / `address='auto'` elsewhere on this machine never finds it; one auth mode
-    for all its processes (`ray start` turns token auth on when ~/.ray/auth_token exists,
-    a client of `serve run` does not)."""
-    return {
-        **os.environ,
-        "RAY_TMPDIR": tempfile.mkdtemp(prefix="epd-ray-", dir="/tmp"),
-        "RAY_AUTH_MODE": "disabled",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-    }
+def start_run():
+    """The multi-node run in a process (and session) of its own, on a Ray of its own."""
+    return Job("tests.integration.multi_node_run", str(free_port()), env=private_ray_env())
 
 
 @pytest.fixture(scope="module")
 def outcome() -> dict:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.integration.multi_node_run", str(free_port())],
-        cwd=REPO_ROOT,
-        env=private_ray_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=400)
-    finally:  # whatever happened, none of its raylets outlives it
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    job = background.take("multi-node") or start_run()  # started as the run began, if listed
+    status, stdout, stderr = job.finish(timeout_s=400)
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-5000:]
+    assert status == 0 and lines, stdout[-3000:] + stderr[-5000:]
     return json.loads(lines[-1])
 
 

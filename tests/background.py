@@ -1,0 +1,83 @@
+"""Slow, self-contained checks run in processes of their own, started as soon as a test run has
+collected a test that needs one, so that they overlap the tests that come before it (on a
+2-core host, most tests leave a core idle much of the time). A fixture then takes the
+started process and waits for it; where nothing was started, it starts one itself."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+_started: dict[str, Job] = {}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def private_ray_env() -> dict:
+    """The environment for a Ray of our own: its address file in a private RAY_TMPDIR, so
+    `ray.init()` / `address='auto'` elsewhere on this machine never finds it; one auth mode
+    for all its processes (`ray start` turns token auth on when ~/.ray/auth_token exists,
+    a client of `serve run` does not)."""
+    return {
+        **os.environ,
+        "RAY_TMPDIR": tempfile.mkdtemp(prefix="epd-ray-", dir="/tmp"),
+        "RAY_AUTH_MODE": "disabled",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+    }
+
+
+class Job:
+    """A started process whose output goes to files, not pipes: a pipe nobody reads yet would
+    fill and stall a process started long before its test."""
+
+    def __init__(self, module: str, *args: str, env: dict | None = None):
+        self.out, self.err = (tempfile.TemporaryFile("w+") for _ in range(2))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=self.out,
+            stderr=self.err,
+            start_new_session=True,  # a clean-up kills its whole process group
+        )
+
+    def finish(self, timeout_s: float) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr) once it ends; killed with everything it started if it
+        has not ended within timeout_s."""
+        try:
+            self.proc.wait(timeout=timeout_s)
+        finally:
+            self.kill()
+        self.out.seek(0), self.err.seek(0)
+        return self.proc.returncode, self.out.read(), self.err.read()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def start(name: str, job: Job) -> None:
+    _started[name] = job
+
+
+def take(name: str) -> Job | None:
+    """The process started early under `name` (once: a second take gets None)."""
+    return _started.pop(name, None)
+
+
+def kill_all() -> None:
+    """At the end of a run: nothing started here outlives it."""
+    for job in _started.values():
+        job.kill()
+    _started.clear()
