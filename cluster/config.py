@@ -541,8 +541,10 @@ class ServerConfig(Strict):
     )
 
 
-# The sections the worker fleet is built from; the others only shape the ingress.
+# The sections the worker fleet is built from; the others only shape the ingress, as do these
+# fields of the pool sections (the ingress sends the prefill call before the embeddings).
 FLEET_SECTIONS = ("model", "encoder", "prefill", "decode", "transport")
+INGRESS_ONLY_FIELDS = {"prefill": {"overlap_encode"}}
 
 
 class ClusterConfig(Strict):
@@ -644,7 +646,7 @@ class ClusterConfig(Strict):
     def fleet_fingerprint(self) -> str:
         """A short hash of what the workers are built from (FLEET_SECTIONS): a redeploy that
         changes only the ingress's settings (limits, server, media, router) keeps the fleet."""
-        fleet = self.model_dump_json(include=set(FLEET_SECTIONS))
+        fleet = self.model_dump_json(include=set(FLEET_SECTIONS), exclude=INGRESS_ONLY_FIELDS)
         return hashlib.sha1(fleet.encode()).hexdigest()[:12]
 
     def replace(self, **sections) -> ClusterConfig:

@@ -34,8 +34,8 @@ MODULE_ORDER = (
     "test_endpoints.py",
     "test_openai_compat.py",
     "test_worker_failures.py",
-    "test_ingress_replicas.py",  # two replicas: an ingress-only change
     "test_operations.py",  # an API key: an ingress-only change
+    "test_ingress_replicas.py",  # two replicas, then back to the default: ingress-only changes
     "test_token_exact.py",  # the default's transport first, then a fleet per transport
     "test_backpressure.py",
     "test_kv_budget.py",

@@ -286,62 +286,6 @@ def test_one_pixel_video_is_encoded_as_planned(omni):
     assert response.status_code == 200, response.text
 
 
-def test_long_video_encoding_does_not_hold_up_text(ray_session):
-    """The vision encoder is slowed 30x: while a video encodes, text-only requests (and the
-    audio pool) go on; every text answer is complete before the video's first token."""
-    config = app_config("omni")
-    pools = [
-        dict(pool, slowdown=[30.0]) if "video" in pool["modalities"] else pool
-        for pool in config.model_dump(mode="json")["encoder"]
-    ]
-    app = deploy(config.replace(encoder=pools))
-
-    async def run():
-        async with httpx.AsyncClient(base_url=app.root, timeout=300) as client:
-            body = lambda msgs: {
-                "model": app.config.model.served_name,
-                "messages": msgs,
-                "temperature": 0,
-                "max_tokens": 8,
-            }
-            slow = asyncio.create_task(
-                client.post(
-                    "/v1/chat/completions",
-                    json=body(user(video(8, 160, 120, 9), text("What happens?"))),
-                )
-            )
-            await asyncio.sleep(0.3)
-            fast = [
-                await client.post("/v1/chat/completions", json=body(m))
-                for m in ([{"role": "user", "content": f"Question {i}?"}] for i in range(3))
-            ]
-            fast.append(
-                await client.post("/v1/chat/completions", json=body(user(audio(1.0, 500, 9))))
-            )
-            done_before_video = not slow.done()
-            return fast, await slow, done_before_video
-
-    fast, slow, done_before_video = asyncio.run(run())
-    assert all(r.status_code == 200 for r in fast) and slow.status_code == 200
-    assert done_before_video, "text and audio requests waited for the video"
-    slowest_fast = max(r.json()["timings"]["ttft_ms"] for r in fast)
-    assert slowest_fast < slow.json()["timings"]["encode_ms"], (
-        slowest_fast,
-        slow.json()["timings"],
-    )
-
-
-def test_qwen2_audio_equals_generate(ray_session):
-    check_token_exact(deploy(app_config("audio")), AUDIO_REQUESTS)
-
-
-def test_image_sent_to_an_audio_model_is_refused(ray_session):
-    app = deploy(app_config("audio"))
-    response = app.chat(user(image(1, 20, 20), text("hi")))
-    assert response.status_code == 400
-    assert "does not take image input" in response.json()["error"]["message"]
-
-
 def test_omni_fetches_image_audio_and_video_urls_and_refuses_bad_ones(omni):
     """Media by http URL answers exactly as the same bytes sent inline; a private address, an
     oversize or slow body and a redirect to a private address are 400s naming the part, and
@@ -403,3 +347,59 @@ async def _chat_beside(app, requests: list[list[dict]]) -> list[httpx.Response]:
         return await asyncio.gather(
             *[client.post("/v1/chat/completions", json=body(m)) for m in requests]
         )
+
+
+def test_long_video_encoding_does_not_hold_up_text(ray_session):
+    """The vision encoder is slowed 30x: while a video encodes, text-only requests (and the
+    audio pool) go on; every text answer is complete before the video's first token."""
+    config = app_config("omni")
+    pools = [
+        dict(pool, slowdown=[30.0]) if "video" in pool["modalities"] else pool
+        for pool in config.model_dump(mode="json")["encoder"]
+    ]
+    app = deploy(config.replace(encoder=pools))
+
+    async def run():
+        async with httpx.AsyncClient(base_url=app.root, timeout=300) as client:
+            body = lambda msgs: {
+                "model": app.config.model.served_name,
+                "messages": msgs,
+                "temperature": 0,
+                "max_tokens": 8,
+            }
+            slow = asyncio.create_task(
+                client.post(
+                    "/v1/chat/completions",
+                    json=body(user(video(8, 160, 120, 9), text("What happens?"))),
+                )
+            )
+            await asyncio.sleep(0.3)
+            fast = [
+                await client.post("/v1/chat/completions", json=body(m))
+                for m in ([{"role": "user", "content": f"Question {i}?"}] for i in range(3))
+            ]
+            fast.append(
+                await client.post("/v1/chat/completions", json=body(user(audio(1.0, 500, 9))))
+            )
+            done_before_video = not slow.done()
+            return fast, await slow, done_before_video
+
+    fast, slow, done_before_video = asyncio.run(run())
+    assert all(r.status_code == 200 for r in fast) and slow.status_code == 200
+    assert done_before_video, "text and audio requests waited for the video"
+    slowest_fast = max(r.json()["timings"]["ttft_ms"] for r in fast)
+    assert slowest_fast < slow.json()["timings"]["encode_ms"], (
+        slowest_fast,
+        slow.json()["timings"],
+    )
+
+
+def test_qwen2_audio_equals_generate(ray_session):
+    check_token_exact(deploy(app_config("audio")), AUDIO_REQUESTS)
+
+
+def test_image_sent_to_an_audio_model_is_refused(ray_session):
+    app = deploy(app_config("audio"))
+    response = app.chat(user(image(1, 20, 20), text("hi")))
+    assert response.status_code == 400
+    assert "does not take image input" in response.json()["error"]["message"]

@@ -105,7 +105,7 @@ def _prefill_engine_aging(app) -> float:
     from router.types import WorkerKind
 
     name = controller_name(APP_NAME, app.config)
-    assert running(APP_NAME) == [name]  # a change of the workers' settings: the old fleet retired
+    assert running(APP_NAME) == [name]  # one fleet: a change of worker settings retired the old
     controller = ray.get_actor(name, namespace=NAMESPACE)
     worker = ray.get(controller.snapshot.remote()).pools[WorkerKind.PREFILL][0]
     return ray.get(worker.__ray_call__.remote(lambda self: self.engine.settings.aging_tokens_per_s))
@@ -141,12 +141,12 @@ def test_streaming_equals_whole_response(app, references):
     )
 
 
-# Last: each transport after the first needs a fleet of its own, and the tests above share the
-# default one.
+# Last: the tests above share the default app; overlap is the ingress's choice (same fleet),
+# gloo with aging needs a fleet of its own.
 @pytest.mark.parametrize(
     "transport,overlap,aging",
-    [("object_store", True, 0.0), ("gloo", True, 0.0), ("object_store", False, 10_000.0)],
-    ids=["object_store", "gloo", "no_overlap_aging"],
+    [("object_store", True, 0.0), ("object_store", False, 0.0), ("gloo", True, 10_000.0)],
+    ids=["object_store", "no_overlap", "gloo_aging"],
 )
 def test_cluster_equals_generate_under_load(ray_session, references, transport, overlap, aging):
     """`overlap`: prefill.overlap_encode (the prefill call before the embeddings) or the baseline
