@@ -6,6 +6,7 @@ started process and waits for it; where nothing was started, it starts one itsel
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -81,3 +82,13 @@ def kill_all() -> None:
     for job in _started.values():
         job.kill()
     _started.clear()
+
+
+def json_outcome(name: str, start, timeout_s: float) -> dict:
+    """The last JSON line a runner printed: from the job started early under `name`, or from
+    one `start()` starts now. Fails with its output if it failed or printed none."""
+    job = take(name) or start()
+    status, stdout, stderr = job.finish(timeout_s)
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert status == 0 and lines, stdout[-3000:] + stderr[-5000:]
+    return json.loads(lines[-1])

@@ -4,8 +4,6 @@ answer across nodes is token-exact. The cluster runs in a process of its own
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from cluster.config import REPO_ROOT, load_config
@@ -22,11 +20,9 @@ def start_run():
 
 @pytest.fixture(scope="module")
 def outcome() -> dict:
-    job = background.take("multi-node") or start_run()  # started as the run began, if listed
-    status, stdout, stderr = job.finish(timeout_s=400)
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    assert status == 0 and lines, stdout[-3000:] + stderr[-5000:]
-    return json.loads(lines[-1])
+    return background.json_outcome(
+        "multi-node", start_run, timeout_s=400
+    )  # started early, if listed
 
 
 def test_each_pool_runs_on_its_node_type(outcome):

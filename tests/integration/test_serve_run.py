@@ -5,8 +5,6 @@ Ray of its own, in a process of its own (serve_run_check.py), started as the tes
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests import background
@@ -20,11 +18,9 @@ def start_run() -> Job:
 
 @pytest.fixture(scope="module")
 def outcome() -> dict:
-    job = background.take("serve-run") or start_run()  # started as the run began, if listed
-    status, stdout, stderr = job.finish(timeout_s=600)
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    assert status == 0 and lines, stdout[-3000:] + stderr[-5000:]
-    return json.loads(lines[-1])
+    return background.json_outcome(
+        "serve-run", start_run, timeout_s=600
+    )  # started early, if listed
 
 
 def test_serve_run_serves_the_serve_config(outcome):
