@@ -48,7 +48,11 @@ def test_a_burst_beyond_the_budget_gets_429_with_retry_after(tight):
 
     responses = asyncio.run(burst())
     codes = [r.status_code for r in responses]
-    assert set(codes) == {200, 429}, codes
+    # The admitted request is served within the 2 s limit on a quiet host; with prefill 60x
+    # slowed, any hiccup of the host is 60x longer too, and then it is answered 504 at the limit
+    # (test_a_request_that_times_out... checks that path). Either way it was admitted, not refused.
+    admitted = [c for c in codes if c != 429]
+    assert 429 in codes and admitted and set(admitted) <= {200, 504}, codes
     for r in responses:
         if r.status_code == 429:
             assert int(r.headers["retry-after"]) >= 1
@@ -57,8 +61,8 @@ def test_a_burst_beyond_the_budget_gets_429_with_retry_after(tight):
                 and "capacity" in r.json()["error"]["message"]
             )
     after = _requests_total(tight)
-    assert after.get("429", 0) - before.get("429", 0) == codes.count(429)
-    assert after.get("ok", 0) - before.get("ok", 0) == codes.count(200)
+    for status, label in ((429, "429"), (200, "ok"), (504, "504")):
+        assert after.get(label, 0) - before.get(label, 0) == codes.count(status), (codes, after)
 
 
 def test_a_request_that_times_out_leaves_nothing_held(tight):
