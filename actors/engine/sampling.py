@@ -8,21 +8,43 @@ rest, with the same result as if one process had done both.
 
 A row whose logits hold no valid distribution (NaN, +inf, or nothing left after the
 filters) gets None instead of a token: one bad row must not fail its batch neighbours.
+
+Everything per row is a tensor operation over the batch, and the host reads the device once
+per call: one tensor holding every row's token (-1 where the row cannot be sampled) and,
+when a row asks, its logprobs. Greedy rows pay for an argmax only; the filters and the
+draw run over the sub-batch of sampled rows. Host values reach the device without a
+blocking copy (see `_on`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from actors.types import NO_HISTORY, SamplingParams, TokenHistory, TokenLogprob
 
+_NEG_INF = float("-inf")
+
 
 @dataclass(frozen=True)
 class Sampled:
     token_id: int
     logprob: TokenLogprob | None = None  # set when the row's params ask for logprobs
+
+
+def _on(
+    device: torch.device, data: list | torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Host values (a list, or a CPU tensor) as a tensor on `device`. On a GPU,
+    `torch.tensor(..., device=...)` copies from pageable memory and waits for the stream; a
+    pinned copy sent non-blocking does not (the caching host allocator keeps the pinned block
+    until the copy is done)."""
+    host = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _generator(seed: int, position: int, device: torch.device) -> torch.Generator:
@@ -33,9 +55,9 @@ def _generator(seed: int, position: int, device: torch.device) -> torch.Generato
 
 def _padded(rows: list[tuple[int, ...]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return torch.tensor(
-        [list(r) + [pad] * (width - len(r)) for r in rows], dtype=torch.long, device=device
-    ).reshape(len(rows), width)
+    return _on(device, [list(r) + [pad] * (width - len(r)) for r in rows], torch.long).reshape(
+        len(rows), width
+    )
 
 
 def _counts(rows: list[tuple[int, ...]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -58,16 +80,15 @@ def _penalise(
     if not rows:
         return
     device, vocab = logits.device, logits.shape[-1]
-    sub = logits[rows]
+    index = _on(device, rows, torch.long)
+    sub = logits.index_select(0, index)
     output = _counts([histories[i].output_ids for i in rows], vocab, device)
     seen = (_counts([histories[i].prompt_ids for i in rows], vocab, device) + output) > 0
-    column = lambda name: torch.tensor(
-        [getattr(params[i], name) for i in rows], device=device
-    ).unsqueeze(1)
+    column = lambda name: _on(device, [getattr(params[i], name) for i in rows]).unsqueeze(1)
     repetition = column("repetition_penalty")
     sub = torch.where(seen, torch.where(sub < 0, sub * repetition, sub / repetition), sub)
     sub = sub - column("frequency_penalty") * output - column("presence_penalty") * (output > 0)
-    logits[rows] = sub
+    logits.index_copy_(0, index, sub)
 
 
 def process(
@@ -85,58 +106,113 @@ def process(
     if not stops and not biases and not any(p.needs_history for p in params):
         return logits
     logits = logits.clone()
+    device = logits.device
     if stops:
         rows, ids = zip(*stops)
-        logits[list(rows), list(ids)] = float("-inf")  # no ending before min_tokens
+        index = (_on(device, rows, torch.long), _on(device, ids, torch.long))
+        logits.index_put_(index, logits.new_full((), _NEG_INF))  # no ending before min_tokens
     if biases:
         rows, ids, values = zip(*biases)
-        index = (torch.tensor(rows, device=logits.device), torch.tensor(ids, device=logits.device))
-        logits.index_put_(
-            index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True
-        )
+        index = (_on(device, rows, torch.long), _on(device, ids, torch.long))
+        logits.index_put_(index, _on(device, values, logits.dtype), accumulate=True)
     _penalise(logits, params, histories)
     return logits
 
 
-def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    logits = logits / params.temperature
-    if params.top_k > 0:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = (
-            cumulative - sorted_logits.softmax(-1) >= params.top_p
-        )  # keep the token that crosses p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
+def _on_rows(
+    logits: torch.Tensor, rows: list[int], fn: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """`logits` with `fn` applied to the rows `rows` (all of them, without gathering, when
+    that is every row); never in place."""
+    if len(rows) == logits.shape[0]:
+        return fn(logits)
+    index = _on(logits.device, rows, torch.long)
+    return logits.index_copy(0, index, fn(logits.index_select(0, index)))
 
 
-def _valid(probs: torch.Tensor) -> bool:
-    return bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0
-
-
-def _logprobs(
-    raw: torch.Tensor, params: list[SamplingParams], tokens: list[int | None]
-) -> list[TokenLogprob | None]:
-    """Each asking row's chosen-token logprob and top k, from one batched log_softmax."""
-    rows = [i for i, p in enumerate(params) if p.num_logprobs is not None and tokens[i] is not None]
-    out: list[TokenLogprob | None] = [None] * len(params)
+def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """Per row, everything below its k-th largest logit goes to -inf (k 0: the row is kept):
+    one topk at the largest k, then each row's own k-th value."""
+    rows = [r for r, k in enumerate(ks) if k > 0]
     if not rows:
-        return out
-    logprobs = raw[rows].log_softmax(-1)
-    chosen = (
-        logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows], device=raw.device))
-        .squeeze(1)
-        .tolist()
-    )
-    k = max(params[i].num_logprobs for i in rows)
-    top_values, top_ids = (t.tolist() for t in torch.topk(logprobs, min(k, raw.shape[-1])))
-    for j, i in enumerate(rows):
-        n = params[i].num_logprobs
-        out[i] = TokenLogprob(chosen[j], tuple(zip(top_ids[j][:n], top_values[j][:n])))
-    return out
+        return logits
+    ks = [min(ks[r], logits.shape[-1]) for r in rows]
+
+    def cut(sub: torch.Tensor) -> torch.Tensor:
+        kth = sub.topk(max(ks)).values.gather(
+            1, _on(sub.device, [k - 1 for k in ks], torch.long).unsqueeze(1)
+        )
+        return sub.masked_fill(sub < kth, _NEG_INF)
+
+    return _on_rows(logits, rows, cut)
+
+
+def _top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Per row, the smallest set of most likely tokens whose probability reaches its p (the
+    token that crosses p stays); one sort over the rows with p < 1."""
+    rows = [r for r, p in enumerate(ps) if p < 1.0]
+    if not rows:
+        return logits
+
+    def cut(sub: torch.Tensor) -> torch.Tensor:
+        ordered, order = torch.sort(sub, dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        top_p = _on(sub.device, [ps[r] for r in rows], torch.float32).unsqueeze(1)
+        drop = probs.cumsum(-1) - probs >= top_p  # keep the token that crosses p
+        return sub.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), _NEG_INF)
+
+    return _on_rows(logits, rows, cut)
+
+
+def _divide(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """`logits / temperature` per row, as the division by a Python float rounds on each
+    device: on CPU a true division; on CUDA a product with the float32 reciprocal, which can
+    differ in the last bit (and overflows to inf for a denormal temperature)."""
+    if logits.device.type == "cuda":
+        return logits * _on(logits.device, 1.0 / temperatures)
+    return logits / _on(logits.device, temperatures)
+
+
+def _draw(
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's seeded sample after temperature, top-k and top-p, and whether the row held a
+    valid distribution ([rows] long, [rows] bool; a row that did not drew an arbitrary token).
+
+    The draw is torch.multinomial(probs, 1, generator)'s own algorithm (argmax of probs / q,
+    q ~ Exp(1) filled from the row's generator), so tokens equal that call's for the same
+    (seed, position), without its checks, which read the device; the noise needs one
+    generator per row, the division and argmax run over the batch."""
+    device = logits.device
+    temperatures = [p.temperature for p in params]
+    if any(t != 1.0 for t in temperatures):  # x / 1.0 is x: all-ones rows skip the division
+        logits = _divide(logits, torch.tensor(temperatures, dtype=torch.float32).unsqueeze(1))
+    logits = _top_k(logits, [p.top_k for p in params])
+    logits = _top_p(logits, [p.top_p for p in params])
+    probs = logits.softmax(-1)
+    valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+    noise = torch.empty_like(probs)
+    for row, (p, position) in enumerate(zip(params, positions)):
+        noise[row].exponential_(1, generator=_generator(p.seed, position, device))
+    return (probs / noise).argmax(dim=-1), valid
+
+
+def _logprob_block(
+    raw: torch.Tensor, asking: list[int], k: int, tokens: torch.Tensor
+) -> torch.Tensor:
+    """[len(asking), 1 + 2k] float64: each asking row's chosen-token logprob, its top k
+    logprobs and their ids, from one batched log_softmax (float32 values and token ids are
+    exact in float64). A row that came out None still counts towards k (which rows did is on
+    the device): where it alone asked for the largest k, topk may pick another of equally
+    likely tokens for its neighbours than a smaller k would (their values are the same)."""
+    logprobs, chosen = raw, tokens
+    if len(asking) != raw.shape[0]:
+        index = _on(raw.device, asking, torch.long)
+        logprobs, chosen = raw.index_select(0, index), tokens.index_select(0, index)
+    logprobs = logprobs.log_softmax(-1)
+    picked = logprobs.gather(1, chosen.clamp(min=0).unsqueeze(1))  # a failed row's -1: unused
+    top = torch.topk(logprobs, k)
+    return torch.cat((picked.double(), top.values.double(), top.indices.double()), dim=1)
 
 
 def sample_rows(
@@ -147,24 +223,45 @@ def sample_rows(
 ) -> list[Sampled | None]:
     """One token per row of `logits` [batch, vocab] (None where the row cannot be sampled);
     `positions` index each row's new token, `histories` are what its penalties see."""
+    if not params:
+        return []
     raw = logits.float()
-    finite = (~torch.isnan(raw) & (raw != float("inf"))).all(dim=-1).tolist()
-    processed = process(raw, params, histories or [NO_HISTORY] * len(params))
-    tokens: list[int | None] = [
-        t if ok else None for t, ok in zip(processed.argmax(dim=-1).tolist(), finite)
-    ]
-    for row, (p, pos) in enumerate(zip(params, positions)):
-        if p.greedy or tokens[row] is None:
+    batch, vocab = raw.shape
+    finite = (~torch.isnan(raw) & (raw != float("inf"))).all(dim=-1)
+    processed = process(raw, params, histories or [NO_HISTORY] * batch)
+    drawn = [i for i, p in enumerate(params) if not p.greedy]
+    if len(drawn) == batch:
+        tokens, valid = _draw(processed, params, positions)
+        finite = finite & valid
+    else:
+        tokens = processed.argmax(dim=-1)
+        if drawn:
+            index = _on(raw.device, drawn, torch.long)
+            picks, valid = _draw(
+                processed.index_select(0, index),
+                [params[i] for i in drawn],
+                [positions[i] for i in drawn],
+            )
+            tokens.index_copy_(0, index, picks)
+            finite.index_copy_(0, index, finite.index_select(0, index) & valid)
+    tokens = torch.where(finite, tokens, -1)
+
+    asking = [i for i, p in enumerate(params) if p.num_logprobs is not None]
+    if not asking:
+        return [Sampled(t) if t >= 0 else None for t in tokens.tolist()]  # the one device read
+    k = min(max(params[i].num_logprobs for i in asking), vocab)
+    block = _logprob_block(raw, asking, k, tokens)
+    values = torch.cat((tokens.double(), block.flatten())).tolist()  # the one device read
+    out = [Sampled(int(t)) if t >= 0 else None for t in values[:batch]]
+    width = 1 + 2 * k
+    for j, i in enumerate(asking):
+        if out[i] is None:
             continue
-        probs = _filter(processed[row], p).softmax(-1)
-        if not _valid(probs):
-            tokens[row] = None
-            continue
-        tokens[row] = int(
-            torch.multinomial(probs, 1, generator=_generator(p.seed, pos, logits.device))
-        )
-    logprobs = _logprobs(raw, params, tokens)
-    return [Sampled(t, lp) if t is not None else None for t, lp in zip(tokens, logprobs)]
+        row = values[batch + j * width : batch + (j + 1) * width]
+        n = min(params[i].num_logprobs, k)
+        top = tuple(zip((int(t) for t in row[1 + k : 1 + k + n]), row[1 : 1 + n]))
+        out[i] = Sampled(out[i].token_id, TokenLogprob(row[0], top))
+    return out
 
 
 def sample(

@@ -1,13 +1,20 @@
-"""Unit tests for actors.engine.sampling: greedy, seeded sampling, top-k and top-p."""
+"""Unit tests for actors.engine.sampling: greedy, seeded sampling, top-k and top-p, and the
+batched sampler against the row-by-row one it replaced."""
 
 from __future__ import annotations
+
+import importlib.util
+import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from actors.engine.sampling import sample  # noqa: E402
-from actors.types import SamplingParams  # noqa: E402
+from actors.engine.sampling import Sampled, process, sample, sample_rows  # noqa: E402
+from actors.types import SamplingParams, TokenHistory  # noqa: E402
 
 VOCAB = 50
 
@@ -133,3 +140,146 @@ def test_non_finite_logits_fail_only_their_row():
     x = logits(2, seed=13)
     x[1, 3] = float("nan")
     assert sample(x, [SamplingParams(temperature=0.0)] * 2, [0, 0]) == [int(x[0].argmax()), None]
+
+
+# The sampler before it was batched (one row at a time, several device reads per step): the
+# batched one must give exactly its tokens and logprobs, seeded rows included.
+BEFORE_BATCHING = "11039f1"
+
+
+@pytest.fixture(scope="module")
+def before_batching():
+    root = Path(__file__).resolve().parents[2]
+    try:
+        source = subprocess.run(
+            ["git", "show", f"{BEFORE_BATCHING}:actors/engine/sampling.py"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        pytest.skip(
+            f"the sampler before batching is read from git ({BEFORE_BATCHING}), "
+            f"not in this checkout's history: {error}"
+        )
+    name = "sampling_before_batching"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    sys.modules[name] = module  # dataclasses look their module up
+    try:
+        exec(
+            compile(source, f"{BEFORE_BATCHING}:actors/engine/sampling.py", "exec"), module.__dict__
+        )
+        yield module
+    finally:
+        del sys.modules[name]
+
+
+def _exactly(rows, ties_in_any_order: bool = False) -> list[str]:
+    """Sampled rows as text: repr of a float is exact (and -0.0 is not 0.0), NaN equals NaN,
+    an id that became a float would show. `ties_in_any_order`: the top logprobs' values only
+    (best first), not which of equally likely tokens hold them."""
+
+    def row(s):
+        if s is None:
+            return None
+        if s.logprob is None or not ties_in_any_order:
+            return (s.token_id, s.logprob)
+        return (s.token_id, s.logprob.logprob, [value for _, value in s.logprob.top])
+
+    return [repr(row(s)) for s in rows]
+
+
+def _k_set_by_a_failed_row(params, vocab: int, want) -> bool:
+    """Whether the largest num_logprobs belongs only to rows that came out None. The sampler
+    before batching took one topk at the largest k over the rows it had sampled; the batched
+    one cannot know which those are without reading the device, so it takes the largest k over
+    the rows that ask. topk picks among equal values differently for another k: in this case
+    only, equally likely tokens among the top logprobs may differ (their values may not)."""
+    asking = [i for i, p in enumerate(params) if p.num_logprobs is not None]
+    sampled = [i for i in asking if want[i] is not None]
+    k = lambda rows: min(max((params[i].num_logprobs for i in rows), default=0), vocab)
+    return bool(sampled) and k(asking) > k(sampled)
+
+
+def _random_batch(rng: random.Random, vocab: int):
+    batch = rng.randint(1, 64)
+    gen = torch.Generator().manual_seed(rng.getrandbits(32))
+    x = torch.randn(batch, vocab, generator=gen) * rng.choice([0.1, 1.0, 3.0, 30.0])
+    for row in range(batch):
+        kind = rng.random()
+        if kind < 0.05:
+            x[row, rng.randrange(vocab)] = float("nan")
+        elif kind < 0.1:
+            x[row, rng.randrange(vocab)] = float("inf")
+        elif kind < 0.15:
+            x[row, rng.sample(range(vocab), max(1, vocab // 4))] = float("-inf")
+        elif kind < 0.17:
+            x[row] = float("-inf")  # finite by the check, no distribution
+        elif kind < 0.2:
+            x[row] = 0.0  # flat: every sort and top-k is a tie
+        elif kind < 0.25:
+            x[row] = x[row].round()  # many ties
+    params, histories = [], []
+    for _ in range(batch):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+        cut = rng.randint(0, len(ids))
+        histories.append(TokenHistory(tuple(ids[:cut]), tuple(ids[cut:])))
+        penalised = rng.random() < 0.2
+        params.append(
+            SamplingParams(
+                temperature=rng.choice([0.0, 0.0, 0.3, 0.7, 1.0, 1.0, 1.5, 100.0, 1e-38, 1e-45]),
+                top_k=rng.choice([0, 0, 0, 1, 2, 5, vocab, vocab + 3]),
+                top_p=rng.choice([1.0, 1.0, 1.0, 0.95, 0.9, 0.5, 1e-6, 0.0]),
+                seed=rng.getrandbits(rng.choice([8, 40, 62])),
+                stop_token_ids=tuple(rng.sample(range(vocab), min(vocab, 2))),
+                min_tokens=rng.choice([0, 0, 0, 3, 20]),
+                repetition_penalty=rng.choice([1.3, 0.8]) if penalised else 1.0,
+                frequency_penalty=rng.choice([0.0, 0.5, -1.0]) if penalised else 0.0,
+                presence_penalty=rng.choice([0.0, 1.5]) if penalised else 0.0,
+                logit_bias=tuple(
+                    (rng.randrange(vocab), rng.choice([-100.0, -1.5, 2.0, 100.0]))
+                    for _ in range(rng.choice([0, 0, 0, 1, 3]))
+                ),
+                num_logprobs=rng.choice([None, None, None, 0, 1, 3, 5, vocab + 2]),
+            )
+        )
+    positions = [rng.randrange(5000) for _ in range(batch)]
+    dtype = rng.choice([torch.float32, torch.float32, torch.bfloat16])
+    return x.to(dtype), params, positions, histories
+
+
+@pytest.mark.parametrize("vocab", [1, 3, 50, 257])
+def test_batched_sampler_matches_the_one_before_exactly(before_batching, vocab):
+    rng = random.Random(vocab)
+    for _ in range(40):
+        x, params, positions, histories = _random_batch(rng, vocab)
+        for h in (histories, None):
+            want = before_batching.sample_rows(x, params, positions, h)
+            got = sample_rows(x, params, positions, h)
+            ties = _k_set_by_a_failed_row(params, vocab, want)
+            assert _exactly(got, ties) == _exactly(want, ties)
+            assert all(type(s) is Sampled for s in got if s is not None)
+        processed = process(x.float(), params, histories)
+        torch.testing.assert_close(
+            processed,
+            before_batching.process(x.float(), params, histories),
+            rtol=0,
+            atol=0,
+            equal_nan=True,
+        )
+
+
+def test_batched_sampler_matches_at_a_real_vocab(before_batching):
+    """Seeded sampling over a 32k vocab, every row sampled: the case decode runs most."""
+    rng = random.Random(7)
+    x = torch.randn(16, 32000, generator=torch.Generator().manual_seed(3)) * 4
+    for top_p, top_k in ((1.0, 0), (0.9, 0), (0.9, 40), (1.0, 50)):
+        params = [
+            SamplingParams(temperature=0.8, top_p=top_p, top_k=top_k, seed=rng.getrandbits(40))
+            for _ in range(16)
+        ]
+        positions = [rng.randrange(4000) for _ in range(16)]
+        want = before_batching.sample_rows(x, params, positions)
+        assert _exactly(sample_rows(x, params, positions)) == _exactly(want)
