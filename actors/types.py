@@ -194,3 +194,19 @@ class TokenChunk:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class DecodeOutput:
+    """One chunk for one request's caller."""
+
+    request_id: str
+    chunk: TokenChunk
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One message from a decode worker to one ingress replica: every chunk its requests got
+    since the last message (one decode step's, or several if the reader fell behind)."""
+
+    outputs: tuple[DecodeOutput, ...]

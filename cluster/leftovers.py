@@ -9,23 +9,20 @@ decode call's KV, a prefill worker's embeddings) fails a reference-count check a
 calling process, the ingress replica, with every request it was serving (RAY_CHECK
 submitted_task_ref_count > 0 in reference_counter.cc, seen in CI on a storm of clients leaving
 mid-stream; ray-project/ray#56123 names the race). So calls that carry refs, and the clean-up
-calls, are submitted `detached`, and a stream nobody wants is drained, never dropped (dropping
-an unfinished ObjectRefGenerator cancels its call too).
+calls, are submitted `detached`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import TypeVar
 
 CLOSE_RETRY_S, CLOSE_RETRY_FOR_S = (
     0.02,
     30.0,
 )  # close_soon: a running stream is closed once its step ends
-# drain_soon: a worker told to abort ends its stream within a step; this bounds a stuck one
-DRAIN_FOR_S = 60.0
 
 T = TypeVar("T")
 
@@ -64,22 +61,3 @@ def close_soon(stream: AsyncIterator) -> None:
                 await asyncio.sleep(CLOSE_RETRY_S)
 
     _in_background(close())
-
-
-def drain_soon(stream: AsyncIterator[Awaitable], within_s: float = DRAIN_FOR_S) -> None:
-    """Read a Ray stream (an ObjectRefGenerator) nobody wants any more to its end instead of
-    dropping it; call it after telling the worker to abort, which ends the stream. A stream
-    still open after `within_s` is dropped: its call has long started by then, past the race."""
-
-    async def drain() -> None:
-        try:
-            async with asyncio.timeout(within_s):
-                async for ref in stream:
-                    try:
-                        await ref
-                    except Exception:  # noqa: BLE001
-                        pass  # an error chunk or a dead worker: the stream ends either way
-        except Exception:  # noqa: BLE001
-            pass  # the timeout, or the stream itself failing: nothing is waiting for it
-
-    _in_background(drain())

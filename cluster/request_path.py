@@ -25,10 +25,11 @@ from actors.types import (
 )
 from cluster.admitted import Admitted, Endpoint, Job
 from cluster.config import ClusterConfig
+from cluster.decode_feed import DecodeFeeds
 from cluster.errors import RequestError
 from cluster.fleet_client import FleetClient
 from cluster.intake import Intake
-from cluster.leftovers import close_soon, detached, drain_soon
+from cluster.leftovers import close_soon, detached
 from cluster.metrics import Metrics
 from cluster.overlap import overlapped
 from cluster.prompt_plan import PromptPlanner
@@ -77,6 +78,7 @@ class RequestPath:
         )
         self.trace = TraceWriter(config.server.trace_path) if config.server.trace_path else None
         self.intake = Intake(config, planner)
+        self.feeds = DecodeFeeds(fleet.owner)
 
     # -- 1. admit -------------------------------------------------------------------------
     def admit(
@@ -314,11 +316,13 @@ class RequestPath:
             result.rope_delta,
             job.history,
         )
-        finished, stream = False, None
+        feed = self.feeds.of(decoder)
+        feed.listen(job.job_id)  # before the submit: its first chunk may come right after
+        finished = False
         try:
-            stream = await self._start_decode(decoder, decision, request, kv_ref)
-            async for ref in stream:
-                chunk: TokenChunk = await ref
+            if not await self._submit_decode(decoder, decision, request, kv_ref):
+                return  # aborted before it reached the worker: nobody is listening
+            async for chunk in feed.chunks(job.job_id, self.config.decode.stream_interval):
                 if chunk.step_ms:
                     self.metrics.stage.labels("decode_step").observe(chunk.step_ms / 1e3)
                 if chunk.finish_reason == FinishReason.ERROR:
@@ -330,21 +334,19 @@ class RequestPath:
                 finished = chunk.finished
                 yield chunk
         finally:
-            if (
-                not finished
-            ):  # the client left, a stop string matched or a worker failed: free the row and the KV
-                detached(decoder.abort.remote, job.job_id)
-                if stream is not None:
-                    # never dropped unfinished: that cancels the call, which can crash this process
-                    drain_soon(stream)
+            feed.forget(job.job_id)
+            if not finished:  # the client left, a stop string matched or a worker failed
+                detached(decoder.abort.remote, job.job_id)  # frees the row and the KV
 
-    async def _start_decode(self, decoder, decision: RouteDecision, request: DecodeRequest, kv_ref):
-        """Over the object store (and CUDA IPC) the KV rides on the generate call itself: no
+    async def _submit_decode(
+        self, decoder, decision: RouteDecision, request: DecodeRequest, kv_ref
+    ) -> bool:
+        """Over the object store (and CUDA IPC) the KV rides on the submit call itself: no
         copy waits in the decode worker for a call that may never come. Collective transfers
         into one actor must be ordered, so there the KV is delivered first."""
-        streaming = decoder.generate.options(num_returns="streaming")
+        owner = self.fleet.owner
         if not self.config.transport.kv.collective:
-            return detached(streaming.remote, request, kv_ref)
+            return await detached(decoder.submit.remote, request, kv_ref, owner)
         await self.deliver(
             WorkerKind.DECODE,
             decision.decode,
@@ -352,7 +354,7 @@ class RequestPath:
             [kv_ref],
             self.config.transport.kv,
         )
-        return streaming.remote(request)
+        return await detached(decoder.submit.remote, request, None, owner)
 
     def _record_prefill(self, result: PrefillResult, trace: RequestTimings) -> None:
         stage = self.metrics.stage

@@ -11,23 +11,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
 from actors.engine import kv
 from actors.engine.decode_state import DecodeScheduler, Sequence
 from actors.engine.lm_runner import LMRunner
-from actors.types import DecodeRequest, FinishReason, TokenChunk
+from actors.types import DecodeOutput, DecodeRequest, FinishReason, TokenChunk
 from router.worker_settings import DecodeSettings
-
-
-@dataclass(frozen=True)
-class DecodeOutput:
-    """One chunk for one request's caller."""
-
-    request_id: str
-    chunk: TokenChunk
 
 
 class DecodeEngine:

@@ -21,6 +21,7 @@ DRAIN_FIELDS = (
     "held_kv",
     "held_embeddings",
     "rows",
+    "open_streams",
     "running",
     "queued",
     "kv_reserved_bytes",

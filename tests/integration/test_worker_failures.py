@@ -18,7 +18,7 @@ from tests.integration.conftest import png_data_url, random_image
 
 HELD = {
     "prefill": ("held_kv", "held_embeddings", "queued", "running"),
-    "decode": ("rows", "held_kv", "running", "queued"),
+    "decode": ("rows", "held_kv", "running", "queued", "open_streams"),
     "encoder": ("queued", "running", "cache_encoding_entries", "cache_referenced_entries"),
 }
 
@@ -170,9 +170,9 @@ def test_a_worker_killed_under_load_loses_no_request(app, kind):
     assert not any(wait_until_idle(app, within_s=5).values()), held(app)
 
 
-def test_an_abort_that_overtakes_its_generate_leaves_nothing(app):
+def test_an_abort_that_overtakes_its_submit_leaves_nothing(app):
     """An async actor may run calls out of order: when the ingress aborts a request whose
-    generate call (carrying the KV) has not started yet, generate must not hold that KV."""
+    submit call (carrying the KV) has not started yet, submit must not hold that KV."""
     import ray
     import torch
 
@@ -185,8 +185,5 @@ def test_an_abort_that_overtakes_its_generate_leaves_nothing(app):
     decoder = ray.get(controller.snapshot.remote()).pools[WorkerKind.DECODE][0]
     ray.get(decoder.abort.remote("overtaken:chatcmpl-1/0"))
     request = DecodeRequest("overtaken:chatcmpl-1/0", 8, 1, SamplingParams(max_tokens=8))
-    chunks = [
-        ray.get(ref)
-        for ref in decoder.generate.options(num_returns="streaming").remote(request, torch.zeros(1))
-    ]
-    assert chunks == [] and not any(held(app).values()), held(app)
+    queued = ray.get(decoder.submit.remote(request, torch.zeros(1), "overtaken:"))
+    assert queued is False and not any(held(app).values()), held(app)
