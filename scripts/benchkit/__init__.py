@@ -17,6 +17,9 @@ only its own command (argparse, main and what no other script does).
     probe_report    the probe's results and tables
     rss             the server's worker and ingress pids, and their RSS sampled over time
     dashboard       the Grafana dashboard over /metrics (docs/grafana/epd.json)
+    decode_engine   the decode engine's step against the plain forward, and its host syncs
+    decode_http     TPOT of concurrent streams over HTTP against `generate` on the same batch
+    detok           the ingress detokenizer's cost per token
 
 A script run as `python scripts/<name>.py` has scripts/ first on sys.path, so `import benchkit`
 works without a path edit; pytest gets it from `pythonpath = ["scripts"]` (pyproject.toml).

@@ -1,0 +1,107 @@
+"""Decode over HTTP against the checkpoint's own `generate`: TPOT of N concurrent streams
+through the served app, and of `generate` stepping a batch of N in one process,
+`(t(n + 1 new) - t(1 new)) / n`; plus the ingress's and Serve proxy's CPU per token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+import psutil
+
+from benchkit.http_client import stream_one
+from benchkit.rss import ingress_pid
+from benchkit.stats import pct
+
+PROMPT = "Describe the picture of a red circle next to a blue square in a few sentences."
+
+
+def generate_tpot_ms(cfg, batch: int, new_tokens: int, threads: int, repeats: int = 3) -> float:
+    """ms per token of the checkpoint's `generate` over `batch` copies of the prompt (greedy,
+    eos ignored), from the difference between `new_tokens + 1` and 1 new tokens."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    torch.set_num_threads(threads)
+    path = cfg.model.checkpoint_path
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=getattr(torch, cfg.model.resolved_dtype)
+    ).eval()
+    processor = AutoProcessor.from_pretrained(path)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}],
+        add_generation_prompt=True,
+    )
+    ids = processor(text=[text] * batch, return_tensors="pt")
+
+    def seconds(n: int) -> float:
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            with torch.inference_mode():
+                model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    seconds(2)  # warm-up
+    return (seconds(new_tokens + 1) - seconds(1)) / new_tokens * 1e3
+
+
+def _body(model: str, max_tokens: int) -> bytes:
+    return json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": PROMPT}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+
+
+async def _streams(url: str, model: str, streams: int, max_tokens: int) -> list:
+    limits = httpx.Limits(max_connections=streams, max_keepalive_connections=streams)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        t0 = time.perf_counter()
+        body = _body(model, max_tokens)
+        return await asyncio.gather(
+            *(stream_one(client, url, body, 0.0, t0) for _ in range(streams))
+        )
+
+
+def _serve_pids(base: str) -> dict[str, int]:
+    """The ingress replica and, beside it under the same raylet, Serve's HTTP proxy."""
+    ingress = ingress_pid(base.removesuffix("/v1"))
+    out = {"ingress": ingress} if ingress else {}
+    if ingress:
+        parent = psutil.Process(ingress).ppid()
+        for proc in psutil.process_iter(["ppid", "cmdline"]):
+            if proc.info["ppid"] == parent and "ProxyActor" in " ".join(proc.info["cmdline"] or []):
+                out["proxy"] = proc.pid
+    return out
+
+
+def cluster_tpot(base: str, model: str, streams: int, max_tokens: int, rounds: int) -> dict:
+    """TPOT p50 of `streams` concurrent streams (after one warm-up round) and the ingress's
+    and proxy's CPU ms per streamed token over the measured rounds."""
+    url = f"{base}/chat/completions"
+    asyncio.run(_streams(url, model, streams, max_tokens))
+    procs = {name: psutil.Process(pid) for name, pid in _serve_pids(base).items()}
+    cpu = lambda: {n: sum(p.cpu_times()[:2]) for n, p in procs.items()}
+    before, results = cpu(), []
+    for _ in range(rounds):
+        results += asyncio.run(_streams(url, model, streams, max_tokens))
+    used = {n: s - before[n] for n, s in cpu().items()}
+    tokens = sum(r.tokens for r in results)
+    tpots = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
+    return {
+        "tpot_ms_p50": round(pct(tpots, 50), 3),
+        "tpot_ms_p90": round(pct(tpots, 90), 3),
+        "tokens": tokens,
+        **{f"{n}_cpu_ms_per_token": round(s * 1e3 / tokens, 4) for n, s in used.items()},
+    }
