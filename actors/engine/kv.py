@@ -29,6 +29,9 @@ class _Slab:
         shape = lambda t: (rows, t.shape[1], columns, t.shape[-1])
         self.k = [k.new_zeros(shape(k)) for k, _ in like]
         self.v = [v.new_zeros(shape(v)) for _, v in like]
+        self.valid = torch.zeros(rows, columns, dtype=torch.long, device=k0.device)  # 1: a token
+        self.length = torch.zeros(rows, dtype=torch.long, device=k0.device)  # tokens a row holds
+        self.row_lengths: list[int] = []  # the same, on the host (no device read to trim)
         self.device, self.dtype = k0.device, k0.dtype
         self.n, self.start, self.end = 0, end, end
 
@@ -41,8 +44,11 @@ class _Slab:
         return self.k[0].shape[2]
 
     def views(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.view(i) for i in range(len(self.k))]
+
+    def view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cols = slice(self.start, self.end)
-        return [(k[: self.n, :, cols], v[: self.n, :, cols]) for k, v in zip(self.k, self.v)]
+        return self.k[layer][: self.n, :, cols], self.v[layer][: self.n, :, cols]
 
     def regrown(self, rows: int, left: int, right: int) -> _Slab:
         """A copy with room for `rows` rows, `left` columns before the window, `right` after."""
@@ -50,9 +56,11 @@ class _Slab:
         out = _Slab(
             list(zip(self.k, self.v)), max(rows, self.n), left + width + right, left + width
         )
-        out.n, out.start = self.n, left
+        out.n, out.start, out.row_lengths = self.n, left, self.row_lengths
         for dst, src in zip(out.k + out.v, self.k + self.v):
             dst[: self.n, :, left : left + width] = src[: self.n, :, self.start : self.end]
+        out.valid[: self.n, left : left + width] = self.valid[: self.n, self.start : self.end]
+        out.length[: self.n] = self.length[: self.n]
         return out
 
 
@@ -65,7 +73,7 @@ class _SlabLayer(DynamicLayer):
         super().__init__()
         self.slab, self.index = slab, index
         self.dtype, self.device, self.is_initialized = slab.dtype, slab.device, True
-        self.keys, self.values = slab.views()[index]
+        self.keys, self.values = slab.view(index)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         s, i = self.slab, self.index
@@ -118,24 +126,32 @@ class BatchedKV:
     """The decode batch's cache: rows are requests, columns are token slots (left-padded),
     in a `_Slab` that rows join and leave in place. Row i belongs to the caller's i-th
     sequence; `remove` moves the last rows into the holes (the caller reorders its sequences
-    the same way). Its tensors are inference tensors: a decode step
-    runs in inference mode, and so does every method that changes them in place."""
+    the same way). A step reads the slab's mask and lengths as views and grows them in
+    place: no per-step copy, no device read. Its tensors are inference tensors: a decode
+    step runs in inference mode, and so does every method that changes them in place."""
 
     def __init__(self) -> None:
         self._slab: _Slab | None = None
-        self.mask = torch.zeros(0, 0, dtype=torch.long)
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self._slab.views() if self._slab is not None else []
 
     @property
+    def mask(self) -> torch.Tensor:
+        """[rows, slots] 1 where a row holds a token, 0 for its left padding."""
+        s = self._slab
+        if s is None:
+            return torch.zeros(0, 0, dtype=torch.long)
+        return s.valid[: s.n, s.start : s.end]
+
+    @property
     def num_rows(self) -> int:
-        return self.mask.shape[0]
+        return self._slab.n if self._slab is not None else 0
 
     @property
     def num_slots(self) -> int:
-        return self.mask.shape[1]
+        return self._slab.end - self._slab.start if self._slab is not None else 0
 
     @torch.inference_mode()
     def join(self, packed: torch.Tensor) -> None:
@@ -143,24 +159,20 @@ class BatchedKV:
         new, length = unpack(packed), packed.shape[-2]
         if self._slab is None:
             self._slab = _Slab(new, rows=1, columns=length + SPARE_SLOTS, end=length)
-            self.mask = self.mask.to(packed.device)
         self._make_room(rows=self.num_rows + 1, before=length)
         s = self._slab
         start = min(s.start, s.end - length)
         for buf, (k, v) in zip(zip(s.k, s.v), new):
             for dst, src in zip(buf, (k, v)):
-                dst[: s.n, :, start : s.start] = (
-                    0  # columns the other rows now pad (old data of rows gone)
-                )
+                dst[: s.n, :, start : s.start] = 0  # columns the other rows now pad
                 dst[s.n, :, start : s.end - length] = 0
                 dst[s.n, :, s.end - length : s.end] = src[0]
+        s.valid[: s.n, start : s.start] = 0  # old data of rows gone
+        s.valid[s.n, start : s.end] = 0
+        s.valid[s.n, s.end - length : s.end] = 1
+        s.length[s.n] = length
+        s.row_lengths = [*s.row_lengths, length]
         s.n, s.start = s.n + 1, start
-        width = s.end - s.start
-        grown = torch.cat(
-            (self.mask.new_zeros(self.num_rows, width - self.num_slots), self.mask), dim=1
-        )
-        row = torch.cat((self.mask.new_zeros(width - length), self.mask.new_ones(length)))
-        self.mask = torch.cat((grown, row.unsqueeze(0)))
 
     def _make_room(self, rows: int, before: int = 0, after: int = 0) -> None:
         """Regrow the slab if it lacks `rows` rows, `before` columns before `end` or `after`
@@ -187,7 +199,8 @@ class BatchedKV:
                 self._move(last, row)
                 order[row] = order[last]
             order.pop()
-        self._slab.n = len(order)
+        s = self._slab
+        s.n, s.row_lengths = len(order), [s.row_lengths[i] for i in order]
         self._trim()
         return order
 
@@ -195,39 +208,49 @@ class BatchedKV:
         s = self._slab
         for buf in s.k + s.v:
             buf[dst, :, s.start : s.end] = buf[src, :, s.start : s.end]
-        self.mask[dst] = self.mask[src]
+        s.valid[dst, s.start : s.end] = s.valid[src, s.start : s.end]
+        s.length[dst] = s.length[src]
 
     def _trim(self) -> None:
-        """Drop leading columns no row uses (and the mask rows of removed rows)."""
+        """Drop leading columns no row uses (known on the host: the longest row's length)."""
         s = self._slab
-        self.mask = self.mask[: s.n]
-        used = self.mask.any(dim=0).nonzero()
-        skip = int(used[0]) if len(used) else self.num_slots
-        self.mask = self.mask[:, skip:]
-        s.start += skip
         if s.n == 0:
-            self._slab, self.mask = None, torch.zeros(0, 0, dtype=torch.long)
+            self._slab = None
+            return
+        s.start = max(s.start, s.end - max(s.row_lengths))
 
     @torch.inference_mode()
     def as_cache(self) -> DynamicCache:
         """The batch's cache for one step: its layers write the step's column in place."""
-        self._make_room(rows=self.num_rows, after=1)
+        s = self._open_column()
         cache = DynamicCache()
-        cache.layers = [_SlabLayer(self._slab, i) for i in range(len(self._slab.k))]
+        cache.layers = [_SlabLayer(s, i) for i in range(len(s.k))]
         return cache
 
     @torch.inference_mode()
     def absorb(self, cache: DynamicCache) -> None:
         """Take in the column a step (on `as_cache()`) wrote to every row."""
-        self._slab.end += 1
-        self.mask = torch.cat((self.mask, self.mask.new_ones(self.num_rows, 1)), dim=1)
+        s = self._slab
+        s.end += 1
+        s.length[: s.n] += 1
+        s.row_lengths = [n + 1 for n in s.row_lengths]
 
+    @torch.inference_mode()
     def step_mask(self) -> torch.Tensor:
         """Attention mask for a step: existing slots plus the token being fed."""
-        return torch.cat((self.mask, self.mask.new_ones(self.num_rows, 1)), dim=1)
+        s = self._open_column()
+        return s.valid[: s.n, s.start : s.end + 1]
+
+    def _open_column(self) -> _Slab:
+        """Room for the step's column, marked valid for every row (idempotent)."""
+        self._make_room(rows=self.num_rows, after=1)
+        s = self._slab
+        s.valid[: s.n, s.end] = 1
+        return s
 
     def lengths(self) -> torch.Tensor:
-        return self.mask.sum(dim=1)
+        s = self._slab
+        return s.length[: s.n] if s is not None else torch.zeros(0, dtype=torch.long)
 
 
 def cache_of(packed: torch.Tensor) -> DynamicCache:

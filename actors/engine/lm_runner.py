@@ -10,7 +10,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from actors.engine import kv
-from actors.engine.sampling import Sampled, sample_rows
+from actors.engine.sampling import Sampled, on_device, sample_rows
 from actors.models.adapter import ModelAdapter
 from actors.types import PlaceholderRange, SamplingParams, TokenHistory
 
@@ -130,13 +130,15 @@ class LMRunner:
         histories: list[TokenHistory] | None = None,
     ) -> list[Sampled | None]:
         """Feed each row its last token; the cache grows by one slot; returns the next tokens."""
-        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)
+        ids = on_device(self.device, last_tokens, torch.long).unsqueeze(1)
+        cache = batch.as_cache()  # first: it may regrow the buffers the views below read
         position_ids = batch.lengths().unsqueeze(1)
         if rope_deltas and any(rope_deltas):
-            position_ids = position_ids + torch.tensor(rope_deltas, device=self.device).unsqueeze(1)
+            position_ids = position_ids + on_device(self.device, rope_deltas, torch.long).unsqueeze(
+                1
+            )
         position_ids = self.adapter.step_positions(position_ids)
         mask = batch.step_mask()
-        cache = batch.as_cache()
         hidden = self.adapter.forward(self.adapter.embed_tokens(ids), position_ids, cache, mask)
         batch.absorb(cache)
         return sample_rows(self.adapter.logits(hidden[:, -1]), params, positions, histories)

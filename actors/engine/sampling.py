@@ -34,7 +34,7 @@ class Sampled:
     logprob: TokenLogprob | None = None  # set when the row's params ask for logprobs
 
 
-def _on(
+def on_device(
     device: torch.device, data: list | torch.Tensor, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Host values (a list, or a CPU tensor) as a tensor on `device`. On a GPU,
@@ -55,9 +55,9 @@ def _generator(seed: int, position: int, device: torch.device) -> torch.Generato
 
 def _padded(rows: list[tuple[int, ...]], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
-    return _on(device, [list(r) + [pad] * (width - len(r)) for r in rows], torch.long).reshape(
-        len(rows), width
-    )
+    return on_device(
+        device, [list(r) + [pad] * (width - len(r)) for r in rows], torch.long
+    ).reshape(len(rows), width)
 
 
 def _counts(rows: list[tuple[int, ...]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -80,11 +80,11 @@ def _penalise(
     if not rows:
         return
     device, vocab = logits.device, logits.shape[-1]
-    index = _on(device, rows, torch.long)
+    index = on_device(device, rows, torch.long)
     sub = logits.index_select(0, index)
     output = _counts([histories[i].output_ids for i in rows], vocab, device)
     seen = (_counts([histories[i].prompt_ids for i in rows], vocab, device) + output) > 0
-    column = lambda name: _on(device, [getattr(params[i], name) for i in rows]).unsqueeze(1)
+    column = lambda name: on_device(device, [getattr(params[i], name) for i in rows]).unsqueeze(1)
     repetition = column("repetition_penalty")
     sub = torch.where(seen, torch.where(sub < 0, sub * repetition, sub / repetition), sub)
     sub = sub - column("frequency_penalty") * output - column("presence_penalty") * (output > 0)
@@ -109,12 +109,12 @@ def process(
     device = logits.device
     if stops:
         rows, ids = zip(*stops)
-        index = (_on(device, rows, torch.long), _on(device, ids, torch.long))
+        index = (on_device(device, rows, torch.long), on_device(device, ids, torch.long))
         logits.index_put_(index, logits.new_full((), _NEG_INF))  # no ending before min_tokens
     if biases:
         rows, ids, values = zip(*biases)
-        index = (_on(device, rows, torch.long), _on(device, ids, torch.long))
-        logits.index_put_(index, _on(device, values, logits.dtype), accumulate=True)
+        index = (on_device(device, rows, torch.long), on_device(device, ids, torch.long))
+        logits.index_put_(index, on_device(device, values, logits.dtype), accumulate=True)
     _penalise(logits, params, histories)
     return logits
 
@@ -126,7 +126,7 @@ def _on_rows(
     that is every row); never in place."""
     if len(rows) == logits.shape[0]:
         return fn(logits)
-    index = _on(logits.device, rows, torch.long)
+    index = on_device(logits.device, rows, torch.long)
     return logits.index_copy(0, index, fn(logits.index_select(0, index)))
 
 
@@ -140,7 +140,7 @@ def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
 
     def cut(sub: torch.Tensor) -> torch.Tensor:
         kth = sub.topk(max(ks)).values.gather(
-            1, _on(sub.device, [k - 1 for k in ks], torch.long).unsqueeze(1)
+            1, on_device(sub.device, [k - 1 for k in ks], torch.long).unsqueeze(1)
         )
         return sub.masked_fill(sub < kth, _NEG_INF)
 
@@ -157,7 +157,7 @@ def _top_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
     def cut(sub: torch.Tensor) -> torch.Tensor:
         ordered, order = torch.sort(sub, dim=-1, descending=True)
         probs = ordered.softmax(-1)
-        top_p = _on(sub.device, [ps[r] for r in rows], torch.float32).unsqueeze(1)
+        top_p = on_device(sub.device, [ps[r] for r in rows], torch.float32).unsqueeze(1)
         drop = probs.cumsum(-1) - probs >= top_p  # keep the token that crosses p
         return sub.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), _NEG_INF)
 
@@ -169,8 +169,8 @@ def _divide(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     device: on CPU a true division; on CUDA a product with the float32 reciprocal, which can
     differ in the last bit (and overflows to inf for a denormal temperature)."""
     if logits.device.type == "cuda":
-        return logits * _on(logits.device, 1.0 / temperatures)
-    return logits / _on(logits.device, temperatures)
+        return logits * on_device(logits.device, 1.0 / temperatures)
+    return logits / on_device(logits.device, temperatures)
 
 
 def _draw(
@@ -207,7 +207,7 @@ def _logprob_block(
     likely tokens for its neighbours than a smaller k would (their values are the same)."""
     logprobs, chosen = raw, tokens
     if len(asking) != raw.shape[0]:
-        index = _on(raw.device, asking, torch.long)
+        index = on_device(raw.device, asking, torch.long)
         logprobs, chosen = raw.index_select(0, index), tokens.index_select(0, index)
     logprobs = logprobs.log_softmax(-1)
     picked = logprobs.gather(1, chosen.clamp(min=0).unsqueeze(1))  # a failed row's -1: unused
@@ -236,7 +236,7 @@ def sample_rows(
     else:
         tokens = processed.argmax(dim=-1)
         if drawn:
-            index = _on(raw.device, drawn, torch.long)
+            index = on_device(raw.device, drawn, torch.long)
             picks, valid = _draw(
                 processed.index_select(0, index),
                 [params[i] for i in drawn],
