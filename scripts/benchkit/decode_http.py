@@ -27,15 +27,20 @@ def generate_tpot_ms(cfg, batch: int, new_tokens: int, threads: int, repeats: in
 
     torch.set_num_threads(threads)
     path = cfg.model.checkpoint_path
-    model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=getattr(torch, cfg.model.resolved_dtype)
-    ).eval()
+    device = cfg.model.device
+    model = (
+        AutoModelForImageTextToText.from_pretrained(
+            path, dtype=getattr(torch, cfg.model.resolved_dtype)
+        )
+        .to(device)
+        .eval()
+    )
     processor = AutoProcessor.from_pretrained(path)
     text = processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}],
         add_generation_prompt=True,
     )
-    ids = processor(text=[text] * batch, return_tensors="pt")
+    ids = processor(text=[text] * batch, return_tensors="pt").to(device)
 
     def seconds(n: int) -> float:
         times = []
@@ -43,6 +48,8 @@ def generate_tpot_ms(cfg, batch: int, new_tokens: int, threads: int, repeats: in
             started = time.perf_counter()
             with torch.inference_mode():
                 model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - started)
         return statistics.median(times)
 
