@@ -23,6 +23,7 @@ from ray.exceptions import TaskCancelledError
 from actors.types import TokenChunk
 from cluster import controller, leftovers, responses
 from cluster.admitted import Admitted, Endpoint
+from cluster.api_key import ApiKeyMiddleware
 from cluster.backpressure import Admission, Overloaded, Ticket
 from cluster.config import REPO_ROOT, ClusterConfig, load_config
 from cluster.errors import RequestError
@@ -33,7 +34,7 @@ from cluster.placement import check_placement
 from cluster.prepare import prepare
 from cluster.prompt_plan import PromptPlanner
 from cluster.protocol import SSE_DONE, ModelCard, ModelList, error_body, sse_event
-from cluster.request_log import RequestLog, RequestRecord, bearer_ok
+from cluster.request_log import RequestLog, RequestRecord
 from cluster.request_path import RETRY_AFTER_S, RequestPath
 from cluster.routing import LiveRouting
 from cluster.supervisor import Supervisor
@@ -42,31 +43,13 @@ from router.types import WorkerKind
 
 log = logging.getLogger(__name__)
 api = FastAPI(title="epd")
+api.add_middleware(ApiKeyMiddleware)
 HEALTH_POLL_TIMEOUT_S = 2.0
 # parse + plan + media decode; the decode slots (limits.max_concurrent_decodes) bound the heavy part
 ADMIT_THREADS = 32
 # A client that leaves cancels its request's task; an await on a worker call then raises
 # Ray's own TaskCancelledError instead of asyncio's (epd never cancels Ray tasks itself).
 CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError)
-
-
-@api.middleware("http")
-async def _require_api_key(request: Request, call_next):
-    """With `server.api_key` set, every /v1 route wants `Authorization: Bearer <key>`;
-    /health and /metrics stay open for probes and scrapers."""
-    key = getattr(request.app.state, "api_key", None)
-    if (
-        key
-        and request.url.path.startswith("/v1")
-        and not bearer_ok(request.headers.get("authorization"), key)
-    ):
-        body = error_body(
-            "a valid API key is required: send `Authorization: Bearer <key>`",
-            type="authentication_error",
-            code="invalid_api_key",
-        )
-        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
-    return await call_next(request)
 
 
 def _error(exc: RequestError, request_id: str) -> JSONResponse:
