@@ -38,6 +38,10 @@ def engine_phase(cfg, args) -> dict:
         dtype=cfg.model.dtype,
         device=args.device or cfg.model.device,
     )
+    if args.profile:
+        from benchkit.decode_engine import profile_forward
+
+        print(profile_forward(lm, args.prompt_tokens, args.profile), flush=True)
     rows = overhead_table(lm, args.batch_sizes, args.steps, args.prompt_tokens)
     return {"device": str(lm.device), "rows": rows}
 
@@ -83,6 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32, help="engine phase: timed steps per size")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="engine phase: torch threads")
+    p.add_argument("--profile", type=int, metavar="B", help="engine phase: profile B-row forwards")
     p.add_argument("--streams", type=int, default=32, help="http phase: concurrent streams")
     p.add_argument("--new-tokens", type=int, default=64, help="http phase: tokens a stream")
     p.add_argument("--rounds", type=int, default=3, help="http phase: measured rounds")

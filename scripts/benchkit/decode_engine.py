@@ -101,3 +101,22 @@ def overhead_table(
             }
         )
     return rows
+
+
+@torch.inference_mode()
+def profile_forward(lm: ModelAdapter, prompt_tokens: int, batch: int, steps: int = 5) -> str:
+    """torch.profiler's table of `steps` plain forwards at `batch` rows: where a step's time
+    goes (CPU ops, kernels, syncs) when it is far above what `generate` takes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = LMRunner(lm)
+    packed, _ = _prompt_kv(runner, prompt_tokens)
+    forward_step_ms(lm, packed, batch, 2)  # warm-up
+    activities = [ProfilerActivity.CPU]
+    if runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        forward_step_ms(lm, packed, batch, steps)
+    key = "self_cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
+    by_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    return by_cpu + "\n" + prof.key_averages().table(sort_by=key, row_limit=15)
