@@ -11,7 +11,6 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -22,6 +21,7 @@ from ray.exceptions import TaskCancelledError
 
 from actors.types import TokenChunk
 from cluster import controller, leftovers, responses
+from cluster.admit_lanes import AdmitLanes
 from cluster.admitted import Admitted, Endpoint
 from cluster.api_key import ApiKeyMiddleware
 from cluster.backpressure import Admission, Overloaded, Ticket
@@ -45,8 +45,6 @@ log = logging.getLogger(__name__)
 api = FastAPI(title="epd")
 api.add_middleware(ApiKeyMiddleware)
 HEALTH_POLL_TIMEOUT_S = 2.0
-# parse + plan + media decode; the decode slots (limits.max_concurrent_decodes) bound the heavy part
-ADMIT_THREADS = 32
 # A client that leaves cancels its request's task; an await on a worker call then raises
 # Ray's own TaskCancelledError instead of asyncio's (epd never cancels Ray tasks itself).
 CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError)
@@ -132,7 +130,8 @@ class Ingress:
             self.supervisor.handle_lost,
         )
         limits = self.config.limits
-        self._admit_pool = ThreadPoolExecutor(max_workers=ADMIT_THREADS, thread_name_prefix="admit")
+        limits = self.config.limits
+        self.lanes = AdmitLanes(limits.max_admitting_text, limits.max_admitting_media)
         share = (
             self.config.server.num_replicas
         )  # each replica admits its share of the cluster's budget
@@ -191,6 +190,7 @@ class Ingress:
     async def _respond(
         self, request: Request, endpoint: Endpoint, request_id: str, arrived_s: float
     ) -> Response:
+        self._refuse_if_overloaded(self.admission.check_room)  # before the body is even read
         body = await request.body()
         if len(body) > self.config.limits.max_request_bytes:
             raise RequestError(
@@ -198,11 +198,11 @@ class Ingress:
                 f"request body is {len(body)} bytes; "
                 f"the limit is {self.config.limits.max_request_bytes}",
             )
-        # Media decoding must not stall the loop; admission has threads of its own, since
-        # requests waiting for a decode slot must not hold up text-only ones.
-        adm = await asyncio.get_running_loop().run_in_executor(
-            self._admit_pool, self.path.admit, body, request_id, arrived_s, endpoint
-        )
+        # Off the event loop, in a lane of its own: text never waits behind media decoding.
+        try:
+            adm = await self.lanes.run(body, self.path.admit, request_id, arrived_s, endpoint)
+        except Overloaded as exc:
+            raise self._overloaded(exc) from None
         choices = adm.choices()
         tickets = self._tickets(adm, len(choices))
         collectors = [
@@ -239,14 +239,23 @@ class Ingress:
         except Overloaded as exc:
             for ticket in tickets:
                 ticket.release()
-            raise RequestError(
-                429,
-                exc.message,
-                type="rate_limit_error",
-                code="server_overloaded",
-                retry_after_s=self.config.limits.retry_after_s,
-            ) from None
+            raise self._overloaded(exc) from None
         return tickets
+
+    def _refuse_if_overloaded(self, check) -> None:
+        try:
+            check()
+        except Overloaded as exc:
+            raise self._overloaded(exc) from None
+
+    def _overloaded(self, exc: Overloaded) -> RequestError:
+        return RequestError(
+            429,
+            exc.message,
+            type="rate_limit_error",
+            code="server_overloaded",
+            retry_after_s=self.config.limits.retry_after_s,
+        )
 
     async def _firsts(self, chunks: list[AsyncIterator[TokenChunk]]) -> list[TokenChunk]:
         """Each choice's first token, all prefilled at once; a failure is raised once every

@@ -6,7 +6,8 @@ Two budgets, each per worker of the stage it protects:
   and prefill), per prefill worker;
 - requests that are past their first token and still generating, per decode worker.
 A request that would overrun either is refused at once with 429 and a Retry-After,
-right after its prompt is planned and before any worker is asked. Plain Python, no Ray.
+right after its prompt is planned and before any worker is asked; one that arrives while a
+budget is already full is refused before its body is read. Plain Python, no Ray.
 """
 
 from __future__ import annotations
@@ -57,6 +58,20 @@ class Admission:
         self.waiting_tokens = 0
         self.waiting = 0  # requests behind waiting_tokens
         self.generating = 0
+
+    def check_room(self) -> None:
+        """At arrival, before the body is read: Overloaded at once if a budget is already
+        full, so a burst's refusals come in milliseconds, not after its parsing."""
+        if self.waiting and self.waiting_tokens >= self.max_waiting_tokens:
+            raise Overloaded(
+                f"the cluster is at capacity: {self.waiting_tokens} prompt tokens are waiting for "
+                f"prefill (the limit is {self.max_waiting_tokens}); retry later"
+            )
+        if self.generating >= self.max_generating:
+            raise Overloaded(
+                f"the cluster is at capacity: {self.generating} requests are generating "
+                f"(the limit is {self.max_generating}); retry later"
+            )
 
     def admit(self, prompt_tokens: int) -> Ticket:
         """A ticket for a request of `prompt_tokens`; Overloaded if a budget is full. A lone

@@ -430,6 +430,19 @@ class LimitsConfig(Strict):
         description="Back-pressure: requests past their first token and still generating, per "
         "decode worker; beyond it, 429 with Retry-After.",
     )
+    max_admitting_text: int = Field(
+        512,
+        ge=1,
+        description="Back-pressure: text-only requests the ingress parses and plans at once "
+        "(its text lane); one more is refused at arrival with 429.",
+    )
+    max_admitting_media: int = Field(
+        64,
+        ge=1,
+        description="Back-pressure: requests with media the ingress admits at once (decoding or "
+        "waiting for a decode slot, in a lane of their own: text never waits behind them); one "
+        "more is refused at arrival with 429.",
+    )
     retry_after_s: int = Field(
         1, ge=1, description="Seconds a 429 tells the client to wait (Retry-After)."
     )

@@ -42,3 +42,19 @@ def test_generating_requests_bound_admission():
         adm.admit(10)
     tickets[0].release()
     adm.admit(10)
+
+
+def test_arrival_is_refused_only_while_a_budget_is_full():
+    adm = Admission(max_waiting_tokens=100, max_generating=1)
+    adm.check_room()  # empty: room
+    waiting = adm.admit(60)
+    adm.check_room()  # 60 of 100: a smaller prompt may still fit
+    more = adm.admit(40)
+    with pytest.raises(Overloaded, match="100 prompt tokens are waiting"):
+        adm.check_room()
+    waiting.first_token()  # one generating: that budget is now full
+    with pytest.raises(Overloaded, match="1 requests are generating"):
+        adm.check_room()
+    waiting.release()
+    more.release()
+    adm.check_room()

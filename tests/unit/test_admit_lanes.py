@@ -1,0 +1,76 @@
+"""Admission lanes: a text request is admitted while every media thread is stuck decoding,
+and a full lane refuses at once instead of queueing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from cluster.admit_lanes import MEDIA_THREADS, AdmitLanes, Lane, lane_of
+from cluster.backpressure import Overloaded
+
+TEXT = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+IMAGE = json.dumps(
+    {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"}}],
+            }
+        ]
+    }
+).encode()
+
+
+@pytest.mark.parametrize("part", ["image_url", "input_audio", "audio_url", "video_url"])
+def test_a_body_with_any_media_part_goes_to_the_media_lane(part):
+    body = json.dumps({"messages": [{"role": "user", "content": [{"type": part}]}]}).encode()
+    assert lane_of(body) == Lane.MEDIA and lane_of(TEXT) == Lane.TEXT
+
+
+def test_text_is_admitted_while_every_media_thread_waits():
+    release = threading.Event()
+
+    def admit(body: bytes) -> str:
+        if lane_of(body) == Lane.MEDIA:
+            release.wait(10)  # a decode slot that does not come
+        return "admitted"
+
+    async def main():
+        lanes = AdmitLanes(max_text=8, max_media=MEDIA_THREADS + 8)
+        media = [asyncio.ensure_future(lanes.run(IMAGE, admit)) for _ in range(MEDIA_THREADS + 8)]
+        await asyncio.sleep(0.05)
+        started = time.perf_counter()
+        text = await asyncio.wait_for(lanes.run(TEXT, admit), 5)
+        waited_s = time.perf_counter() - started
+        release.set()
+        await asyncio.gather(*media)
+        return text, waited_s, lanes.pending
+
+    text, waited_s, pending = asyncio.run(main())
+    assert text == "admitted" and waited_s < 1.0
+    assert pending == {Lane.TEXT: 0, Lane.MEDIA: 0}
+
+
+def test_a_full_lane_refuses_at_once_and_the_other_lane_goes_on():
+    release = threading.Event()
+
+    async def main():
+        lanes = AdmitLanes(max_text=8, max_media=2)
+        held = [asyncio.ensure_future(lanes.run(IMAGE, lambda b: release.wait(10))) for _ in "ab"]
+        await asyncio.sleep(0.05)
+        started = time.perf_counter()
+        with pytest.raises(Overloaded, match="limits.max_admitting_media = 2"):
+            await lanes.run(IMAGE, lambda b: None)
+        refused_s = time.perf_counter() - started
+        text = await lanes.run(TEXT, lambda b: "text")
+        release.set()
+        await asyncio.gather(*held)
+        return refused_s, text
+
+    refused_s, text = asyncio.run(main())
+    assert refused_s < 0.1 and text == "text"
