@@ -34,6 +34,7 @@ from benchkit.probe_client import chat_body, gather_bar, is_openai_error, run_ch
 from benchkit.probe_faults import phase_disconnect, phase_kill
 from benchkit.probe_report import BadRow, PhaseResult, count, print_phase, print_summary
 from benchkit.rss import KINDS, RssSampler
+from benchkit.stats import pct
 
 # ----------------------------------------------------------------------------- phases
 
@@ -109,6 +110,7 @@ async def phase_burst(ctx) -> PhaseResult:
     p50, p99 = (
         (lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]) if lat else (None, None)
     )
+    refused_ms = [o.latency_s * 1e3 for o in outcomes if o.status == 429]
     result.rows = [
         {
             "200": by(lambda o: o.status == 200),
@@ -119,6 +121,8 @@ async def phase_burst(ctx) -> PhaseResult:
             "hangs": by(lambda o: o.hang),
             "p50_s": p50,
             "p99_s": p99,
+            "429_p50_ms": pct(refused_ms, 50),
+            "429_max_ms": max(refused_ms, default=None),
         }
     ]
     result.note = " ".join(
