@@ -7,6 +7,7 @@ Plain asyncio and threads, no Ray."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,10 +37,28 @@ class AdmitLanes:
     def __init__(self, max_text: int, max_media: int):
         self.limits = {Lane.TEXT: max_text, Lane.MEDIA: max_media}
         self.pending = {Lane.TEXT: 0, Lane.MEDIA: 0}
+        self.num_arriving = 0  # requests between arrival and admission, lanes not yet known
         self._pools = {
             Lane.TEXT: ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="admit-text"),
             Lane.MEDIA: ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="admit-media"),
         }
+
+    @contextlib.contextmanager
+    def arriving(self):
+        """Hold a place while a request's body is read and admitted; Overloaded at once when
+        both lanes' worth of requests are already in: a burst is refused before its bodies
+        are pulled through the proxy (which takes seconds under load)."""
+        limit = sum(self.limits.values())
+        if self.num_arriving >= limit:
+            raise Overloaded(
+                f"the ingress is admitting {self.num_arriving} requests (the limit is "
+                f"limits.max_admitting_text + limits.max_admitting_media = {limit}); retry later"
+            )
+        self.num_arriving += 1
+        try:
+            yield
+        finally:
+            self.num_arriving -= 1
 
     async def run(self, body: bytes, admit: Callable[..., T], *args) -> T:
         """`admit(body, *args)` on the body's lane; Overloaded at once if that lane is full."""

@@ -71,7 +71,9 @@ class ClosingStreamingResponse(StreamingResponse):
             leftovers.close_soon(self.body_iterator)
 
 
-@serve.deployment(max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+# Far above what admission lets run: a request must reach our checks to get its 429 at once,
+# not wait in the proxy for a replica slot (1,024 held a burst of 1,500 for seconds).
+@serve.deployment(max_ongoing_requests=8192, ray_actor_options={"num_cpus": 0})
 @serve.ingress(api)
 class Ingress:
     def __init__(self, config: dict):
@@ -190,17 +192,10 @@ class Ingress:
     async def _respond(
         self, request: Request, endpoint: Endpoint, request_id: str, arrived_s: float
     ) -> Response:
-        self._refuse_if_overloaded(self.admission.check_room)  # before the body is even read
-        body = await request.body()
-        if len(body) > self.config.limits.max_request_bytes:
-            raise RequestError(
-                413,
-                f"request body is {len(body)} bytes; "
-                f"the limit is {self.config.limits.max_request_bytes}",
-            )
-        # Off the event loop, in a lane of its own: text never waits behind media decoding.
-        try:
-            adm = await self.lanes.run(body, self.path.admit, request_id, arrived_s, endpoint)
+        try:  # before the body is even read: refusals of a burst come in microseconds
+            self.admission.check_room()
+            with self.lanes.arriving():
+                adm = await self._admit(request, endpoint, request_id, arrived_s)
         except Overloaded as exc:
             raise self._overloaded(exc) from None
         choices = adm.choices()
@@ -230,6 +225,19 @@ class Ingress:
         self._log_done(collectors, "ok")
         return JSONResponse(answer.model_dump())
 
+    async def _admit(
+        self, request: Request, endpoint: Endpoint, request_id: str, arrived_s: float
+    ) -> Admitted:
+        body = await request.body()
+        if len(body) > self.config.limits.max_request_bytes:
+            raise RequestError(
+                413,
+                f"request body is {len(body)} bytes; "
+                f"the limit is {self.config.limits.max_request_bytes}",
+            )
+        # Off the event loop, in a lane of its own: text never waits behind media decoding.
+        return await self.lanes.run(body, self.path.admit, request_id, arrived_s, endpoint)
+
     def _tickets(self, adm: Admitted, num_choices: int) -> list[Ticket]:
         """One admission ticket per choice (each is a sequence on the workers), all or none."""
         tickets: list[Ticket] = []
@@ -241,12 +249,6 @@ class Ingress:
                 ticket.release()
             raise self._overloaded(exc) from None
         return tickets
-
-    def _refuse_if_overloaded(self, check) -> None:
-        try:
-            check()
-        except Overloaded as exc:
-            raise self._overloaded(exc) from None
 
     def _overloaded(self, exc: Overloaded) -> RequestError:
         return RequestError(

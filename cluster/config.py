@@ -431,13 +431,14 @@ class LimitsConfig(Strict):
         "decode worker; beyond it, 429 with Retry-After.",
     )
     max_admitting_text: int = Field(
-        512,
+        256,
         ge=1,
         description="Back-pressure: text-only requests the ingress parses and plans at once "
-        "(its text lane); one more is refused at arrival with 429.",
+        "(its text lane); one more is refused with 429. Requests whose body is still being read "
+        "count against this plus max_admitting_media: beyond that, 429 at arrival.",
     )
     max_admitting_media: int = Field(
-        64,
+        32,
         ge=1,
         description="Back-pressure: requests with media the ingress admits at once (decoding or "
         "waiting for a decode slot, in a lane of their own: text never waits behind them); one "

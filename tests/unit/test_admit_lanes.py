@@ -74,3 +74,14 @@ def test_a_full_lane_refuses_at_once_and_the_other_lane_goes_on():
 
     refused_s, text = asyncio.run(main())
     assert refused_s < 0.1 and text == "text"
+
+
+def test_arrivals_beyond_both_lanes_are_refused_before_their_bodies_are_read():
+    lanes = AdmitLanes(max_text=2, max_media=1)
+    with lanes.arriving(), lanes.arriving(), lanes.arriving():
+        with pytest.raises(Overloaded, match="max_admitting_text \\+ limits.max_admitting_media"):
+            with lanes.arriving():
+                pass
+    assert lanes.num_arriving == 0
+    with lanes.arriving():  # places come back however the request ended
+        assert lanes.num_arriving == 1
