@@ -26,6 +26,16 @@ class Endpoint(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class AdmissionTimings:
+    """Where admission's time went, in ms: the body parsed and validated, its media decoded
+    (and probed), its prompt templated, tokenized and planned."""
+
+    parse_ms: float = 0.0
+    media_ms: float = 0.0
+    plan_ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class Admitted:
     request_id: str
     request: ChatCompletionRequest | CompletionRequest
@@ -34,6 +44,7 @@ class Admitted:
     sampling: SamplingParams
     arrived_s: float
     choice: int = 0  # which of the request's n choices this is
+    timings: AdmissionTimings = AdmissionTimings()
 
     def choices(self) -> list[Admitted]:
         """One per choice, each its own sequence; choice i samples with seed + i, as vLLM."""

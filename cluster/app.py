@@ -203,6 +203,8 @@ class Ingress:
         collectors = [
             responses.Collector(choice, self.planner.tokenizer, self.metrics) for choice in choices
         ]
+        for collector in collectors:
+            collector.trace.admitted_ms = (time.perf_counter() - arrived_s) * 1e3
         chunks = [
             self._ticketed(t, self.path.run(choice, c.trace))
             for t, choice, c in zip(tickets, choices, collectors)

@@ -6,9 +6,11 @@ prompt (placeholders expanded) and check that it and its KV fit. No worker is as
 
 from __future__ import annotations
 
+import time
+
 from actors.engine import kv
 from actors.types import MediaItem
-from cluster.admitted import Admitted, Endpoint
+from cluster.admitted import AdmissionTimings, Admitted, Endpoint
 from cluster.config import ClusterConfig
 from cluster.errors import RequestError
 from cluster.media.budget import PixelBudget
@@ -29,10 +31,12 @@ class Intake:
     def admit(
         self, body: bytes, request_id: str, arrived_s: float, endpoint: Endpoint = Endpoint.CHAT
     ) -> Admitted:
+        started_s = time.perf_counter()
         try:
             request = parse_request(body, endpoint.request_model)
         except BodyError as exc:
             raise RequestError(400, exc.message, exc.param) from None
+        parsed_s = decoded_s = time.perf_counter()
         if request.model != self.config.model.served_name:
             raise RequestError(
                 404,
@@ -43,7 +47,9 @@ class Intake:
             )
         if isinstance(request, ChatCompletionRequest):
             hf_messages, media = to_template_messages(request.messages)
-            plan = self._plan(hf_messages, tuple(self._decode_media(media)))
+            items = tuple(self._decode_media(media))
+            decoded_s = time.perf_counter()
+            plan = self._plan(hf_messages, items)
         else:
             plan = self._text_plan(request.prompt)
         try:
@@ -55,7 +61,11 @@ class Intake:
             sampling.max_tokens,
             "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
         )
-        return Admitted(request_id, request, plan.items, plan, sampling, arrived_s)
+        ms = lambda a, b: (b - a) * 1e3  # noqa: E731
+        timings = AdmissionTimings(
+            ms(started_s, parsed_s), ms(parsed_s, decoded_s), ms(decoded_s, time.perf_counter())
+        )
+        return Admitted(request_id, request, plan.items, plan, sampling, arrived_s, 0, timings)
 
     def _kv_fits(self, num_prompt_tokens: int, max_tokens: int, prompt_param: str) -> None:
         """Refuse a request whose KV (prompt plus max_tokens) a decode worker could never hold:

@@ -55,7 +55,13 @@ class RequestTimings:
     route: RouteDecision | None = None
     profile: RequestProfile | None = None
     ttft_ms: float | None = None
-    encode_ms: float = 0.0
+    admitted_ms: float = 0.0  # arrival to admitted: body read, lane wait, parse, media, plan
+    route_ms: float = 0.0  # routing, and waiting for a healthy worker
+    encode_ms: float = 0.0  # the slowest item's encode queue + compute
+    encode_queue_ms: float = 0.0  # that item's wait for the encoder's batch
+    encode_compute_ms: float = 0.0
+    transfer_ms: float = 0.0  # embeddings from the encoder to the prefill worker
+    prefill_call_ms: float = 0.0  # the prefill call as the ingress saw it (hops included)
     prefill_ms: float = 0.0
     prefill_queue_ms: float = 0.0
     prefill_compute_ms: float = 0.0  # its own device time within prefill_ms
@@ -148,12 +154,16 @@ class RequestPath:
         return TokenChunk((), reason) if reason is not None else None
 
     async def _attempt(self, job: Job, trace: RequestTimings) -> AsyncIterator[TokenChunk]:
+        routing_s = time.perf_counter()
         decision = await self.route(job, trace)
-        prefilled = False
+        prefilled, routed_s = False, time.perf_counter()
+        trace.route_ms = (routed_s - routing_s) * 1e3
         try:
             encoded = self.encode(job, decision)
             result, transfer_ms = await self.prefill(job, decision, encoded)
             prefilled = True
+            trace.prefill_call_ms = (time.perf_counter() - routed_s) * 1e3
+            trace.transfer_ms = transfer_ms or 0.0
             self.routing.prefill_finished(decision, result, transfer_ms)
             self._record_prefill(result, trace)
             first = self._first_chunk(job, result)
@@ -372,7 +382,10 @@ class RequestPath:
             stage.labels("encode").observe(stats.encode_ms / 1e3)
             stage.labels("encode_queue").observe(stats.queue_ms / 1e3)
             self.metrics.encoder_batch.observe(stats.batch_size)
-        trace.encode_ms = max((s.queue_ms + s.encode_ms for s in result.encode_stats), default=0.0)
+        slowest = max(result.encode_stats, key=lambda s: s.queue_ms + s.encode_ms, default=None)
+        if slowest is not None:
+            trace.encode_queue_ms, trace.encode_compute_ms = slowest.queue_ms, slowest.encode_ms
+            trace.encode_ms = slowest.queue_ms + slowest.encode_ms
         trace.prefill_ms, trace.prefill_queue_ms = result.prefill_ms, result.queue_ms
         trace.prefill_compute_ms = result.compute_ms
         self.metrics.prompt_tokens.inc(result.num_prompt_tokens)

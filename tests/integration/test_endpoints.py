@@ -203,6 +203,13 @@ def test_estimated_ttft_is_reported_and_requests_are_traced(app):
     ).json()
     timings = body["timings"]
     assert timings["estimated_ttft_ms"] > 0 and timings["ttft_ms"] > 0
+    # every phase of the TTFT is there, the image's decode and encode included, and they add up
+    for phase in ("admit", "parse", "media", "plan", "encode_compute", "prefill_compute"):
+        assert timings[f"{phase}_ms"] > 0, (phase, timings)
+    parts = ("admit", "route", "prefill_call", "first_token")
+    assert sum(timings[f"{p}_ms"] for p in parts) == pytest.approx(timings["ttft_ms"], abs=0.01)
+    assert timings["parse_ms"] + timings["media_ms"] + timings["plan_ms"] <= timings["admit_ms"]
+    assert timings["prefill_ms"] <= timings["prefill_call_ms"]
     assert _scrape(app)[("epd:estimated_ttft_seconds_count", ())] >= 1
     workload = load_trace(TRACE_PATH)  # the simulator's own loader reads what the cluster wrote
     assert len(workload) >= 1

@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""Where an idle request's time to first token goes, phase by phase, against the checkpoint's
+own processor + `generate(max_new_tokens=1)` in one process on the same image and prompt.
+
+Three kinds of request, one at a time on an idle server: a single-image request (a new image
+each time), a text request, and a cache-hit repeat (the same image and prompt again: encoder
+and prefix caches). For each: the client's TTFT and the medians of the server's `timings`
+(admit = body read + parse + media decode + plan, route, encode queue and compute, transfer,
+prefill call = prefill queue + forward + the hops, first_token = its way out), and the
+framework's share: server TTFT minus encode and prefill compute.
+
+Usage: scripts/bench_ttft.py [--config configs/local_cpu.yaml] [--repeats 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from benchkit.http_client import Result, chat_body, stream_one
+from benchkit.live_server import served
+from benchkit.workload import Req, make_png
+from cluster.config import DEFAULT_CONFIG, load_config
+from cluster.prepare import ensure_model
+
+PHASES = (
+    "admit parse media plan route encode_queue encode_compute transfer prefill_call "
+    "prefill_queue prefill_compute first_token"
+).split()
+
+
+def requests(kind: str, repeats: int, seed: int) -> list[Req]:
+    rng = random.Random(seed)
+    if kind == "text":
+        return [Req(i, 0.0, f"Write one sentence about boat {i}.", None) for i in range(repeats)]
+    if kind == "repeat":
+        png = make_png(rng)
+        return [Req(i, 0.0, "Describe this picture.", png) for i in range(repeats)]
+    return [Req(i, 0.0, f"Describe picture {i}.", make_png(rng)) for i in range(repeats)]
+
+
+async def one_by_one(url: str, model: str, reqs: list[Req]) -> list[Result]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        out = []
+        for req in reqs:
+            out.append(
+                await stream_one(client, url, chat_body(req, model, 2), 0.0, time.perf_counter())
+            )
+        return out
+
+
+def breakdown(results: list[Result]) -> dict:
+    """Client TTFT and the server's phases, medians in ms, and what the framework adds."""
+    med = lambda xs: round(statistics.median(xs), 2)  # noqa: E731
+    timings = [r.timings for r in results]
+    out = {"client_ttft_ms": med([r.ttft_s * 1e3 for r in results])}
+    out["server_ttft_ms"] = med([t["ttft_ms"] for t in timings])
+    out |= {f"{p}_ms": med([t.get(f"{p}_ms", 0.0) for t in timings]) for p in PHASES}
+    framework = [t["ttft_ms"] - t["encode_compute_ms"] - t["prefill_compute_ms"] for t in timings]
+    out["framework_ms"] = med(framework)
+    out["client_minus_server_ms"] = med(
+        [r.ttft_s * 1e3 - t["ttft_ms"] for r, t in zip(results, timings)]
+    )
+    return out
+
+
+def generate_ttft_ms(cfg, reqs: list[Req], threads: int) -> float:
+    """Median ms of the checkpoint's processor + generate(max_new_tokens=1), one process."""
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    torch.set_num_threads(threads)
+    path = cfg.model.checkpoint_path
+    dtype = getattr(torch, cfg.model.resolved_dtype)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(cfg.model.device)
+    processor = AutoProcessor.from_pretrained(path)
+    times = []
+    for req in [reqs[0], *reqs]:  # the first one warms up
+        started = time.perf_counter()
+        content = [{"type": "text", "text": req.prompt}]
+        images = None
+        if req.png is not None:
+            content.insert(0, {"type": "image"})
+            images = [Image.open(io.BytesIO(req.png)).convert("RGB")]
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True
+        )
+        inputs = processor(images=images, text=text, return_tensors="pt")
+        inputs = inputs.to(cfg.model.device, dtype=model.dtype)
+        with torch.inference_mode():
+            model.generate(**inputs, max_new_tokens=1, do_sample=False)
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times[1:])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", default="/tmp/bench_ttft.json")
+    args = p.parse_args(argv)
+    cfg = ensure_model(load_config(args.config))
+    kinds = {k: requests(k, args.repeats, args.seed) for k in ("image", "text", "repeat")}
+    report: dict = {"config": args.config}
+    with served(cfg) as base:
+        url, model = f"{base}/chat/completions", cfg.model.served_name
+        asyncio.run(one_by_one(url, model, requests("image", 3, args.seed + 1)))  # warm-up
+        for kind, reqs in kinds.items():
+            report[kind] = breakdown(asyncio.run(one_by_one(url, model, reqs)))
+    threads = cfg.prefill.idle_torch_threads or cfg.prefill.torch_threads
+    for kind in ("image", "text"):
+        base_ms = generate_ttft_ms(cfg, kinds[kind], threads)
+        report[kind] |= {
+            "generate_ttft_ms": round(base_ms, 2),
+            "ratio_vs_generate": round(report[kind]["client_ttft_ms"] / base_ms, 2),
+        }
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
