@@ -438,7 +438,7 @@ class LimitsConfig(Strict):
         "count against this plus max_admitting_media: beyond that, 429 at arrival.",
     )
     max_admitting_media: int = Field(
-        32,
+        128,
         ge=1,
         description="Back-pressure: requests with media the ingress admits at once (decoding or "
         "waiting for a decode slot, in a lane of their own: text never waits behind them); one "
