@@ -27,9 +27,10 @@ class Endpoint(str, enum.Enum):
 
 @dataclass(frozen=True)
 class AdmissionTimings:
-    """Where admission's time went, in ms: the body parsed and validated, its media decoded
-    (and probed), its prompt templated, tokenized and planned."""
+    """Where admission's time went, in ms: the body read (from arrival), then parsed and
+    validated, its media decoded (and probed), its prompt templated, tokenized and planned."""
 
+    body_ms: float = 0.0
     parse_ms: float = 0.0
     media_ms: float = 0.0
     plan_ms: float = 0.0

@@ -4,6 +4,7 @@ Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /me
 """
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import math
@@ -231,6 +232,7 @@ class Ingress:
         self, request: Request, endpoint: Endpoint, request_id: str, arrived_s: float
     ) -> Admitted:
         body = await request.body()
+        body_ms = (time.perf_counter() - arrived_s) * 1e3  # Serve pulls it from the proxy
         if len(body) > self.config.limits.max_request_bytes:
             raise RequestError(
                 413,
@@ -238,7 +240,8 @@ class Ingress:
                 f"the limit is {self.config.limits.max_request_bytes}",
             )
         # Off the event loop, in a lane of its own: text never waits behind media decoding.
-        return await self.lanes.run(body, self.path.admit, request_id, arrived_s, endpoint)
+        adm = await self.lanes.run(body, self.path.admit, request_id, arrived_s, endpoint)
+        return dataclasses.replace(adm, timings=dataclasses.replace(adm.timings, body_ms=body_ms))
 
     def _tickets(self, adm: Admitted, num_choices: int) -> list[Ticket]:
         """One admission ticket per choice (each is a sequence on the workers), all or none."""

@@ -63,7 +63,9 @@ class Intake:
         )
         ms = lambda a, b: (b - a) * 1e3  # noqa: E731
         timings = AdmissionTimings(
-            ms(started_s, parsed_s), ms(parsed_s, decoded_s), ms(decoded_s, time.perf_counter())
+            parse_ms=ms(started_s, parsed_s),
+            media_ms=ms(parsed_s, decoded_s),
+            plan_ms=ms(decoded_s, time.perf_counter()),
         )
         return Admitted(request_id, request, plan.items, plan, sampling, arrived_s, 0, timings)
 

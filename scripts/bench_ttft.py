@@ -33,7 +33,7 @@ from cluster.config import DEFAULT_CONFIG, load_config
 from cluster.prepare import ensure_model
 
 PHASES = (
-    "admit parse media plan route encode_queue encode_compute transfer prefill_call "
+    "admit body parse media plan route encode_queue encode_compute transfer prefill_call "
     "prefill_queue prefill_compute first_token"
 ).split()
 
