@@ -9,6 +9,7 @@ import time
 
 from cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError, load_config
 from cluster.prepare import ensure_model, prepare, with_model
+from cluster.serve_flags import add_flags, apply, settings
 
 APP_NAME = "epd"  # the Serve application (and so its fleet controller's name)
 
@@ -38,9 +39,7 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
 
 def _serve(args: argparse.Namespace) -> int:
     config = with_model(load_config(args.config), args.model, args.served_model_name)
-    if args.port is not None:
-        config = config.replace(server={"port": args.port})
-    config = prepare(config)
+    config = prepare(apply(config, settings(args)))
     url = start(config, address=args.address)
     print(f"epd is serving {config.model.served_name} at {url}  (Ctrl-C stops it)", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -82,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument(
         "--served-model-name", default=None, help="model id clients send (default: --model)"
     )
-    serve_p.add_argument(
-        "--port", type=int, default=None, help="HTTP port (default: the config's server.port)"
-    )
+    add_flags(serve_p)
     serve_p.set_defaults(func=_serve)
     build_p = sub.add_parser(
         "build-model", help="build the config's built-in checkpoint if it is missing"

@@ -586,6 +586,8 @@ class ClusterConfig(Strict):
             raise ValueError(
                 f"model.dtype must be one of {', '.join(DTYPES)}, not {self.model.dtype!r}"
             )
+        if self.model.device not in ("cpu", "cuda"):
+            raise ValueError(f"model.device must be cpu or cuda, not {self.model.device!r}")
         self._check_transports()
         if self.media.video_max_frames > self.limits.max_video_frames:
             raise ValueError(

@@ -1,0 +1,59 @@
+"""`epd serve`'s vLLM-style flags and --set: each lands in its config field, validated as
+the config file's own settings are; a wrong name or value is refused by name before Ray
+starts."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cluster.cli import main
+from cluster.config import ConfigError, load_config
+from cluster.serve_flags import add_flags, apply, settings
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    return parser.parse_args(argv)
+
+
+def test_each_flag_sets_its_config_field():
+    args = _args(
+        "--host", "0.0.0.0", "--port", "9000", "--dtype", "bfloat16", "--max-model-len", "4096",
+        "--api-key", "k", "--revision", "abc123",
+        "--set", "decode.max_batch_size=64", "--set", "limits.retry_after_s=3",
+    )  # fmt: skip
+    config = apply(load_config(), settings(args))
+    assert (config.server.host, config.server.port, config.server.api_key) == ("0.0.0.0", 9000, "k")
+    assert (config.model.dtype, config.model.max_model_len) == ("bfloat16", 4096)
+    assert config.model.revision == "abc123"
+    assert config.decode.max_batch_size == 64 and config.limits.retry_after_s == 3
+
+
+def test_no_flags_change_nothing():
+    config = load_config()
+    assert apply(config, settings(_args())) == config
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--dtype", "float64"), "model.dtype must be one of"),
+        (("--device", "tpu"), "model.device must be cpu or cuda"),
+        (("--set", "decode.max_batch_size=0"), "max_batch_size"),
+        (("--set", "decode.nope=1"), "decode.nope"),
+        (("--set", "nosuch.field=1"), "no section 'nosuch'"),
+        (("--set", "decode"), "expected SECTION.FIELD=VALUE"),
+        (("--tensor-parallel-size", "2"), "no tensor parallelism"),
+    ],
+)
+def test_a_wrong_setting_is_refused_by_name(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        apply(load_config(), settings(_args(*argv)))
+
+
+def test_the_cli_refuses_before_starting_anything(capsys):
+    assert main(["serve", "--tensor-parallel-size", "4"]) == 2
+    assert "--tensor-parallel-size 4" in capsys.readouterr().err
