@@ -51,7 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         from cluster.controller import retire
 
-        serve.shutdown()
+        serve.delete(APP_NAME)  # only epd's app: others on a shared cluster (--address) live on
         retire(APP_NAME)  # the fleet controller is detached: it would outlive the app
     return 0
 

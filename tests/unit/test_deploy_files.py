@@ -157,3 +157,25 @@ def test_rayservice_worker_groups_hold_the_pinned_pools():
     assert (
         unplaceable(load_config(REPO_ROOT / v2["applications"][0]["args"]["config"]), shapes) == []
     )
+
+
+def test_setup_refuses_a_python_older_than_3_11_by_name(tmp_path):
+    """transformers 5 needs 3.11: setup stops at once, naming the interpreter, and builds no
+    venv with it. The stand-in answers as a 3.10 interpreter would."""
+    import subprocess
+
+    old = tmp_path / "python3.10"
+    old.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "--version" ]; then echo "Python 3.10.13"; exit 0; fi\n'
+        "exit 1  # sys.version_info < (3, 11)\n"
+    )
+    old.chmod(0o755)
+    venv = tmp_path / "venv"
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(old), "EPD_VENV": str(venv)}
+    done = subprocess.run(
+        [str(REPO_ROOT / "scripts" / "setup")], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "Python 3.11 or newer, found Python 3.10.13" in done.stderr
+    assert not venv.exists()
+    assert 'requires-python = ">=3.11"' in (REPO_ROOT / "pyproject.toml").read_text()
