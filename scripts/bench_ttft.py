@@ -99,6 +99,8 @@ def generate_ttft_ms(cfg, reqs: list[Req], threads: int) -> float:
         inputs = inputs.to(cfg.model.device, dtype=model.dtype)
         with torch.inference_mode():
             model.generate(**inputs, max_new_tokens=1, do_sample=False)
+        if cfg.model.device == "cuda":
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times[1:])
 
