@@ -4,6 +4,7 @@ and records the request-level metrics."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -119,6 +120,10 @@ class Collector:
         }
 
 
+def _json(value) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def _record(metrics: Metrics, collectors: list[Collector]) -> None:
     """One finished request: its e2e and prompt, all choices' tokens, the first choice's
     TTFT, TPOT and finish reason."""
@@ -149,6 +154,14 @@ class Shape:
         self.adm, self.logprob_text = adm, LogprobText(tokenizer)
         self.is_chat = isinstance(adm.request, ChatCompletionRequest)
         self.wants_logprobs = adm.sampling.num_logprobs is not None
+        self.created = int(time.time())  # one value for every chunk of the answer, as OpenAI
+        # A plain chat delta (the chunk of nearly every token) is written from a template: the
+        # same bytes as the models below give (tests/unit/test_chunk_template.py), a fraction of the
+        # CPU, which every streamed token pays.
+        head = ChatCompletionChunk(
+            id=adm.request_id, model=adm.request.model, created=self.created, choices=[]
+        )
+        self._chunk_head = head.model_dump_json().removesuffix('"choices":[]}')
 
     def _logprobs(self, delta: Delta):
         if not self.wants_logprobs:
@@ -187,7 +200,11 @@ class Shape:
 
     def chunk(self, index: int, delta: Delta | None, **extra) -> bytes:
         """An SSE event of one choice's delta; `delta` None: no choices (the usage chunk)."""
-        base = dict(id=self.adm.request_id, model=self.adm.request.model, **extra)
+        if self.is_chat and delta is not None and not self.wants_logprobs and not extra:
+            return self._plain_chat_chunk(index, delta)
+        base = dict(
+            id=self.adm.request_id, model=self.adm.request.model, created=self.created, **extra
+        )
         if self.is_chat:
             choices = (
                 []
@@ -216,13 +233,24 @@ class Shape:
         )
         return sse_event(Completion(**base, choices=choices))
 
+    def _plain_chat_chunk(self, index: int, delta: Delta) -> bytes:
+        message = '{"content":' + _json(delta.text) + "}" if delta.text else "{}"
+        choice = (
+            f'{{"index":{index},"delta":{message},'
+            f'"finish_reason":{_json(delta.finish_reason)},"logprobs":null}}'
+        )
+        return f'data: {self._chunk_head}"choices":[{choice}]}}\n\n'.encode()
+
     def role_chunk(self, index: int) -> bytes | None:
         if not self.is_chat:
             return None
         choice = ChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))
         return sse_event(
             ChatCompletionChunk(
-                id=self.adm.request_id, model=self.adm.request.model, choices=[choice]
+                id=self.adm.request_id,
+                model=self.adm.request.model,
+                created=self.created,
+                choices=[choice],
             )
         )
 
