@@ -153,9 +153,11 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport, 
     path; `aging`: prefill.aging_tokens_per_s (10,000: the order is about arrival; the answers must
     not move)."""
     prefill = {"overlap_encode": overlap, "aging_tokens_per_s": aging}
-    app = deploy(
-        cluster_config(transport={"embeddings": transport, "kv": transport}, prefill=prefill)
-    )
+    # Images decoded 8 at a time (an ingress setting: same fleet) reach the encoders together,
+    # so their batches form; 2 at a time they trickle in and a batch of one is likely.
+    limits = {"max_concurrent_decodes": 8}
+    transports = {"embeddings": transport, "kv": transport}
+    app = deploy(cluster_config(transport=transports, prefill=prefill, limits=limits))
     assert _prefill_engine_aging(app) == aging  # the setting reached the worker's scheduler
     copies = 3  # 36 requests in flight: encoder batches and decode batches form
     got = asyncio.run(_send_all(app, varied_requests(), copies))
