@@ -62,22 +62,23 @@ class Admission:
     def check_room(self) -> None:
         """At arrival, before the body is read: Overloaded at once if a budget is already
         full, so a burst's refusals come in milliseconds, not after its parsing."""
-        if self.waiting and self.waiting_tokens >= self.max_waiting_tokens:
-            raise Overloaded(
-                f"the cluster is at capacity: {self.waiting_tokens} prompt tokens are waiting for "
-                f"prefill (the limit is {self.max_waiting_tokens}); retry later"
-            )
-        if self.generating >= self.max_generating:
-            raise Overloaded(
-                f"the cluster is at capacity: {self.generating} requests are generating "
-                f"(the limit is {self.max_generating}); retry later"
-            )
+        self._check(0 if self.waiting else None)
 
     def admit(self, prompt_tokens: int) -> Ticket:
         """A ticket for a request of `prompt_tokens`; Overloaded if a budget is full. A lone
         request larger than the whole token budget is still let in when nothing waits, so
         the budget never refuses a prompt the model could take."""
-        if self.waiting_tokens and self.waiting_tokens + prompt_tokens > self.max_waiting_tokens:
+        self._check(prompt_tokens if self.waiting_tokens else None)
+        self.waiting_tokens += prompt_tokens
+        self.waiting += 1
+        return Ticket(self, prompt_tokens)
+
+    def _check(self, more_tokens: int | None) -> None:
+        """Overloaded if `more_tokens` waiting would pass the token budget (None: not checked;
+        0: the budget is already full) or the generating budget is full."""
+        if more_tokens is not None and (
+            self.waiting_tokens + max(more_tokens, 1) > self.max_waiting_tokens
+        ):
             raise Overloaded(
                 f"the cluster is at capacity: {self.waiting_tokens} prompt tokens are waiting for "
                 f"prefill (the limit is {self.max_waiting_tokens}); retry later"
@@ -87,6 +88,3 @@ class Admission:
                 f"the cluster is at capacity: {self.generating} requests are generating "
                 f"(the limit is {self.max_generating}); retry later"
             )
-        self.waiting_tokens += prompt_tokens
-        self.waiting += 1
-        return Ticket(self, prompt_tokens)

@@ -12,7 +12,7 @@ import time
 import httpx
 import psutil
 
-from benchkit.http_client import stream_one
+from benchkit.http_client import stream_one, streaming_chat_body
 from benchkit.rss import ingress_pid
 from benchkit.stats import pct
 
@@ -58,17 +58,9 @@ def generate_tpot_ms(cfg, batch: int, new_tokens: int, threads: int, repeats: in
 
 
 def _body(model: str, max_tokens: int) -> bytes:
-    return json.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": PROMPT}],
-            "temperature": 0,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
+    """The bench's streaming chat request, generating on past the end-of-sequence token."""
+    body = json.loads(streaming_chat_body(model, [{"type": "text", "text": PROMPT}], max_tokens))
+    return json.dumps(body | {"ignore_eos": True}).encode()
 
 
 async def _streams(url: str, model: str, streams: int, max_tokens: int) -> list:
