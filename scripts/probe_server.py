@@ -131,10 +131,26 @@ async def phase_burst(ctx) -> PhaseResult:
     return result
 
 
+async def _text_ms(ctx, i: int) -> float:
+    """One short text request's latency in ms (4 tokens: about its time to first token)."""
+    body = pc.chat(ctx.model, f"Say hi to number {i}.", max_tokens=4)
+    return (await run_chat(ctx.client, ctx.url, body, ctx.timeout)).latency_s * 1e3
+
+
+async def _text_beside(ctx, media: asyncio.Task) -> list[float]:
+    """Text requests one after another while `media` runs: do they wait behind its decoding?"""
+    out = []
+    while not media.done():
+        out.append(await _text_ms(ctx, len(out)))
+        await asyncio.sleep(0.2)
+    return out
+
+
 async def phase_media(ctx) -> PhaseResult:
     """Concurrent requests each carrying several large images: does the ingress's memory come
-    back?"""
+    back, and does text wait behind their decoding?"""
     result, a = PhaseResult("media"), ctx.args
+    idle = [await _text_ms(ctx, i) for i in range(5)]
     images = [pc.photo_jpeg(a.media_megapixels, seed=i) for i in range(a.media_images)]
     bodies = [
         pc.chat(
@@ -147,11 +163,18 @@ async def phase_media(ctx) -> PhaseResult:
         )
         for i in range(a.media_burst)
     ]
-    count(
-        result,
-        await gather_bar([run_chat(ctx.client, ctx.url, b, ctx.timeout) for b in bodies], "media"),
+    media = asyncio.ensure_future(
+        gather_bar([run_chat(ctx.client, ctx.url, b, ctx.timeout) for b in bodies], "media")
     )
-    result.note = f"{a.media_burst} requests x {a.media_images} x {a.media_megapixels:g} MP JPEG"
+    beside = await _text_beside(ctx, media)
+    count(result, await media)
+    text = {"idle_p50_ms": pct(idle, 50), "beside_p50_ms": pct(beside, 50)}
+    text |= {"beside_p99_ms": pct(beside, 99), "p99_over_idle": pct(beside, 99) / pct(idle, 50)}
+    result.rows = [text]
+    result.note = (
+        f"{a.media_burst} requests x {a.media_images} x {a.media_megapixels:g} MP JPEG; "
+        f"{len(beside)} text requests beside: " + " ".join(f"{k}={v:.1f}" for k, v in text.items())
+    )
     await asyncio.sleep(2.0)  # let the ingress settle before the 'after' sample
     return result
 
