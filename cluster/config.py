@@ -259,7 +259,7 @@ class DecodePoolConfig(PoolConfig):
     stream_interval: int = Field(
         1,
         ge=1,
-        description="Tokens a request's stream gathers before they go to the ingress (as vLLM's "
+        description="Tokens a request's stream gathers before they go to the client (as vLLM's "
         "--stream-interval): 1 sends every token at once; more sends fewer, larger chunks, which "
         "cuts the per-chunk serving cost under load at the price of burstier streaming. The first "
         "token (from prefill) and the last always go at once.",
@@ -556,9 +556,10 @@ class ServerConfig(Strict):
 
 
 # The sections the worker fleet is built from; the others only shape the ingress, as do these
-# fields of the pool sections (the ingress sends the prefill call before the embeddings).
+# fields of the pool sections (the ingress sends the prefill call before the embeddings, and
+# gathers the decode worker's tokens into chunks).
 FLEET_SECTIONS = ("model", "encoder", "prefill", "decode", "transport")
-INGRESS_ONLY_FIELDS = {"prefill": {"overlap_encode"}}
+INGRESS_ONLY_FIELDS = {"prefill": {"overlap_encode"}, "decode": {"stream_interval"}}
 
 
 class ClusterConfig(Strict):

@@ -56,7 +56,6 @@ class DecodeSettings:
 
     max_batch_size: int  # most requests in one decode step
     kv_cache_mb: float | None = None  # KV budget; None: rows are the only limit
-    stream_interval: int = 1  # tokens a request's stream gathers before they go out
 
     @property
     def kv_cache_bytes(self) -> int | None:

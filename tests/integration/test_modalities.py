@@ -336,16 +336,19 @@ def test_omni_fetches_image_audio_and_video_urls_and_refuses_bad_ones(omni):
             ), (name, error)
 
 
+def _greedy(app, messages: list[dict], max_tokens: int) -> dict:
+    return {
+        "model": app.config.model.served_name,
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
+
+
 async def _chat_beside(app, requests: list[list[dict]]) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=app.root, timeout=60) as client:
-        body = lambda msgs: {
-            "model": app.config.model.served_name,
-            "messages": msgs,
-            "temperature": 0,
-            "max_tokens": 4,
-        }
         return await asyncio.gather(
-            *[client.post("/v1/chat/completions", json=body(m)) for m in requests]
+            *[client.post("/v1/chat/completions", json=_greedy(app, m, 4)) for m in requests]
         )
 
 
@@ -361,12 +364,7 @@ def test_long_video_encoding_does_not_hold_up_text(ray_session):
 
     async def run():
         async with httpx.AsyncClient(base_url=app.root, timeout=300) as client:
-            body = lambda msgs: {
-                "model": app.config.model.served_name,
-                "messages": msgs,
-                "temperature": 0,
-                "max_tokens": 8,
-            }
+            body = lambda msgs: _greedy(app, msgs, 8)  # noqa: E731
             slow = asyncio.create_task(
                 client.post(
                     "/v1/chat/completions",

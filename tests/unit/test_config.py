@@ -358,6 +358,7 @@ def test_the_fleet_fingerprint_moves_with_the_workers_settings_only():
         {"limits": {"request_timeout_s": 5.0}},
         {"router": {"policy": "least_loaded"}},
         {"prefill": {"overlap_encode": False}},  # the ingress's choice of call order
+        {"decode": {"stream_interval": 4}},  # the ingress gathers the chunks
     ]
     for change in ingress_only:
         other = base.replace(**change)

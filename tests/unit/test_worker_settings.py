@@ -25,7 +25,7 @@ CONFIG = ClusterConfig.model_validate(
             "prefix_block_tokens": 8,
             "prefix_cache_mb": 3.0,
         },
-        "decode": {"max_batch_size": 5, "kv_cache_mb": 2.5, "stream_interval": 3},
+        "decode": {"max_batch_size": 5, "kv_cache_mb": 2.5},
     }
 )
 POOLS = {
