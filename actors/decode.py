@@ -159,6 +159,9 @@ class DecodeWorker(ModelWorker):
         stats = self.engine.stats()
         return WorkerLoad(queued=stats["queued"], running=stats["running"])
 
+    def take_settings(self, settings: DecodeSettings) -> None:
+        self.engine.reconfigure(settings)
+
     def stats(self) -> dict[str, int]:
         """`rows` counts KV rows held: zero when idle, or a request leaked its cache."""
         return {

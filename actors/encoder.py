@@ -35,6 +35,9 @@ class EncoderWorker(ModelWorker):
         )
         self._running = 0
 
+    def take_settings(self, settings: EncoderSettings) -> None:
+        self.batcher.max_wait_s = settings.max_wait_ms / 1e3
+
     async def _encode_batch(self, jobs: list[EncodeJob]) -> list[tuple[torch.Tensor, float]]:
         self._running += len(jobs)
         try:

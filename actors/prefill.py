@@ -46,6 +46,9 @@ class PrefillWorker(ModelWorker):
         self._waiters: dict[str, asyncio.Future] = {}
         self._in_flight: dict[str, _InFlight] = {}  # requests with a prefill call, until it returns
 
+    def take_settings(self, settings: PrefillSettings) -> None:
+        self.engine.reconfigure(settings)
+
     async def receive(
         self, request_id: str, slot: int, encoded: tuple[torch.Tensor, EncodeStats]
     ) -> float:

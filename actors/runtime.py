@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 import warnings
@@ -71,6 +72,16 @@ class ModelWorker:
             NodeBoard(spec.board) if spec.board else None,
         )
         self._num_threads = spec.torch_threads
+
+    def reconfigure(self, settings, slowdown: float) -> None:
+        """Take a redeploy's live settings in place (cluster/config.py LIVE_FIELDS); the
+        others of `settings` are this worker's already. Steps under way finish as they began."""
+        self.spec = dataclasses.replace(self.spec, slowdown=slowdown)
+        self.settings = settings
+        self.take_settings(settings)
+
+    def take_settings(self, settings) -> None:
+        """What a kind of worker changes for new live settings, beyond holding them."""
 
     def has_work(self) -> bool:
         """Whether work is left after a device step (the idle-core board's busy flag)."""

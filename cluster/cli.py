@@ -20,9 +20,13 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
     from ray import serve
 
     from cluster.app import build_app
+    from cluster.controller import prestart
     from cluster.placement import check_placement
+    from cluster.prompt_plan import PromptPlanner
 
     config = ensure_model(config)
+    spec = PromptPlanner(config.model.checkpoint_path, config.model.resolved_dtype).spec
+    config.encoder_modalities(spec.modalities)  # a modality no pool encodes: ConfigError
     if not ray.is_initialized():
         ray.init(
             address=address,
@@ -33,6 +37,7 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
         config
     )  # a pool pinned to a node type the cluster lacks: a clear error, before any actor starts
     serve.start(http_options={"host": config.server.host, "port": config.server.port})
+    prestart(APP_NAME, config, spec.modalities)  # workers load while the ingress imports
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     return f"http://{config.server.host}:{config.server.port}/v1"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import json
 from pathlib import Path
 
 import yaml
@@ -560,6 +561,25 @@ class ServerConfig(Strict):
 # gathers the decode worker's tokens into chunks).
 FLEET_SECTIONS = ("model", "encoder", "prefill", "decode", "transport")
 INGRESS_ONLY_FIELDS = {"prefill": {"overlap_encode"}, "decode": {"stream_interval"}}
+# Pool fields running workers take in place (the controller's `apply_live`): a redeploy that
+# changes only these, and ingress settings, keeps the fleet and its warm caches.
+LIVE_FIELDS = {
+    "encoder": {"max_wait_ms", "slowdown"},
+    "prefill": {
+        "max_chunk_tokens",
+        "max_media_tokens_per_step",
+        "overlap_min_tokens",
+        "aging_tokens_per_s",
+        "slowdown",
+    },
+    "decode": {"kv_cache_mb", "slowdown"},
+}
+
+
+_NOT_BUILT = {
+    section: INGRESS_ONLY_FIELDS.get(section, set()) | LIVE_FIELDS.get(section, set())
+    for section in FLEET_SECTIONS
+}
 
 
 class ClusterConfig(Strict):
@@ -662,9 +682,23 @@ class ClusterConfig(Strict):
 
     def fleet_fingerprint(self) -> str:
         """A short hash of what the workers are built from (FLEET_SECTIONS): a redeploy that
-        changes only the ingress's settings (limits, server, media, router) keeps the fleet."""
-        fleet = self.model_dump_json(include=set(FLEET_SECTIONS), exclude=INGRESS_ONLY_FIELDS)
-        return hashlib.sha1(fleet.encode()).hexdigest()[:12]
+        changes only the ingress's settings (limits, server, media, router) or the workers'
+        live ones (LIVE_FIELDS) keeps the fleet."""
+        fleet = self._pool_fields(lambda section, name: name not in _NOT_BUILT.get(section, ()))
+        return hashlib.sha1(json.dumps(fleet, sort_keys=True).encode()).hexdigest()[:12]
+
+    def live_settings(self) -> dict:
+        """The LIVE_FIELDS of every pool: what running workers take in place."""
+        return self._pool_fields(lambda section, name: name in LIVE_FIELDS.get(section, ()))
+
+    def _pool_fields(self, keep) -> dict:
+        """FLEET_SECTIONS as JSON data, each pool's fields filtered by keep(section, name)."""
+        data = self.model_dump(mode="json", include=set(FLEET_SECTIONS))
+        pools = lambda value: value if isinstance(value, list) else [value]  # noqa: E731
+        return {
+            section: [{k: v for k, v in pool.items() if keep(section, k)} for pool in pools(value)]
+            for section, value in data.items()
+        }
 
     def replace(self, **sections) -> ClusterConfig:
         """A copy with whole sections or fields swapped, re-validated (for tests and

@@ -31,7 +31,6 @@ import time
 import ray
 
 from cluster.config import ClusterConfig
-from cluster.fleet import Fleet
 from cluster.metrics_merge import MetricsBook
 from cluster.snapshot import FleetSnapshot
 from router.types import Modality, WorkerKind
@@ -58,6 +57,8 @@ def controller_name(app_name: str, config: ClusterConfig) -> str:
 )  # threaded: snapshots are served while a worker is replaced
 class FleetController:
     def __init__(self, config: dict, model_modalities: list[str]):
+        from cluster.fleet import Fleet  # here: ingress replicas import this module, not actors
+
         self._config = ClusterConfig.model_validate(config)
         self._fleet = Fleet(self._config)
         self._infos = tuple(
@@ -85,6 +86,19 @@ class FleetController:
         the replica die next, the totals already shown stay), and the others' come back."""
         self._seen_s = time.monotonic()
         return self._metrics.exchange(owner, exposition, seq)
+
+    def apply_live(self, config: dict) -> bool:
+        """A starting replica's config: where its live settings differ from the fleet's, every
+        worker takes them in place (a redeploy that changed only those). Returns whether any
+        changed."""
+        new = ClusterConfig.model_validate(config)
+        with self._lock:
+            if new.live_settings() == self._config.live_settings():
+                return False
+            log.info("workers take new live settings: %s", new.live_settings())
+            self._config = new
+            self._fleet.apply_live(new)
+            return True
 
     def snapshot(self) -> FleetSnapshot:
         self._seen_s = time.monotonic()
@@ -170,8 +184,18 @@ def attach(
         retire(app_name, keep=name)
     elif any(other != name for other in running(app_name)):
         return None
+    return prestart(app_name, config, model_modalities)
+
+
+def prestart(app_name: str, config: ClusterConfig, model_modalities: frozenset[Modality]):
+    """The controller for `config`, created if none runs, without waiting for its fleet and
+    retiring no other: `epd serve` calls it before the ingress starts, so the workers load
+    while the replicas import (the first replica's `attach` retires the old fleet)."""
     return FleetController.options(
-        name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+        name=controller_name(app_name, config),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
     ).remote(config.model_dump(mode="json"), sorted(m.value for m in model_modalities))
 
 

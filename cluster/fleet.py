@@ -124,6 +124,19 @@ class Fleet:
         # The pool's settings travel as one record, under the config's names.
         return _ACTORS[kind].options(**options).remote(spec, pool.settings())
 
+    def apply_live(self, config: ClusterConfig) -> None:
+        """Hand every worker its pool's live settings (config.LIVE_FIELDS) from `config`,
+        whose fleet fingerprint is this fleet's; workers started later are built from it."""
+        self.config = config
+        ray.get(
+            [
+                actor.reconfigure.remote(pool.settings(), pool.slowdown_of(in_pool))
+                for kind in WorkerKind
+                for index, actor in enumerate(self.pools[kind])
+                for pool, in_pool in [self._pool_config(kind, index)]
+            ]
+        )
+
     def worker_infos(self, model_modalities: frozenset[Modality]) -> list[WorkerInfo]:
         """The router's static picture of the fleet: kind, index, node (for placements) and,
         for encoders, the modalities each encodes."""

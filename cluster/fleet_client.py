@@ -33,6 +33,8 @@ class FleetClient:
             f"{uuid.uuid4().hex[:8]}:"  # starts this replica's request ids: what its death frees
         )
         self.controller = attach(again=False)
+        # A redeploy that changed only live settings kept the fleet: they reach it from here.
+        ray.get(self.controller.apply_live.remote(config.model_dump(mode="json")))
         self.snapshot: FleetSnapshot | None = None
         self._transfer_lock: asyncio.Lock | None = None  # one RDT transfer at a time (receiving())
         self.adopt(ray.get(self.controller.snapshot.remote()))

@@ -42,6 +42,13 @@ class DecodeEngine:
         )
         self._intake.append(Sequence(request, packed_kv, kv_bytes=total))
 
+    def reconfigure(self, settings: DecodeSettings) -> None:
+        """A new KV budget from the next join on (rows already running keep their room)."""
+        if settings.max_batch_size != self.settings.max_batch_size:
+            raise ValueError("max_batch_size cannot change while the worker runs")
+        self.settings = settings
+        self.scheduler.kv_budget_bytes = settings.kv_cache_bytes
+
     def abort(self, request_id: str) -> None:
         """No-op once the request finished; frees its row at the next step otherwise."""
         self._intake.append(request_id)

@@ -155,6 +155,15 @@ class PrefillEngine:
         self._held_version = -1
         self._snapshot()
 
+    def reconfigure(self, settings: PrefillSettings) -> None:
+        """New scheduling settings (chunk and media budgets, overlap, aging) from the next
+        step on; the prefix cache keeps its block size and budget."""
+        kept = ("prefix_block_tokens", "prefix_cache_mb")
+        if any(getattr(settings, k) != getattr(self.settings, k) for k in kept):
+            raise ValueError(f"{' and '.join(kept)} cannot change while the worker runs")
+        self.settings = settings
+        self.runner.max_chunk_tokens = settings.max_chunk_tokens
+
     def add(
         self,
         request: PrefillRequest,

@@ -2,8 +2,8 @@
 
 One Ray instance per session; the Serve app is redeployed when a test needs another
 configuration. A new fleet costs about half a minute on a 2-core host (every worker loads
-torch and the model), a redeploy that changes only ingress settings a few seconds (the fleet
-stays): the modules run in MODULE_ORDER, those on the default config first, so that the
+torch and the model), a redeploy that changes only ingress settings or the workers' live ones
+a few seconds (the fleet stays): the modules run in MODULE_ORDER, those on the default config first, so that the
 session builds each fleet once.
 """
 
@@ -36,9 +36,9 @@ MODULE_ORDER = (
     "test_worker_failures.py",
     "test_operations.py",  # an API key: an ingress-only change
     "test_ingress_replicas.py",  # two replicas, then back to the default: ingress-only changes
+    "test_backpressure.py",  # live settings (a slower prefill): the default fleet, in place
+    "test_kv_budget.py",  # a live KV budget: the default fleet still
     "test_token_exact.py",  # the default's transport first, then a fleet per transport
-    "test_backpressure.py",
-    "test_kv_budget.py",
     "test_default_model.py",
     "test_checkpoints.py",
     "test_modalities.py",

@@ -1,6 +1,7 @@
 """Back-pressure and time-outs on a deliberately tight cluster: a burst beyond the admission
 budget gets 429 with Retry-After at once (nothing queues without bound), and a request that
-times out before its first token leaves nothing held in any worker."""
+times out before its first token leaves nothing held in any worker. The tight cluster is the
+default one's fleet, slowed in place: a redeploy of live settings keeps the workers."""
 
 from __future__ import annotations
 
@@ -8,13 +9,32 @@ import asyncio
 
 import httpx
 import pytest
+import ray
 
+from cluster.cli import APP_NAME
+from cluster.controller import NAMESPACE, controller_name
+from router.types import WorkerKind
 from tests.integration.conftest import cluster_config, deploy
 from tests.integration.test_worker_failures import _requests_total, held, wait_until_idle
 
 
+def _fleet_ids(app) -> list[str]:
+    return app.http.get("/health", params={"verbose": 1}).json()["fleet"]["actor_ids"]
+
+
+def _prefill_slowdown(app) -> float:
+    controller = ray.get_actor(controller_name(APP_NAME, app.config), namespace=NAMESPACE)
+    worker = ray.get(controller.snapshot.remote()).pools[WorkerKind.PREFILL][0]
+    return ray.get(worker.__ray_call__.remote(lambda self: self.spec.slowdown))
+
+
 @pytest.fixture(scope="module")
-def tight(ray_session):
+def default_fleet(ray_session) -> list[str]:
+    return _fleet_ids(deploy(cluster_config()))
+
+
+@pytest.fixture(scope="module")
+def tight(default_fleet):
     # One request may wait for prefill at a time; prefill is 60x slower; 2 s to the first token.
     # (At 30x and 1 s, a short request's fixed costs on a busy 2-core CI host once took it past
     # the limit.)
@@ -29,6 +49,11 @@ def tight(ray_session):
         app.chat([{"role": "user", "content": "warm up"}], temperature=0, max_tokens=4)
         wait_until_idle(app, within_s=20)
     return app
+
+
+def test_live_settings_reach_the_running_workers(default_fleet, tight):
+    assert _fleet_ids(tight) == default_fleet  # no worker was rebuilt for the slowdown
+    assert _prefill_slowdown(tight) == 60.0
 
 
 def test_a_burst_beyond_the_budget_gets_429_with_retry_after(tight):

@@ -364,12 +364,24 @@ def test_the_fleet_fingerprint_moves_with_the_workers_settings_only():
         other = base.replace(**change)
         assert other.fingerprint() != base.fingerprint(), change
         assert other.fleet_fingerprint() == base.fleet_fingerprint(), change
-    workers = [
+    live = [
         {"decode": {"kv_cache_mb": 64.0}},
-        {"prefill": {"aging_tokens_per_s": 10.0}},
+        {"prefill": {"aging_tokens_per_s": 10.0, "max_chunk_tokens": 64}},
+        {"prefill": {"slowdown": [3.0]}},
         {"encoder": {"max_wait_ms": 1.0}},
+    ]
+    for change in live:  # running workers take these: same fleet, other live settings
+        other = base.replace(**change)
+        assert other.fleet_fingerprint() == base.fleet_fingerprint(), change
+        assert other.live_settings() != base.live_settings(), change
+    workers = [
+        {"decode": {"max_batch_size": 3}},
+        {"prefill": {"prefix_cache_mb": 1.0}},
+        {"encoder": {"cache_mb": 1.0}},
         {"transport": {"embeddings": "gloo", "kv": "gloo"}},
         {"model": {"served_name": "other"}},
     ]
     for change in workers:
-        assert base.replace(**change).fleet_fingerprint() != base.fleet_fingerprint(), change
+        other = base.replace(**change)
+        assert other.fleet_fingerprint() != base.fleet_fingerprint(), change
+        assert other.live_settings() == base.live_settings(), change
