@@ -7,6 +7,8 @@ Tensors travel beside these records as separate top-level Ray arguments, never i
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +77,32 @@ class EncodeJob:
     num_embeddings: int
 
 
+class GrammarKind(str, enum.Enum):
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # a JSON value that validates against `GrammarSpec.schema`
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must parse as (structured outputs); the workers compile it.
+    `schema` is the JSON schema as compact JSON text (empty for JSON_OBJECT); see `of_schema`."""
+
+    kind: GrammarKind
+    schema: str = ""
+
+    @classmethod
+    def of_schema(cls, schema: dict | bool) -> GrammarSpec:
+        """Compact text in the schema's own key order: the grammar emits properties in the
+        order the schema lists them, so sorting keys would reorder the output's fields."""
+        return cls(GrammarKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))
+
+    @property
+    def key(self) -> str:
+        """A short stable key (the workers' compile cache)."""
+        text = f"{self.kind.value}\0{self.schema}".encode()
+        return hashlib.sha1(text, usedforsecurity=False).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -89,6 +117,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF/vLLM: over prompt and generated tokens, 1 = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     num_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
+    grammar: GrammarSpec | None = None  # constrained decoding: output that parses as this
 
     @property
     def greedy(self) -> bool:
@@ -96,12 +125,14 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Whether sampling looks at the tokens so far (penalties, min_tokens)."""
+        """Whether sampling looks at the tokens so far (penalties, min_tokens, a grammar: a
+        resumed request's matcher replays its earlier output)."""
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
             or self.min_tokens > 0
+            or self.grammar is not None
         )
 
 

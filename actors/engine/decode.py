@@ -9,6 +9,7 @@ device thread): they only append to thread-safe intakes that `step` applies firs
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -16,9 +17,12 @@ import torch
 
 from actors.engine import kv
 from actors.engine.decode_state import DecodeScheduler, Sequence
+from actors.engine.grammar import GrammarError, ModelGrammars
 from actors.engine.lm_runner import LMRunner
 from actors.types import DecodeOutput, DecodeRequest, FinishReason, TokenChunk
 from router.worker_settings import DecodeSettings
+
+log = logging.getLogger(__name__)
 
 
 class DecodeEngine:
@@ -32,6 +36,7 @@ class DecodeEngine:
             deque()
         )  # new sequences and aborted ids, in the order they came
         self.max_batch_seen = 0
+        self.grammars = ModelGrammars(runner.adapter)  # loads nothing until a grammar comes
 
     def add(self, request: DecodeRequest, packed_kv: torch.Tensor) -> None:
         total = kv.sequence_bytes(
@@ -65,10 +70,13 @@ class DecodeEngine:
         for seq in joining:
             self.batch.join(seq.kv.to(self.runner.device))
             seq.kv = None
+            if seq.request.sampling.grammar is not None:
+                self._attach_matcher(seq)
         self._release(self.scheduler.sweep(), out)  # aborted while waiting for the step
         running = self.scheduler.running
         if not running:
             return out
+        matchers = [seq.matcher for seq in running]
         started = time.perf_counter()
         sampled = self.runner.decode_step(
             self.batch,
@@ -77,6 +85,7 @@ class DecodeEngine:
             [seq.next_position for seq in running],
             [seq.request.rope_delta for seq in running],
             [seq.history() for seq in running],
+            matchers if any(m is not None for m in matchers) else None,
         )
         step_ms = (time.perf_counter() - started) * 1e3
         self.max_batch_seen = max(self.max_batch_seen, len(sampled))
@@ -92,6 +101,15 @@ class DecodeEngine:
             step_ms,
         )
         return out
+
+    def _attach_matcher(self, seq: Sequence) -> None:
+        """Its grammar's matcher, past every token it generated; a grammar that cannot be
+        built fails the sequence alone (ERROR at the next sweep)."""
+        try:
+            seq.matcher = self.grammars.matcher(seq.request.sampling, seq.generated_ids())
+        except GrammarError as exc:
+            log.warning("request %s: grammar refused: %s", seq.request_id, exc)
+            seq.failed = True
 
     def fail_all(self) -> list[DecodeOutput]:
         """After a step raised: every request ends with ERROR and the batch starts empty."""

@@ -30,6 +30,7 @@ class Sequence:
         0  # KV reserved for it in the batch: its prompt plus every token it may generate
     )
     waited_for_kv: bool = False  # it had a row but not KV room at some step
+    matcher: object | None = None  # its grammar's matcher (xgrammar), set when it joins
 
     @property
     def request_id(self) -> str:
@@ -39,6 +40,11 @@ class Sequence:
     def next_position(self) -> int:
         """Index in the full sequence of the token the next step produces."""
         return self.request.num_prompt_tokens + len(self.token_ids)
+
+    def generated_ids(self) -> tuple[int, ...]:
+        """Every token the request generated: before this attempt (known when the request
+        `needs_history`, as a grammar does), then here (the first one is prefill's)."""
+        return self.request.history.output_ids + tuple(self.token_ids)
 
     def history(self) -> TokenHistory:
         """What the next token's penalties see: the prompt and every token generated so far."""
@@ -56,6 +62,8 @@ def finish_reason(seq: Sequence, max_model_len: int) -> FinishReason | None:
         return FinishReason.ERROR
     if seq.token_ids and seq.token_ids[-1] in sampling.stop_token_ids:
         return FinishReason.STOP
+    if seq.matcher is not None and seq.matcher.is_terminated():
+        return FinishReason.STOP  # its grammar is complete and took a stop token (ignore_eos)
     if len(seq.token_ids) >= sampling.max_tokens or seq.next_position >= max_model_len:
         return FinishReason.LENGTH
     return None

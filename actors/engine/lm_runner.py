@@ -52,16 +52,19 @@ class LMRunner:
         items: list[torch.Tensor],
         params: SamplingParams,
         history: TokenHistory | None = None,
+        matcher=None,
     ) -> tuple[Sampled | None, torch.Tensor, int]:
         """First token (None if it could not be sampled), the packed KV cache of the whole
-        prompt, and the rope delta decode adds to cache lengths (0 for 1-D positions)."""
+        prompt, and the rope delta decode adds to cache lengths (0 for 1-D positions);
+        `matcher`: the request's grammar matcher (see first_token)."""
         embeds, positions, rope_delta = self.prompt_inputs(token_ids, ranges, items)
         cache = DynamicCache()
         for start in range(0, embeds.shape[1], self.max_chunk_tokens):
             hidden = self.forward_chunk(
                 embeds, positions, cache, start, start + self.max_chunk_tokens
             )
-        return self.first_token(hidden, params, len(token_ids), history), kv.pack(cache), rope_delta
+        first = self.first_token(hidden, params, len(token_ids), history, matcher)
+        return first, kv.pack(cache), rope_delta
 
     @torch.inference_mode()
     def prompt_inputs(
@@ -111,12 +114,16 @@ class LMRunner:
         params: SamplingParams,
         num_prompt_tokens: int,
         history: TokenHistory | None = None,
+        matcher=None,
     ) -> Sampled | None:
+        """`matcher`: the request's grammar matcher (None: unconstrained), which takes the
+        token."""
         return sample_rows(
             self.adapter.logits(hidden[:, -1]),
             [params],
             [num_prompt_tokens],
             [history] if history else None,
+            [matcher] if matcher is not None else None,
         )[0]
 
     @torch.inference_mode()
@@ -128,8 +135,10 @@ class LMRunner:
         positions: list[int],
         rope_deltas: list[int] | None = None,
         histories: list[TokenHistory] | None = None,
+        matchers: list | None = None,
     ) -> list[Sampled | None]:
-        """Feed each row its last token; the cache grows by one slot; returns the next tokens."""
+        """Feed each row its last token; the cache grows by one slot; returns the next tokens.
+        `matchers`: each row's grammar matcher or None (None: no row is constrained)."""
         ids = on_device(self.device, last_tokens, torch.long).unsqueeze(1)
         cache = batch.as_cache()  # first: it may regrow the buffers the views below read
         position_ids = batch.lengths().unsqueeze(1)
@@ -141,4 +150,5 @@ class LMRunner:
         mask = batch.step_mask()
         hidden = self.adapter.forward(self.adapter.embed_tokens(ids), position_ids, cache, mask)
         batch.absorb(cache)
-        return sample_rows(self.adapter.logits(hidden[:, -1]), params, positions, histories)
+        logits = self.adapter.logits(hidden[:, -1])
+        return sample_rows(logits, params, positions, histories, matchers)

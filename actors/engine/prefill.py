@@ -26,6 +26,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from actors.engine import kv
+from actors.engine.grammar import GrammarError, ModelGrammars
 from actors.engine.lm_runner import LMRunner
 from actors.engine.prefix_cache import BlockPool, MediaKey, block_hashes
 from actors.engine.sampling import Sampled
@@ -85,6 +86,7 @@ class _Job:
     waited_s: float = 0.0  # waiting for items in all
     waited_running_s: float = 0.0  # of which after its first chunk
     compute_s: float = 0.0  # in its own forwards
+    matcher: object | None = None  # the first token's grammar matcher (a constrained request)
 
     def state(self) -> PrefillState:
         here = self.ready | self.items.keys()  # spliced, or given and not started yet
@@ -153,6 +155,7 @@ class PrefillEngine:
         self._num_runnable = 0  # jobs that can advance, as of the end of the last step
         self._arrivals = itertools.count()
         self._held_version = -1
+        self.grammars = ModelGrammars(runner.adapter)  # loads nothing until a grammar comes
         self._snapshot()
 
     def reconfigure(self, settings: PrefillSettings) -> None:
@@ -269,6 +272,8 @@ class PrefillEngine:
         """Build the prompt's inputs, splice the items that are here and continue from the
         longest cached prefix."""
         req = job.request
+        if req.sampling.grammar is not None and not self._attach_matcher(job):
+            return
         job.embeds, job.positions, job.rope_delta = self.runner.text_inputs(
             req.prompt_token_ids, req.placeholders
         )
@@ -277,6 +282,21 @@ class PrefillEngine:
             self._splice(_Item(req.request_id, slot, embeddings))
         self._reuse_prefix(job)
         job.note_wait(time.perf_counter())
+
+    def _attach_matcher(self, job: _Job) -> bool:
+        """The first token's matcher, past a resumed request's earlier output; False when the
+        grammar cannot be built: the request fails alone, before any compute."""
+        req = job.request
+        try:
+            generated = req.prompt_token_ids[len(req.prompt_token_ids) - req.num_output_tokens :]
+            job.matcher = self.grammars.matcher(req.sampling, generated)
+        except GrammarError as exc:
+            self._drop(req.request_id)
+            self._failed.append(
+                PrefillOutput(req.request_id, None, torch.empty(0), 0, 0, 0.0, 0.0, error=str(exc))
+            )
+            return False
+        return True
 
     def _splice(self, item: _Item) -> None:
         job = self.jobs.get(item.request_id)
@@ -330,7 +350,7 @@ class PrefillEngine:
     def _finish(self, job: _Job) -> PrefillOutput:
         req, finishing_s = job.request, time.perf_counter()
         first = self.runner.first_token(
-            job.hidden, req.sampling, len(req.prompt_token_ids), history_of(req)
+            job.hidden, req.sampling, len(req.prompt_token_ids), history_of(req), job.matcher
         )
         packed = kv.pack(job.cache)
         self._keep_blocks(job, packed)

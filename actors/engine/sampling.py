@@ -1,6 +1,7 @@
-"""Next-token choice over a batch of logits: the logits processors (min_tokens, logit_bias,
-repetition / frequency / presence penalties), then greedy at temperature 0, else
-temperature / top-k / top-p sampling; logprobs of the model's own distribution.
+"""Next-token choice over a batch of logits: a constrained row's grammar mask, the logits
+processors (min_tokens, logit_bias, repetition / frequency / presence penalties), then greedy
+at temperature 0, else temperature / top-k / top-p sampling; logprobs of the model's own
+distribution. A constrained row's matcher (actors/engine/grammar.py) then takes its token.
 
 Randomness is keyed by (seed, position) so a request's samples do not depend on which
 worker, batch or transport produced them: prefill samples the first token and decode the
@@ -13,7 +14,8 @@ Everything per row is a tensor operation over the batch, and the host reads the 
 per call: one tensor holding every row's token (-1 where the row cannot be sampled) and,
 when a row asks, its logprobs. Greedy rows pay for an argmax only; the filters and the
 draw run over the sub-batch of sampled rows. Host values reach the device without a
-blocking copy (see `_on`).
+blocking copy (see `on_device`), the grammar bitmask too; a batch with no constrained row
+makes no xgrammar call.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.engine import grammar
 from actors.types import NO_HISTORY, SamplingParams, TokenHistory, TokenLogprob
 
 _NEG_INF = float("-inf")
@@ -67,16 +70,23 @@ def _counts(rows: list[tuple[int, ...]], vocab: int, device: torch.device) -> to
     return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))[:, :vocab]
 
 
-def _penalise(
-    logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory]
-) -> None:
-    """Repetition (HF/vLLM: prompt + output; divide a positive logit, multiply a negative one),
-    then frequency and presence (OpenAI: output only), over the rows that set any, in place."""
-    rows = [
+def _penalised(params: list[SamplingParams]) -> list[int]:
+    """The rows that set a repetition, frequency or presence penalty."""
+    return [
         i
         for i, p in enumerate(params)
         if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
     ]
+
+
+def _penalise(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[TokenHistory],
+    rows: list[int],
+) -> None:
+    """Repetition (HF/vLLM: prompt + output; divide a positive logit, multiply a negative one),
+    then frequency and presence (OpenAI: output only), over `rows`, in place."""
     if not rows:
         return
     device, vocab = logits.device, logits.shape[-1]
@@ -92,10 +102,15 @@ def _penalise(
 
 
 def process(
-    logits: torch.Tensor, params: list[SamplingParams], histories: list[TokenHistory]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[TokenHistory],
+    *,
+    owned: bool = False,
 ) -> torch.Tensor:
     """The logits processors, in vLLM's order: min_tokens, logit_bias, penalties. Returns
-    `logits` itself when no row sets any, else a processed copy."""
+    `logits` itself when no row sets any, else a processed copy (`owned`: the caller's own
+    copy, processed in place)."""
     stops = [
         (row, t)
         for row, (p, h) in enumerate(zip(params, histories))
@@ -103,9 +118,10 @@ def process(
         for t in p.stop_token_ids
     ]
     biases = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
-    if not stops and not biases and not any(p.needs_history for p in params):
+    penalised = _penalised(params)
+    if not stops and not biases and not penalised:
         return logits
-    logits = logits.clone()
+    logits = logits if owned else logits.clone()
     device = logits.device
     if stops:
         rows, ids = zip(*stops)
@@ -115,7 +131,7 @@ def process(
         rows, ids, values = zip(*biases)
         index = (on_device(device, rows, torch.long), on_device(device, ids, torch.long))
         logits.index_put_(index, on_device(device, values, logits.dtype), accumulate=True)
-    _penalise(logits, params, histories)
+    _penalise(logits, params, histories, penalised)
     return logits
 
 
@@ -215,22 +231,48 @@ def _logprob_block(
     return torch.cat((picked.double(), top.values.double(), top.indices.double()), dim=1)
 
 
+def _constrain(raw: torch.Tensor, matchers: list) -> torch.Tensor | None:
+    """A copy of `raw` with each constrained row's grammar mask applied (free rows copied
+    untouched), or None when no row is constrained or its mask restricts nothing. The
+    bitmask is filled on the host and goes host -> device only."""
+    found = grammar.row_bitmask(matchers, raw.shape[-1])
+    if found is None:
+        return None
+    rows, bitmask = found[0], on_device(raw.device, found[1])
+    if len(rows) == raw.shape[0]:
+        masked = raw.clone()
+        grammar.apply_bitmask(masked, bitmask)
+        return masked
+    index = on_device(raw.device, rows, torch.long)
+    sub = raw.index_select(0, index)
+    grammar.apply_bitmask(sub, bitmask)
+    return raw.index_copy(0, index, sub)
+
+
 def sample_rows(
     logits: torch.Tensor,
     params: list[SamplingParams],
     positions: list[int],
     histories: list[TokenHistory] | None = None,
+    matchers: list | None = None,
 ) -> list[Sampled | None]:
     """One token per row of `logits` [batch, vocab] (None where the row cannot be sampled);
-    `positions` index each row's new token, `histories` are what its penalties see."""
+    `positions` index each row's new token, `histories` are what its penalties see, and
+    `matchers` hold each constrained row's grammar matcher (None: a free row), which takes
+    the row's token here (a token it refuses makes the row None)."""
     if not params:
         return []
     raw = logits.float()
-    batch, vocab = raw.shape
     finite = (~torch.isnan(raw) & (raw != float("inf"))).all(dim=-1)
-    processed = process(raw, params, histories or [NO_HISTORY] * batch)
+    masked = _constrain(raw, matchers) if matchers else None
+    processed = process(
+        raw if masked is None else masked,
+        params,
+        histories or [NO_HISTORY] * raw.shape[0],
+        owned=masked is not None,
+    )
     drawn = [i for i, p in enumerate(params) if not p.greedy]
-    if len(drawn) == batch:
+    if len(drawn) == raw.shape[0]:
         tokens, valid = _draw(processed, params, positions)
         finite = finite & valid
     else:
@@ -244,8 +286,17 @@ def sample_rows(
             )
             tokens.index_copy_(0, index, picks)
             finite.index_copy_(0, index, finite.index_select(0, index) & valid)
-    tokens = torch.where(finite, tokens, -1)
+    out = _read(raw, torch.where(finite, tokens, -1), params)
+    if matchers:  # a token its matcher refuses fails the row (the mask left it nothing)
+        for i in grammar.advance(matchers, [s.token_id if s else None for s in out]):
+            out[i] = None
+    return out
 
+
+def _read(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list:
+    """The rows' Sampled (None for a -1 token), with the logprobs they ask for, from `raw`
+    (the model's own distribution): the one device read of the call."""
+    batch, vocab = raw.shape
     asking = [i for i, p in enumerate(params) if p.num_logprobs is not None]
     if not asking:
         return [Sampled(t) if t >= 0 else None for t in tokens.tolist()]  # the one device read
@@ -269,9 +320,10 @@ def sample(
     params: list[SamplingParams],
     positions: list[int],
     histories: list[TokenHistory] | None = None,
+    matchers: list | None = None,
 ) -> list[int | None]:
     """Token ids only (see sample_rows)."""
     return [
         s.token_id if s is not None else None
-        for s in sample_rows(logits, params, positions, histories)
+        for s in sample_rows(logits, params, positions, histories, matchers)
     ]
