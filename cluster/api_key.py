@@ -9,16 +9,21 @@ from fastapi.responses import JSONResponse
 from cluster.protocol import error_body
 from cluster.request_log import bearer_ok
 
+# Every route but the probes': /tokenize and /detokenize (which vLLM leaves open) expose the
+# chat template and spend the ingress's CPU as a /v1 route does.
+GUARDED = ("/v1", "/tokenize", "/detokenize")
+
 
 class ApiKeyMiddleware:
-    """With `server.api_key` set (the app's `state.api_key`), every /v1 route wants
-    `Authorization: Bearer <key>`; /health and /metrics stay open for probes and scrapers."""
+    """With `server.api_key` set (the app's `state.api_key`), every /v1 route, /tokenize and
+    /detokenize want `Authorization: Bearer <key>`; /health and /metrics stay open for
+    probes and scrapers."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED):
             key = getattr(scope["app"].state, "api_key", None)
             if key and not bearer_ok(_header(scope, b"authorization"), key):
                 await _refusal()(scope, receive, send)

@@ -1,6 +1,7 @@
 """The Ray Serve application: an OpenAI-compatible HTTP ingress over the worker fleet.
 
-Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /metrics, GET /health.
+Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models (and /v1/models/{id}),
+POST /tokenize, POST /detokenize, GET /metrics, GET /health.
 """
 
 import asyncio
@@ -39,6 +40,7 @@ from cluster.request_log import RequestLog, RequestRecord
 from cluster.request_path import RETRY_AFTER_S, RequestPath
 from cluster.routing import LiveRouting
 from cluster.supervisor import Supervisor
+from cluster.token_endpoints import TokenEndpoints
 from router.router import Router
 from router.types import WorkerKind
 
@@ -58,6 +60,11 @@ def _error(exc: RequestError, request_id: str) -> JSONResponse:
         headers["Retry-After"] = str(exc.retry_after_s)
     body = error_body(exc.message, type=exc.type, param=exc.param, code=exc.code)
     return JSONResponse(body, status_code=exc.status, headers=headers)
+
+
+def _check_size(body: bytes, limit: int) -> None:
+    if len(body) > limit:
+        raise RequestError(413, f"request body is {len(body)} bytes; the limit is {limit}")
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -88,7 +95,12 @@ class Ingress:
             self.config.server.log_requests, self.config.server.log_prompts
         )
         self.checkpoint = self.config.model.checkpoint_path  # resolved on this replica's node
-        self.planner = PromptPlanner(self.checkpoint, self.config.model.resolved_dtype)
+        self.planner = PromptPlanner(
+            self.checkpoint, self.config.model.resolved_dtype, self.config.model.chat_template_file
+        )
+        self.tokens = TokenEndpoints(
+            self.planner, self.config.model.served_name, self.config.model.max_model_len
+        )
         self.config.encoder_modalities(
             self.planner.spec.modalities
         )  # every modality has an encoder: check before any actor starts
@@ -233,12 +245,7 @@ class Ingress:
     ) -> Admitted:
         body = await request.body()
         body_ms = (time.perf_counter() - arrived_s) * 1e3  # Serve pulls it from the proxy
-        if len(body) > self.config.limits.max_request_bytes:
-            raise RequestError(
-                413,
-                f"request body is {len(body)} bytes; "
-                f"the limit is {self.config.limits.max_request_bytes}",
-            )
+        _check_size(body, self.config.limits.max_request_bytes)
         # Off the event loop, in a lane of its own: text never waits behind media decoding.
         adm = await self.lanes.run(body, self.path.admit, request_id, arrived_s, endpoint)
         return dataclasses.replace(adm, timings=dataclasses.replace(adm.timings, body_ms=body_ms))
@@ -373,14 +380,49 @@ class Ingress:
             log.warning("request %s: %d %s", request_id, exc.status, exc.message)
         return _error(exc, request_id)
 
-    @api.get("/v1/models")
-    async def models(self) -> dict:
-        card = ModelCard(
+    def _card(self) -> ModelCard:
+        return ModelCard(
             id=self.config.model.served_name,
             root=str(self.checkpoint),
             max_model_len=self.config.model.max_model_len,
         )
-        return ModelList(data=[card]).model_dump()
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return ModelList(data=[self._card()]).model_dump()
+
+    @api.get("/v1/models/{model_id:path}")  # a Hub repo id has a slash in it
+    async def model(self, model_id: str) -> JSONResponse:
+        if model_id != self.config.model.served_name:
+            missing = RequestError(
+                404, f"The model {model_id!r} does not exist", "model", code="model_not_found"
+            )
+            return _error(missing, "")
+        return JSONResponse(self._card().model_dump())
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        return await self._token_route(request, self.tokens.tokenize)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        return await self._token_route(request, self.tokens.detokenize)
+
+    async def _token_route(self, request: Request, answer) -> JSONResponse:
+        """In an admission lane (bounded, off the event loop: a chat template takes
+        milliseconds); left out of the request metrics, which count generation."""
+        try:
+            body = await request.body()
+            _check_size(body, self.config.limits.max_request_bytes)
+            return JSONResponse(await self.lanes.run(body, answer))
+        except Overloaded as exc:
+            return _error(self._overloaded(exc), "")
+        except RequestError as exc:
+            return _error(exc, "")
+        except Exception:
+            log.exception("%s failed", request.url.path)
+            failed = RequestError(500, f"internal error in {request.url.path}", type="server_error")
+            return _error(failed, "")
 
     @api.api_route(
         "/metrics", methods=["GET", "HEAD"]

@@ -84,6 +84,25 @@ class ModelConfig(Strict):
     max_model_len: int = Field(
         2048, gt=0, description="Upper bound on prompt plus generated tokens."
     )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template file used instead of the checkpoint's (as vLLM's "
+        "--chat-template), e.g. one that adds a tool format; a relative path is under "
+        "configs/. Unset: the checkpoint's own.",
+    )
+
+    @model_validator(mode="after")
+    def _template_exists(self) -> ModelConfig:
+        if self.chat_template is not None and not self.chat_template_file.is_file():
+            raise ValueError(f"model.chat_template: no file at {self.chat_template_file}")
+        return self
+
+    @property
+    def chat_template_file(self) -> Path | None:
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template).expanduser()
+        return path if path.is_absolute() else REPO_ROOT / "configs" / path
 
     @property
     def is_hub_repo(self) -> bool:

@@ -9,6 +9,8 @@ it decodes, and a byte-level one turns a character split across tokens into "\uf
 its last byte arrives (ids settle only into text that does not end in "\ufffd", where a
 character may still be arriving). Stop strings are searched for only in text not searched
 before, and in the last characters, which the settled text keeps in one short string.
+Special tokens are left out of the text or kept in it (vLLM's `skip_special_tokens`), and a
+matched stop string ends the text or stays at its end (`include_stop_str_in_output`).
 
 The text is the one decoding all ids gives, at every push, for a decoder that decodes a
 sequence as its pieces cut where a character ends (byte-level BPE, SentencePiece); a
@@ -27,12 +29,24 @@ class IncrementalText:
     """Feed token ids as they come; get back the text that is safe to show so far.
 
     Text is held back while it ends in an incomplete UTF-8 sequence or in a prefix of a
-    stop string, so a client never sees text that a later token retracts.
+    stop string, so a client never sees text that a later token retracts. `include_stop`:
+    the text ends after the first stop string to complete, not before the earliest to begin
+    (and no prefix is held back: text up to a stop's end is shown either way).
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), hidden_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        tokenizer,
+        stop: tuple[str, ...] = (),
+        hidden_ids: tuple[int, ...] = (),
+        *,
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ):
         self._tokenizer = tokenizer
         self._stop = stop
+        self._skip_special = skip_special_tokens
+        self._include_stop = include_stop
         self._hidden = set(hidden_ids)
         # The window: the ids not settled into text, after `_num_context` settled ones that
         # decode (alone) to `_context_text`.
@@ -72,8 +86,9 @@ class IncrementalText:
         safe = size
         for i, stop in enumerate(self._stop):
             at = self._find(i, stop, settled, size)
-            if at != -1 and at < safe:
-                safe, self.stopped = at, True
+            if at != -1:
+                end = at + len(stop) if self._include_stop else at
+                safe, self.stopped = min(safe, end), True
         if not self.stopped and not final:
             safe = min(safe, self._held_back(settled))
         delta = self._slice(self._emitted, safe) if safe > self._emitted else ""
@@ -89,13 +104,13 @@ class IncrementalText:
         """Decode the window; settle its new text unless it may still change (it ends in
         "\ufffd"). The window's ids are then all context, or, past _WINDOW ids, only those
         that have just settled (decoded again, alone, for the context's own text)."""
-        text = self._tokenizer.decode(self._window, skip_special_tokens=True)
+        text = self._tokenizer.decode(self._window, skip_special_tokens=self._skip_special)
         if len(text) > len(self._context_text) and not text.endswith("\ufffd"):
             self._text += text[len(self._context_text) :]
             self._tail = ""
             if len(self._window) > _WINDOW and self._num_context:  # keep only the new ids
                 del self._window[: self._num_context]
-                text = self._tokenizer.decode(self._window, skip_special_tokens=True)
+                text = self._tokenizer.decode(self._window, skip_special_tokens=self._skip_special)
             self._num_context, self._context_text = len(self._window), text
         else:
             self._tail = text[len(self._context_text) :]
@@ -134,7 +149,7 @@ class IncrementalText:
         end = len(self._tail)
         while end and self._tail[end - 1] == "\ufffd":  # a multi-byte character still arriving
             end -= 1
-        if not self._stop:
+        if not self._stop or self._include_stop:
             return settled + end
         body = self._text[max(0, len(self._text) - self._max_stop + 1) :] + self._tail[:end]
         hold = 0

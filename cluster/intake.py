@@ -6,11 +6,14 @@ prompt (placeholders expanded) and check that it and its KV fit. No worker is as
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from actors.engine import kv
-from actors.types import MediaItem
+from actors.engine.grammar import GrammarError, grammar_of
+from actors.types import MediaItem, SamplingParams
 from cluster.admitted import AdmissionTimings, Admitted, Endpoint
+from cluster.chat_tools import ToolMode, grammar_for
 from cluster.config import ClusterConfig
 from cluster.errors import RequestError
 from cluster.media.budget import PixelBudget
@@ -49,13 +52,15 @@ class Intake:
             hf_messages, media = to_template_messages(request.messages)
             items = tuple(self._decode_media(media))
             decoded_s = time.perf_counter()
-            plan = self._plan(hf_messages, items)
+            plan = self._plan(hf_messages, items, request)
         else:
             plan = self._text_plan(request.prompt)
         try:
             sampling = request.to_sampling_params(len(plan.token_ids), self.bounds)
         except ParamError as exc:
             raise RequestError(400, exc.message, exc.param) from None
+        if isinstance(request, ChatCompletionRequest):
+            sampling = _constrained(request, sampling)
         self._kv_fits(
             len(plan.token_ids),
             sampling.max_tokens,
@@ -144,11 +149,26 @@ class Intake:
                 raise RequestError(400, str(exc), part.param) from None
         return items
 
-    def _plan(self, hf_messages: list[dict], items: tuple[MediaItem, ...]) -> PromptPlan:
+    def _plan(
+        self, hf_messages: list[dict], items: tuple[MediaItem, ...], request: ChatCompletionRequest
+    ) -> PromptPlan:
+        tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
+        if tools and not self.planner.takes_tools:
+            raise RequestError(
+                400,
+                f"the chat template of model {self.config.model.served_name!r} has no tool "
+                "format, so it cannot be given tools (model.chat_template can supply one)",
+                "tools",
+            )
         try:
-            return self._fits(self.planner.plan(hf_messages, list(items)), "messages")
+            plan = self.planner.plan(
+                hf_messages, list(items), tools or None, request.chat_template_kwargs
+            )
         except PromptError as exc:
             raise RequestError(400, str(exc), "messages") from None
+        except Exception as exc:  # the template itself refused (raise_exception, a bad kwarg)
+            raise RequestError(400, f"the chat template failed: {exc}", "messages") from None
+        return self._fits(plan, "messages")
 
     def _text_plan(self, prompt: str | list[int]) -> PromptPlan:
         try:
@@ -166,3 +186,23 @@ class Intake:
                 code="context_length_exceeded",
             )
         return plan
+
+
+def _constrained(request: ChatCompletionRequest, sampling: SamplingParams) -> SamplingParams:
+    """`sampling` held to the grammar of the request's response_format or tool choice; a
+    schema that cannot compile is a 400 naming the problem."""
+    spec = grammar_for(
+        request.response_format, request.tools, request.tool_choice, request.parallel_tool_calls
+    )
+    if spec is None:
+        return sampling
+    param = "response_format" if request.tool_mode == ToolMode.NONE else "tools"
+    try:
+        grammar_of(spec)
+    except GrammarError as exc:
+        raise RequestError(400, f"Invalid '{param}': {exc}", param) from None
+    if sampling.min_tokens:  # a complete grammar allows only a stop token: none may follow
+        raise RequestError(
+            400, "min_tokens cannot be combined with structured output", "min_tokens"
+        )
+    return dataclasses.replace(sampling, grammar=spec)

@@ -53,8 +53,9 @@ def prepare(config: ClusterConfig) -> ClusterConfig:
 def with_model(
     config: ClusterConfig, model: str | None, served_name: str | None = None
 ) -> ClusterConfig:
-    """`--model ID_OR_DIR` replaces the config's checkpoint (and its recipe and revision);
-    the served name defaults to it, as in vLLM."""
+    """`--model ID_OR_DIR` replaces the config's checkpoint (and its recipe, revision and
+    chat template: the new checkpoint's own applies); the served name defaults to it, as in
+    vLLM."""
     if model is None:
         return config if served_name is None else config.replace(model={"served_name": served_name})
     return config.replace(
@@ -62,6 +63,7 @@ def with_model(
             "checkpoint": model,
             "builtin": None,
             "revision": None,
+            "chat_template": None,
             "served_name": served_name or model,
         }
     )

@@ -36,18 +36,33 @@ class PromptPlan:
 
 
 class PromptPlanner:
-    def __init__(self, checkpoint: Path, dtype: str = "float32"):
+    def __init__(self, checkpoint: Path, dtype: str = "float32", template: Path | None = None):
+        """`template`: a chat template file used instead of the checkpoint's."""
         self.processor = AutoProcessor.from_pretrained(checkpoint)
         self.tokenizer = self.processor.tokenizer
         self.spec: PlaceholderSpec = placeholder_spec(checkpoint, self.processor, dtype)
+        self.template = template.read_text() if template is not None else None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return (self.tokenizer.eos_token_id,)
 
-    def render(self, hf_messages: list[dict]) -> str:
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the chat template has a tool format (it reads `tools`)."""
+        source = self.template or self.processor.chat_template or ""
+        return "tools" in str(source)
+
+    def render(self, hf_messages: list[dict], tools=None, template_kwargs=None) -> str:
+        extra = {"chat_template": self.template} if self.template else {}
+        if tools:
+            extra["tools"] = tools
         return self.processor.apply_chat_template(
-            hf_messages, add_generation_prompt=True, tokenize=False
+            hf_messages,
+            add_generation_prompt=True,
+            tokenize=False,
+            **(template_kwargs or {}),
+            **extra,
         )
 
     def check_item(self, item: MediaItem) -> None:
@@ -77,11 +92,14 @@ class PromptPlanner:
             low, high = (low, mid) if self.spec.layout(probe).num_embeddings else (mid + 1, high)
         return low
 
-    def plan(self, hf_messages: list[dict], items: list[MediaItem]) -> PromptPlan:
+    def plan(
+        self, hf_messages: list[dict], items: list[MediaItem], tools=None, template_kwargs=None
+    ) -> PromptPlan:
+        """`tools` (OpenAI's tool objects) and `template_kwargs` go to the chat template."""
         hf_messages, items = self.window_audio(hf_messages, items)
         layouts = [self.spec.layout(item) for item in items]
         counts = tuple(layout.num_embeddings for layout in layouts)
-        text = self._expand(self.render(hf_messages), items, counts)
+        text = self._expand(self.render(hf_messages, tools, template_kwargs), items, counts)
         ids = np.asarray(
             self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64
         )

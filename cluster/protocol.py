@@ -25,6 +25,16 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from cluster.chat_tools import (
+    MAX_TOOLS,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolMode,
+    tool_mode,
+)
 from cluster.logprobs import ChatLogprobs
 from cluster.sampling_fields import MAX_LOGPROBS, SamplingFields, Strict, refuse_unless
 from router.types import Modality
@@ -96,26 +106,27 @@ class ContentPart(Strict):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls, replayed by agents
     # A string arrives as one text part; validate_default so a missing content is checked too.
     content: list[ContentPart] | None = Field(None, validate_default=True)
+    name: str | None = None  # passed to the chat template, as vLLM does
+    tool_call_id: str | None = None  # a tool result: the call it answers
     # What the openai client echoes back from an earlier assistant message: null only.
-    name: None = None
     refusal: None = None
-    tool_calls: None = None
     function_call: None = None
     audio: None = None
     annotations: None = None
 
-    @field_validator("tool_calls", "function_call", mode="before")
+    @field_validator("function_call", mode="before")
     @classmethod
-    def _no_tool_calls(cls, value: Any) -> Any:
-        return refuse_unless(value, (), "this server does not call tools")
+    def _no_function_call(cls, value: Any) -> Any:
+        return refuse_unless(value, (), "function_call is deprecated: send tool_calls")
 
-    @field_validator("name", "refusal", "audio", "annotations", mode="before")
+    @field_validator("refusal", "audio", "annotations", mode="before")
     @classmethod
     def _unused(cls, value: Any) -> Any:
-        return refuse_unless(value, (), "the chat template is given role and content only")
+        return refuse_unless(value, (), "the chat template is not given this field")
 
     @field_validator("content", mode="before")
     @classmethod
@@ -128,10 +139,20 @@ class ChatMessage(Strict):
             )
         return value
 
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("tool_calls_role", "only assistant messages carry tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError(
+                "tool_call_id", "tool messages need a tool_call_id, and only they take one"
+            )
+        return self
+
     @field_validator("content")
     @classmethod
-    def _not_empty(cls, value: list[ContentPart] | None) -> list[ContentPart]:
-        if not value:
+    def _not_empty(cls, value: list[ContentPart] | None, info: ValidationInfo) -> Any:
+        if not value and not info.data.get("tool_calls"):  # calls alone: an assistant turn
             raise PydanticCustomError(
                 "empty_content", "message has no content (missing, null or empty)"
             )
@@ -154,12 +175,6 @@ class ChatMessage(Strict):
         return "system" if self.role == "developer" else self.role
 
 
-class ResponseFormat(Strict):
-    type: Literal["text"] = Field(
-        description="only plain text: json_object and json_schema are not built"
-    )
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(
@@ -167,32 +182,51 @@ class ChatCompletionRequest(SamplingFields):
     )
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # OpenAI fields declared only to be refused by name with a reason (until they are built).
-    tools: None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM)
+    # The deprecated function-calling API, refused by name.
     functions: None = None
     function_call: None = None
-    parallel_tool_calls: None = None
-    tool_choice: Literal["none"] | None = None
-    response_format: ResponseFormat | None = None
 
-    @field_validator("tools", "functions", "function_call", "parallel_tool_calls", mode="before")
+    @field_validator("functions", "function_call", mode="before")
     @classmethod
-    def _no_tools(cls, value: Any) -> Any:
-        return refuse_unless(value, (), "this server does not call tools")
+    def _no_functions(cls, value: Any) -> Any:
+        return refuse_unless(value, (), "the functions API is deprecated: send tools")
 
-    @field_validator("tool_choice", mode="before")
+    @field_validator("tool_choice")
     @classmethod
-    def _tool_choice_none(cls, value: Any) -> Any:
-        return refuse_unless(
-            value, ("none",), 'this server does not call tools (only "none" is accepted)'
-        )
+    def _tool_choice_names_a_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        tools = info.data.get("tools")
+        if choice not in (None, "none") and not tools:
+            raise PydanticCustomError("tool_choice_without_tools", "tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in tools]
+            if choice.function.name not in names:
+                raise PydanticCustomError(
+                    "unknown_tool",
+                    "tool_choice names function '{n}', which is not among the tools: {t}",
+                    {"n": choice.function.name, "t": ", ".join(names)},
+                )
+        return choice
 
-    @field_validator("response_format", mode="before")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        return refuse_unless(
-            value, ({"type": "text"},), 'only {"type": "text"} (structured output is not built)'
-        )
+    @model_validator(mode="after")
+    def _one_shape_of_output(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        constrained = tool_mode(self.tools, choice) in (ToolMode.NAMED, ToolMode.REQUIRED)
+        if constrained and self.response_format and self.response_format.type != "text":
+            raise PydanticCustomError(
+                "format_and_tools",
+                "response_format and a required or named tool_choice both shape the output: "
+                "send one",
+            )
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        return tool_mode(self.tools, self.tool_choice)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -284,8 +318,22 @@ def to_template_messages(
                 continue
             content.append({"type": MEDIA_PART_TYPES[part.type].value})
             media.append(_media_part(part, f"messages[{m_index}].content[{p_index}].{part.type}"))
-        template.append({"role": message.template_role, "content": content})
+        template.append(_template_message(message, content))
     return template, media
+
+
+def _template_message(message: ChatMessage, content: list[dict[str, Any]]) -> dict[str, Any]:
+    """A tool result's content is a string (templates print it as is); `name`, `tool_calls`
+    and `tool_call_id` reach the template only when set."""
+    entry: dict[str, Any] = {"role": message.template_role, "content": content}
+    if message.role == "tool":
+        entry["content"] = "".join(part["text"] for part in content)
+        entry["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        entry["tool_calls"] = [call.for_template() for call in message.tool_calls]
+    if message.name is not None:
+        entry["name"] = message.name
+    return entry
 
 
 # ----------------------------------------------------------------------------- responses
@@ -302,23 +350,37 @@ class OmitNone(BaseModel):
         return {k: v for k, v in data.items() if not (k in self._omit_if_none and v is None)}
 
 
-class Usage(BaseModel):
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache supplied
+
+
+class Usage(OmitNone):
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"prompt_tokens_details"})
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(
+        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+    ) -> Usage:
+        """`cached_tokens` None: no prompt_tokens_details at all."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=None
+            if cached_tokens is None
+            else PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(OmitNone):
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"tool_calls"})
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class Choice(BaseModel):
@@ -342,9 +404,10 @@ class ChatCompletion(OmitNone):
 
 
 class DeltaMessage(OmitNone):
-    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content"})
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content", "tool_calls"})
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's deltas: index, then parts of a call
 
 
 class ChunkChoice(BaseModel):

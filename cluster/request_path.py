@@ -65,6 +65,7 @@ class RequestTimings:
     prefill_ms: float = 0.0
     prefill_queue_ms: float = 0.0
     prefill_compute_ms: float = 0.0  # its own device time within prefill_ms
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache gave its first prefill
 
 
 class RequestPath:
@@ -388,6 +389,8 @@ class RequestPath:
             trace.encode_ms = slowest.queue_ms + slowest.encode_ms
         trace.prefill_ms, trace.prefill_queue_ms = result.prefill_ms, result.queue_ms
         trace.prefill_compute_ms = result.compute_ms
+        if trace.num_cached_tokens is None:  # a resumed attempt also finds its own output cached
+            trace.num_cached_tokens = result.num_cached_tokens
         self.metrics.prompt_tokens.inc(result.num_prompt_tokens)
         self.metrics.prefix_cache_queries.inc(result.num_prompt_tokens)
         self.metrics.prefix_cache_hits.inc(result.num_cached_tokens)

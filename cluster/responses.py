@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from actors.types import FinishReason, TokenChunk, TokenLogprob
 from cluster.admitted import Admitted
+from cluster.chat_tools import ToolCalls, ToolMode
 from cluster.completions import Completion, CompletionChoice
 from cluster.detokenize import IncrementalText
 from cluster.leftovers import close_soon
@@ -48,8 +49,15 @@ class Collector:
 
     def __init__(self, adm: Admitted, tokenizer, metrics: Metrics):
         self.adm, self.metrics = adm, metrics
+        request = adm.request
+        # The stop token that ended the request stays out of the text unless asked for (vLLM).
+        hidden = () if request.include_stop_str_in_output else adm.sampling.stop_token_ids
         self.text = IncrementalText(
-            tokenizer, tuple(adm.request.stop or ()), adm.sampling.stop_token_ids
+            tokenizer,
+            tuple(request.stop or ()),
+            hidden,
+            skip_special_tokens=request.skip_special_tokens,
+            include_stop=request.include_stop_str_in_output,
         )
         self.num_tokens = 0
         self.num_chars = 0
@@ -144,7 +152,11 @@ def _record(metrics: Metrics, collectors: list[Collector]) -> None:
 
 
 def _usage(collectors: list[Collector]) -> Usage:
-    return Usage.of(len(collectors[0].adm.plan.token_ids), sum(c.num_tokens for c in collectors))
+    """Prompt tokens once, every choice's tokens; the cached prompt tokens are the first
+    choice's (as vLLM reports one sequence's, never a sum beyond the prompt)."""
+    num_prompt = len(collectors[0].adm.plan.token_ids)
+    cached = min(collectors[0].trace.num_cached_tokens or 0, num_prompt)
+    return Usage.of(num_prompt, sum(c.num_tokens for c in collectors), cached_tokens=cached)
 
 
 class Shape:
@@ -154,6 +166,9 @@ class Shape:
         self.adm, self.logprob_text = adm, LogprobText(tokenizer)
         self.is_chat = isinstance(adm.request, ChatCompletionRequest)
         self.wants_logprobs = adm.sampling.num_logprobs is not None
+        self.tool_mode = adm.request.tool_mode if self.is_chat else ToolMode.NONE
+        choice = adm.request.tool_choice if self.is_chat else None
+        self.named = choice.function.name if self.tool_mode == ToolMode.NAMED else None
         self.created = int(time.time())  # one value for every chunk of the answer, as OpenAI
         # A plain chat delta (the chunk of nearly every token) is written from a template: the
         # same bytes as the models below give (tests/unit/test_chunk_template.py), a fraction of the
@@ -181,11 +196,14 @@ class Shape:
                 choices=[
                     Choice(
                         index=i,
-                        message=AssistantMessage(content=d.text),
-                        finish_reason=d.finish_reason,
+                        message=AssistantMessage(
+                            content=calls.content, tool_calls=list(calls.calls) or None
+                        ),
+                        finish_reason=self._finish(calls, d),
                         logprobs=self._logprobs(d),
                     )
                     for i, d in enumerate(deltas)
+                    for calls in [ToolCalls.parse(d.text, self.tool_mode, self.named)]
                 ],
             )
         return Completion(
@@ -197,6 +215,39 @@ class Shape:
                 for i, d in enumerate(deltas)
             ],
         )
+
+    @staticmethod
+    def _finish(calls: ToolCalls, delta: Delta) -> str | None:
+        """An answer that ended by itself with tool calls ends with "tool_calls" (OpenAI)."""
+        stopped = delta.finish_reason == FinishReason.STOP.value
+        return "tool_calls" if calls.calls and stopped else delta.finish_reason
+
+    def tool_chunks(self, index: int, delta: Delta) -> bytes:
+        """A whole choice read as tool calls, as OpenAI streams them: any content, then per
+        call its id and name, then its arguments, then the finish reason."""
+        calls = ToolCalls.parse(delta.text, self.tool_mode, self.named)
+        deltas = [DeltaMessage(content=calls.content)] if calls.content else []
+        for i, call in enumerate(calls.calls):
+            head = {"name": call.function.name, "arguments": ""}
+            deltas.append(
+                DeltaMessage(
+                    tool_calls=[{"index": i, "id": call.id, "type": "function", "function": head}]
+                )
+            )
+            args = {"arguments": call.function.arguments}
+            deltas.append(DeltaMessage(tool_calls=[{"index": i, "function": args}]))
+        base = dict(id=self.adm.request_id, model=self.adm.request.model, created=self.created)
+        events = [
+            sse_event(ChatCompletionChunk(**base, choices=[ChunkChoice(index=index, delta=d)]))
+            for d in deltas
+        ]
+        last = ChunkChoice(
+            index=index,
+            delta=DeltaMessage(),
+            finish_reason=self._finish(calls, delta),
+            logprobs=self._logprobs(delta),
+        )
+        return b"".join(events) + sse_event(ChatCompletionChunk(**base, choices=[last]))
 
     def chunk(self, index: int, delta: Delta | None, **extra) -> bytes:
         """An SSE event of one choice's delta; `delta` None: no choices (the usage chunk)."""
@@ -297,6 +348,11 @@ async def stream(
     pending = b"".join(event for event in roles if event is not None)
     try:
         for index, (collector, chunks) in enumerate(zip(collectors, streams)):
+            if shape.tool_mode != ToolMode.NONE:  # tool calls are read from the whole answer
+                whole = await _whole_choice(collector, chunks)
+                event, pending = pending + shape.tool_chunks(index, whole), b""
+                yield event
+                continue
             async for delta in collector.deltas(chunks):
                 event, pending = pending + shape.chunk(index, delta), b""
                 yield event

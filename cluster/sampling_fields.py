@@ -28,6 +28,7 @@ MAX_LOGPROBS = 20  # as OpenAI's top_logprobs and vLLM's default max_logprobs
 MAX_STOPS = 4  # as OpenAI
 MAX_STOP_CHARS = 256  # each stop string is matched against the text's tail at every token
 MAX_LOGIT_BIAS = 1024  # entries; each is one indexed add per step
+MAX_STOP_TOKEN_IDS = 1024  # each is masked per step until min_tokens, and checked at every token
 MAX_BIAS = 100.0  # as OpenAI: -100 bans a token, 100 forces it
 
 
@@ -86,6 +87,15 @@ class SamplingFields(Strict):
     )
     min_tokens: int = Field(0, ge=0, description="vLLM: no stop token before this many tokens")
     ignore_eos: bool = Field(False, description="vLLM: generate on past the end-of-sequence token")
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="vLLM: token ids that end the request as EOS does (also with ignore_eos)",
+    )
+    skip_special_tokens: bool = Field(True, description="vLLM: special tokens left out of the text")
+    include_stop_str_in_output: bool = Field(
+        False, description="vLLM: the matched stop string (or stop token) stays in the text"
+    )
 
     @field_validator("*", mode="before")
     @classmethod
@@ -189,14 +199,14 @@ class SamplingFields(Strict):
 
     def _checked_bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         bias = tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
-        for token_id, _ in bias:
-            if token_id >= vocab_size:
-                raise ParamError(
-                    f"Invalid 'logit_bias': token id {token_id} is not in this model's "
-                    f"vocabulary of {vocab_size} tokens",
-                    "logit_bias",
-                )
+        check_token_ids((token_id for token_id, _ in bias), vocab_size, "logit_bias")
         return bias
+
+    def _stop_token_ids(self, bounds: ModelBounds) -> tuple[int, ...]:
+        """EOS (unless ignore_eos) and the request's own stop ids, each once, in that order."""
+        extra = tuple(self.stop_token_ids or ())
+        check_token_ids(extra, bounds.vocab_size, "stop_token_ids")
+        return tuple(dict.fromkeys((() if self.ignore_eos else bounds.eos_token_ids) + extra))
 
     def to_sampling_params(self, num_prompt_tokens: int, bounds: ModelBounds) -> SamplingParams:
         """Sampling settings for the engine. A missing seed gets a random one (no seed = not
@@ -220,7 +230,7 @@ class SamplingFields(Strict):
             top_k=max(self.top_k, 0),
             seed=self.seed if self.seed is not None else secrets.randbits(63),
             max_tokens=max_tokens,
-            stop_token_ids=() if self.ignore_eos else bounds.eos_token_ids,
+            stop_token_ids=self._stop_token_ids(bounds),
             min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
@@ -228,6 +238,17 @@ class SamplingFields(Strict):
             logit_bias=self._checked_bias(bounds.vocab_size),
             num_logprobs=self.num_logprobs,
         )
+
+
+def check_token_ids(token_ids, vocab_size: int, param: str) -> None:
+    """ParamError naming `param` for the first id outside the served model's vocabulary."""
+    for token_id in token_ids:
+        if token_id >= vocab_size:
+            raise ParamError(
+                f"Invalid '{param}': token id {token_id} is not in this model's "
+                f"vocabulary of {vocab_size} tokens",
+                param,
+            )
 
 
 def refuse_unless(value: Any, allowed: tuple[Any, ...], why: str) -> Any:

@@ -3,8 +3,8 @@
 One Ray instance per session; the Serve app is redeployed when a test needs another
 configuration. A new fleet costs about half a minute on a 2-core host (every worker loads
 torch and the model), a redeploy that changes only ingress settings or the workers' live ones
-a few seconds (the fleet stays): the modules run in MODULE_ORDER, those on the default config first, so that the
-session builds each fleet once.
+a few seconds (the fleet stays): the modules run in MODULE_ORDER, those on the default config
+first, so that the session builds each fleet once.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ MODULE_ORDER = (
     "test_bad_input.py",
     "test_endpoints.py",
     "test_openai_compat.py",
+    "test_structured.py",
     "test_worker_failures.py",
     "test_operations.py",  # an API key: an ingress-only change
     "test_ingress_replicas.py",  # two replicas, then back to the default: ingress-only changes

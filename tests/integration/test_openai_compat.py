@@ -1,12 +1,15 @@
 """OpenAI and vLLM request fields through the official `openai` client against the real
 Serve app: logprobs shapes, n choices with derived seeds, penalties, logit_bias,
-min_tokens / ignore_eos, /v1/completions, the default max_tokens, and every field the
-server does not honour refused with a 400 that names it. Token-exact against HF
-`generate` where `generate` has the same option."""
+min_tokens / ignore_eos, /v1/completions, the default max_tokens, stop_token_ids,
+skip_special_tokens, include_stop_str_in_output, usage's cached prompt tokens,
+/v1/models/{id}, /tokenize and /detokenize, and every field the server does not honour
+refused with a 400 that names it. Token-exact against HF `generate` where `generate` has
+the same option."""
 
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import openai
@@ -304,14 +307,13 @@ def test_default_max_tokens_is_the_rest_of_the_context(app, client, model, token
 
 
 REFUSED = [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+    ({"tool_choice": "auto"}, "tool_choice"),  # without tools
     ({"tool_choice": "required"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
-    ({"parallel_tool_calls": False}, "parallel_tool_calls"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"metadata": {"k": "v"}}, "metadata"),
     ({"store": True}, "store"),
     ({"service_tier": "auto"}, "service_tier"),
@@ -328,6 +330,9 @@ REFUSED = [
     ({"stop": "x" * 100_000}, "stop[0]"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+    ({"stop_token_ids": [99999999]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids[0]"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"logit_bias": {"5": 150}}, "logit_bias.5"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"n": 17}, "n"),
@@ -372,3 +377,157 @@ def test_duplicate_keys_and_completions_fields_refused(app, model):
     )
     with httpx.Client(base_url=app.root) as http:
         assert http.get("/v1/models").json()["data"][0]["max_model_len"] > 0
+
+
+# ----------------------------------------------------------------------------- fields agents send
+
+
+def _first_new(ids: list[int], start: int = 2) -> int:
+    """The index of the first token from `start` on that did not occur before it."""
+    return next(i for i in range(start, len(ids)) if ids[i] not in ids[:i])
+
+
+def _streamed(chunks) -> tuple[str, str | None]:
+    """The text and the last finish reason of a streamed chat or completions answer."""
+    text, reason = "", None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            part = choice.delta.content if hasattr(choice, "delta") else choice.text
+            text, reason = text + (part or ""), choice.finish_reason or reason
+    return text, reason
+
+
+def test_stop_token_ids_end_the_answer_before_the_stop_token(client, model, checkpoint, tokenizer):
+    ids, _, _ = reference_generate(checkpoint, MESSAGES, 12)
+    at = _first_new(ids)  # stopping here leaves a few tokens of text before it
+    want = tokenizer.decode(ids[:at], skip_special_tokens=True)
+    ask = dict(model=model, messages=MESSAGES, temperature=0, max_tokens=12)
+    got = client.chat.completions.create(**ask, extra_body={"stop_token_ids": [ids[at]]})
+    assert (got.choices[0].message.content, got.choices[0].finish_reason) == (want, "stop")
+    assert got.usage.completion_tokens == at + 1, "the stop token counts, as EOS does"
+    streamed = client.chat.completions.create(
+        **ask, stream=True, extra_body={"stop_token_ids": [ids[at]]}
+    )
+    assert _streamed(streamed) == (want, "stop")
+    kept = client.chat.completions.create(
+        **ask, extra_body={"stop_token_ids": [ids[at]], "include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].message.content == tokenizer.decode(ids[: at + 1])
+    prompt_ids = tokenizer(PROMPT)["input_ids"]
+    text_ids = reference_generate_ids(checkpoint, prompt_ids, 10)
+    at = _first_new(text_ids)
+    ask = dict(model=model, prompt=PROMPT, temperature=0, max_tokens=10)
+    done = client.completions.create(**ask, extra_body={"stop_token_ids": [text_ids[at]]})
+    want = tokenizer.decode(text_ids[:at], skip_special_tokens=True)
+    assert (done.choices[0].text, done.choices[0].finish_reason) == (want, "stop")
+    streamed = client.completions.create(
+        **ask, stream=True, extra_body={"stop_token_ids": [text_ids[at]]}
+    )
+    assert _streamed(streamed) == (want, "stop")
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(client, model):
+    ask = dict(model=model, messages=MESSAGES, temperature=0, max_tokens=12)
+    base = client.chat.completions.create(**ask, logprobs=True)
+    greedy, stop = base.choices[0].message.content, base.choices[0].logprobs.content[1].token
+    want = greedy[: greedy.find(stop) + len(stop)]
+    extra = {"include_stop_str_in_output": True}
+    kept = client.chat.completions.create(**ask, stop=[stop], extra_body=extra)
+    assert (kept.choices[0].message.content, kept.choices[0].finish_reason) == (want, "stop")
+    streamed = client.chat.completions.create(**ask, stop=[stop], stream=True, extra_body=extra)
+    assert _streamed(streamed) == (want, "stop")
+    cut = client.chat.completions.create(**ask, stop=[stop])
+    assert cut.choices[0].message.content == greedy[: greedy.find(stop)]
+
+
+def test_skip_special_tokens_false_shows_them(client, model, tokenizer):
+    """BOS forced by a +100 bias: a special token in the text only when asked for. EOS
+    forced: it ends the answer and stays out of the text unless the stop is included."""
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    ask = dict(model=model, messages=MESSAGES, temperature=0, max_tokens=3)
+    forced = {str(bos): 100}
+    shown = client.chat.completions.create(
+        **ask, logit_bias=forced, extra_body={"skip_special_tokens": False}
+    )
+    assert shown.choices[0].message.content == tokenizer.bos_token * 3
+    streamed = client.completions.create(
+        model=model, prompt=PROMPT, temperature=0, max_tokens=3, logit_bias=forced,
+        stream=True, extra_body={"skip_special_tokens": False},
+    )  # fmt: skip
+    assert _streamed(streamed) == (tokenizer.bos_token * 3, "length")
+    hidden = client.chat.completions.create(**ask, logit_bias=forced)
+    assert hidden.choices[0].message.content == ""
+    ending = dict(ask, logit_bias={str(eos): 100})
+    ended = client.chat.completions.create(**ending, extra_body={"skip_special_tokens": False})
+    assert (ended.choices[0].message.content, ended.choices[0].finish_reason) == ("", "stop")
+    both = {"skip_special_tokens": False, "include_stop_str_in_output": True}
+    kept = client.chat.completions.create(**ending, extra_body=both)
+    assert kept.choices[0].message.content == tokenizer.eos_token
+
+
+def test_cached_tokens_count_the_prefix_cache(client, model):
+    """A long prompt sent twice: the second time the prefix cache supplies most of it; a
+    prompt never sent before (a fresh word first) gets none. Whole and streamed."""
+    words = f"{uuid.uuid4().hex} " + "the sky and the sea are blue and green today " * 12
+    messages = [{"role": "user", "content": words}]
+    ask = dict(model=model, messages=messages, temperature=0, max_tokens=2)
+    first = client.chat.completions.create(**ask)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(**ask)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert again.usage.prompt_tokens // 2 < cached <= again.usage.prompt_tokens
+    streamed = list(
+        client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True})
+    )
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == cached
+    two = client.chat.completions.create(**ask, n=2)
+    assert 0 < two.usage.prompt_tokens_details.cached_tokens <= two.usage.prompt_tokens
+    prompt = f"{uuid.uuid4().hex} " + "a lake near the sea " * 20
+    fresh = client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0
+    repeat = client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    assert repeat.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_models_by_id(app, client, model):
+    card = client.models.retrieve(model)
+    assert (card.id, card.object) == (model, "model")
+    assert app.http.get(f"/v1/models/{model}").json()["max_model_len"] > 0
+    missing = app.http.get("/v1/models/no-such-model")
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert (error["code"], error["param"]) == ("model_not_found", "model")
+    assert "no-such-model" in error["message"]
+
+
+def test_tokenize_and_detokenize_round_trip(app, model, tokenizer):
+    want = tokenizer(PROMPT)["input_ids"]
+    got = app.http.post("/tokenize", json={"model": model, "prompt": PROMPT}).json()
+    limit = app.config.model.max_model_len
+    assert got == {"count": len(want), "max_model_len": limit, "tokens": want}
+    back = app.http.post("/detokenize", json={"model": model, "tokens": want}).json()
+    assert back == {"prompt": tokenizer.decode(want)}
+    counted = app.http.post("/tokenize", json={"model": model, "messages": MESSAGES}).json()
+    asked = app.chat(MESSAGES, max_tokens=1).json()
+    assert counted["count"] == asked["usage"]["prompt_tokens"], "the chat path's own prompt"
+    for path, body, param in (
+        ("/tokenize", {"prompt": PROMPT, "return_token_strs": True}, "return_token_strs"),
+        ("/tokenize", {"prompt": PROMPT, "messages": MESSAGES}, "messages"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"model": "other", "tokens": [1]}, "model"),
+        (
+            "/tokenize",
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:,"}}],
+                    }
+                ]
+            },
+            "messages[0].content[0].image_url",
+        ),
+    ):
+        refused = app.http.post(path, json=body)
+        assert refused.status_code in (400, 404), (path, body, refused.text)
+        assert refused.json()["error"]["param"] == param, refused.text

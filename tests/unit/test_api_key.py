@@ -1,5 +1,5 @@
-"""The API key middleware on a plain FastAPI app: /v1 wants the bearer key, other paths stay
-open, and a streamed response passes through whole."""
+"""The API key middleware on a plain FastAPI app: /v1, /tokenize and /detokenize want the
+bearer key, other paths stay open, and a streamed response passes through whole."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ def _client(key: str | None) -> TestClient:
     async def health():
         return {"ok": True}
 
+    @app.post("/tokenize")
+    @app.post("/detokenize")
+    async def tokens():
+        return {"tokens": []}
+
     return TestClient(app)
 
 
@@ -44,3 +49,13 @@ def test_v1_wants_the_key_and_says_so():
 def test_probes_stay_open_and_no_key_means_open():
     assert _client("sekrit").get("/health").status_code == 200
     assert _client(None).get("/v1/stream").status_code == 200
+
+
+def test_tokenize_and_detokenize_want_the_key_too():
+    """vLLM leaves them open; here they show the chat template and spend the ingress's CPU."""
+    client = _client("sekrit")
+    for path in ("/tokenize", "/detokenize"):
+        assert client.post(path).status_code == 401
+        ok = client.post(path, headers={"Authorization": "Bearer sekrit"})
+        assert ok.status_code == 200 and ok.json() == {"tokens": []}
+    assert _client(None).post("/tokenize").status_code == 200

@@ -227,6 +227,67 @@ def test_protected_text_cannot_end_a_stop_string(tok):
     assert detok.stopped and shown + rest == text[: text.rindex("lake")]
 
 
+# ------------------------------------------------- skip_special_tokens, include_stop_str_in_output
+
+
+def test_special_tokens_kept_when_asked(tok):
+    """skip_special_tokens=False (vLLM): the specials' own text, token by token as whole."""
+    ids = [tok.bos_token_id] + encode(tok, "The image") + [tok.pad_token_id] + encode(tok, " shows")
+    want = tok.decode(ids, skip_special_tokens=False)
+    assert tok.bos_token in want and tok.pad_token in want
+    by_token = "".join(stream(IncrementalText(tok, skip_special_tokens=False), ids))
+    assert by_token == want == IncrementalText(tok, skip_special_tokens=False).push(ids)
+    kept = "".join(stream(IncrementalText(tok, hidden_ids=(tok.eos_token_id,)), ids))
+    assert kept == "The image shows", "the default still skips them"
+
+
+def test_hidden_stop_token_stays_out_with_specials_shown(tok):
+    ids = encode(tok, "a lake") + [tok.eos_token_id]
+    detok = IncrementalText(tok, hidden_ids=(tok.eos_token_id,), skip_special_tokens=False)
+    assert "".join(stream(detok, ids)) == "a lake"
+    shown = IncrementalText(tok, skip_special_tokens=False)
+    assert "".join(stream(shown, ids)) == "a lake" + tok.eos_token
+
+
+def test_included_stop_string_ends_the_text(tok):
+    text = "The image shows a person standing near a lake."
+    ids = encode(tok, text)
+    detok = IncrementalText(tok, stop=(" standing",), include_stop=True)
+    shown = "".join(stream(detok, ids))
+    assert detok.stopped and shown == "The image shows a person standing"
+    assert detok.push(encode(tok, " more")) == ""
+
+
+def test_included_stop_holds_nothing_back(tok):
+    """Text that may still become the stop string is shown at once: it stays either way."""
+    ids = encode(tok, "a lake near")
+    held = IncrementalText(tok, stop=(" near the",))
+    shown = IncrementalText(tok, stop=(" near the",), include_stop=True)
+    assert "".join(stream(held, ids, final=False)) == "a lake"
+    assert "".join(stream(shown, ids, final=False)) == "a lake near"
+
+
+def test_included_stop_ends_where_the_first_stop_completes(tok):
+    """ "son" completes inside "person standing" before that string does: the text ends
+    after "son", whether the ids come one by one or all at once."""
+    ids = encode(tok, "a person standing near")
+    stops = ("person standing", "son")
+    included = IncrementalText(tok, stop=stops, include_stop=True)
+    assert "".join(stream(included, ids)) == "a person"
+    whole = IncrementalText(tok, stop=stops, include_stop=True)
+    assert whole.push(ids) == "a person" and whole.stopped
+
+
+def test_included_stop_after_protected_text(tok):
+    text = "a lake, then a lake again"
+    ids = encode(tok, text)
+    cut = len(encode(tok, "a lake,"))
+    detok = IncrementalText(tok, stop=("lake",), include_stop=True)
+    shown = detok.push(ids[:cut], protect=True)
+    shown += "".join(detok.push([i]) for i in ids[cut:])
+    assert detok.stopped and shown == "a lake, then a lake"
+
+
 # ------------------------------------------------------------------------- a window, not all ids
 # IncrementalText decodes a few ids per push (issue #24); its text must be what decoding all
 # ids gives. FullDecode is the implementation before it, decoding all ids at every push: the
@@ -236,22 +297,31 @@ def test_protected_text_cannot_end_a_stop_string(tok):
 class FullDecode:
     """IncrementalText as it was: decode all ids at every push, search the whole text."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), hidden_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        tokenizer,
+        stop: tuple[str, ...] = (),
+        hidden_ids: tuple[int, ...] = (),
+        *,
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ):
         self._tokenizer, self._stop, self._hidden = tokenizer, stop, set(hidden_ids)
+        self._skip, self._include = skip_special_tokens, include_stop
         self._ids: list[int] = []
         self._emitted = self._stop_after = 0
         self.stopped = False
 
     def push(self, token_ids, final: bool = False, protect: bool = False) -> str:
         self._ids.extend(t for t in token_ids if t not in self._hidden)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
         if protect:
             self._stop_after = len(text)
         safe = len(text)
         for stop in self._stop:
             at = text.find(stop, max(0, self._stop_after - len(stop) + 1))
-            if at != -1 and at < safe:
-                safe, self.stopped = at, True
+            if at != -1:  # included: the text ends where the first stop string completes
+                safe, self.stopped = min(safe, at + len(stop) if self._include else at), True
         if not self.stopped and not final:
             safe = min(safe, self._held_back(text))
         delta = text[self._emitted : safe] if safe > self._emitted else ""
@@ -263,7 +333,7 @@ class FullDecode:
         while end and text[end - 1] == "\ufffd":
             end -= 1
         body, hold = text[:end], 0
-        for stop in self._stop:
+        for stop in () if self._include else self._stop:
             for k in range(min(len(stop) - 1, end), 0, -1):
                 if body.endswith(stop[:k]):
                     hold = max(hold, k)
@@ -354,11 +424,13 @@ def is_byte(tok, i: int) -> bool:
     return tok.convert_ids_to_tokens(i).startswith("<0x")
 
 
-def compare(tok, stops, hidden, schedule, *, past_stop: bool = True) -> str:
+def compare(tok, stops, hidden, schedule, *, past_stop: bool = True, **options) -> str:
     """Push `schedule` ((ids, protect, final) per push) through both; every delta and
     `stopped` must agree. Returns the text shown. `past_stop`: go on pushing after a stop
-    string (nothing holds "\ufffd" back then: see test_random_texts_match_full_decode)."""
-    new, old = IncrementalText(tok, stops, hidden), FullDecode(tok, stops, hidden)
+    string (nothing holds "\ufffd" back then: see test_random_texts_match_full_decode).
+    `options`: skip_special_tokens, include_stop, given to both."""
+    new = IncrementalText(tok, stops, hidden, **options)
+    old = FullDecode(tok, stops, hidden, **options)
     shown = ""
     for n, (ids, protect, final) in enumerate(schedule):
         if old.stopped and not past_stop:
@@ -404,6 +476,49 @@ def test_random_ids_match_full_decode_byte_level(name, seed, request):
         stops = random_stops(rnd, tok.decode(ids, skip_special_tokens=True), ("\ufffd", "ab"))
         hidden = (tok.eos_token_id, *rnd.sample(range(len(tok)), 2))
         compare(tok, stops, hidden, random_schedule(rnd, ids))
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+@pytest.mark.parametrize("skip,include", [(False, False), (True, True), (False, True)])
+def test_random_ids_match_full_decode_with_options(name, skip, include, request):
+    """As above, with special tokens kept in the text and/or stop strings kept in it."""
+    tok = request.getfixturevalue(KINDS[name])
+    rnd = random.Random(hash((name, skip, include)) % 1000)
+    specials = tok.all_special_ids
+    for _ in range(40):
+        ids = [rnd.randrange(len(tok)) for _ in range(rnd.randint(1, 30))]
+        for _ in range(rnd.randint(0, 3)):
+            ids.insert(rnd.randrange(len(ids) + 1), rnd.choice(specials))
+        text = tok.decode(ids, skip_special_tokens=skip)
+        stops = random_stops(rnd, text, ("ab", "</s>", "\ufffd"))
+        hidden = (tok.eos_token_id,) if rnd.random() < 0.5 else ()
+        schedule = random_schedule(rnd, ids)
+        compare(tok, stops, hidden, schedule, skip_special_tokens=skip, include_stop=include)
+
+
+def test_random_texts_with_options_sentencepiece(sp_tok):
+    """Specials between words and stops kept in the text, on the decoder that strips a
+    leading space (whole characters only, as test_random_texts_match_full_decode)."""
+    tok, rnd = sp_tok, random.Random(5)
+    words = [" the", " lake", "a", " 世界", "😀", "\n", " ok"]
+    for _ in range(40):
+        ids = encode(tok, "".join(rnd.choice(words) for _ in range(rnd.randint(1, 10))))
+        for _ in range(rnd.randint(0, 2)):
+            ids.insert(rnd.randrange(len(ids) + 1), rnd.choice(tok.all_special_ids))
+        text = tok.decode(ids, skip_special_tokens=False)
+        ok = {n for n in range(len(ids) + 1) if "\ufffd" not in tok.decode(ids[:n])}
+        schedule = random_schedule(rnd, ids, boundary=ok.__contains__)
+        stops = random_stops(rnd, text, (" l", "</s>", "a "))
+        for skip, include in ((False, False), (False, True), (True, True)):
+            compare(
+                tok,
+                stops,
+                (),
+                schedule,
+                past_stop=False,
+                skip_special_tokens=skip,
+                include_stop=include,
+            )
 
 
 def test_random_ids_match_full_decode_sentencepiece(sp_tok):

@@ -41,6 +41,9 @@ def invalid(body: Any) -> tuple[str, str | None]:
     return validation_error_message(info.value)
 
 
+TOOL = {"type": "function", "function": {"name": "f"}}
+
+
 def invalid_fields(**fields: Any) -> tuple[str, str | None]:
     return invalid({"model": "m", "messages": [USER], **fields})
 
@@ -279,22 +282,27 @@ def test_input_audio_format_reaches_the_media_part() -> None:
         ({"top_logprobs": 2}, "top_logprobs", 'needs "logprobs": true'),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
         (
-            {"tools": [{"type": "function", "function": {"name": "f"}}]},
-            "tools",
-            "does not call tools",
+            {"tools": [{"type": "function", "function": {"name": "f g"}}]},
+            "tools[0].function.name",
+            "should match pattern",
         ),
-        ({"functions": [{"name": "f"}]}, "functions", "does not call tools"),
-        ({"function_call": "auto"}, "function_call", "does not call tools"),
-        ({"parallel_tool_calls": True}, "parallel_tool_calls", "does not call tools"),
-        ({"tool_choice": "auto"}, "tool_choice", 'only "none"'),
-        ({"response_format": {"type": "json_object"}}, "response_format", "structured output"),
+        ({"functions": [{"name": "f"}]}, "functions", "deprecated: send tools"),
+        ({"function_call": "auto"}, "function_call", "deprecated: send tools"),
+        ({"tool_choice": "auto"}, "tool_choice", "tool_choice needs tools"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+            "'g', which is not among the tools: f",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "response_format", '"json_schema" is'),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "'json_schema'"),
         ({"metadata": {"x": "1"}}, "metadata", "Unrecognized request argument"),
         ({"store": True}, "store", "Unrecognized request argument"),
         ({"min_p": 0.1}, "min_p", "Unrecognized request argument"),
         (
-            {"messages": [{"role": "user", "content": "x", "name": "bob"}]},
+            {"messages": [{"role": "user", "content": "x", "name": 5}]},
             "messages[0].name",
-            "role and content only",
+            "valid string",
         ),
         (
             {
@@ -360,7 +368,9 @@ def test_media_only_in_user_messages(role: str) -> None:
 @pytest.mark.parametrize(
     "messages,param,fragment",
     [
-        ([{"role": "tool", "content": "x"}], "messages[0].role", "'user'"),
+        ([{"role": "tool", "content": "x"}], "messages[0]", "need a tool_call_id"),
+        ([{"role": "user", "content": "x", "tool_call_id": "c"}], "messages[0]", "only they"),
+        ([{"role": "narrator", "content": "x"}], "messages[0].role", "'user'"),
         (
             [{"role": "user", "content": 5}],
             "messages[0].content",

@@ -72,7 +72,7 @@ def body(**fields) -> bytes:
         ),
         (body(top_p=1e-45), "must be in [1e-05, 1]", "top_p"),
         (body(stop="x" * 100_000), "at most 256 characters", "stop[0]"),
-        (body(tools=[{"type": "function"}]), "does not call tools", "tools"),
+        (body(tools=[{"type": "function"}]), "Missing required parameter", "tools[0].function"),
     ],
 )
 def test_refused_naming_the_problem(raw, words, param):
