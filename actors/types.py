@@ -118,6 +118,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     num_logprobs: int | None = None  # None: no logprobs; k: the chosen token's and the top k
     grammar: GrammarSpec | None = None  # constrained decoding: output that parses as this
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability; 0 = off
 
     @property
     def greedy(self) -> bool:

@@ -19,6 +19,8 @@ from cluster.errors import RequestError
 from cluster.media.budget import PixelBudget
 from cluster.media.decoders import MediaOptions
 from cluster.media.errors import MediaError
+from cluster.media.identifiers import media_identifier
+from cluster.media.image import low_detail
 from cluster.media.load import load_media_item
 from cluster.media.video import VideoSampling
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
@@ -143,11 +145,22 @@ class Intake:
                 )
             except MediaError as exc:
                 raise RequestError(400, exc.message, exc.param) from None
+            if part.detail == "low":
+                items[-1] = self._low_detail(items[-1])
             try:
                 self.planner.check_item(items[-1])
             except PromptError as exc:
                 raise RequestError(400, str(exc), part.param) from None
         return items
+
+    def _low_detail(self, item: MediaItem) -> MediaItem:
+        """image_url.detail "low": the shrunk image, under its own content identifier."""
+        pixels = low_detail(item.data)
+        if pixels is item.data:
+            return item
+        namespace = self.config.model.served_name
+        identifier = media_identifier(namespace, item.modality, pixels, rate=None)
+        return dataclasses.replace(item, data=pixels, identifier=identifier)
 
     def _plan(
         self, hf_messages: list[dict], items: tuple[MediaItem, ...], request: ChatCompletionRequest

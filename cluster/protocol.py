@@ -55,6 +55,7 @@ MEDIA_PART_TYPES: dict[str, Modality] = {
 
 class ImageURL(Strict):
     url: str
+    # "low": shrunk to fit 512 x 512 (cluster/media/image.py); "auto" and "high": as sent.
     detail: Literal["auto", "low", "high"] | None = None
 
 

@@ -86,6 +86,9 @@ class SamplingFields(Strict):
         None, max_length=MAX_LOGIT_BIAS
     )
     min_tokens: int = Field(0, ge=0, description="vLLM: no stop token before this many tokens")
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="vLLM: drop tokens below min_p x the top token's chance"
+    )
     ignore_eos: bool = Field(False, description="vLLM: generate on past the end-of-sequence token")
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
         None,
@@ -232,6 +235,7 @@ class SamplingFields(Strict):
             max_tokens=max_tokens,
             stop_token_ids=self._stop_token_ids(bounds),
             min_tokens=self.min_tokens,
+            min_p=self.min_p,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,

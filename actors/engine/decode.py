@@ -53,6 +53,7 @@ class DecodeEngine:
             raise ValueError("max_batch_size cannot change while the worker runs")
         self.settings = settings
         self.scheduler.kv_budget_bytes = settings.kv_cache_bytes
+        self.max_batch_seen = 0  # the stat tells what the new budget let in
 
     def abort(self, request_id: str) -> None:
         """No-op once the request finished; frees its row at the next step otherwise."""

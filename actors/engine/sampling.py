@@ -1,6 +1,6 @@
 """Next-token choice over a batch of logits: a constrained row's grammar mask, the logits
 processors (min_tokens, logit_bias, repetition / frequency / presence penalties), then greedy
-at temperature 0, else temperature / top-k / top-p sampling; logprobs of the model's own
+at temperature 0, else temperature / min-p / top-k / top-p sampling; logprobs of the model's own
 distribution. A constrained row's matcher (actors/engine/grammar.py) then takes its token.
 
 Randomness is keyed by (seed, position) so a request's samples do not depend on which
@@ -146,6 +146,21 @@ def _on_rows(
     return logits.index_copy(0, index, fn(logits.index_select(0, index)))
 
 
+def _min_p(logits: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Per row with min_p > 0, tokens less likely than min_p x the top token's probability go
+    to -inf (vLLM: after temperature, before top-k and top-p)."""
+    rows = [r for r, p in enumerate(ps) if p > 0.0]
+    if not rows:
+        return logits
+
+    def cut(sub: torch.Tensor) -> torch.Tensor:
+        probs = sub.softmax(-1)
+        floor = on_device(sub.device, [ps[r] for r in rows], torch.float32).unsqueeze(1)
+        return sub.masked_fill(probs < probs.amax(-1, keepdim=True) * floor, _NEG_INF)
+
+    return _on_rows(logits, rows, cut)
+
+
 def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
     """Per row, everything below its k-th largest logit goes to -inf (k 0: the row is kept):
     one topk at the largest k, then each row's own k-th value."""
@@ -203,6 +218,7 @@ def _draw(
     temperatures = [p.temperature for p in params]
     if any(t != 1.0 for t in temperatures):  # x / 1.0 is x: all-ones rows skip the division
         logits = _divide(logits, torch.tensor(temperatures, dtype=torch.float32).unsqueeze(1))
+    logits = _min_p(logits, [p.min_p for p in params])
     logits = _top_k(logits, [p.top_k for p in params])
     logits = _top_p(logits, [p.top_p for p in params])
     probs = logits.softmax(-1)

@@ -66,6 +66,19 @@ def decode_image_url(
     return convert_to_rgb(image)
 
 
+LOW_DETAIL_SIDE = 512  # image_url.detail "low": at most 512 x 512, as OpenAI's low detail
+
+
+def low_detail(pixels: np.ndarray) -> np.ndarray:
+    """The image shrunk (aspect kept) to fit LOW_DETAIL_SIDE square; a smaller one as it is.
+    Fewer pixels mean fewer tokens for dynamic-resolution models (Qwen2.5-VL, LLaVA-NeXT)."""
+    if max(pixels.shape[:2]) <= LOW_DETAIL_SIDE:
+        return pixels
+    image = Image.fromarray(pixels)
+    image.thumbnail((LOW_DETAIL_SIDE, LOW_DETAIL_SIDE), Image.Resampling.BICUBIC)
+    return np.asarray(image)
+
+
 def header_size(data: bytes) -> tuple[int, int] | None:
     """(width, height) read from a PNG or WebP header without decoding, None if unknown.
 

@@ -141,7 +141,18 @@ CASES = [
     ("top_k 1e12", {"top_k": 10**12}, 400, "vocabulary", "top_k"),
     ("max_tokens 1e12", {"max_tokens": 10**12}, 400, "context", "max_tokens"),
     ("100k-character stop", {"stop": "x" * 100_000}, 400, "256 characters", "stop[0]"),
-    ("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tools"),
+    (
+        "bad schema",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "a", "schema": {"type": "x"}},
+            }
+        },
+        400,
+        "invalid JSON schema",
+        "response_format",
+    ),
     (
         "reserved token in text",
         {"messages": _user({"type": "text", "text": "look <image> here"})},

@@ -322,7 +322,7 @@ REFUSED = [
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"web_search_options": {}}, "web_search_options"),
-    ({"min_p": 0.1}, "min_p"),
+    ({"min_p": -0.1}, "min_p"),
     ({"top_p": 1e-45}, "top_p"),
     ({"top_k": 10**12}, "top_k"),
     ({"max_tokens": 10**12}, "max_tokens"),

@@ -298,7 +298,7 @@ def test_input_audio_format_reaches_the_media_part() -> None:
         ({"response_format": {"type": "xml"}}, "response_format.type", "'json_schema'"),
         ({"metadata": {"x": "1"}}, "metadata", "Unrecognized request argument"),
         ({"store": True}, "store", "Unrecognized request argument"),
-        ({"min_p": 0.1}, "min_p", "Unrecognized request argument"),
+        ({"min_p": 1.5}, "min_p", "less than or equal to 1"),
         (
             {"messages": [{"role": "user", "content": "x", "name": 5}]},
             "messages[0].name",

@@ -106,6 +106,18 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert picks == {1, 3}
 
 
+def test_min_p_keeps_tokens_within_its_share_of_the_top_one():
+    # 0.5, 0.3, 0.15, 0.05: min_p 0.5 keeps p >= 0.25 (the first two); neighbours unaffected
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]])
+    cut = SamplingParams(temperature=1.0, min_p=0.5, seed=3)
+    free = SamplingParams(temperature=1.0, seed=3)
+    picks = [sample(probs.log(), [cut, free], [pos, pos]) for pos in range(300)]
+    assert {a for a, _ in picks} == {0, 1}
+    assert {b for _, b in picks} == {0, 1, 2, 3}
+    alone = [sample(probs[1:].log(), [free], [pos])[0] for pos in range(300)]
+    assert alone == [b for _, b in picks]  # the min_p row leaves its neighbour's draws alone
+
+
 def test_top_k_and_top_p_combine():
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     p = SamplingParams(temperature=1.0, top_k=3, top_p=0.5, seed=2)
