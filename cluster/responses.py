@@ -32,6 +32,7 @@ from cluster.protocol import (
     sse_event,
 )
 from cluster.request_path import RequestTimings
+from cluster.tool_chunks import ToolChunks, finish_reason, streams_arguments
 
 
 @dataclass
@@ -199,7 +200,7 @@ class Shape:
                         message=AssistantMessage(
                             content=calls.content, tool_calls=list(calls.calls) or None
                         ),
-                        finish_reason=self._finish(calls, d),
+                        finish_reason=finish_reason(calls, d.finish_reason),
                         logprobs=self._logprobs(d),
                     )
                     for i, d in enumerate(deltas)
@@ -216,38 +217,9 @@ class Shape:
             ],
         )
 
-    @staticmethod
-    def _finish(calls: ToolCalls, delta: Delta) -> str | None:
-        """An answer that ended by itself with tool calls ends with "tool_calls" (OpenAI)."""
-        stopped = delta.finish_reason == FinishReason.STOP.value
-        return "tool_calls" if calls.calls and stopped else delta.finish_reason
-
-    def tool_chunks(self, index: int, delta: Delta) -> bytes:
-        """A whole choice read as tool calls, as OpenAI streams them: any content, then per
-        call its id and name, then its arguments, then the finish reason."""
-        calls = ToolCalls.parse(delta.text, self.tool_mode, self.named)
-        deltas = [DeltaMessage(content=calls.content)] if calls.content else []
-        for i, call in enumerate(calls.calls):
-            head = {"name": call.function.name, "arguments": ""}
-            deltas.append(
-                DeltaMessage(
-                    tool_calls=[{"index": i, "id": call.id, "type": "function", "function": head}]
-                )
-            )
-            args = {"arguments": call.function.arguments}
-            deltas.append(DeltaMessage(tool_calls=[{"index": i, "function": args}]))
+    def tool_chunks(self, index: int) -> ToolChunks:
         base = dict(id=self.adm.request_id, model=self.adm.request.model, created=self.created)
-        events = [
-            sse_event(ChatCompletionChunk(**base, choices=[ChunkChoice(index=index, delta=d)]))
-            for d in deltas
-        ]
-        last = ChunkChoice(
-            index=index,
-            delta=DeltaMessage(),
-            finish_reason=self._finish(calls, delta),
-            logprobs=self._logprobs(delta),
-        )
-        return b"".join(events) + sse_event(ChatCompletionChunk(**base, choices=[last]))
+        return ToolChunks(base, index, self.tool_mode, self.named, self._logprobs)
 
     def chunk(self, index: int, delta: Delta | None, **extra) -> bytes:
         """An SSE event of one choice's delta; `delta` None: no choices (the usage chunk)."""
@@ -318,6 +290,19 @@ async def _whole_choice(collector: Collector, chunks: AsyncIterator[TokenChunk])
     return merged
 
 
+async def _tool_events(tools: ToolChunks, collector: Collector, chunks) -> AsyncIterator[bytes]:
+    """A named choice's arguments as they come; other tool answers once complete."""
+    if not streams_arguments(tools.mode):
+        yield tools.whole(await _whole_choice(collector, chunks))
+        return
+    yield tools.named_head()
+    try:
+        async for delta in collector.deltas(chunks):
+            yield tools.named_delta(delta)
+    finally:
+        close_soon(chunks)
+
+
 async def complete(
     shape: Shape,
     collectors: list[Collector],
@@ -348,10 +333,10 @@ async def stream(
     pending = b"".join(event for event in roles if event is not None)
     try:
         for index, (collector, chunks) in enumerate(zip(collectors, streams)):
-            if shape.tool_mode != ToolMode.NONE:  # tool calls are read from the whole answer
-                whole = await _whole_choice(collector, chunks)
-                event, pending = pending + shape.tool_chunks(index, whole), b""
-                yield event
+            if shape.tool_mode != ToolMode.NONE:
+                async for event in _tool_events(shape.tool_chunks(index), collector, chunks):
+                    event, pending = pending + event, b""
+                    yield event
                 continue
             async for delta in collector.deltas(chunks):
                 event, pending = pending + shape.chunk(index, delta), b""

@@ -120,6 +120,32 @@ def test_a_named_tool_choice_calls_it_with_valid_arguments(app):
     )
 
 
+def _events(app, body: dict) -> list[dict]:
+    with app.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        return [json.loads(x[6:]) for x in r.iter_lines() if x and x != "data: [DONE]"]
+
+
+def test_a_named_tool_choice_streams_its_arguments_as_they_come(app):
+    body = {
+        "model": app.config.model.served_name,
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
+    parts = [
+        p for e in _events(app, body) for p in e["choices"][0]["delta"].get("tool_calls") or ()
+    ]
+    head, *arguments = parts
+    assert head["id"].startswith("call_") and head["function"]["name"] == "get_weather"
+    assert len(arguments) > 1  # several chunks: not held back until the end
+    text = "".join(p["function"]["arguments"] for p in arguments)
+    jsonschema.validate(json.loads(text), WEATHER["function"]["parameters"])
+
+
 def test_required_tool_choice_streams_calls_to_known_functions(app):
     body = {
         "model": app.config.model.served_name,
@@ -131,9 +157,7 @@ def test_required_tool_choice_streams_calls_to_known_functions(app):
         "temperature": 0,
         "stream": True,
     }
-    with app.http.stream("POST", "/v1/chat/completions", json=body) as r:
-        assert r.status_code == 200
-        events = [json.loads(x[6:]) for x in r.iter_lines() if x and x != "data: [DONE]"]
+    events = _events(app, body)
     calls: dict[int, dict] = {}
     for e in events:
         for part in e["choices"][0]["delta"].get("tool_calls") or ():

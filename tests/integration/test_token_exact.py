@@ -111,6 +111,17 @@ def _prefill_engine_aging(app) -> float:
     return ray.get(worker.__ray_call__.remote(lambda self: self.engine.settings.aging_tokens_per_s))
 
 
+# Images decoded 8 at a time (an ingress setting: same fleet) reach the encoders together, so
+# their batches form; 2 at a time they trickle in and a batch of one is likely. The module's
+# app has it from the start, so the first load test runs on it without a redeploy.
+LIMITS = {"max_concurrent_decodes": 8}
+
+
+@pytest.fixture(scope="module")
+def app(ray_session):
+    return deploy(cluster_config(limits=LIMITS))
+
+
 def test_streaming_equals_whole_response(app, references):
     messages = varied_requests()[4]
     with app.http.stream(
@@ -153,11 +164,8 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport, 
     path; `aging`: prefill.aging_tokens_per_s (10,000: the order is about arrival; the answers must
     not move)."""
     prefill = {"overlap_encode": overlap, "aging_tokens_per_s": aging}
-    # Images decoded 8 at a time (an ingress setting: same fleet) reach the encoders together,
-    # so their batches form; 2 at a time they trickle in and a batch of one is likely.
-    limits = {"max_concurrent_decodes": 8}
     transports = {"embeddings": transport, "kv": transport}
-    app = deploy(cluster_config(transport=transports, prefill=prefill, limits=limits))
+    app = deploy(cluster_config(transport=transports, prefill=prefill, limits=LIMITS))
     assert _prefill_engine_aging(app) == aging  # the setting reached the worker's scheduler
     copies = 3  # 36 requests in flight: encoder batches and decode batches form
     got = asyncio.run(_send_all(app, varied_requests(), copies))
