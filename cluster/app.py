@@ -145,22 +145,18 @@ class Ingress:
             self.supervisor.handle_lost,
         )
         limits = self.config.limits
-        limits = self.config.limits
         self.lanes = AdmitLanes(limits.max_admitting_text, limits.max_admitting_media)
-        share = (
-            self.config.server.num_replicas
-        )  # each replica admits its share of the cluster's budget
-        self.admission = Admission(
-            math.ceil(
-                limits.max_waiting_tokens_per_prefill_worker
-                * self.config.prefill.num_workers
-                / share
-            ),
-            math.ceil(
-                limits.max_generating_per_decode_worker * self.config.decode.num_workers / share
-            ),
-        )
+        self.admission = Admission(*self._budget_share(1))
+        self.fleet.on_replicas = lambda n: self.admission.resize(*self._budget_share(n))
         self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
+
+    def _budget_share(self, num_replicas: int) -> tuple[int, int]:
+        """This replica's share of the cluster's back-pressure budgets (waiting prompt tokens,
+        generating requests) when `num_replicas` share them."""
+        limits, share = self.config.limits, max(num_replicas, 1)
+        tokens = limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers
+        generating = limits.max_generating_per_decode_worker * self.config.decode.num_workers
+        return math.ceil(tokens / share), math.ceil(generating / share)
 
     async def check_health(self) -> None:
         """Serve's periodic replica check: also starts supervision (and so the controller
@@ -465,6 +461,7 @@ class Ingress:
                 "config_sha1": self.config_sha1,
                 "waiting_tokens": self.admission.waiting_tokens,
                 "generating": self.admission.generating,
+                "max_generating": self.admission.max_generating,  # its share of the budget
                 "served_ok": int(served),
             }
             snapshot = self.fleet.snapshot

@@ -59,6 +59,11 @@ class Admission:
         self.waiting = 0  # requests behind waiting_tokens
         self.generating = 0
 
+    def resize(self, max_waiting_tokens: int, max_generating: int) -> None:
+        """New budgets (the replica count changed): tickets out keep what they hold, and
+        requests beyond the new budgets wait for room as any would."""
+        self.max_waiting_tokens, self.max_generating = max_waiting_tokens, max_generating
+
     def check_room(self) -> None:
         """At arrival, before the body is read: Overloaded at once if a budget is already
         full, so a burst's refusals come in milliseconds, not after its parsing."""

@@ -556,7 +556,8 @@ class ServerConfig(Strict):
         1,
         ge=1,
         description="Ingress replicas sharing the one worker fleet (owned by the fleet controller, "
-        "so it outlives any replica). Each admits 1/num_replicas of the back-pressure budget; "
+        "so it outlives any replica). Each admits its share of the back-pressure budget "
+        "(1 / the replicas registered with the controller, followed each supervisor check); "
         "/metrics on any of them reports the whole app (every replica's counts, pushed to the "
         "controller each second). Object-store transport only when above 1.",
     )

@@ -105,6 +105,11 @@ class FleetController:
         with self._lock:
             return self._fleet.snapshot(self._generation, self._infos)
 
+    def heartbeat(self) -> tuple[int, int]:
+        """What replicas poll: the generation (a change means a new snapshot) and how many
+        replicas are registered (each admits its share of the budgets)."""
+        return self.generation(), len(self._replicas)
+
     def generation(self) -> int:
         """What replicas poll (it is also their heartbeat): a change means a new snapshot."""
         self._seen_s = time.monotonic()

@@ -33,6 +33,8 @@ class FleetClient:
             f"{uuid.uuid4().hex[:8]}:"  # starts this replica's request ids: what its death frees
         )
         self.controller = attach(again=False)
+        self.num_replicas = 1  # registered with the controller, as of the last sync
+        self.on_replicas: Callable[[int], None] | None = None  # told when that count changes
         # A redeploy that changed only live settings kept the fleet: they reach it from here.
         ray.get(self.controller.apply_live.remote(config.model_dump(mode="json")))
         self.snapshot: FleetSnapshot | None = None
@@ -93,7 +95,9 @@ class FleetClient:
         (killed, or its node lost) is created again, with a new fleet, unless another
         config's controller took over (this replica is being replaced)."""
         try:
-            if await self.controller.generation.remote() == self.snapshot.generation:
+            generation, num_replicas = await self.controller.heartbeat.remote()
+            self._count_replicas(num_replicas)
+            if generation == self.snapshot.generation:
                 return []
             return self.adopt(await self.controller.snapshot.remote())
         except ray.exceptions.RayActorError:
@@ -106,6 +110,12 @@ class FleetClient:
             return self.adopt(
                 await self.controller.snapshot.remote(), force=True
             )  # its generations start over
+
+    def _count_replicas(self, num_replicas: int) -> None:
+        if num_replicas != self.num_replicas:
+            self.num_replicas = num_replicas
+            if self.on_replicas is not None:
+                self.on_replicas(num_replicas)
 
     def transport_option(self, transport: Transport) -> dict:
         """Call options that make an actor method return its tensors over `transport`."""

@@ -7,6 +7,7 @@ only ingress settings keeps the fleet."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 
@@ -209,14 +210,39 @@ def test_killing_one_replica_rebuilds_nothing_and_loses_nothing_new(pair):
         assert scrape["in_progress"] == 0, scrape  # the dead replica's gauges went with it
 
 
-def test_a_redeploy_that_changes_only_the_ingress_keeps_the_fleet(pair):
-    """Back to one replica, a server setting: the running controller and its workers serve the
-    new config (a change of the workers' settings gets a fleet of its own: test_token_exact)."""
+def _shares_settle(app, pids: set[int], share: int, within_s: float = 30) -> None:
+    """Until every replica in `pids` answers with `share` as its max_generating."""
+    deadline = time.monotonic() + within_s
+    seen: dict[int, int] = {}
+    while set(seen) != pids or set(seen.values()) != {share}:
+        assert time.monotonic() < deadline, f"replica shares {seen}, wanted {share} on {pids}"
+        ingress = _verbose(app)["ingress"]
+        seen[ingress["pid"]] = ingress["max_generating"]
+        seen = {pid: s for pid, s in seen.items() if pid in pids}
+
+
+def _sole_replica(app, within_s: float = 60) -> int:
+    """The one replica's pid, once 8 answers in a row come from it (the other has stopped)."""
+    deadline, last = time.monotonic() + within_s, []
+    while len(last) < 8 or len(set(last[-8:])) > 1:
+        assert time.monotonic() < deadline, f"replicas still answering: {set(last[-8:])}"
+        last.append(_verbose(app)["ingress"]["pid"])
+    return last[-1]
+
+
+def test_back_to_one_replica_keeps_the_fleet_and_its_whole_budget(pair):
+    """Only the replica count changes: the controller and its workers stay, and each replica
+    admits its share of the budget, as many as are registered: the one left, all of it."""
     name = controller.controller_name("epd", pair.config)
     assert controller.running("epd") == [name]
     before = _verbose(pair)["fleet"]
+    limits, decode = pair.config.limits, pair.config.decode
+    whole = limits.max_generating_per_decode_worker * decode.num_workers
+    pair_pids = set(_replicas(pair))
+    _shares_settle(pair, pair_pids, math.ceil(whole / 2))
     single = deploy(cluster_config())  # the default config: the modules after this one reuse it
     assert single.config.fingerprint() != pair.config.fingerprint()
-    assert controller.running("epd") == [controller.controller_name("epd", single.config)] == [name]
+    assert controller.running("epd") == [name]
+    _shares_settle(single, {_sole_replica(single)}, whole)
     assert _verbose(single)["fleet"]["actor_ids"] == before["actor_ids"]  # no worker rebuilt
     assert single.chat(_messages(1), temperature=0, max_tokens=4).status_code == 200

@@ -58,3 +58,17 @@ def test_arrival_is_refused_only_while_a_budget_is_full():
     waiting.release()
     more.release()
     adm.check_room()
+
+
+def test_a_resized_budget_applies_to_the_next_arrival_and_tickets_keep_theirs():
+    adm = Admission(max_waiting_tokens=10_000, max_generating=4)
+    tickets = [adm.admit(10) for _ in range(3)]
+    for t in tickets:
+        t.first_token()
+    adm.resize(max_waiting_tokens=5_000, max_generating=2)  # a second replica joined
+    with pytest.raises(Overloaded, match="the limit is 2"):
+        adm.admit(10)
+    for t in tickets:
+        t.release()
+    assert adm.generating == 0
+    adm.admit(10)
