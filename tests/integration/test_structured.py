@@ -170,6 +170,24 @@ def test_required_tool_choice_streams_calls_to_known_functions(app):
     assert isinstance(json.loads(calls[0]["arguments"]), dict)
 
 
+def test_auto_tool_choice_streams_text_or_calls(app):
+    body = {
+        "model": app.config.model.served_name,
+        "messages": ASK,
+        "tools": [WEATHER],
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+    }
+    events = _events(app, body)
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    text = "".join(d.get("content") or "" for d in deltas)
+    calls = [p for d in deltas for p in d.get("tool_calls") or ()]
+    whole = app.chat(ASK, tools=[WEATHER], temperature=0, max_tokens=12).json()["choices"][0]
+    assert text == (whole["message"]["content"] or "")  # the same answer, streamed
+    assert len(calls) == 2 * len(whole["message"].get("tool_calls") or ())
+
+
 def test_an_agent_replays_calls_and_results(app):
     history = [
         {"role": "system", "content": "You help with weather."},

@@ -48,3 +48,16 @@ def test_the_shipped_template_renders_tools_and_is_the_checkpoints_without(ckpt)
     text = tooled.planner.tokenizer.decode(plan.plan.token_ids)
     assert '"name": "get_weather"' in text and "<tool_call>" in text
     assert plan.sampling.grammar is not None  # required: held to the tools' calls
+
+
+def test_chat_template_kwargs_reach_the_template(ckpt, tmp_path):
+    own = (ckpt / "chat_template.jinja").read_text()
+    marked = tmp_path / "marked.jinja"
+    marked.write_text("{%- if thinking is defined and thinking -%}THINK {% endif -%}" + own)
+    intake = _intake(ckpt, str(marked))
+    decode = intake.planner.tokenizer.decode
+    plain = decode(intake.admit(_body(), "a", 0.0).plan.token_ids)
+    thinking = decode(
+        intake.admit(_body(chat_template_kwargs={"thinking": True}), "b", 0.0).plan.token_ids
+    )
+    assert "THINK" not in plain and thinking.startswith("THINK")
