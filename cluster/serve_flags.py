@@ -5,6 +5,7 @@ validated by the config itself, so a wrong name or value is refused as the file'
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -12,8 +13,14 @@ from pydantic import ValidationError
 
 from cluster.config import ClusterConfig, ConfigError
 
+
+def _file(value: str) -> str:
+    """A path given on the command line: absolute, so the replicas read the same file."""
+    return str(Path(value).expanduser().resolve())
+
+
 # flag, config path, type, help
-FLAGS: tuple[tuple[str, str, type, str], ...] = (
+FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--host", "server.host", str, "address the HTTP endpoint binds, e.g. 0.0.0.0"),
     ("--port", "server.port", int, "HTTP port"),
     ("--device", "model.device", str, "torch device of every worker: cpu or cuda"),
@@ -21,6 +28,7 @@ FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--max-model-len", "model.max_model_len", int, "most prompt plus generated tokens"),
     ("--api-key", "server.api_key", str, "require `Authorization: Bearer <key>` on /v1"),
     ("--revision", "model.revision", str, "Hub revision (branch, tag or commit) of --model"),
+    ("--chat-template", "model.chat_template", _file, "a Jinja chat template file to use"),
 )
 
 

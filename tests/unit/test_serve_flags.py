@@ -32,6 +32,13 @@ def test_each_flag_sets_its_config_field():
     assert config.decode.max_batch_size == 64 and config.limits.retry_after_s == 3
 
 
+def test_a_chat_template_file_is_taken_from_where_the_command_ran(tmp_path, monkeypatch):
+    (tmp_path / "tools.jinja").write_text("{{ messages }}")
+    monkeypatch.chdir(tmp_path)
+    config = apply(load_config(), settings(_args("--chat-template", "tools.jinja")))
+    assert config.model.chat_template_file == tmp_path / "tools.jinja"  # absolute: any cwd
+
+
 def test_no_flags_change_nothing():
     config = load_config()
     assert apply(config, settings(_args())) == config
@@ -47,6 +54,7 @@ def test_no_flags_change_nothing():
         (("--set", "nosuch.field=1"), "no section 'nosuch'"),
         (("--set", "decode"), "expected SECTION.FIELD=VALUE"),
         (("--tensor-parallel-size", "2"), "no tensor parallelism"),
+        (("--chat-template", "/no/such.jinja"), "model.chat_template: no file at"),
     ],
 )
 def test_a_wrong_setting_is_refused_by_name(argv, message):
