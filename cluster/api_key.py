@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from cluster.protocol import error_body
 from cluster.request_log import bearer_ok
+from cluster.response_models import error_body
 
 # Every route but the probes': /tokenize and /detokenize (which vLLM leaves open) expose the
 # chat template and spend the ingress's CPU as a /v1 route does.

@@ -35,9 +35,9 @@ from cluster.metrics_share import MetricsShare
 from cluster.placement import check_placement
 from cluster.prepare import prepare
 from cluster.prompt_plan import PromptPlanner
-from cluster.protocol import SSE_DONE, ModelCard, ModelList, error_body, sse_event
 from cluster.request_log import RequestLog, RequestRecord
 from cluster.request_path import RETRY_AFTER_S, RequestPath
+from cluster.response_models import SSE_DONE, ModelCard, ModelList, error_body, sse_event
 from cluster.routing import LiveRouting
 from cluster.supervisor import Supervisor
 from cluster.token_endpoints import TokenEndpoints

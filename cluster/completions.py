@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from cluster.logprobs import CompletionLogprobs
-from cluster.protocol import OmitNone, Usage
+from cluster.response_models import OmitNone, Usage
 from cluster.sampling_fields import MAX_LOGPROBS, ModelBounds, SamplingFields, refuse_unless
 
 DEFAULT_MAX_TOKENS = (

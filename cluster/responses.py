@@ -19,19 +19,19 @@ from cluster.detokenize import IncrementalText
 from cluster.leftovers import close_soon
 from cluster.logprobs import LogprobText
 from cluster.metrics import Metrics
-from cluster.protocol import (
+from cluster.protocol import ChatCompletionRequest
+from cluster.request_path import RequestTimings
+from cluster.response_models import (
     SSE_DONE,
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     Choice,
     ChunkChoice,
     DeltaMessage,
     Usage,
     sse_event,
 )
-from cluster.request_path import RequestTimings
 from cluster.tool_chunks import ToolChunks, finish_reason, streams_arguments
 
 

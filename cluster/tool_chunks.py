@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cluster.chat_tools import ToolCalls, ToolMode, new_call_id
-from cluster.protocol import ChatCompletionChunk, ChunkChoice, DeltaMessage, sse_event
+from cluster.response_models import ChatCompletionChunk, ChunkChoice, DeltaMessage, sse_event
 
 
 def finish_reason(calls: ToolCalls, reason: str | None) -> str | None:

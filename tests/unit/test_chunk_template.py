@@ -10,14 +10,9 @@ import types
 import pytest
 
 from actors.types import SamplingParams
-from cluster.protocol import (
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChunkChoice,
-    DeltaMessage,
-    sse_event,
-)
+from cluster.protocol import ChatCompletionRequest
 from cluster.request_body import parse_request
+from cluster.response_models import ChatCompletionChunk, ChunkChoice, DeltaMessage, sse_event
 from cluster.responses import Delta, Shape
 
 ODD_TEXT = ['say "hi"', "back\\slash", "é中😀", "\x00\x01\x1f\x7f", "\u2028\u2029", "</s>", " "]

@@ -17,9 +17,10 @@ from cluster.completions import CompletionRequest
 from cluster.errors import RequestError
 from cluster.metrics import Metrics
 from cluster.prompt_plan import PromptPlanner
-from cluster.protocol import ChatCompletionRequest, Usage, to_template_messages
+from cluster.protocol import ChatCompletionRequest, to_template_messages
 from cluster.request_body import BodyError, parse_request
 from cluster.request_path import RequestTimings
+from cluster.response_models import Usage
 from cluster.responses import Collector, _usage
 from cluster.sampling_fields import ModelBounds, ParamError
 from cluster.token_endpoints import TokenEndpoints

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from cluster.protocol import (
+from cluster.protocol import ChatCompletionRequest, to_template_messages, validation_error_message
+from cluster.response_models import (
     SSE_DONE,
     AssistantMessage,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     Choice,
     ChunkChoice,
     DeltaMessage,
@@ -22,8 +22,6 @@ from cluster.protocol import (
     Usage,
     error_body,
     sse_event,
-    to_template_messages,
-    validation_error_message,
 )
 from cluster.sampling_fields import ModelBounds, ParamError
 from router.types import Modality
