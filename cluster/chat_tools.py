@@ -167,6 +167,24 @@ def new_call_id() -> str:
 
 
 @dataclass(frozen=True)
+class ToolReading:
+    """How a request's answer is read as tool calls: its mode, the named function (NAMED), and
+    whether several calls may come (`parallel_tool_calls`)."""
+
+    mode: str = ToolMode.NONE
+    named: str | None = None
+    parallel: bool = True
+
+    def parse(self, text: str) -> ToolCalls:
+        return ToolCalls.parse(text, self.mode, self.named, self.parallel)
+
+    @property
+    def streams_arguments(self) -> bool:
+        """A named choice's answer is its arguments: they can stream as they come."""
+        return self.mode == ToolMode.NAMED
+
+
+@dataclass(frozen=True)
 class ToolCalls:
     """An answer read as tool calls: what is left as content, and the calls in order."""
 
@@ -174,13 +192,18 @@ class ToolCalls:
     calls: tuple[ToolCall, ...]
 
     @classmethod
-    def parse(cls, text: str, mode: str, named: str | None = None) -> ToolCalls:
+    def parse(
+        cls, text: str, mode: str, named: str | None = None, parallel: bool = True
+    ) -> ToolCalls:
+        """`parallel` False: at most one call (the grammar holds `required` to one; under
+        `auto` the first call is taken and later ones dropped)."""
         if mode == ToolMode.NAMED:
             return cls(None, (_call(named, text),))
         if mode == ToolMode.REQUIRED:
             return cls(None, _required_calls(text))
         if mode == ToolMode.AUTO:
-            return _auto_calls(text)
+            found = _auto_calls(text)
+            return found if parallel else cls(found.content, found.calls[:1])
         return cls(text, ())
 
 

@@ -7,11 +7,12 @@ prompt (placeholders expanded) and check that it and its KV fit. No worker is as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from actors.engine import kv
 from actors.engine.grammar import GrammarError, grammar_of
-from actors.types import MediaItem, SamplingParams
+from actors.types import GrammarSpec, MediaItem, SamplingParams
 from cluster.admitted import AdmissionTimings, Admitted, Endpoint
 from cluster.chat_tools import ToolMode, grammar_for
 from cluster.config import ClusterConfig
@@ -210,12 +211,21 @@ def _constrained(request: ChatCompletionRequest, sampling: SamplingParams) -> Sa
     if spec is None:
         return sampling
     param = "response_format" if request.tool_mode == ToolMode.NONE else "tools"
-    try:
-        grammar_of(spec)
-    except GrammarError as exc:
-        raise RequestError(400, f"Invalid '{param}': {exc}", param) from None
+    if (problem := _grammar_problem(spec)) is not None:
+        raise RequestError(400, f"Invalid '{param}': {problem}", param)
     if sampling.min_tokens:  # a complete grammar allows only a stop token: none may follow
         raise RequestError(
             400, "min_tokens cannot be combined with structured output", "min_tokens"
         )
     return dataclasses.replace(sampling, grammar=spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_problem(spec: GrammarSpec) -> str | None:
+    """Why `spec` cannot compile (None: it can). Cached: agents send the same schema on every
+    call, and parsing it into a grammar is work the workers' compile cache also saves."""
+    try:
+        grammar_of(spec)
+    except GrammarError as exc:
+        return str(exc)
+    return None

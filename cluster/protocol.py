@@ -29,6 +29,7 @@ from cluster.chat_tools import (
     ToolCall,
     ToolChoice,
     ToolMode,
+    ToolReading,
     tool_mode,
 )
 from cluster.sampling_fields import MAX_LOGPROBS, SamplingFields, Strict, refuse_unless
@@ -209,7 +210,14 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _one_shape_of_output(self) -> ChatCompletionRequest:
         choice = self.tool_choice
-        constrained = tool_mode(self.tools, choice) in (ToolMode.NAMED, ToolMode.REQUIRED)
+        mode = tool_mode(self.tools, choice)
+        if mode == ToolMode.AUTO and any(t.function.strict for t in self.tools):
+            raise PydanticCustomError(
+                "strict_under_auto",
+                'a function with strict: true needs tool_choice "required" or that function '
+                'by name: under "auto" the model\'s calls are parsed, not held to the schema',
+            )
+        constrained = mode in (ToolMode.NAMED, ToolMode.REQUIRED)
         if constrained and self.response_format and self.response_format.type != "text":
             raise PydanticCustomError(
                 "format_and_tools",
@@ -221,6 +229,12 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def tool_mode(self) -> str:
         return tool_mode(self.tools, self.tool_choice)
+
+    @property
+    def tool_reading(self) -> ToolReading:
+        choice = self.tool_choice
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        return ToolReading(self.tool_mode, named, self.parallel_tool_calls)
 
     @field_validator("top_logprobs")
     @classmethod

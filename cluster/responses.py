@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from actors.types import FinishReason, TokenChunk, TokenLogprob
 from cluster.admitted import Admitted
-from cluster.chat_tools import ToolCalls, ToolMode
+from cluster.chat_tools import ToolMode, ToolReading
 from cluster.completions import Completion, CompletionChoice
 from cluster.detokenize import IncrementalText
 from cluster.leftovers import close_soon
@@ -32,7 +32,7 @@ from cluster.response_models import (
     Usage,
     sse_event,
 )
-from cluster.tool_chunks import ToolChunks, finish_reason, streams_arguments
+from cluster.tool_chunks import ToolChunks, finish_reason
 
 
 @dataclass
@@ -167,9 +167,7 @@ class Shape:
         self.adm, self.logprob_text = adm, LogprobText(tokenizer)
         self.is_chat = isinstance(adm.request, ChatCompletionRequest)
         self.wants_logprobs = adm.sampling.num_logprobs is not None
-        self.tool_mode = adm.request.tool_mode if self.is_chat else ToolMode.NONE
-        choice = adm.request.tool_choice if self.is_chat else None
-        self.named = choice.function.name if self.tool_mode == ToolMode.NAMED else None
+        self.tools = adm.request.tool_reading if self.is_chat else ToolReading()
         self.created = int(time.time())  # one value for every chunk of the answer, as OpenAI
         # A plain chat delta (the chunk of nearly every token) is written from a template: the
         # same bytes as the models below give (tests/unit/test_chunk_template.py), a fraction of the
@@ -204,7 +202,7 @@ class Shape:
                         logprobs=self._logprobs(d),
                     )
                     for i, d in enumerate(deltas)
-                    for calls in [ToolCalls.parse(d.text, self.tool_mode, self.named)]
+                    for calls in [self.tools.parse(d.text)]
                 ],
             )
         return Completion(
@@ -219,7 +217,7 @@ class Shape:
 
     def tool_chunks(self, index: int) -> ToolChunks:
         base = dict(id=self.adm.request_id, model=self.adm.request.model, created=self.created)
-        return ToolChunks(base, index, self.tool_mode, self.named, self._logprobs)
+        return ToolChunks(base, index, self.tools, self._logprobs)
 
     def chunk(self, index: int, delta: Delta | None, **extra) -> bytes:
         """An SSE event of one choice's delta; `delta` None: no choices (the usage chunk)."""
@@ -292,7 +290,7 @@ async def _whole_choice(collector: Collector, chunks: AsyncIterator[TokenChunk])
 
 async def _tool_events(tools: ToolChunks, collector: Collector, chunks) -> AsyncIterator[bytes]:
     """A named choice's arguments as they come; other tool answers once complete."""
-    if not streams_arguments(tools.mode):
+    if not tools.reading.streams_arguments:
         yield tools.whole(await _whole_choice(collector, chunks))
         return
     yield tools.named_head()
@@ -333,7 +331,7 @@ async def stream(
     pending = b"".join(event for event in roles if event is not None)
     try:
         for index, (collector, chunks) in enumerate(zip(collectors, streams)):
-            if shape.tool_mode != ToolMode.NONE:
+            if shape.tools.mode != ToolMode.NONE:
                 async for event in _tool_events(shape.tool_chunks(index), collector, chunks):
                     event, pending = pending + event, b""
                     yield event

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cluster.chat_tools import ToolCalls, ToolMode, new_call_id
+from cluster.chat_tools import ToolCalls, ToolReading, new_call_id
 from cluster.response_models import ChatCompletionChunk, ChunkChoice, DeltaMessage, sse_event
 
 
@@ -18,8 +18,8 @@ def finish_reason(calls: ToolCalls, reason: str | None) -> str | None:
 class ToolChunks:
     """One choice's tool-call chunks; `base` holds the chunk's id, model and created."""
 
-    def __init__(self, base: dict, index: int, mode: str, named: str | None, logprobs: Callable):
-        self.base, self.index, self.mode, self.named = base, index, mode, named
+    def __init__(self, base: dict, index: int, reading: ToolReading, logprobs: Callable):
+        self.base, self.index, self.reading = base, index, reading
         self._logprobs = logprobs  # Delta -> the choice's logprobs field
         self._call_id = new_call_id()
 
@@ -37,7 +37,7 @@ class ToolChunks:
         return self._event(DeltaMessage(tool_calls=[{"index": i, "function": {"arguments": text}}]))
 
     def named_head(self) -> bytes:
-        return self._head(0, self._call_id, self.named)
+        return self._head(0, self._call_id, self.reading.named)
 
     def named_delta(self, delta) -> bytes:
         """A named choice's next arguments; with its finish reason once the answer ends."""
@@ -49,14 +49,10 @@ class ToolChunks:
 
     def whole(self, delta) -> bytes:
         """A complete answer read as calls: any content, each call, then the finish reason."""
-        calls = ToolCalls.parse(delta.text, self.mode, self.named)
+        calls = self.reading.parse(delta.text)
         out = self._event(DeltaMessage(content=calls.content)) if calls.content else b""
         for i, call in enumerate(calls.calls):
             out += self._head(i, call.id, call.function.name)
             out += self._arguments(i, call.function.arguments)
         reason = finish_reason(calls, delta.finish_reason)
         return out + self._event(DeltaMessage(), reason, self._logprobs(delta))
-
-
-def streams_arguments(mode: str) -> bool:
-    return mode == ToolMode.NAMED

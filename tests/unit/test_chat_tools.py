@@ -12,6 +12,7 @@ from cluster.chat_tools import (
     Tool,
     ToolCalls,
     ToolMode,
+    ToolReading,
     grammar_for,
 )
 
@@ -33,6 +34,13 @@ def test_auto_reads_tool_call_blocks_and_keeps_the_rest_as_content():
     assert calls.calls[1].function.arguments == "{}"
     assert calls.content == "Let me look.  and"
     assert len({c.id for c in calls.calls}) == 2
+
+
+def test_auto_without_parallel_calls_takes_the_first_call_only():
+    text = '<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b"}</tool_call>'
+    reading = ToolReading(ToolMode.AUTO, parallel=False)
+    assert [c.function.name for c in reading.parse(text).calls] == ["a"]
+    assert len(ToolReading(ToolMode.AUTO).parse(text).calls) == 2
 
 
 def test_auto_leaves_text_without_a_well_formed_call_alone():

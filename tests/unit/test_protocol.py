@@ -264,6 +264,17 @@ def test_input_audio_format_reaches_the_media_part() -> None:
 # ----------------------------------------------------------------------------- invalid requests
 
 
+def test_strict_functions_are_refused_where_nothing_holds_calls_to_them() -> None:
+    strict = {"type": "function", "function": {"name": "f", "strict": True}}
+    message, _ = invalid_fields(tools=[strict])  # auto: calls are parsed, not constrained
+    assert "strict: true needs tool_choice" in message
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice in ("required", named):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [USER], "tools": [strict], "tool_choice": choice}
+        )
+
+
 @pytest.mark.parametrize(
     "fields,param,fragment",
     [
