@@ -9,7 +9,7 @@ import time
 
 from cluster.config import DEFAULT_CONFIG, ClusterConfig, ConfigError, load_config
 from cluster.prepare import ensure_model, prepare, with_model
-from cluster.serve_flags import add_flags, apply, settings
+from cluster.serve_flags import GPU_PRESET, add_flags, apply, preset, settings
 
 APP_NAME = "epd"  # the Serve application (and so its fleet controller's name)
 
@@ -43,7 +43,8 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    config = with_model(load_config(args.config), args.model, args.served_model_name)
+    base = load_config(preset(args.config, args.model, args.device))
+    config = with_model(base, args.model, args.served_model_name)
     config = prepare(apply(config, settings(args)))
     url = start(config, address=args.address)
     print(f"epd is serving {config.model.served_name} at {url}  (Ctrl-C stops it)", flush=True)
@@ -70,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="epd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve_p = sub.add_parser("serve", help="start the cluster and the OpenAI endpoint")
-    serve_p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    serve_p.add_argument(
+        "--config",
+        default=None,
+        help=f"epd config file (default: {DEFAULT_CONFIG.name}; with --model on a CUDA host: "
+        f"{GPU_PRESET.name})",
+    )
     serve_p.add_argument(
         "--address",
         default=None,

@@ -78,11 +78,16 @@ class ModelConfig(Strict):
     dtype: str = Field(
         "float32",
         description="Weights and activations dtype: float32, bfloat16, float16, or auto "
-        "(bfloat16 on cuda, float32 on cpu).",
+        "(each worker: bfloat16 on GPUs that support it natively, float16 on older GPUs such as "
+        "the T4, float32 on cpu).",
     )
     device: str = Field("cpu", description="Torch device of every worker: cpu or cuda.")
-    max_model_len: int = Field(
-        2048, gt=0, description="Upper bound on prompt plus generated tokens."
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="Upper bound on prompt plus generated tokens. Unset: the model's own context "
+        "length (max_position_embeddings of its text config), read when the checkpoint is "
+        "prepared.",
     )
     chat_template: str | None = Field(
         None,
@@ -120,6 +125,8 @@ class ModelConfig(Strict):
 
     @property
     def resolved_dtype(self) -> str:
+        """The dtype as this process sees it (byte sizes, baselines); the workers resolve
+        `auto` for their own GPUs (actors.runtime.device_dtype)."""
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device == "cuda" else "float32"

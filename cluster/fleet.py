@@ -61,7 +61,7 @@ class Fleet:
         # node.
         self.spec = WorkerSpec(
             m.checkpoint,
-            m.resolved_dtype,
+            m.dtype,  # `auto`: each worker picks what its own GPU supports
             m.device,
             1,
             m.max_model_len,

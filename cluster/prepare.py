@@ -39,7 +39,19 @@ def ensure_model(config: ClusterConfig) -> ClusterConfig:
         check_family(path)
     except UnsupportedFamily as exc:
         raise ConfigError(str(exc)) from None
+    if m.max_model_len is None:
+        config = config.replace(model={"max_model_len": context_length(path)})
     return config
+
+
+def context_length(checkpoint) -> int:
+    """The model's own context length: its text config's max_position_embeddings (Omni's
+    inside the thinker's config)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    config = getattr(config, "thinker_config", config)
+    return config.get_text_config().max_position_embeddings
 
 
 def prepare(config: ClusterConfig) -> ClusterConfig:
@@ -53,9 +65,9 @@ def prepare(config: ClusterConfig) -> ClusterConfig:
 def with_model(
     config: ClusterConfig, model: str | None, served_name: str | None = None
 ) -> ClusterConfig:
-    """`--model ID_OR_DIR` replaces the config's checkpoint (and its recipe, revision and
-    chat template: the new checkpoint's own applies); the served name defaults to it, as in
-    vLLM."""
+    """`--model ID_OR_DIR` replaces the config's checkpoint (and its recipe, revision, chat
+    template and context length: the new checkpoint's own apply); the served name defaults to
+    it, as in vLLM."""
     if model is None:
         return config if served_name is None else config.replace(model={"served_name": served_name})
     return config.replace(
@@ -64,6 +76,7 @@ def with_model(
             "builtin": None,
             "revision": None,
             "chat_template": None,
+            "max_model_len": None,  # the new model's own context (--max-model-len sets one)
             "served_name": served_name or model,
         }
     )

@@ -11,7 +11,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from cluster.config import ClusterConfig, ConfigError
+from cluster.config import DEFAULT_CONFIG, REPO_ROOT, ClusterConfig, ConfigError
+
+GPU_PRESET = REPO_ROOT / "configs" / "single_gpu.yaml"
 
 
 def _file(value: str) -> str:
@@ -30,6 +32,22 @@ FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--revision", "model.revision", str, "Hub revision (branch, tag or commit) of --model"),
     ("--chat-template", "model.chat_template", _file, "a Jinja chat template file to use"),
 )
+
+
+def preset(config: str | None, model: str | None, device: str | None) -> Path:
+    """The config file `epd serve` starts from: the one given; else, for `--model` on a host
+    with a GPU (or `--device cuda`), the one-GPU preset; else the embedded CPU default."""
+    if config is not None:
+        return Path(config)
+    if device == "cuda" or (model is not None and device is None and _has_cuda()):
+        return GPU_PRESET
+    return DEFAULT_CONFIG
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -385,3 +385,33 @@ def test_the_fleet_fingerprint_moves_with_the_workers_settings_only():
         other = base.replace(**change)
         assert other.fleet_fingerprint() != base.fleet_fingerprint(), change
         assert other.live_settings() == base.live_settings(), change
+
+
+@pytest.mark.parametrize(
+    "capability, expected", [((7, 5), "float16"), ((8, 0), "bfloat16"), ((9, 0), "bfloat16")]
+)
+def test_auto_dtype_is_what_the_workers_gpu_supports(monkeypatch, capability, expected):
+    """A T4 (sm_75) only emulates bfloat16: `auto` gives it float16; Ampere and newer get
+    bfloat16; a set dtype is kept as it is."""
+    import torch
+
+    from actors.runtime import device_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert device_dtype("auto", "cuda") == expected
+    assert device_dtype("auto", "cpu") == "float32"
+    assert device_dtype("bfloat16", "cuda") == "bfloat16"
+
+
+def test_unset_max_model_len_is_the_models_own(tmp_path):
+    """`epd serve --model X` without --max-model-len serves X's whole context, as vLLM does,
+    not a fixed 2,048; a set value is kept."""
+    import json
+
+    from cluster.prepare import ensure_model
+
+    ckpt = ensure_model(load_config()).model.checkpoint_path
+    own = json.loads((ckpt / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    config = load_config().replace(model={"max_model_len": None})
+    assert ensure_model(config).model.max_model_len == own
+    assert ensure_model(config.replace(model={"max_model_len": 77})).model.max_model_len == 77

@@ -12,6 +12,7 @@ from PIL import Image
 
 from cluster.config import ClusterConfig
 from cluster.intake import Intake
+from cluster.prepare import ensure_model
 from cluster.prompt_plan import PromptPlanner
 
 
@@ -37,6 +38,7 @@ def test_low_detail_shrinks_large_images_only(ckpt):
             "limits": {"decode_in_process": True},
         }
     )
+    config = ensure_model(config)  # as the server does: max_model_len from the checkpoint
     intake = Intake(config, PromptPlanner(ckpt))
     big = _png(1000, 600)
     full, high, low = (_item(intake, big, d) for d in (None, "high", "low"))

@@ -5,12 +5,13 @@ starts."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
 from cluster.cli import main
-from cluster.config import ConfigError, load_config
-from cluster.serve_flags import add_flags, apply, settings
+from cluster.config import DEFAULT_CONFIG, ConfigError, load_config
+from cluster.serve_flags import GPU_PRESET, add_flags, apply, preset, settings
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -65,3 +66,24 @@ def test_a_wrong_setting_is_refused_by_name(argv, message):
 def test_the_cli_refuses_before_starting_anything(capsys):
     assert main(["serve", "--tensor-parallel-size", "4"]) == 2
     assert "--tensor-parallel-size 4" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "config, model, device, cuda, expected",
+    [
+        (None, None, None, True, DEFAULT_CONFIG),  # no --model: the embedded default
+        (None, "org/m", None, True, GPU_PRESET),  # a published model on a GPU host
+        (None, "org/m", None, False, DEFAULT_CONFIG),
+        (None, None, "cuda", False, GPU_PRESET),
+        (None, "org/m", "cpu", True, DEFAULT_CONFIG),
+        ("mine.yaml", "org/m", None, True, Path("mine.yaml")),  # a given file always wins
+    ],
+)
+def test_model_on_a_gpu_host_starts_from_the_gpu_preset(
+    monkeypatch, config, model, device, cuda, expected
+):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert preset(config, model, device) == expected
+    assert load_config(GPU_PRESET).model.device == "cuda"

@@ -11,6 +11,7 @@ import pytest
 from cluster.config import ClusterConfig, load_config
 from cluster.errors import RequestError
 from cluster.intake import Intake
+from cluster.prepare import ensure_model
 from cluster.prompt_plan import PromptPlanner
 
 WEATHER = {"type": "function", "function": {"name": "get_weather"}}
@@ -21,6 +22,7 @@ def _intake(ckpt, template) -> Intake:
     config = ClusterConfig.model_validate(
         {"model": {"checkpoint": str(ckpt), "served_name": "m", "chat_template": template}}
     )
+    config = ensure_model(config)  # as the server does: max_model_len from the checkpoint
     return Intake(config, PromptPlanner(ckpt, template=config.model.chat_template_file))
 
 
