@@ -11,6 +11,7 @@ from PIL import Image
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from actors.models.adapter import ItemLayout, ModelAdapter, Part, PlaceholderSpec
+from actors.models.part_load import load_part
 from actors.types import MediaItem
 from router.types import Modality
 
@@ -20,18 +21,13 @@ class LlavaAdapter(ModelAdapter):
 
     def __init__(self, checkpoint: Path, *, part: str, dtype: torch.dtype, device: str):
         super().__init__(checkpoint, part=part, dtype=dtype, device=device)
-        model = self.MODEL_CLASS.from_pretrained(checkpoint, dtype=dtype)
+        model = load_part(self.MODEL_CLASS, checkpoint, part, dtype=dtype, device=device)
         self.config = model.config
         if part == Part.ENCODER:
             self._processor = AutoProcessor.from_pretrained(checkpoint).image_processor
-            self._llava = model.model
-            self._llava.language_model = None  # the encoder never runs the LM: free it
-            self._llava.to(device).eval()
+            self._llava = model.model  # towers and projector only: the LM was never loaded
         else:
-            self._lm = model.model.language_model.to(device).eval()
-            self._lm_head = model.lm_head.to(device).eval()
-            # keep the LM's embedding table only (towers and projector are the encoder's)
-        del model
+            self._lm, self._lm_head = model.model.language_model, model.lm_head
 
     @torch.inference_mode()
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoProcessor, Qwen2_5OmniThinkerForConditionalGeneration
 
 from actors.models.adapter import ItemLayout, ModelAdapter, Part, merged_kwargs
+from actors.models.part_load import load_part
 from actors.models.qwen2_audio import audio_embeddings
 from actors.models.qwen_vision import VisionEncoding, VisionGridSpec, vision_spec_fields
 from actors.types import MediaItem, PlaceholderRange
@@ -42,15 +43,22 @@ def thinker_config(config):
 
 
 def load_thinker(
-    checkpoint: Path, dtype: torch.dtype
+    checkpoint: Path, dtype: torch.dtype, part: str | None = None, device: str = "cpu"
 ) -> Qwen2_5OmniThinkerForConditionalGeneration:
-    """The thinker alone. From the published layout (`qwen2_5_omni`: thinker + talker +
-    token2wav in one repo) only `thinker.*` tensors are read: the talker never reaches memory."""
+    """The thinker alone, or only its `part` (see part_load). From the published layout
+    (`qwen2_5_omni`: thinker + talker + token2wav in one repo) only `thinker.*` tensors are
+    read: the talker never reaches memory."""
     config = AutoConfig.from_pretrained(checkpoint)
-    if config.model_type != "qwen2_5_omni":
-        return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
-    return Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-        checkpoint, config=config.thinker_config, dtype=dtype, key_mapping={r"^thinker\.": ""}
+    kwargs = {}
+    if config.model_type == "qwen2_5_omni":
+        kwargs = dict(config=config.thinker_config, key_mapping={r"^thinker\.": ""})
+    return load_part(
+        Qwen2_5OmniThinkerForConditionalGeneration,
+        checkpoint,
+        part,
+        dtype=dtype,
+        device=device,
+        **kwargs,
     )
 
 
@@ -79,17 +87,13 @@ def build_spec(config, processor, dtype_bytes: int) -> OmniSpec:
 class OmniAdapter(VisionEncoding, ModelAdapter):
     def __init__(self, checkpoint: Path, *, part: str, dtype: torch.dtype, device: str):
         super().__init__(checkpoint, part=part, dtype=dtype, device=device)
-        thinker = load_thinker(checkpoint, dtype)
-        self._model = thinker.model
+        thinker = load_thinker(checkpoint, dtype, part, device)
+        self._model = thinker.model  # on the LM side, its shell serves get_rope_index
         if part == Part.ENCODER:
             self._processor = AutoProcessor.from_pretrained(checkpoint)
             self._kwargs = merged_kwargs(self._processor)
-            self._model.language_model = None  # the encoder never runs the LM: free it
         else:
-            self._model.audio_tower = self._model.visual = None  # towers are the encoder's
-            self._lm, self._lm_head = self._model.language_model, thinker.lm_head.to(device).eval()
-        self._model.to(device).eval()  # kept whole on the LM side for get_rope_index
-        del thinker
+            self._lm, self._lm_head = self._model.language_model, thinker.lm_head
 
     @torch.inference_mode()
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
 
 from actors.models.adapter import ModelAdapter, Part, merged_kwargs
+from actors.models.part_load import load_part
 from actors.models.qwen_vision import VisionEncoding, VisionGridSpec, vision_spec_fields
 from actors.types import MediaItem, PlaceholderRange
 from router.types import Modality
@@ -41,17 +42,15 @@ def build_spec(config, processor, dtype_bytes: int) -> VisionGridSpec:
 class Qwen2_5_VLAdapter(VisionEncoding, ModelAdapter):
     def __init__(self, checkpoint: Path, *, part: str, dtype: torch.dtype, device: str):
         super().__init__(checkpoint, part=part, dtype=dtype, device=device)
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
-        self._model = model.model
+        model = load_part(
+            Qwen2_5_VLForConditionalGeneration, checkpoint, part, dtype=dtype, device=device
+        )
+        self._model = model.model  # on the LM side, its shell serves get_rope_index
         if part == Part.ENCODER:
             self._processor = AutoProcessor.from_pretrained(checkpoint)
             self._kwargs = merged_kwargs(self._processor)
-            self._model.language_model = None  # the encoder never runs the LM: free it
         else:
-            self._model.visual = None  # the tower is the encoder's
-            self._lm, self._lm_head = self._model.language_model, model.lm_head.to(device).eval()
-        self._model.to(device).eval()  # kept whole on the LM side for get_rope_index
-        del model
+            self._lm, self._lm_head = self._model.language_model, model.lm_head
 
     @torch.inference_mode()
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 from transformers.masking_utils import create_bidirectional_mask
 
 from actors.models.adapter import ItemLayout, ModelAdapter, Part, PlaceholderSpec, merged_kwargs
+from actors.models.part_load import load_part
 from actors.types import MediaItem
 from router.types import Modality
 
@@ -64,17 +65,16 @@ def build_spec(config, processor, dtype_bytes: int) -> AudioSpec:
 class Qwen2AudioAdapter(ModelAdapter):
     def __init__(self, checkpoint: Path, *, part: str, dtype: torch.dtype, device: str):
         super().__init__(checkpoint, part=part, dtype=dtype, device=device)
-        model = Qwen2AudioForConditionalGeneration.from_pretrained(checkpoint, dtype=dtype)
+        model = load_part(
+            Qwen2AudioForConditionalGeneration, checkpoint, part, dtype=dtype, device=device
+        )
         inner = model.model
         if part == Part.ENCODER:
             self._processor = AutoProcessor.from_pretrained(checkpoint)
             self._audio_kwargs = merged_kwargs(self._processor)["audio_kwargs"]
-            self._tower = inner.audio_tower.to(device).eval()
-            self._projector = inner.multi_modal_projector.to(device).eval()
+            self._tower, self._projector = inner.audio_tower, inner.multi_modal_projector
         else:
-            self._lm = inner.language_model.to(device).eval()
-            self._lm_head = model.lm_head.to(device).eval()
-        del model
+            self._lm, self._lm_head = inner.language_model, model.lm_head
 
     @torch.inference_mode()
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
