@@ -39,6 +39,7 @@ from cluster.request_log import RequestLog, RequestRecord
 from cluster.request_path import RETRY_AFTER_S, RequestPath
 from cluster.response_models import SSE_DONE, ModelCard, ModelList, error_body, sse_event
 from cluster.routing import LiveRouting
+from cluster.serve_replicas import serve_replicas
 from cluster.supervisor import Supervisor
 from cluster.token_endpoints import TokenEndpoints
 from router.router import Router
@@ -86,6 +87,9 @@ class ClosingStreamingResponse(StreamingResponse):
 class Ingress:
     def __init__(self, config: dict):
         self.config = ClusterConfig.model_validate(config)
+        # Serve's replica count, whatever set it (a Serve config may override
+        # server.num_replicas): checked against the transports before any actor starts.
+        replicas = serve_replicas(self.config, serve.get_replica_context()._deployment_config)
         self.config_sha1 = (
             self.config.fingerprint()
         )  # which config this replica serves (rolling updates)
@@ -146,7 +150,7 @@ class Ingress:
         )
         limits = self.config.limits
         self.lanes = AdmitLanes(limits.max_admitting_text, limits.max_admitting_media)
-        self.admission = Admission(*self._budget_share(1))
+        self.admission = Admission(*self._budget_share(replicas))
         self.fleet.on_replicas = lambda n: self.admission.resize(*self._budget_share(n))
         self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
 
@@ -474,9 +478,12 @@ class Ingress:
 
 
 def build_app(config: ClusterConfig):
-    return Ingress.options(num_replicas=config.server.num_replicas).bind(
-        config.model_dump(mode="json")
-    )
+    # A redeploy (a new key, new limits) drains the old replicas: their requests may run as
+    # long as a request may (Serve's 20 s default would cut long generations short).
+    return Ingress.options(
+        num_replicas=config.server.num_replicas,
+        graceful_shutdown_timeout_s=config.limits.request_timeout_s + 5,
+    ).bind(config.model_dump(mode="json"))
 
 
 class AppArgs(BaseModel):

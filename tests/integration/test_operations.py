@@ -1,24 +1,98 @@
 """What an operator sets up around the endpoint: an API key on /v1 (probes and scrapes stay
-open), and one log line per request that names its id, outcome, tokens and times."""
+open), and one log line per request that names its id, outcome, tokens and times. Rotating the
+key and changing limits is a redeploy that keeps every worker: requests in flight finish."""
 
 from __future__ import annotations
 
 import glob
+import json
+import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 import ray
 
+from cluster import controller
 from tests.integration.conftest import cluster_config, deploy
 
 KEY = "sk-test-epd"
+LIMITS = {"max_generating_per_decode_worker": 40, "max_waiting_tokens_per_prefill_worker": 9000}
+
+
+SLOW = {"slowdown": [8.0]}  # decode steps stretched: streams long enough to span a redeploy
+
+
+def _keyed_config():
+    return cluster_config(server={"api_key": KEY, "log_prompts": True}, limits=LIMITS, decode=SLOW)
 
 
 @pytest.fixture(scope="module")
 def keyed(ray_session):
-    return deploy(cluster_config(server={"api_key": KEY, "log_prompts": True}))
+    return deploy(_keyed_config())
+
+
+def _fleet(app) -> dict:
+    return app.http.get("/health", params={"verbose": 1}).json()["fleet"]
+
+
+def _stream(root: str, body: dict) -> tuple[int, int, float]:
+    """Status, completion tokens and the monotonic time of the stream's last byte."""
+    with httpx.stream("POST", f"{root}/v1/chat/completions", json=body, timeout=120) as r:
+        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: {")]
+        usage = [json.loads(e)["usage"] for e in events if '"usage":{' in e]
+        return r.status_code, usage[-1]["completion_tokens"] if usage else 0, time.monotonic()
+
+
+def _seconds_per_token(app) -> float:
+    """Decode time per token of one stream now (two lengths: the first token's time cancels)."""
+    times = []
+    for num_tokens in (2, 12):
+        started = time.monotonic()
+        app.chat(_COUNT, max_tokens=num_tokens, ignore_eos=True, temperature=0)
+        times.append(time.monotonic() - started)
+    return max((times[1] - times[0]) / 10, 1e-3)
+
+
+_COUNT = [{"role": "user", "content": "Count slowly"}]
+
+
+def test_rotating_the_key_and_limits_keeps_workers_and_requests_in_flight(ray_session):
+    """A redeploy that changes the API key and the back-pressure limits (ingress settings)
+    starts no worker: the fleet's actors stay, streams that began under the old replica run to
+    their last token while it drains (Serve's own 20 s grace would cut long ones), and the new
+    key and limits hold."""
+    old = deploy(cluster_config())
+    fleet = ray.get_actor(controller.controller_name("epd", old.config), controller.NAMESPACE)
+    ray.get(fleet.apply_live.remote(cluster_config(decode=SLOW).model_dump(mode="json")))
+    before = _fleet(old)["actor_ids"]
+    num_tokens = min(max(math.ceil(10 / _seconds_per_token(old)), 24), 1500)  # ~10 s a stream
+    body = {
+        "model": old.config.model.served_name,
+        "messages": _COUNT,
+        "max_tokens": num_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with ThreadPoolExecutor(3) as pool:
+        streams = [pool.submit(_stream, old.root, body) for _ in range(3)]
+        redeployed = time.monotonic()
+        new = deploy(_keyed_config())  # Serve drains the old replica: returns after the streams
+        results = [s.result() for s in streams]
+    assert [(status, tokens) for status, tokens, _ in results] == [(200, num_tokens)] * 3
+    assert min(ended for *_, ended in results) > redeployed + 3  # in flight through the switch
+    assert _fleet(new)["actor_ids"] == before  # no worker restarted
+    ask = {"model": body["model"], "messages": _COUNT, "max_tokens": 2}
+    assert new.http.post("/v1/chat/completions", json=ask).status_code == 401  # the new key
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert new.http.post("/v1/chat/completions", json=ask, headers=auth).status_code == 200
+    ingress = new.http.get("/health", params={"verbose": 1}).json()["ingress"]
+    workers = new.config.decode.num_workers
+    assert ingress["max_generating"] == LIMITS["max_generating_per_decode_worker"] * workers
 
 
 def test_api_key_guards_v1_only(keyed):

@@ -1,0 +1,50 @@
+"""Serve's replica settings are the truth: a Serve config that overrides the Ingress's
+num_replicas or adds autoscaling sets the admission shares, and is refused by name where a
+transport needs one replica; a redeploy drains old replicas as long as a request may run
+(Serve's own deployment config records, no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+from ray.serve._private.config import DeploymentConfig
+from ray.serve.config import AutoscalingConfig
+
+from cluster.app import build_app
+from cluster.config import ConfigError, load_config
+from cluster.serve_replicas import serve_replicas
+
+OBJECT_STORE = load_config()
+GLOO = OBJECT_STORE.replace(transport={"embeddings": "gloo", "kv": "gloo"})
+
+
+def test_shares_start_from_what_serve_runs():
+    assert serve_replicas(OBJECT_STORE, DeploymentConfig(num_replicas=1)) == 1
+    assert serve_replicas(OBJECT_STORE, DeploymentConfig(num_replicas=3)) == 3
+    scaled = AutoscalingConfig(min_replicas=2, max_replicas=6)
+    assert serve_replicas(OBJECT_STORE, DeploymentConfig(autoscaling_config=scaled)) == 2
+    scaled = AutoscalingConfig(min_replicas=1, initial_replicas=4, max_replicas=6)
+    assert serve_replicas(OBJECT_STORE, DeploymentConfig(autoscaling_config=scaled)) == 4
+
+
+@pytest.mark.parametrize(
+    "serve_side, named",
+    [
+        (DeploymentConfig(num_replicas=2), "num_replicas: 2"),
+        (
+            DeploymentConfig(autoscaling_config=AutoscalingConfig(min_replicas=1, max_replicas=3)),
+            "autoscaling_config",
+        ),
+    ],
+)
+def test_an_override_that_breaks_a_transport_is_refused_by_name(serve_side, named):
+    assert serve_replicas(GLOO, DeploymentConfig(num_replicas=1)) == 1
+    with pytest.raises(ConfigError, match=f"{named}.*transport gloo needs exactly one"):
+        serve_replicas(GLOO, serve_side)
+
+
+def test_the_app_is_built_with_epds_replicas_and_a_drain_as_long_as_a_request():
+    config = OBJECT_STORE.replace(server={"num_replicas": 2}, limits={"request_timeout_s": 300})
+    deployment = build_app(config)._bound_deployment._deployment_config
+    assert deployment.num_replicas == 2
+    # Serve's default (20 s) would cut a long generation short at every redeploy.
+    assert deployment.graceful_shutdown_timeout_s >= 300
