@@ -27,9 +27,7 @@ for ip in 127.0.0.1 127.0.0.2; do ssh -o BatchMode=yes -o StrictHostKeyChecking=
 
 step "ray up $YAML"
 started=$(date +%s)
-# Ray 2.60's autoscaler v2 never launches the local provider's workers (it loops on
-# "Adding 1 node(s)"), so this run uses the v1 autoscaler, Ray's documented switch.
-export RAY_UP_enable_autoscaler_v2=0
+# The v1 autoscaler that the local provider needs is set in the YAML's head start command.
 "$VENV/bin/ray" up "$YAML" --yes --no-config-cache
 echo "ray up took $(( $(date +%s) - started )) s"
 

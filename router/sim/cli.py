@@ -141,11 +141,23 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, out=None) -> int:
     from router.sim.cluster_model import SimCluster, capacity_rps
     from router.sim.loop import simulate
-    from router.sim.report import format_table, plot_load_sweep, plot_ttft_cdf, to_json
+    from router.sim.report import (
+        PlotUnavailable,
+        check_plotting,
+        format_table,
+        plot_load_sweep,
+        plot_ttft_cdf,
+        to_json,
+    )
     from router.sim.trace_file import load_trace
     from router.sim.workload import make_workload
 
     out = out or sys.stdout
+    if args.plot:  # before any simulating, not after minutes of it
+        try:
+            check_plotting()
+        except PlotUnavailable as exc:
+            raise UsageError(f"--plot: {exc}") from None
     policies = _policies(args.policy)
     if args.requests is not None and args.requests < 1:
         raise UsageError(f"--requests must be >= 1, got {args.requests}")

@@ -12,11 +12,14 @@
     measured         (trace replays with ttft_ms) the trace's own TTFT percentiles and
                      mean |simulated - measured|
 
-Plots use matplotlib with the Agg backend, imported only when a plot is asked for.
+Plots use matplotlib with the Agg backend, imported only when a plot is asked for. It comes
+with epd's `plot` extra (installed by ./scripts/setup, with or without --serve); without it
+a plot fails with PlotUnavailable, naming what to install.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -104,8 +107,28 @@ def to_json(obj) -> str:
     return json.dumps(obj, indent=2, sort_keys=False, default=float)
 
 
+class PlotUnavailable(ImportError):
+    pass
+
+
+_NO_MATPLOTLIB = (
+    "plots need matplotlib, which is not installed: pip install 'epd[plot]' "
+    "(./scripts/setup installs it, and so does ./scripts/setup --serve)"
+)
+
+
+def check_plotting() -> None:
+    """Raise PlotUnavailable, naming what to install, when matplotlib is missing (without
+    importing it)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PlotUnavailable(_NO_MATPLOTLIB)
+
+
 def _pyplot():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise PlotUnavailable(_NO_MATPLOTLIB) from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
