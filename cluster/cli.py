@@ -53,13 +53,19 @@ def _serve(args: argparse.Namespace) -> int:
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, SystemExit):
-        from ray import serve
-
-        from cluster.controller import retire
-
-        serve.delete(APP_NAME)  # only epd's app: others on a shared cluster (--address) live on
-        retire(APP_NAME)  # the fleet controller is detached: it would outlive the app
+        stop()
     return 0
+
+
+def stop(app_name: str = APP_NAME) -> None:
+    """`epd serve`'s end: epd's app and its fleet go; other Serve apps on a shared cluster
+    (--address) live on."""
+    from ray import serve
+
+    from cluster.controller import retire
+
+    serve.delete(app_name)
+    retire(app_name)  # the fleet controller is detached: it would outlive the app
 
 
 def _build_model(args: argparse.Namespace) -> int:

@@ -81,6 +81,28 @@ def _placements() -> list[dict]:
     ]
 
 
+def _stop_beside_another_app(root: str) -> dict:
+    """`epd serve`'s stop with another Serve app on the cluster: what is left running."""
+    import httpx
+    from ray import serve
+
+    from cluster import controller
+    from cluster.cli import APP_NAME, stop
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    def other(request) -> str:
+        return "still here"
+
+    serve.run(other.bind(), name="other", route_prefix="/other")
+    stop()
+    with httpx.Client(base_url=root, timeout=60) as http:
+        return {
+            "apps": sorted(serve.status().applications),
+            "other_answers": http.get("/other").text,
+            "epd_controllers": controller.running(APP_NAME),
+        }
+
+
 def main(port: int) -> None:
     import httpx
     import ray
@@ -123,8 +145,17 @@ def main(port: int) -> None:
                 ).json()
                 for m in conversations()
             ]
+        placements = _placements()
+        stopped = _stop_beside_another_app(root)
         print(
-            json.dumps({"answers": answers, "placements": _placements(), "refusal": refusal}),
+            json.dumps(
+                {
+                    "answers": answers,
+                    "placements": placements,
+                    "refusal": refusal,
+                    "stopped": stopped,
+                }
+            ),
             flush=True,
         )
     finally:

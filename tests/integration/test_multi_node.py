@@ -60,3 +60,11 @@ def test_answers_across_nodes_equal_generate(outcome):
         assert answer["choices"][0]["message"]["content"] == text
         assert answer["usage"]["completion_tokens"] == len(ids)
         assert answer["choices"][0]["finish_reason"] == finish
+
+
+def test_stopping_epd_leaves_another_serve_app_running(outcome):
+    """Ctrl-C on `epd serve --address` on a shared cluster: epd's app and its fleet controller
+    go, another team's Serve app keeps answering."""
+    stopped = outcome["stopped"]
+    assert stopped["apps"] == ["other"] and stopped["other_answers"] == "still here", stopped
+    assert stopped["epd_controllers"] == []
