@@ -1,4 +1,5 @@
-"""`epd` command line: build or fetch the checkpoint, serve the cluster, simulate routing."""
+"""`epd` command line: build or fetch the checkpoint, serve the cluster, simulate routing, plan
+a shape."""
 
 from __future__ import annotations
 
@@ -109,11 +110,20 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "simulate", help="routing-policy simulator, driving the router's own code", add_help=False
     )
+    sub.add_parser(
+        "plan",
+        help="cheapest E:P:D shape meeting a TTFT SLO at a rate, by simulation",
+        add_help=False,
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "simulate":
         from router.sim.cli import main as simulate_main
 
         return simulate_main(rest)
+    if args.command == "plan":
+        from router.sim.cli import plan_main
+
+        return plan_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

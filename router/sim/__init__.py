@@ -11,7 +11,8 @@ nothing here imports torch or ray (matplotlib is imported lazily, for plots only
     result = simulate(cluster, wl, "joint", seed=1, slo_ms=2000)
     print(result.summary())
 
-`epd simulate --help` (router/sim/cli.py) is the command-line front end.
+`epd simulate --help` (router/sim/cli.py) is the command-line front end; `epd plan` searches
+with it for the cheapest E:P:D shape meeting a TTFT SLO at a rate (router/sim/plan.py).
 
 Imports from this project: router
 Never imports: torch, ray, transformers

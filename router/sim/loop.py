@@ -75,6 +75,7 @@ class SimResult:
     completed: int = 0  # requests that finished decoding (== len(ttft_ms) after a full run)
     measured_ttft_ms: np.ndarray | None = None
     decisions: list | None = None  # (encoder, prefill, decode) per request, when record_decisions
+    decode_wait_ms: np.ndarray | None = None  # KV landed -> admitted to a decode batch, per request
     extra: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
@@ -184,6 +185,7 @@ def run_router(
         completed=engine.completed,
         measured_ttft_ms=workload.measured_ttft_ms,
         decisions=engine.decisions,
+        decode_wait_ms=np.asarray(engine.decode_wait),
     )
 
 
@@ -219,6 +221,7 @@ class Engine:
         )
         self.requests: list[Request | None] = [None] * n
         self.ttft, self.estimate, self.service = [0.0] * n, [0.0] * n, [0.0] * n
+        self.decode_wait = [0.0] * n  # ms a request's landed KV waited for a decode slot
         self.decisions: list | None = [None] * n if record_decisions else None
         self.media_items = self.completed = 0
         self.last_done = self.arrivals[0] if n else 0.0

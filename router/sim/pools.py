@@ -430,6 +430,8 @@ class DecodePool:
         self.num_active -= 1
         if self.wait[d]:
             r, kv_at = self.wait[d].popleft()
+            if now > kv_at:  # its KV waited for a slot: the stream stalls after the first token
+                self.engine.decode_wait[r] = (now - kv_at) * 1e3
             self._admit(
                 d, r, self.engine.requests[r].profile.max_tokens, kv_at if kv_at > now else now
             )

@@ -9,8 +9,12 @@
     utilisation      encoder / prefill: busy time / (workers x span);
                      decode: occupied batch slots / (workers x max_batch x span)
     estimate_error_ms mean |router estimate - simulated TTFT| (and the signed mean)
+    decode_wait_ms   p50 / p90 / p99 / mean / max of the time a request's KV waited for a decode
+                     slot (its stream stalls that long after the first token)
     measured         (trace replays with ttft_ms) the trace's own TTFT percentiles and
                      mean |simulated - measured|
+
+`plot_cost_vs_slo` draws `epd plan --plot`: the cheapest shape's cost for each of several SLOs.
 
 Plots use matplotlib with the Agg backend, imported only when a plot is asked for. It comes
 with epd's `plot` extra (installed by ./scripts/setup, with or without --serve); without it
@@ -70,6 +74,11 @@ def summarize(result) -> dict:
         if result.media_items
         else None,
         "sim_seconds": round(result.span_s, 3),
+        **(
+            {}
+            if getattr(result, "decode_wait_ms", None) is None
+            else {"decode_wait_ms": _pcts(result.decode_wait_ms)}
+        ),
         "wall_seconds": round(result.wall_s, 3),
     }
     m = result.measured_ttft_ms
@@ -205,4 +214,35 @@ def plot_load_sweep(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     ax.set_title(title or "TTFT percentiles vs offered load")
+    return _save(plt, fig, path)
+
+
+def plot_cost_vs_slo(
+    rows: Sequence[Mapping], path: str | Path, *, title: str | None = None, slo_ms=None
+) -> Path:
+    """The cheapest shape's cost against the TTFT SLO (`epd plan --plot`). `rows`: dicts with
+    slo_ms, cost and shape ("E:P:D"); cost None: no shape within bounds (marked above the rest)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    met = [r for r in rows if r["cost"] is not None]
+    ax.step(
+        [r["slo_ms"] for r in met], [r["cost"] for r in met], "-o", where="post", label="cheapest"
+    )
+    for i, r in enumerate(met):  # each shape where it starts
+        if i == 0 or r["shape"] != met[i - 1]["shape"]:
+            ax.annotate(
+                r["shape"], (r["slo_ms"], r["cost"]), textcoords="offset points", xytext=(4, 6)
+            )
+    top = max([r["cost"] for r in met], default=1.0) * 1.08
+    none = [r["slo_ms"] for r in rows if r["cost"] is None]
+    if none:  # as if of infinite cost: above the rest
+        ax.plot(none, [top] * len(none), "x", color="C3", label="no shape within bounds")
+    if slo_ms is not None:
+        ax.axvline(slo_ms, color="grey", ls="--", lw=0.8, label=f"--slo-ms {slo_ms:g}")
+    ax.margins(x=0.06, y=0.12)
+    ax.set_xlabel("TTFT SLO (ms)")
+    ax.set_ylabel("cost (sum of worker prices)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "cheapest shape's cost vs TTFT SLO", fontsize=10)
     return _save(plt, fig, path)

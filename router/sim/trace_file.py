@@ -28,6 +28,8 @@ per request, in any order (sorted by arrival on load); blank lines are skipped.
 Unknown keys are ignored (so the live cluster may log more: `estimated_ttft_ms`, its parts per
 stage in `estimate_ms`, and the chosen workers in `route`); a line that is not valid
 JSON or lacks / mistypes a field raises `WorkloadError` naming the file and line.
+
+`fit_costs` fits the simulated stage costs to a trace's measured timings (`epd plan`).
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from router.sim.cluster_model import SimCosts
+from router.sim.variability import linear_fit
 from router.sim.workload import MODALITIES, Workload, WorkloadError
 from router.types import MediaJob, RequestProfile
 
@@ -200,3 +205,37 @@ def write_trace(
         for i, (t, prof) in enumerate(workload.iter_requests()):
             rec = profile_to_record(t, prof, None if ttft_ms is None else ttft_ms[i])
             fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+
+def fit_costs(path: str | Path, costs: SimCosts) -> tuple[SimCosts, dict]:
+    """`costs` with a live trace's measured stage times fitted in (fixed + per unit, least
+    squares; the format: module doc): prefill from its own compute time
+    (prefill_compute_ms, else prefill_ms) per prompt token; each modality's encode from the
+    encode_ms of requests with items of that modality only (queue included: an upper bound at
+    load). A stage with under 3 timed records keeps `costs`. Returns (costs, what was fitted)."""
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    fitted: dict = {}
+    timed = [r for r in records if (r.get("prefill_compute_ms") or r.get("prefill_ms") or 0) > 0]
+    if len(timed) >= 3:
+        x = np.array([r["num_prompt_tokens"] for r in timed], dtype=float)
+        y = np.array([r.get("prefill_compute_ms") or r["prefill_ms"] for r in timed], dtype=float)
+        fixed, per_token = linear_fit(x, y)
+        if per_token > 0:
+            costs = replace(costs, prefill_fixed_ms=fixed, prefill_tokens_per_ms=1.0 / per_token)
+            fitted["prefill"] = {"fixed_ms": round(fixed, 3), "tokens_per_ms": 1.0 / per_token}
+            fitted["prefill"] |= {"records": len(timed)}
+    encode = dict(costs.encode)
+    for mod in encode:
+        mine = [
+            r
+            for r in records
+            if r.get("items") and {it["modality"] for it in r["items"]} == {mod}
+            if r.get("encode_ms", 0) > 0
+        ]
+        if len(mine) >= 3:
+            x = np.array([sum(it["size"] for it in r["items"]) for r in mine], dtype=float)
+            fixed, per_unit = linear_fit(x, np.array([r["encode_ms"] for r in mine], dtype=float))
+            encode[mod] = replace(encode[mod], fixed_ms=fixed, per_unit_ms=per_unit)
+            fitted[f"encode:{mod}"] = {"fixed_ms": round(fixed, 3), "per_unit_ms": per_unit}
+            fitted[f"encode:{mod}"] |= {"records": len(mine)}
+    return replace(costs, encode=encode), fitted

@@ -415,6 +415,29 @@ def test_cli_plots(tmp_path, capsys):
     assert out.stat().st_size > 1000 and (tmp_path / "cdf_load.png").stat().st_size > 1000
 
 
+def test_cli_rate_offers_requests_per_second_and_names_the_load(capsys):
+    argv = ["--cluster", "2x4x2", "--rate", "20", "--requests", "4000", "--seed", "2"]
+    assert cli_main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    result = doc["results"][0]
+    assert doc["rate_rps"] == 20.0 and result["offered_rps"] == 20.0
+    # the arrivals realise the rate (Poisson: ~1.6% standard deviation over 4000 requests)
+    assert doc["arrival_rps"] == pytest.approx(20.0, rel=0.07)
+    assert result["load"] == pytest.approx(20.0 / doc["capacity_rps"], rel=1e-3)
+    assert result["decode_wait_ms"]["p99"] >= 0
+    assert cli_main(argv[:-2]) == 0  # the text report: the rate, and the load it amounts to
+    header = capsys.readouterr().out.splitlines()[1]
+    assert f"at 20.00 req/s = {result['load']:.2f} x capacity" in header
+
+
+def test_cli_rate_is_refused_with_load_or_sweep(capsys):
+    for other in (["--load", "0.5"], ["--sweep", "0.5,0.7"]):
+        assert cli_main(["--rate", "5", *other, "--requests", "10"]) == 2
+        assert "--rate (requests/s) and --load/--sweep" in capsys.readouterr().err
+    assert cli_main(["--rate", "0", "--requests", "10"]) == 2
+    assert "--rate must be a positive number of requests/s" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------- import rule
 
 
