@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return simulate_main(rest)
     if args.command == "plan":
-        from router.sim.cli import plan_main
+        from router.sim.plan_cli import plan_main
 
         return plan_main(rest)
     if rest:

@@ -8,9 +8,9 @@ import pytest
 
 from cluster.cli import main as epd_main
 from router.sim.cli import main as simulate_main
-from router.sim.cli import plan_main
 from router.sim.cluster_model import SimCosts
 from router.sim.plan import STAGES, min_shape
+from router.sim.plan_cli import plan_main
 from router.sim.trace_file import profile_to_record
 from router.sim.workload import make_workload
 
