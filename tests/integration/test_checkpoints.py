@@ -1,7 +1,7 @@
 """Checkpoints as users have them, served over HTTP on a real local Ray + Serve and token-exact
-against the model's own `generate`: Qwen2.5-Omni in the published layout (thinker served,
-talker ignored), and a Hub repo id resolved offline from a Hugging Face cache filled here,
-served in bfloat16 on CPU (against `generate` in bfloat16, single requests)."""
+against the model's own `generate`: a Hub repo id resolved offline from a Hugging Face cache
+filled here, served in bfloat16 on CPU (against `generate` in bfloat16, single requests).
+Qwen2.5-Omni in the published layout is test_modalities.py's all-modality app."""
 
 from __future__ import annotations
 
@@ -12,20 +12,10 @@ from cluster.prepare import ensure_model
 from tests.hf_cache import fill_hf_cache
 from tests.integration.conftest import cluster_config, deploy
 from tests.integration.reference import reference_generate
-from tests.integration.test_modalities import OMNI_REQUESTS, app_config, check_token_exact
 from tests.integration.test_token_exact import varied_requests
 
 MAX_TOKENS = 12
 REPO_ID = "epd-test/tiny-llava"
-
-
-def test_published_omni_layout_serves_its_thinker_token_exact(ray_session):
-    app = deploy(app_config("qwen2_5_omni"))
-    check_token_exact(
-        app, OMNI_REQUESTS, copies=1
-    )  # 6 requests in flight; the thinker path itself is tested at length on tiny-omni
-    workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]["encoder"]
-    assert all(w["num_batches"] > 0 for w in workers), workers
 
 
 def _answers(app, requests) -> list[tuple[str, int, str]]:

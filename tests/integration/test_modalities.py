@@ -1,6 +1,8 @@
 """Audio and video through HTTP on a real local Ray cluster, for the audio family (Qwen2-Audio)
-and the all-modality family (Qwen2.5-Omni thinker, encoders split into a vision and an audio
-pool): greedy output equals the model's own `generate`, with many mixed requests in flight;
+and the all-modality family (Qwen2.5-Omni in the published layout: thinker + talker +
+token2wav in one repo, the thinker served and the talker never loaded; encoders split into a
+vision and an audio pool): greedy output equals the model's own `generate`, with many mixed
+requests in flight;
 bad audio/video gets a 4xx naming the problem while other requests finish; a long video's
 encoding does not hold up text-only requests."""
 
@@ -138,7 +140,7 @@ FETCH_LIMITS = {
 @pytest.fixture
 def omni(ray_session):
     """The omni app (redeployed only if another app was deployed since: tests keep omni first)."""
-    return deploy(app_config("omni", limits=FETCH_LIMITS))
+    return deploy(app_config("qwen2_5_omni", limits=FETCH_LIMITS))
 
 
 def test_omni_equals_generate_with_mixed_requests_in_flight(omni):
@@ -355,7 +357,7 @@ async def _chat_beside(app, requests: list[list[dict]]) -> list[httpx.Response]:
 def test_long_video_encoding_does_not_hold_up_text(ray_session):
     """The vision encoder is slowed 30x: while a video encodes, text-only requests (and the
     audio pool) go on; every text answer is complete before the video's first token."""
-    config = app_config("omni")
+    config = app_config("qwen2_5_omni")
     pools = [
         dict(pool, slowdown=[30.0]) if "video" in pool["modalities"] else pool
         for pool in config.model_dump(mode="json")["encoder"]
