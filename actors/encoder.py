@@ -2,12 +2,14 @@
 
 Each item's embeddings stay in the encoder cache, referenced by the requests that asked
 for them until the ingress says they reached the prefill worker (`drop`), then cached
-for reuse and evicted under the byte budget (actors/engine/encoder_cache.py).
+for reuse and evicted under the byte budget (actors/engine/encoder_cache.py). An item's
+pixels come as an object-store reference (MediaItem.data_ref), fetched only on a cache miss.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
@@ -80,6 +82,7 @@ class EncoderWorker(ModelWorker):
         pending = asyncio.get_running_loop().create_future()
         self.cache.start(identifier, job.request_id, pending)
         try:
+            job = await _with_pixels(job)
             (embedding, encode_ms), queue_ms, batch_size = await self.batcher.submit(job)
         except BaseException as exc:
             self.cache.fail(identifier)
@@ -125,6 +128,13 @@ class EncoderWorker(ModelWorker):
     def cached_identifiers(self) -> frozenset[str]:
         """What this encoder holds, for the router's cluster view."""
         return self.cache.identifiers()
+
+
+async def _with_pixels(job: EncodeJob) -> EncodeJob:
+    """`job` with its item's pixels here, fetched from the object store if they are there."""
+    if job.item.data_ref is None:
+        return job
+    return dataclasses.replace(job, item=job.item.with_data(await job.item.data_ref))
 
 
 # Tensor transport must be declared on the class: a per-handle option is not honoured.

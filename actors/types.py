@@ -1,15 +1,18 @@
 """Typed, frozen records that cross stage boundaries (ingress -> encoder -> prefill -> decode).
 
 No torch here: the ingress and the router's callers import these without a model.
-Tensors travel beside these records as separate top-level Ray arguments, never inside them.
+Tensors travel beside these records as separate top-level Ray arguments, never inside them;
+a MediaItem's pixels may ride inside it as an object-store reference (`MediaItem.data_ref`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -32,13 +35,40 @@ class WorkerRequestError(Exception):
 @dataclass(frozen=True)
 class MediaItem:
     """One decoded, validated item. `data` layout depends on the modality:
-    image HxWx3 uint8, video TxHxWx3 uint8, audio mono float32 samples."""
+    image HxWx3 uint8, video TxHxWx3 uint8, audio mono float32 samples.
+
+    Once the ingress has put the pixels into Ray's object store (`stored`), `data_ref` is their
+    ObjectRef and `data` a stand-in of the same shape and dtype that holds no bytes: shapes,
+    sizes and placeholder counts still read from it, and pickling sends only the shape. The
+    encoder fetches the pixels (`with_data`) only when its cache misses."""
 
     modality: Modality
     identifier: str
     data: np.ndarray = field(repr=False, compare=False)
     sample_rate_hz: int | None = None  # audio: samples per second of `data`
     frames_per_s: float | None = None  # video: rate of the sampled frames (num_frames / duration)
+    data_ref: Any = field(default=None, repr=False, compare=False)  # ray.ObjectRef of the data
+
+    def stored(self, ref: Any) -> MediaItem:
+        """This item with its pixels at `ref` (an ObjectRef) instead of in this process."""
+        return dataclasses.replace(
+            self, data=_no_bytes(self.data.shape, self.data.dtype), data_ref=ref
+        )
+
+    def with_data(self, data: np.ndarray) -> MediaItem:
+        """This item with its pixels here (as fetched from `data_ref`)."""
+        return dataclasses.replace(self, data=data, data_ref=None)
+
+    def __getstate__(self) -> dict:
+        if self.data_ref is None:
+            return self.__dict__
+        # A zero-stride stand-in would pickle as a full-size copy: send its shape instead.
+        return {**self.__dict__, "data": _Shape(self.data.shape, self.data.dtype.str)}
+
+    def __setstate__(self, state: dict) -> None:
+        if isinstance(state["data"], _Shape):
+            state = {**state, "data": _no_bytes(state["data"].shape, np.dtype(state["data"].dtype))}
+        self.__dict__.update(state)  # frozen: no __setattr__
 
     @property
     def size(self) -> int:
@@ -53,6 +83,17 @@ class MediaItem:
         if self.modality == Modality.VIDEO and self.frames_per_s:
             return self.data.shape[0] / self.frames_per_s
         return 0.0
+
+
+@dataclass(frozen=True)
+class _Shape:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _no_bytes(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A read-only array of `shape` and `dtype` backed by a single element (all zero)."""
+    return np.broadcast_to(np.zeros((), dtype), shape)
 
 
 @dataclass(frozen=True)

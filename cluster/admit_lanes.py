@@ -2,13 +2,17 @@
 lanes with threads and bounds of their own: a text-only request never waits for a thread
 that media decoding holds, and a lane that is full refuses at arrival (429, in
 microseconds) instead of growing a queue whose refusals would come as late as answers.
-Plain asyncio and threads, no Ray."""
+A thread cannot be stopped, so a request that goes away (its client left) sets an event the
+admission work can read (`request_ended`) to stop waiting early. Plain asyncio and threads,
+no Ray."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import enum
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -22,6 +26,14 @@ TEXT_THREADS = 4  # parsing and tokenizing text takes milliseconds
 MEDIA_THREADS = 32  # most wait for a decode slot (limits.max_concurrent_decodes)
 
 T = TypeVar("T")
+_ended: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "admit_ended", default=None
+)
+
+
+def request_ended() -> threading.Event | None:
+    """In a lane's thread: set once the request it admits has gone (None outside a lane)."""
+    return _ended.get()
 
 
 class Lane(str, enum.Enum):
@@ -69,8 +81,13 @@ class AdmitLanes:
                 f"is limits.max_admitting_{lane.value} = {self.limits[lane]}); retry later"
             )
         self.pending[lane] += 1
+        ended, context = threading.Event(), contextvars.copy_context()
+        context.run(_ended.set, ended)
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pools[lane], admit, body, *args)
+            return await loop.run_in_executor(self._pools[lane], context.run, admit, body, *args)
+        except asyncio.CancelledError:
+            ended.set()  # the thread goes on: what it waits for, it may stop waiting for
+            raise
         finally:
             self.pending[lane] -= 1

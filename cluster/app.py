@@ -153,6 +153,8 @@ class Ingress:
         self.admission = Admission(*self._budget_share(replicas))
         self.fleet.on_replicas = lambda n: self.admission.resize(*self._budget_share(n))
         self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
+        self.media_budget = self.path.intake.media_budget
+        self.metrics.track_media(lambda: self.media_budget.in_flight)
 
     def _budget_share(self, num_replicas: int) -> tuple[int, int]:
         """This replica's share of the cluster's back-pressure budgets (waiting prompt tokens,
@@ -467,6 +469,8 @@ class Ingress:
                 "generating": self.admission.generating,
                 "max_generating": self.admission.max_generating,  # its share of the budget
                 "served_ok": int(served),
+                "media_bytes_in_flight": self.media_budget.in_flight,
+                "media_waiting": self.media_budget.num_waiting,
             }
             snapshot = self.fleet.snapshot
             body["fleet"] = {

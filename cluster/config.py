@@ -410,6 +410,27 @@ class LimitsConfig(Strict):
         "this limit (other requests go on). Not enforced with decode_in_process (a thread cannot "
         "be stopped).",
     )
+    max_decoded_media_mb: int = Field(
+        1024,
+        ge=1,
+        description="Most decoded media the ingress holds at once, in MB (RGB pixels x 3 bytes, "
+        "audio samples x 4), across requests: each item is charged from its headers before it "
+        "decodes and given back once its pixels are in Ray's object store (or its request ends). "
+        "An item that does not fit waits (max_waiting_for_decoded_media, decoded_media_wait_s) "
+        "or gets 429 with Retry-After; one larger than all of it is refused with a 400 naming "
+        "this limit. Text requests never wait for it. At least one image of max_image_pixels.",
+    )
+    max_waiting_for_decoded_media: int = Field(
+        16,
+        ge=0,
+        description="Media items that may wait at once for room in max_decoded_media_mb; one "
+        "more is refused at once with 429 (0: never wait).",
+    )
+    decoded_media_wait_s: float = Field(
+        5.0,
+        gt=0,
+        description="Longest wait for room in max_decoded_media_mb; then 429 with Retry-After.",
+    )
     decode_in_process: bool = Field(
         False,
         description="Decode media in the ingress process itself (threads, no memory cap): for "
@@ -430,6 +451,18 @@ class LimitsConfig(Strict):
                         f"limits.{name} applies to decoding processes only; "
                         "it cannot be enforced with limits.decode_in_process: true"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _one_image_fits(self) -> LimitsConfig:
+        """An image max_image_pixels allows must fit the in-flight budget, or it could never
+        be decoded."""
+        image_mb = self.max_image_pixels * 3 / 2**20
+        if self.max_decoded_media_mb < image_mb:
+            raise ValueError(
+                f"limits.max_decoded_media_mb = {self.max_decoded_media_mb} cannot hold one image "
+                f"of limits.max_image_pixels = {self.max_image_pixels} ({image_mb:.1f} MB of RGB)"
+            )
         return self
 
     remote_media: RemoteMediaConfig = Field(

@@ -1,7 +1,10 @@
 """Intake: a request body becomes an `Admitted` request, or a 4xx naming what is wrong.
 
 Parse and validate the body, check the model name, decode and bound the media, plan the
-prompt (placeholders expanded) and check that it and its KV fit. No worker is asked.
+prompt (placeholders expanded) and check that it and its KV fit. No worker is asked. Decoded
+media counts against the ingress's in-flight budget (cluster/media/inflight.py) from its headers
+until it is in Ray's object store (`store`): images and videos right after each decodes, audio
+once the plan has cut it into windows; whatever admission still holds is given back at its end.
 """
 
 from __future__ import annotations
@@ -9,11 +12,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 
 from actors.engine import kv
 from actors.engine.grammar import GrammarError, grammar_of
 from actors.types import GrammarSpec, MediaItem, SamplingParams
+from cluster.admit_lanes import request_ended
 from cluster.admitted import AdmissionTimings, Admitted, Endpoint
+from cluster.backpressure import Overloaded
 from cluster.chat_tools import ToolMode, grammar_for
 from cluster.config import ClusterConfig
 from cluster.errors import RequestError
@@ -22,17 +31,32 @@ from cluster.media.decoders import MediaOptions
 from cluster.media.errors import MediaError
 from cluster.media.identifiers import media_identifier
 from cluster.media.image import low_detail
+from cluster.media.inflight import MB, InFlightBudget, Ledger, MediaBusy
 from cluster.media.load import load_media_item
 from cluster.media.video import VideoSampling
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
 from cluster.protocol import ChatCompletionRequest, to_template_messages
 from cluster.request_body import BodyError, parse_request
 from cluster.sampling_fields import ModelBounds, ParamError
+from router.types import Modality
 
 
 class Intake:
-    def __init__(self, config: ClusterConfig, planner: PromptPlanner):
-        self.config, self.planner = config, planner
+    def __init__(
+        self,
+        config: ClusterConfig,
+        planner: PromptPlanner,
+        store: Callable[[np.ndarray], Any] | None = None,
+    ):
+        """`store` puts an array into Ray's object store (ray.put) and returns its ref; None
+        (tests without Ray): items keep their arrays, and the budget is held to admission's end."""
+        self.config, self.planner, self.store = config, planner, store
+        limits = config.limits
+        self.media_budget = InFlightBudget(
+            limits.max_decoded_media_mb * MB,
+            limits.max_waiting_for_decoded_media,
+            limits.decoded_media_wait_s,
+        )
 
     def admit(
         self, body: bytes, request_id: str, arrived_s: float, endpoint: Endpoint = Endpoint.CHAT
@@ -53,9 +77,10 @@ class Intake:
             )
         if isinstance(request, ChatCompletionRequest):
             hf_messages, media = to_template_messages(request.messages)
-            items = tuple(self._decode_media(media))
-            decoded_s = time.perf_counter()
-            plan = self._plan(hf_messages, items, request)
+            with Ledger(self.media_budget, request_ended()) as ledger:
+                items = tuple(self._decode_media(media, ledger))
+                decoded_s = time.perf_counter()
+                plan = self._stored(self._plan(hf_messages, items, request))
         else:
             plan = self._text_plan(request.prompt)
         try:
@@ -113,8 +138,10 @@ class Intake:
             video_sampling=VideoSampling(fps=media.video_fps, max_frames=media.video_max_frames),
         )
 
-    def _decode_media(self, media) -> list[MediaItem]:
-        limits, options = self.config.limits, self._media_options()
+    def _decode_media(self, media, ledger: Ledger | None = None) -> list[MediaItem]:
+        """The request's items decoded, in order; each is charged to `ledger` before it decodes,
+        and an image or video is stored (and its charge given back) before the next decodes."""
+        limits = self.config.limits
         if len(media) > limits.max_items_per_request:
             raise RequestError(
                 400,
@@ -122,7 +149,9 @@ class Intake:
                 f"the limit is {limits.max_items_per_request}",
                 "messages",
             )
-        items, budget = [], PixelBudget(limits.max_request_pixels)  # shared by the request's items
+        hold = ledger.hold if ledger is not None else None
+        budget = PixelBudget(limits.max_request_pixels, hold)  # shared by the request's items
+        items = []
         for part in media:
             if part.modality not in self.planner.spec.modalities:
                 raise RequestError(
@@ -131,28 +160,49 @@ class Intake:
                     f"does not take {part.modality.value} input",
                     part.param,
                 )
-            try:
-                items.append(
-                    load_media_item(
-                        part.modality,
-                        part.payload,
-                        namespace=self.config.model.served_name,
-                        limits=limits,
-                        param=part.param,
-                        format=part.format,
-                        options=options,
-                        budget=budget,
-                    )
-                )
-            except MediaError as exc:
-                raise RequestError(400, exc.message, exc.param) from None
-            if part.detail == "low":
-                items[-1] = self._low_detail(items[-1])
-            try:
-                self.planner.check_item(items[-1])
-            except PromptError as exc:
-                raise RequestError(400, str(exc), part.param) from None
+            held = ledger.held if ledger is not None else 0
+            item = self._load(part, budget)
+            # Audio waits for the plan, which cuts it into windows that read its samples.
+            if ledger is not None and self.store is not None and item.modality != Modality.AUDIO:
+                item = item.stored(self.store(item.data))
+                ledger.release_to(held)
+            items.append(item)
         return items
+
+    def _load(self, part, budget: PixelBudget) -> MediaItem:
+        """One part decoded (low detail applied) and checked against the model's processor."""
+        try:
+            item = load_media_item(
+                part.modality,
+                part.payload,
+                namespace=self.config.model.served_name,
+                limits=self.config.limits,
+                param=part.param,
+                format=part.format,
+                options=self._media_options(),
+                budget=budget,
+            )
+        except MediaError as exc:
+            raise RequestError(400, exc.message, exc.param) from None
+        except MediaBusy as exc:
+            raise Overloaded(exc.message) from None
+        if part.detail == "low":
+            item = self._low_detail(item)
+        try:
+            self.planner.check_item(item)
+        except PromptError as exc:
+            raise RequestError(400, str(exc), part.param) from None
+        return item
+
+    def _stored(self, plan: PromptPlan) -> PromptPlan:
+        """The plan with every item's data in the object store (audio windows go now)."""
+        if self.store is None or all(item.data_ref is not None for item in plan.items):
+            return plan
+        items = tuple(
+            item if item.data_ref is not None else item.stored(self.store(item.data))
+            for item in plan.items
+        )
+        return dataclasses.replace(plan, items=items)
 
     def _low_detail(self, item: MediaItem) -> MediaItem:
         """image_url.detail "low": the shrunk image, under its own content identifier."""

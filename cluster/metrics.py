@@ -173,6 +173,11 @@ class Metrics:
             "encoder_batch_size", "Items per encoder forward pass.", (1, 2, 4, 8, 16, 32, 64)
         )
         self.queue_depth = self._gauge("queue_depth", "Outstanding jobs per worker kind.", "kind")
+        self.media_bytes_in_flight = self._gauge(
+            "media_bytes_in_flight",
+            "Decoded media the ingress holds or is decoding, in bytes "
+            "(limits.max_decoded_media_mb).",
+        )
         self.retries = self._counter(
             "retries",
             "Requests resumed on other workers after a worker failed, by the failed kind.",
@@ -203,6 +208,10 @@ class Metrics:
         """Read the admission counts at scrape time rather than mirroring every change."""
         self.waiting.set_function(waiting)
         self.running.set_function(running)
+
+    def track_media(self, in_flight: Callable[[], float]) -> None:
+        """Read the in-flight media budget's use at scrape time."""
+        self.media_bytes_in_flight.set_function(in_flight)
 
     def track_workers(self, latest: Callable[[], WorkerStats]) -> None:
         """Series from the workers' own stats (encoder cache states, decode KV in use), read

@@ -84,7 +84,9 @@ class RequestPath:
             on_worker_lost  # the supervisor confirms the death and restarts the worker
         )
         self.trace = TraceWriter(config.server.trace_path) if config.server.trace_path else None
-        self.intake = Intake(config, planner)
+        # Decoded media goes into the object store in the admission thread: the encode call
+        # then sends a reference, and the event loop never serializes pixels.
+        self.intake = Intake(config, planner, store=ray.put)
         self.feeds = DecodeFeeds(fleet.owner)
 
     # -- 1. admit -------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import math
 import numpy as np
 import soundfile as sf
 
+from cluster.media.budget import PixelBudget
 from cluster.media.errors import MediaError
 from cluster.media.fetch import FetchPolicy
 from cluster.media.payload import UrlKind, data_url_bytes, decode_base64
@@ -59,24 +60,37 @@ def decode_audio(
     sample_rate_hz: int,
     max_duration_s: float,
     param: str,
+    budget: PixelBudget | None = None,
 ) -> np.ndarray:
     """base64 audio declared as `audio_format` -> 1-D float32 mono samples at `sample_rate_hz`.
 
     Raises MediaError for an unsupported format, bad base64, data that is not audio of the
     declared format, absurd sample rates or channel counts, no samples, non-finite samples
-    and clips longer than `max_duration_s`.
+    and clips longer than `max_duration_s`. `budget` is charged its samples' bytes from the
+    header, before any is decoded.
     """
     name = _format_name(audio_format, param)
     data = decode_base64(
         _strip_data_url(data_b64), noun="audio", where="input_audio data", param=param
     )
     return decode_audio_bytes(
-        data, name, sample_rate_hz=sample_rate_hz, max_duration_s=max_duration_s, param=param
+        data,
+        name,
+        sample_rate_hz=sample_rate_hz,
+        max_duration_s=max_duration_s,
+        param=param,
+        budget=budget,
     )
 
 
 def decode_audio_url(
-    url: str, *, remote: FetchPolicy | None, sample_rate_hz: int, max_duration_s: float, param: str
+    url: str,
+    *,
+    remote: FetchPolicy | None,
+    sample_rate_hz: int,
+    max_duration_s: float,
+    param: str,
+    budget: PixelBudget | None = None,
 ) -> np.ndarray:
     """An audio_url (a data URL, or http(s) fetched under `remote`) -> samples, as decode_audio."""
     mime, data = data_url_bytes(url, kind=AUDIO_URL, remote=remote, param=param)
@@ -86,17 +100,27 @@ def decode_audio_url(
         sample_rate_hz=sample_rate_hz,
         max_duration_s=max_duration_s,
         param=param,
+        budget=budget,
     )
 
 
 def decode_audio_bytes(
-    data: bytes, name: str, *, sample_rate_hz: int, max_duration_s: float, param: str
+    data: bytes,
+    name: str,
+    *,
+    sample_rate_hz: int,
+    max_duration_s: float,
+    param: str,
+    budget: PixelBudget | None = None,
 ) -> np.ndarray:
     if sample_rate_hz <= 0:
         raise ValueError(f"target sample rate must be positive, got {sample_rate_hz}")
     sound = _open(data, name, param)
     with sound:
         _check_header(sound, max_duration_s=max_duration_s, param=param)
+        if budget is not None:  # the header's length (an estimate for MP3) at the model's rate
+            samples = math.ceil(sound.frames * sample_rate_hz / sound.samplerate)
+            budget.charge_samples(samples, param=param)
         mono = _read_mono(sound, name, max_duration_s=max_duration_s, param=param)
     return resample(mono, sound.samplerate, sample_rate_hz)
 

@@ -5,15 +5,20 @@ plain fork of the many-threaded ingress). It caps its own address space first, t
 serves decode tasks from the socket on fd N until the ingress closes it or it has served
 its share: each task is a pickled `DecodeTask`; the answer is a pickled `DecodeReply`
 header, followed for a success by the array's raw bytes (no pickling of the pixels, so the
-ingress receives them straight into the array it keeps).
+ingress receives them straight into the array it keeps). When the task `asks_hold`, the child
+first sends a `HoldAsk` with the item's decoded bytes, from its headers, and decodes only if
+the ingress answers True (its in-flight budget took them); on False it stops (`stopped`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import resource
+import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -33,6 +38,16 @@ class DecodeTask:
     options: Any  # cluster.media.decoders.MediaOptions
     max_request_pixels: int | None  # None: no request budget
     spent_pixels: int
+    asks_hold: bool = False  # ask the ingress (HoldAsk) before decoding
+
+
+@dataclass(frozen=True)
+class HoldAsk:
+    """Sent mid-task: may the item decode `num_bytes`? The ingress answers True or False."""
+
+    num_bytes: int
+    param: str
+    noun: str
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,11 @@ class DecodeReply:
     )
     error: BaseException | None = field(default=None)  # anything else, raised again as it is
     out_of_memory: bool = False  # the child hit its cap and exits after this reply
+    stopped: bool = False  # the ingress refused a HoldAsk: nothing was decoded
+
+
+class _Stopped(BaseException):
+    """The ingress refused to hold the item (a BaseException: no decoder's handler takes it)."""
 
 
 def cap_memory(max_memory_mb: int) -> None:
@@ -58,16 +78,14 @@ def cap_memory(max_memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def run_task(task: DecodeTask) -> tuple[DecodeReply, Any]:
-    """Decode one task: (reply, the array or None)."""
-    from cluster.media.budget import PixelBudget
+def run_task(
+    task: DecodeTask, ask: Callable[[HoldAsk], bool] | None = None
+) -> tuple[DecodeReply, Any]:
+    """Decode one task: (reply, the array or None). `ask` puts a HoldAsk to the ingress."""
     from cluster.media.decoders import decode_media
     from cluster.media.errors import MediaError
 
-    budget = None
-    if task.max_request_pixels is not None:
-        budget = PixelBudget(task.max_request_pixels)
-        budget.spent_pixels = task.spent_pixels
+    budget = _budget(task, ask)
     try:
         decoded = decode_media(
             task.modality,
@@ -78,6 +96,8 @@ def run_task(task: DecodeTask) -> tuple[DecodeReply, Any]:
             options=task.options,
             budget=budget,
         )
+    except _Stopped:
+        return DecodeReply(stopped=True), None
     except MediaError as exc:
         return DecodeReply(media_error=(exc.message, exc.param)), None
     except MemoryError:
@@ -93,6 +113,23 @@ def run_task(task: DecodeTask) -> tuple[DecodeReply, Any]:
         spent_pixels=budget.spent_pixels if budget is not None else 0,
     )
     return reply, data
+
+
+def _budget(task: DecodeTask, ask: Callable[[HoldAsk], bool] | None) -> Any:
+    """The request's PixelBudget as the ingress left it, whose hook asks the ingress."""
+    from cluster.media.budget import PixelBudget
+
+    if task.max_request_pixels is None and not (task.asks_hold and ask):
+        return None
+
+    def hold(num_bytes: int, param: str, noun: str) -> None:
+        if not ask(HoldAsk(num_bytes, param, noun)):
+            raise _Stopped
+
+    limit = task.max_request_pixels if task.max_request_pixels is not None else sys.maxsize
+    budget = PixelBudget(limit, hold if task.asks_hold and ask else None)
+    budget.spent_pixels = task.spent_pixels
+    return budget
 
 
 def _picklable(exc: Exception) -> BaseException:
@@ -116,7 +153,7 @@ def serve(conn: Connection, *, max_tasks: int) -> None:
             task = conn.recv()
         except (EOFError, OSError):
             return
-        reply, data = run_task(task)
+        reply, data = run_task(task, functools.partial(_ask, conn))
         conn.send(reply)
         if data is not None:
             conn.send_bytes(
@@ -125,6 +162,11 @@ def serve(conn: Connection, *, max_tasks: int) -> None:
         del data
         if reply.out_of_memory:
             return  # a heap that ran out is not worth keeping
+
+
+def _ask(conn: Connection, message: HoldAsk) -> bool:
+    conn.send(message)
+    return conn.recv() is True
 
 
 def main() -> None:

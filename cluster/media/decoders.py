@@ -177,6 +177,7 @@ def _audio_decoder(
             sample_rate_hz=rate_hz,
             max_duration_s=limits.max_audio_s,
             param=part.param,
+            budget=budget,
         )
     else:
         samples = decode_audio(
@@ -185,6 +186,7 @@ def _audio_decoder(
             sample_rate_hz=rate_hz,
             max_duration_s=limits.max_audio_s,
             param=part.param,
+            budget=budget,
         )
     return Decoded(samples, sample_rate_hz=rate_hz)
 

@@ -78,7 +78,8 @@ def _decode_in_child(
     budget: PixelBudget | None,
 ) -> Decoded:
     """decode_media in one of this process's decoding processes; the request's budget is charged
-    here as there."""
+    here as there, and its hook (the in-flight budget) answers the child before it decodes."""
+    hold = budget.hold if budget is not None else None
     shape = PoolShape(
         limits.max_concurrent_decodes,
         limits.max_decode_memory_mb,
@@ -94,8 +95,9 @@ def _decode_in_child(
         options,
         budget.max_pixels if budget is not None else None,
         budget.spent_pixels if budget is not None else 0,
+        asks_hold=hold is not None,
     )
-    reply, data = decode_pool(shape).decode(task)
+    reply, data = decode_pool(shape).decode(task, hold)
     if budget is not None:
         budget.spent_pixels = reply.spent_pixels
     return Decoded(data, sample_rate_hz=reply.sample_rate_hz, frames_per_s=reply.frames_per_s)

@@ -9,6 +9,8 @@ the machine's memory; one that needs more fails with a MediaError naming the lim
 a child that dies for any reason is replaced, failing only the decode it was running.
 A child that has not answered within `max_decode_s` (hung in a decoder, or stopped) is
 killed and replaced too, so that it cannot hold its slot until the request times out.
+With a `hold` (the request's share of the ingress's in-flight budget), a child asks before it
+decodes (child.HoldAsk); time spent waiting for that answer does not count against the deadline.
 
 Children are started with subprocess (fork + exec of a fresh interpreter; never a plain
 fork of the many-threaded ingress) and talk over a socketpair. The pool is made lazily,
@@ -19,6 +21,7 @@ on their own when the socket closes if the process is killed).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import subprocess
 import sys
@@ -31,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.media.child import DecodeReply, DecodeTask
+from cluster.media.budget import Hold
+from cluster.media.child import DecodeReply, DecodeTask, HoldAsk
 from cluster.media.errors import MediaError
 from cluster.media.pool import release_memory
 
@@ -107,13 +111,13 @@ class DecodePool:
         self._idle: list[_Child] = []
         self._closed = False
 
-    def decode(self, task: DecodeTask) -> tuple[DecodeReply, np.ndarray]:
-        """Run `task` in a child: (reply, array); MediaError (or the child's own exception) on
-        failure."""
+    def decode(self, task: DecodeTask, hold: Hold | None = None) -> tuple[DecodeReply, np.ndarray]:
+        """Run `task` in a child: (reply, array); MediaError (or the child's own exception, or
+        `hold`'s) on failure. `hold` answers the child's HoldAsk (when `task.asks_hold`)."""
         with self._slots:
             child = self._take()
             try:
-                reply, data = self._exchange(child, task)
+                reply, data = self._exchange(child, task, hold)
             except BaseException:
                 self._retire(
                     child
@@ -125,7 +129,9 @@ class DecodePool:
         self._raise_failure(reply, task.param)
         return reply, data
 
-    def _exchange(self, child: _Child, task: DecodeTask) -> tuple[DecodeReply, np.ndarray | None]:
+    def _exchange(
+        self, child: _Child, task: DecodeTask, hold: Hold | None
+    ) -> tuple[DecodeReply, np.ndarray | None]:
         """Send `task`, read its answer. A child silent past the deadline is a MediaError naming
         limits.max_decode_s; `decode` then kills it, as it does any child an exchange failed
         with."""
@@ -134,8 +140,9 @@ class DecodePool:
             deadline_s = time.monotonic() + self.shape.max_decode_s
             child.conn.send(task)
             child.tasks_left -= 1
-            self._await(child, deadline_s, task.param)
-            reply: DecodeReply = child.conn.recv()
+            reply, refused = self._reply(child, deadline_s, task.param, hold)
+            if refused is not None:  # the child stopped, and is as good as new
+                return dataclasses.replace(reply, error=refused), None
             if reply.media_error is not None or reply.error is not None or reply.out_of_memory:
                 return reply, None
             data = np.empty(reply.shape, np.dtype(reply.dtype))
@@ -148,6 +155,27 @@ class DecodePool:
         except (EOFError, OSError):
             code = child.process.wait()
             raise MediaError(self._died(code), task.param) from None
+
+    def _reply(
+        self, child: _Child, deadline_s: float, param: str, hold: Hold | None
+    ) -> tuple[DecodeReply, Exception | None]:
+        """The task's reply header, answering the child's HoldAsk on the way: (reply, what
+        `hold` raised when it refused)."""
+        refused = None
+        while True:
+            self._await(child, deadline_s, param)
+            message = child.conn.recv()
+            if not isinstance(message, HoldAsk):
+                return message, refused
+            started_s = time.monotonic()
+            try:
+                if hold is None:
+                    raise RuntimeError("a decoding process asked to hold an item; none was given")
+                hold(message.num_bytes, message.param, message.noun)
+            except Exception as exc:  # noqa: BLE001 - raised once the child has stopped
+                refused = exc
+            child.conn.send(refused is None)
+            deadline_s += time.monotonic() - started_s  # waiting for room is not decoding
 
     def _await(self, child: _Child, deadline_s: float, param: str) -> None:
         if not child.conn.poll(max(0.0, deadline_s - time.monotonic())):

@@ -1,21 +1,29 @@
 """Back-pressure and time-outs on a deliberately tight cluster: a burst beyond the admission
 budget gets 429 with Retry-After at once (nothing queues without bound), and a request that
 times out before its first token leaves nothing held in any worker. The tight cluster is the
-default one's fleet, slowed in place: a redeploy of live settings keeps the workers."""
+default one's fleet, slowed in place: a redeploy of live settings keeps the workers. Decoded
+media beyond the ingress's budget for it waits or gets 429 while text is answered."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 
 import httpx
+import numpy as np
 import pytest
 import ray
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.cli import APP_NAME
 from cluster.controller import NAMESPACE, controller_name
 from router.types import WorkerKind
 from tests.integration.conftest import cluster_config, deploy
 from tests.integration.test_worker_failures import _requests_total, held, wait_until_idle
+
+MEDIA_GAUGE = "epd:media_bytes_in_flight"
 
 
 def _fleet_ids(app) -> list[str]:
@@ -99,3 +107,66 @@ def test_a_request_that_times_out_leaves_nothing_held(tight):
     assert not any(wait_until_idle(tight, within_s=20).values()), held(tight)
     ok = tight.chat([{"role": "user", "content": "still there?"}], temperature=0, max_tokens=4)
     assert ok.status_code == 200
+
+
+def _gradient_jpeg(seed: int, width: int, height: int) -> str:
+    """A smooth picture: megapixels to decode from a body of a few kB."""
+    x, y = np.meshgrid(np.arange(width), np.arange(height))
+    pixels = np.stack([(x + seed) % 256, (y + 3 * seed) % 256, (x + y) // 16 % 256], axis=-1)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(buf, "JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def small_media(default_fleet):
+    # Room for one 3 MP image (8.6 MB of RGB) at a time, one more item may wait, three decode at
+    # once: a burst of such images waits or gets 429. Limits only: the same fleet.
+    limits = {
+        "max_image_pixels": 3_000_000,
+        "max_decoded_media_mb": 12,
+        "max_waiting_for_decoded_media": 1,
+        "decoded_media_wait_s": 30.0,
+        "max_concurrent_decodes": 3,
+    }
+    return deploy(cluster_config(limits=limits))
+
+
+def _media_bytes_in_flight(app) -> tuple[float, int, int]:
+    """The gauge in /metrics, and what /health?verbose=1 says (bytes, waiting items)."""
+    families = text_string_to_metric_families(app.http.get("/metrics").text)
+    gauge = next(s.value for f in families for s in f.samples if s.name == MEDIA_GAUGE)
+    ingress = app.http.get("/health", params={"verbose": 1}).json()["ingress"]
+    return gauge, ingress["media_bytes_in_flight"], ingress["media_waiting"]
+
+
+def test_decoded_media_beyond_its_budget_waits_or_gets_429_and_text_goes_on(small_media):
+    app, model = small_media, small_media.config.model.served_name
+    images = [_gradient_jpeg(seed, 2000, 1500) for seed in range(12)]
+
+    def body(content) -> dict:
+        return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=app.root, timeout=120) as client:
+            post = lambda content: client.post("/v1/chat/completions", json=body(content))  # noqa: E731
+            media = asyncio.gather(
+                *[
+                    post([{"type": "image_url", "image_url": {"url": url}} for url in pair])
+                    for pair in zip(images[::2], images[1::2])
+                ]
+            )
+            await asyncio.sleep(0.3)  # the burst is decoding
+            text = await post("still answered?")
+            return await media, text
+
+    responses, text = asyncio.run(burst())
+    assert text.status_code == 200, text.text
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429}, [r.text for r in responses if r.status_code not in (200, 429)]
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert "limits.max_decoded_media_mb" in r.json()["error"]["message"], r.text
+    assert _media_bytes_in_flight(app) == (0, 0, 0)  # every charge came back
+    assert not any(wait_until_idle(app, within_s=20).values()), held(app)

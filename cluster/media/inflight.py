@@ -1,0 +1,148 @@
+"""The ingress's budget for decoded media in flight: bytes of pixels and samples decoded (or being
+decoded) for requests still in admission, before they move into Ray's object store.
+
+Why: a 16 MP image is 48 MB of RGB, and bounding only threads let a burst of large images hold
+gigabytes in the ingress. Each item is charged from its headers before it decodes (the hook of
+cluster/media/budget.py's PixelBudget), and given back once its pixels are in the object store or
+its request's admission ends, however it ends (`Ledger`). An item that does not fit waits in a
+short first-come queue, bounded by count and by time, or is refused at once (MediaBusy: a 429);
+one that could never fit is a MediaError naming the limit (a 400). Plain threads: admission
+threads wait here, never the event loop.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+from cluster.media.errors import MediaError
+
+MB = 2**20
+POLL_S = 0.05  # how often a waiter looks whether its request is gone
+
+
+class MediaBusy(Exception):
+    """Decoded media in this ingress is at its budget and the queue for it is full (or was
+    waited in too long): retry later (a 429 with Retry-After)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class RequestGone(Exception):
+    """The request went away (its client left) while it waited or between its items."""
+
+
+class InFlightBudget:
+    """At most `max_bytes` charged at once, process-wide; thread-safe."""
+
+    def __init__(self, max_bytes: int, max_waiting: int, max_wait_s: float) -> None:
+        self.max_bytes, self.max_waiting, self.max_wait_s = max_bytes, max_waiting, max_wait_s
+        self.in_flight = 0  # bytes charged now (read by the metrics gauge and /health)
+        self._queue: deque[object] = deque()  # waiters' turns, first come first served
+        self._cond = threading.Condition()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    def take(self, nbytes: int, *, may_wait: bool, ended: threading.Event | None = None) -> None:
+        """Charge `nbytes`: at once if they fit and nobody waits before us; else wait for our
+        turn when `may_wait` and the queue has room. MediaBusy when refused or after
+        `max_wait_s`; RequestGone as soon as `ended` is set while waiting."""
+        with self._cond:
+            if not self._queue and self._fits(nbytes):
+                self.in_flight += nbytes
+                return
+            if not may_wait or len(self._queue) >= self.max_waiting:
+                raise MediaBusy(self._full())
+            turn = object()
+            self._queue.append(turn)
+            try:
+                self._wait_turn(turn, nbytes, ended)
+            finally:
+                self._queue.remove(turn)
+                self._cond.notify_all()  # the next in line may fit now
+            self.in_flight += nbytes
+
+    def give(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            return
+        with self._cond:
+            if nbytes > self.in_flight:
+                raise RuntimeError(f"giving back {nbytes} bytes; only {self.in_flight} are held")
+            self.in_flight -= nbytes
+            self._cond.notify_all()
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.in_flight + nbytes <= self.max_bytes
+
+    def _wait_turn(self, turn: object, nbytes: int, ended: threading.Event | None) -> None:
+        deadline_s = time.monotonic() + self.max_wait_s
+        while not (self._queue[0] is turn and self._fits(nbytes)):
+            if ended is not None and ended.is_set():
+                raise RequestGone("the request ended while it waited for room to decode media")
+            left_s = deadline_s - time.monotonic()
+            if left_s <= 0:
+                raise MediaBusy(
+                    f"no room to decode this request's media within {self.max_wait_s:g} s "
+                    f"(limits.decoded_media_wait_s): {self._describe()}; retry later"
+                )
+            self._cond.wait(min(left_s, POLL_S))  # polled: `ended` is set without a notify
+
+    def _full(self) -> str:
+        return (
+            f"{self._describe()}, and {len(self._queue)} of at most {self.max_waiting} "
+            "wait for room (limits.max_waiting_for_decoded_media); retry later"
+        )
+
+    def _describe(self) -> str:
+        return (
+            f"the ingress holds {self.in_flight / MB:.1f} MB of decoded media "
+            f"(limits.max_decoded_media_mb = {self.max_bytes / MB:g})"
+        )
+
+
+class Ledger:
+    """What one request holds of an InFlightBudget. Its `hold` is a PixelBudget's hook; `close`
+    (or the end of its with block, whatever ended it) gives everything back."""
+
+    def __init__(self, budget: InFlightBudget, ended: threading.Event | None = None) -> None:
+        self.budget, self.ended, self.held = budget, ended, 0
+
+    def hold(self, nbytes: int, param: str, noun: str) -> None:
+        """Charge one item's decoded bytes, before it decodes."""
+        self.check()
+        total = self.held + nbytes
+        if total > self.budget.max_bytes:
+            others = f" (with the request's other media, {total / MB:.1f} MB)" if self.held else ""
+            raise MediaError(
+                f"{noun} decodes to {nbytes / MB:.1f} MB{others}, over this server's limit of "
+                f"{self.budget.max_bytes / MB:g} MB of decoded media held at once "
+                "(limits.max_decoded_media_mb)",
+                param,
+            )
+        # Only a request that holds nothing may wait: requests that each held some and waited
+        # for more could wait on each other until they all timed out.
+        self.budget.take(nbytes, may_wait=self.held == 0, ended=self.ended)
+        self.held = total
+
+    def release_to(self, mark: int) -> None:
+        """Give back what was charged since `held` was `mark` (those items left the ingress)."""
+        self.budget.give(self.held - mark)
+        self.held = mark
+
+    def check(self) -> None:
+        if self.ended is not None and self.ended.is_set():
+            raise RequestGone("the request ended during admission")
+
+    def close(self) -> None:
+        self.release_to(0)
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
