@@ -300,15 +300,19 @@ def run(args: argparse.Namespace, out=None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point for `epd simulate ARGS...` (argv excludes 'simulate')."""
+    return run_reporting_errors(PROG, run, build_parser().parse_args(argv))
+
+
+def run_reporting_errors(prog: str, run_args, args: argparse.Namespace) -> int:
+    """`run_args(args)`; bad input (usage, cluster shape, workload) is exit status 2 with a
+    message naming the problem."""
     from router.sim.cluster_model import ClusterShapeError
     from router.sim.workload import WorkloadError
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return run(args)
+        return run_args(args)
     except (UsageError, ClusterShapeError, WorkloadError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -7,7 +7,14 @@ import argparse
 import math
 import sys
 
-from router.sim.cli import UsageError, _add_mix_args, _check_rate, _pairs, _workload
+from router.sim.cli import (
+    UsageError,
+    _add_mix_args,
+    _check_rate,
+    _pairs,
+    _workload,
+    run_reporting_errors,
+)
 
 PLAN_PROG = "epd plan"
 PLAN_DOC = """`epd plan`: the cheapest E:P:D shape (encoder, prefill and decode workers) whose
@@ -222,15 +229,7 @@ def _plot(planner, target, args) -> dict:
 
 def plan_main(argv: list[str] | None = None) -> int:
     """Entry point for `epd plan ARGS...` (argv excludes 'plan')."""
-    from router.sim.cluster_model import ClusterShapeError
-    from router.sim.workload import WorkloadError
-
-    args = build_plan_parser().parse_args(argv)
-    try:
-        return run_plan(args)
-    except (UsageError, ClusterShapeError, WorkloadError) as exc:
-        print(f"{PLAN_PROG}: error: {exc}", file=sys.stderr)
-        return 2
+    return run_reporting_errors(PLAN_PROG, run_plan, build_plan_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

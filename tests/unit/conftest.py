@@ -138,3 +138,21 @@ def sim_run(shape: str, n: int, load: float, policy: str, seed: int = 3, **workl
     return simulate(
         cluster, wl.at_rate(load * capacity_rps(cluster, wl)), policy, seed=seed, slo_ms=1500.0
     )
+
+
+def _build(tmp_path_factory, recipe: str) -> Path:
+    from actors.checkpoints.build import build_checkpoint
+
+    return build_checkpoint(recipe, tmp_path_factory.mktemp("ck") / recipe, progress=False)
+
+
+@pytest.fixture(scope="session")
+def qwen_vl_ckpt(tmp_path_factory) -> Path:
+    """tiny-qwen2.5-vl, in the published repos' layout."""
+    return _build(tmp_path_factory, "tiny-qwen2.5-vl")
+
+
+@pytest.fixture(scope="session")
+def llava_next_ckpt(tmp_path_factory) -> Path:
+    """tiny-llava-next, in the published repos' layout."""
+    return _build(tmp_path_factory, "tiny-llava-next")

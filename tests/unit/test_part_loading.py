@@ -29,22 +29,6 @@ LM_ONLY = ("language_model", "lm_head")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _build(tmp_path_factory, recipe: str) -> Path:
-    from actors.checkpoints.build import build_checkpoint
-
-    return build_checkpoint(recipe, tmp_path_factory.mktemp("ck") / recipe, progress=False)
-
-
-@pytest.fixture(scope="module")
-def qwen_vl_ckpt(tmp_path_factory):
-    return _build(tmp_path_factory, "tiny-qwen2.5-vl")
-
-
-@pytest.fixture(scope="module")
-def llava_next_ckpt(tmp_path_factory):
-    return _build(tmp_path_factory, "tiny-llava-next")
-
-
 @pytest.fixture(scope="module")
 def big_lm(tmp_path_factory) -> tuple[Path, int]:
     """A seeded LLaVA whose language model (~100 MB in bfloat16) dwarfs its tower (~0.2 MB),

@@ -29,22 +29,6 @@ from tests.unit.test_families import (  # noqa: E402
 )
 
 
-def _build(tmp_path_factory, recipe: str):
-    from actors.checkpoints.build import build_checkpoint
-
-    return build_checkpoint(recipe, tmp_path_factory.mktemp("ck") / recipe, progress=False)
-
-
-@pytest.fixture(scope="module")
-def qwen_vl_ckpt(tmp_path_factory):
-    return _build(tmp_path_factory, "tiny-qwen2.5-vl")
-
-
-@pytest.fixture(scope="module")
-def llava_next_ckpt(tmp_path_factory):
-    return _build(tmp_path_factory, "tiny-llava-next")
-
-
 def _family(model_class, path):
     return (
         model_class.from_pretrained(path).eval(),
