@@ -216,7 +216,7 @@ def test_each_part_reads_only_its_own_tensors(request, reads, fixture):
 
 
 def _logits(adapter) -> torch.Tensor:
-    ids = torch.arange(10, 40).unsqueeze(0)
+    ids = torch.arange(10, 40, device=adapter.device).unsqueeze(0)
     positions, _ = adapter.prompt_positions(ids, ())
     hidden = adapter.forward(adapter.embed_tokens(ids), positions, DynamicCache())
     return adapter.logits(hidden)
@@ -235,14 +235,36 @@ ITEMS = {
 def test_parts_equal_the_whole_model(request, monkeypatch, fixture):
     """Encoder outputs and logits of part-loaded adapters equal, bit for bit, those of the same
     adapters over the whole model loaded by plain `from_pretrained`; so does every tensor."""
+    _check_parts_equal_the_whole(request, monkeypatch, fixture, "float32", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fixture", ["ckpt", "qwen_vl_ckpt"])
+def test_parts_load_onto_the_gpu_in_the_dtype_it_supports(request, monkeypatch, fixture):
+    """On a GPU, with `auto` as a worker resolves it there (bfloat16 from compute capability 8,
+    else float16): every tensor a part holds is on the GPU in that dtype, and its outputs equal
+    a whole-model load's on the same GPU."""
+    from actors.runtime import device_dtype
+
+    dtype = device_dtype("auto", "cuda")
+    adapters = _check_parts_equal_the_whole(request, monkeypatch, fixture, dtype, "cuda")
+    for adapter in adapters:
+        tensors = held(adapter).values()
+        assert all(t.is_cuda for t in tensors)
+        assert all(t.dtype == getattr(torch, dtype) for t in tensors if t.is_floating_point())
+
+
+def _check_parts_equal_the_whole(request, monkeypatch, fixture, dtype: str, device: str):
+    """The part-loaded encoder and LM adapters, once checked equal to whole-model ones."""
     ckpt = request.getfixturevalue(fixture)
 
     def load(part):
-        return load_adapter(ckpt, part=part, dtype="float32", device="cpu")
+        return load_adapter(ckpt, part=part, dtype=dtype, device=device)
 
     part_encoder, part_lm = load(Part.ENCODER), load(Part.LANGUAGE_MODEL)
-    monkeypatch.setattr(part_load, "_variant", lambda model_class, part: model_class)
-    whole_encoder, whole_lm = load(Part.ENCODER), load(Part.LANGUAGE_MODEL)
+    with monkeypatch.context() as patched:
+        patched.setattr(part_load, "_variant", lambda model_class, part: model_class)
+        whole_encoder, whole_lm = load(Part.ENCODER), load(Part.LANGUAGE_MODEL)
     for part, whole in ((part_encoder, whole_encoder), (part_lm, whole_lm)):
         mine, theirs = held(part), held(whole)
         assert mine and mine.keys() <= theirs.keys()
@@ -254,6 +276,7 @@ def test_parts_equal_the_whole_model(request, monkeypatch, fixture):
             got, want = part_encoder.encode([media])[0], whole_encoder.encode([media])[0]
             assert got.shape[0] > 0 and torch.equal(got, want), media.modality
         assert torch.equal(_logits(part_lm), _logits(whole_lm))
+    return part_encoder, part_lm
 
 
 def test_tied_embeddings_stay_tied_in_the_lm_part(tmp_path):
