@@ -388,6 +388,15 @@ class LimitsConfig(Strict):
         description="Media items the ingress decodes at once (others wait): bounds the "
         "CPU and memory decoding takes: it is also the number of decoding processes.",
     )
+    max_inline_decode_pixels: int = Field(
+        1_048_576,
+        ge=0,
+        description="A still PNG, JPEG or WebP image sent inline (a data: URL) whose header "
+        "declares at most this many pixels is decoded in the admission thread, not a decoding "
+        "process: a small picture then costs no round trip to another process (about 5 ms of "
+        "TTFT here). Its size is read from the header first, so a bomb still goes to a "
+        "process. 0: every item in a decoding process.",
+    )
     max_decode_memory_mb: int = Field(
         3072,
         ge=256,

@@ -62,6 +62,7 @@ class MediaLimits(Protocol):
     max_decodes_per_process: int  # then it is replaced
     max_decode_s: float  # a decoding process silent longer than this on one item is killed
     decode_in_process: bool  # debugging: decode in this process's threads instead
+    max_inline_decode_pixels: int  # small still inline images: decoded here, not in a process
 
 
 @dataclass(frozen=True)

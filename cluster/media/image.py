@@ -7,6 +7,7 @@ that animated images in cluster/media/video.py reuse. No torch here.
 
 from __future__ import annotations
 
+import base64
 import io
 import struct
 import warnings
@@ -185,3 +186,35 @@ def convert_to_rgb(image: Image.Image) -> np.ndarray:
     else:
         rgb = image.convert("RGB")
     return np.array(rgb)
+
+
+_HEAD_B64 = 64  # base64 characters of a PNG's or WebP's first 48 bytes: their size is there
+
+
+def small_still_image(url: str, max_pixels: int) -> bool:
+    """Whether `url` is an inline still PNG, JPEG or WebP whose header declares at most
+    `max_pixels` pixels: cheap to decode anywhere. Reads headers only: a PNG's or WebP's from
+    its first bytes, a JPEG's through Pillow's open (which allocates no pixels); anything
+    odd, animated or unreadable is not small."""
+    if max_pixels <= 0 or not url.startswith("data:image/"):
+        return False
+    kind, _, payload = url[len("data:image/") :].partition(";base64,")
+    if kind not in ("png", "jpeg", "webp") or len(payload) > max_pixels * 4:
+        return False  # a format that may animate, or more bytes than raw pixels would take
+    try:
+        if kind == "jpeg":
+            return _small_jpeg(base64.b64decode(payload), max_pixels)
+        head = base64.b64decode(payload[:_HEAD_B64])
+        size = header_size(head)
+        animated = head[12:16] == b"VP8X" and head[20] & 0x02  # the WebP animation flag
+        return size is not None and not animated and size[0] * size[1] <= max_pixels
+    except (ValueError, TypeError, IndexError):  # the decoding process will name what is wrong
+        return False
+
+
+def _small_jpeg(data: bytes, max_pixels: int) -> bool:
+    try:
+        with Image.open(io.BytesIO(data), formats=("JPEG",)) as image:
+            return image.size[0] * image.size[1] <= max_pixels
+    except Exception:  # noqa: BLE001 - not a readable JPEG: the decoding process names it
+        return False

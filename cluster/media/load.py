@@ -1,10 +1,14 @@
 """The ingress's front door for media: one content part -> a fingerprinted `MediaItem`.
 
 Decodes in one of a few capped child processes (cluster/media/procs.py), or in a decode slot
-of the ingress itself when `limits.decode_in_process`, then fingerprints the result.
+of the ingress itself when `limits.decode_in_process`, then fingerprints the result. A small
+still inline image (`limits.max_inline_decode_pixels`, checked from its header) is decoded
+right here: a process round trip would cost more than its decoding.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from actors.types import MediaItem
 from cluster.media.budget import PixelBudget
@@ -18,6 +22,7 @@ from cluster.media.decoders import (
     decode_media,
 )
 from cluster.media.identifiers import media_identifier
+from cluster.media.image import small_still_image
 from cluster.media.pool import decode_slot
 from cluster.media.procs import PoolShape, decode_pool
 from router.types import Modality
@@ -36,8 +41,12 @@ def load_media_item(
 ) -> MediaItem:
     """Decode (in a decoding process, or a decode slot here when limits.decode_in_process) and
     fingerprint one item: what the ingress hands to the encoder stage."""
-    if limits.decode_in_process:
-        with decode_slot(limits.max_concurrent_decodes):
+    here = modality == Modality.IMAGE and small_still_image(
+        payload, min(limits.max_inline_decode_pixels, limits.max_image_pixels)
+    )
+    if here or limits.decode_in_process:
+        # A small image needs no slot (nor the trim after it): its decode is bounded and brief.
+        with contextlib.nullcontext() if here else decode_slot(limits.max_concurrent_decodes):
             decoded = decode_media(
                 modality,
                 payload,
