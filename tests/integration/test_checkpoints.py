@@ -58,7 +58,8 @@ def test_hub_repo_id_served_offline_from_a_filled_cache_in_bfloat16(
                 "builtin": None,
                 "served_name": REPO_ID,
                 "dtype": "bfloat16",
-            }
+            },
+            encoder={"num_workers": 1},  # single requests: one encoder is a worker less to start
         )
     )
     assert config.model.revision == snapshot.name

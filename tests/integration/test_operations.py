@@ -69,7 +69,7 @@ def test_rotating_the_key_and_limits_keeps_workers_and_requests_in_flight(ray_se
     fleet = ray.get_actor(controller.controller_name("epd", old.config), controller.NAMESPACE)
     ray.get(fleet.apply_live.remote(cluster_config(decode=SLOW).model_dump(mode="json")))
     before = _fleet(old)["actor_ids"]
-    num_tokens = min(max(math.ceil(10 / _seconds_per_token(old)), 24), 1500)  # ~10 s a stream
+    num_tokens = min(max(math.ceil(6 / _seconds_per_token(old)), 24), 1500)  # ~6 s a stream
     body = {
         "model": old.config.model.served_name,
         "messages": _COUNT,
