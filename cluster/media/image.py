@@ -189,21 +189,22 @@ def convert_to_rgb(image: Image.Image) -> np.ndarray:
 
 
 _HEAD_B64 = 64  # base64 characters of a PNG's or WebP's first 48 bytes: their size is there
+_JPEG_HEAD_B64 = 87_380  # a JPEG's first 64 KiB (EXIF and tables come before its frame header)
 
 
 def small_still_image(url: str, max_pixels: int) -> bool:
     """Whether `url` is an inline still PNG, JPEG or WebP whose header declares at most
     `max_pixels` pixels: cheap to decode anywhere. Reads headers only: a PNG's or WebP's from
-    its first bytes, a JPEG's through Pillow's open (which allocates no pixels); anything
-    odd, animated or unreadable is not small."""
+    its first bytes, a JPEG's through Pillow's open of its first 64 KiB (which allocates no
+    pixels); anything odd, animated or unreadable is not small."""
     if max_pixels <= 0 or not url.startswith("data:image/"):
         return False
     kind, _, payload = url[len("data:image/") :].partition(";base64,")
     if kind not in ("png", "jpeg", "webp") or len(payload) > max_pixels * 4:
         return False  # a format that may animate, or more bytes than raw pixels would take
     try:
-        if kind == "jpeg":
-            return _small_jpeg(base64.b64decode(payload), max_pixels)
+        if kind == "jpeg":  # its size is in the first 64 KiB but for odd files (then: a process)
+            return _small_jpeg(base64.b64decode(payload[:_JPEG_HEAD_B64]), max_pixels)
         head = base64.b64decode(payload[:_HEAD_B64])
         size = header_size(head)
         animated = head[12:16] == b"VP8X" and head[20] & 0x02  # the WebP animation flag

@@ -82,3 +82,10 @@ def test_a_small_image_never_reaches_a_process_and_decodes_as_there(monkeypatch)
     assert np.array_equal(here.data, in_a_process.data)
     with pytest.raises(AssertionError, match="decoding process"):
         _load(_url(_noise(80, 60), "PNG"), LimitsConfig(max_inline_decode_pixels=80 * 60 - 1))
+
+
+def test_a_jpeg_is_sized_from_its_head_whatever_its_length():
+    """Only the first 64 KiB are decoded to find a JPEG's size: a 550 KB one is still read."""
+    url = _url(_noise(800, 600), "JPEG", quality=95)
+    assert len(url) > 4 * 87_380
+    assert small_still_image(url, 800 * 600) and not small_still_image(url, 800 * 600 - 1)
