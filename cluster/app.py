@@ -30,6 +30,7 @@ from cluster.backpressure import Admission, Overloaded, Ticket
 from cluster.config import REPO_ROOT, ClusterConfig, load_config
 from cluster.errors import RequestError
 from cluster.fleet_client import FleetClient
+from cluster.front_door import replica_runtime_env
 from cluster.metrics import PREFIX, Metrics
 from cluster.metrics_share import MetricsShare
 from cluster.placement import check_placement
@@ -55,7 +56,7 @@ CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError)
 
 
 def _error(exc: RequestError, request_id: str) -> JSONResponse:
-    # Serve's proxy adds the x-request-id; the request log line pairs it with `request_id`
+    # Serve adds the x-request-id; the request log line pairs it with `request_id`
     headers = {}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(exc.retry_after_s)
@@ -484,8 +485,10 @@ class Ingress:
 def build_app(config: ClusterConfig):
     # A redeploy (a new key, new limits) drains the old replicas: their requests may run as
     # long as a request may (Serve's 20 s default would cut long generations short).
+    door = config.server.front_door
     return Ingress.options(
         num_replicas=config.server.num_replicas,
+        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env(door)},
         graceful_shutdown_timeout_s=config.limits.request_timeout_s + 5,
     ).bind(config.model_dump(mode="json"))
 

@@ -22,13 +22,17 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
 
     from cluster.app import build_app
     from cluster.controller import prestart
+    from cluster.front_door import controller_options, export_for_local_ray
     from cluster.placement import check_placement
     from cluster.prompt_plan import PromptPlanner
 
     config = ensure_model(config)
     spec = PromptPlanner(config.model.checkpoint_path, config.model.resolved_dtype).spec
     config.encoder_modalities(spec.modalities)  # a modality no pool encodes: ConfigError
+    door = config.server.front_door
     if not ray.is_initialized():
+        if not address:
+            export_for_local_ray(door)  # a Ray of our own: all its processes see the front door
         ray.init(
             address=address,
             num_cpus=None if address else config.server.num_cpus_ray,
@@ -37,7 +41,10 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
     check_placement(
         config
     )  # a pool pinned to a node type the cluster lacks: a clear error, before any actor starts
-    serve.start(http_options={"host": config.server.host, "port": config.server.port})
+    serve.start(
+        http_options={"host": config.server.host, "port": config.server.port},
+        controller_options=controller_options(door),
+    )
     prestart(APP_NAME, config, spec.modalities)  # workers load while the ingress imports
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     return f"http://{config.server.host}:{config.server.port}/v1"

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cluster.front_door import FrontDoor
 from router.types import Modality
 from router.worker_settings import DecodeSettings, EncoderSettings, PrefillSettings
 
@@ -589,6 +590,14 @@ class ServerConfig(Strict):
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     num_cpus_ray: int = Field(
         8, ge=1, description="Logical CPUs of a local Ray cluster that `epd serve` starts."
+    )
+    front_door: FrontDoor = Field(
+        FrontDoor.HAPROXY,
+        description="What accepts client connections. `haproxy`: Ray Serve's bundled HAProxy "
+        "forwards each connection to an ingress replica that serves HTTP itself (no Python proxy "
+        "hop, no Ray object per streamed chunk; replicas listen on ports 30000-31000 of every "
+        "interface). `serve_proxy`: Serve's Python proxy relays requests and chunks over Ray "
+        "calls. Fixed when Serve first starts on a cluster (cluster/front_door.py).",
     )
     trace_path: str | None = Field(
         None,

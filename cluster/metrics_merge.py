@@ -1,7 +1,7 @@
 """The app's /metrics out of its ingress replicas' own: merging Prometheus expositions
 (plain Python, no Ray: the controller keeps the book, each replica merges at scrape time).
 
-Each replica counts only what it served, and a scrape through Serve's proxy lands on one of
+Each replica counts only what it served, and a scrape through Serve's front door lands on one of
 them; so every replica pushes its exposition text to the fleet controller (MetricsBook) and
 answers /metrics with its own live registry merged with the others' latest pushes.
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from actors.models.adapter import Part, load_adapter
+from benchkit.live_server import add_front_door_flag
 from cluster.config import DEFAULT_CONFIG, load_config
 from cluster.prepare import ensure_model
 
@@ -48,9 +49,10 @@ def engine_phase(cfg, args) -> dict:
 
 def http_phase(cfg, args) -> dict:
     from benchkit.decode_http import cluster_tpot, generate_tpot_ms
-    from benchkit.live_server import served
+    from benchkit.live_server import served, with_front_door
 
     cfg = cfg.replace(decode={"max_batch_size": max(cfg.decode.max_batch_size, args.streams)})
+    cfg = with_front_door(cfg, args.front_door)
     with served(cfg) as base:
         cluster = cluster_tpot(
             base, cfg.model.served_name, args.streams, args.new_tokens, args.rounds
@@ -62,6 +64,7 @@ def http_phase(cfg, args) -> dict:
     }
     best = min(baselines.values())
     return {
+        "front_door": cfg.server.front_door.value,
         "streams": args.streams,
         "cluster": cluster,
         **baselines,
@@ -92,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64, help="http phase: tokens a stream")
     p.add_argument("--rounds", type=int, default=3, help="http phase: measured rounds")
     p.add_argument("--out", default="/tmp/bench_decode.json")
+    add_front_door_flag(p)
     args = p.parse_args(argv)
     cfg = ensure_model(load_config(args.config))
     phases = {"engine": engine_phase, "http": http_phase, "detok": detok_phase}

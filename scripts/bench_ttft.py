@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from benchkit.http_client import Result, chat_body, stream_one
-from benchkit.live_server import served
+from benchkit.live_server import add_front_door_flag, served, with_front_door
 from benchkit.workload import Req, make_png
 from cluster.config import DEFAULT_CONFIG, load_config
 from cluster.prepare import ensure_model
@@ -111,10 +111,11 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default="/tmp/bench_ttft.json")
+    add_front_door_flag(p)
     args = p.parse_args(argv)
-    cfg = ensure_model(load_config(args.config))
+    cfg = with_front_door(ensure_model(load_config(args.config)), args.front_door)
     kinds = {k: requests(k, args.repeats, args.seed) for k in ("image", "text", "repeat")}
-    report: dict = {"config": args.config}
+    report: dict = {"config": args.config, "front_door": cfg.server.front_door.value}
     with served(cfg) as base:
         url, model = f"{base}/chat/completions", cfg.model.served_name
         asyncio.run(one_by_one(url, model, requests("image", 3, args.seed + 1)))  # warm-up

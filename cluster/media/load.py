@@ -1,4 +1,4 @@
-"""The ingress's front door for media: one content part -> a fingerprinted `MediaItem`.
+"""Where media enters the ingress: one content part -> a fingerprinted `MediaItem`.
 
 Decodes in one of a few capped child processes (cluster/media/procs.py), or in a decode slot
 of the ingress itself when `limits.decode_in_process`, then fingerprints the result. A small

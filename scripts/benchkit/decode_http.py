@@ -74,14 +74,20 @@ async def _streams(url: str, model: str, streams: int, max_tokens: int) -> list:
 
 
 def _serve_pids(base: str) -> dict[str, int]:
-    """The ingress replica and, beside it under the same raylet, Serve's HTTP proxy."""
+    """The ingress replica and, beside it under the same raylet, the front door: Serve's HTTP
+    proxy actor (idle behind HAProxy: the head's fallback), or the HAProxy process that the
+    HAProxy manager runs."""
     ingress = ingress_pid(base.removesuffix("/v1"))
-    out = {"ingress": ingress} if ingress else {}
-    if ingress:
-        parent = psutil.Process(ingress).ppid()
-        for proc in psutil.process_iter(["ppid", "cmdline"]):
-            if proc.info["ppid"] == parent and "ProxyActor" in " ".join(proc.info["cmdline"] or []):
-                out["proxy"] = proc.pid
+    if not ingress:
+        return {}
+    out, parent = {"ingress": ingress}, psutil.Process(ingress).ppid()
+    for proc in psutil.process_iter(["ppid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or []) if proc.info["ppid"] == parent else ""
+        if "ProxyActor" in cmdline:
+            out["proxy"] = proc.pid
+        elif "HAProxyManager" in cmdline:
+            haproxy = [c.pid for c in proc.children() if "haproxy" in c.name()]
+            out |= {"haproxy": haproxy[-1]} if haproxy else {}
     return out
 
 

@@ -34,6 +34,21 @@ def served(cfg) -> Iterator[str]:
         ray.shutdown()
 
 
+def add_front_door_flag(parser) -> None:
+    """`--front-door`: which front door the served app gets (cluster/front_door.py)."""
+    from cluster.front_door import FrontDoor
+
+    parser.add_argument(
+        "--front-door",
+        choices=[door.value for door in FrontDoor],
+        help="server.front_door for the served app (default: the config's)",
+    )
+
+
+def with_front_door(cfg, door: str | None):
+    return cfg.replace(server={"front_door": door}) if door else cfg
+
+
 def require_free_port(port: int) -> None:
     with socket.socket() as sock:
         port_taken = sock.connect_ex(("127.0.0.1", port)) == 0

@@ -7,6 +7,7 @@ import json
 import time
 
 import openai
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -144,6 +145,29 @@ def test_health(app):
         body["status"] == "ok"
         and body["healthy_workers"]["encoder"] == app.config.encoder.num_workers
     )
+
+
+def test_the_port_is_haproxys_and_it_hands_connections_to_the_replica(app):
+    """The default front door: no Serve proxy actor relays the request; HAProxy owns the port
+    and the ingress replica answers on a port of its own."""
+    port = int(app.base_url.rsplit(":", 1)[1].split("/")[0])
+    owners = {
+        psutil.Process(c.pid).name()
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid
+    }
+    assert owners == {"haproxy"}, owners
+    replicas = [
+        c.laddr.port
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.pid == _ingress_pid(app)
+    ]
+    assert any(30000 <= p < 31000 for p in replicas), replicas
+    assert app.http.get("/health").status_code == 200
+
+
+def _ingress_pid(app) -> int:
+    return app.http.get("/health", params={"verbose": 1}).json()["ingress"]["pid"]
 
 
 def test_dead_worker_is_replaced_and_service_resumes(app):

@@ -1,0 +1,78 @@
+"""What accepts a client's connection: the settings that pick Ray Serve's front door.
+
+`haproxy` (the default): Ray Serve's bundled HAProxy listens on the HTTP port and forwards each
+connection to an ingress replica, which serves HTTP itself (Serve's "direct ingress"). No Python
+proxy relays the request, and a streamed chunk is one socket write, not a Ray object to a proxy.
+`serve_proxy`: Serve's Python proxy actor relays every request and every chunk over Ray calls.
+
+Serve reads these as environment variables in each of its processes, so they travel three ways:
+in the environment of a Ray that `epd serve` starts itself, in the Serve controller's runtime env
+(its HAProxy managers inherit it), and in the ingress replicas' runtime env.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+
+
+class FrontDoor(str, enum.Enum):
+    HAPROXY = "haproxy"
+    SERVE_PROXY = "serve_proxy"
+
+
+# A stopping replica waits this long for HAProxy to take it out of rotation before it refuses
+# connections (Serve's default, 30 s, is for cloud load balancers that poll slowly; HAProxy is
+# told at once and retries a refused connection on another replica).
+DRAIN_S = 2.0
+
+
+def serve_env(front_door: FrontDoor) -> dict[str, str]:
+    """The Serve environment variables that select `front_door`."""
+    if front_door is FrontDoor.SERVE_PROXY:
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+    return {
+        "RAY_SERVE_ENABLE_HA_PROXY": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAIN_S),
+    }
+
+
+def export_for_local_ray(front_door: FrontDoor) -> None:
+    """Set them in this process before it starts a Ray of its own: the raylet, and so every
+    Ray worker process on it, inherits this environment."""
+    os.environ.update(serve_env(front_door))
+
+
+def controller_options(front_door: FrontDoor) -> dict:
+    """`serve.start(controller_options=...)`: the controller (created only by the first start on
+    a cluster) and the HAProxy managers it starts take the front door from here. HAProxy also
+    listens on a stats and a metrics port, on every interface; Serve's fixed defaults (8404,
+    9101) would let a second Serve on the same host crash at start, so each controller that
+    epd starts gets two ports free on this host."""
+    env = serve_env(front_door)
+    if front_door is FrontDoor.HAPROXY:
+        stats, metrics = free_ports(2)
+        env |= {
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
+        }
+    return {"runtime_env": {"env_vars": env}}
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports the kernel had free a moment ago (held together while chosen)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def replica_runtime_env(front_door: FrontDoor) -> dict:
+    """The ingress deployment's runtime env: a replica decides on its own whether it serves
+    HTTP itself."""
+    return {"env_vars": serve_env(front_door)}
