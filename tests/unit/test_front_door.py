@@ -12,7 +12,13 @@ from ray.serve.config import ControllerOptions
 
 from cluster.app import AppArgs, build_app
 from cluster.config import REPO_ROOT, SERVE_CONFIG, ConfigError, load_config
-from cluster.front_door import FrontDoor, controller_options, export_for_local_ray, serve_env
+from cluster.front_door import (
+    FrontDoor,
+    controller_options,
+    export_for_local_ray,
+    missing_haproxy,
+    serve_env,
+)
 
 
 def test_haproxy_is_the_default_and_turns_on_serves_direct_ingress() -> None:
@@ -79,3 +85,17 @@ def test_a_local_ray_is_started_with_the_front_door_in_its_environment(monkeypat
     export_for_local_ray(FrontDoor.SERVE_PROXY)
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
     assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+
+
+def test_a_host_without_haproxy_is_told_which_setting_to_change(monkeypatch) -> None:
+    from ray.serve._private import haproxy
+
+    assert missing_haproxy(FrontDoor.HAPROXY) is None  # ray[serve] on Linux brings one
+    monkeypatch.setattr(haproxy, "_resolve_haproxy_binary", _no_binary)
+    problem = missing_haproxy(FrontDoor.HAPROXY)
+    assert "server.front_door: serve_proxy" in problem and "no haproxy here" in problem
+    assert missing_haproxy(FrontDoor.SERVE_PROXY) is None
+
+
+def _no_binary() -> str:
+    raise FileNotFoundError("no haproxy here")
