@@ -26,6 +26,12 @@ class FrontDoor(str, enum.Enum):
 # connections (Serve's default, 30 s, is for cloud load balancers that poll slowly; HAProxy is
 # told at once and retries a refused connection on another replica).
 DRAIN_S = 2.0
+# HAProxy reuses idle connections to the replicas; after a replica dies, a request sent on one
+# of them finds it closed before any byte comes back. Serve retries only failed connects;
+# also retrying an empty response sends such a request to another replica (a body larger than
+# HAProxy's buffer cannot be replayed and fails as before). An answer that started is never
+# replayed: epd's own retries resume those on the workers' side.
+RETRY_ON = "conn-failure empty-response"
 
 
 def serve_env(front_door: FrontDoor) -> dict[str, str]:
@@ -35,6 +41,7 @@ def serve_env(front_door: FrontDoor) -> dict[str, str]:
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(DRAIN_S),
+        "RAY_SERVE_HAPROXY_RETRY_ON": RETRY_ON,
     }
 
 

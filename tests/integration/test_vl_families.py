@@ -44,8 +44,9 @@ def _batched_everywhere(app) -> None:
 
 def test_qwen2_5_vl_equals_generate_with_mixed_media_in_flight(ray_session):
     # A partial encoder batch waits longer than the config's 20 ms: on two busy cores the
-    # requests' items can reach the encoders further apart than that, and none would batch.
-    app = deploy(app_config("qwen2_5_vl", encoder={"max_wait_ms": 300}))
+    # requests' items can reach the encoders further apart than that (300 ms was too short
+    # once in a loaded suite run), and none would batch.
+    app = deploy(app_config("qwen2_5_vl", encoder={"max_wait_ms": 1000}))
     check_token_exact(app, QWEN_VL_REQUESTS, copies=2)
     _batched_everywhere(app)
 

@@ -26,6 +26,8 @@ def test_haproxy_is_the_default_and_turns_on_serves_direct_ingress() -> None:
     env = serve_env(FrontDoor.HAPROXY)
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert float(env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]) < 30  # Serve's default
+    # a request on a reused connection to a replica that just died goes to another one
+    assert "empty-response" in env["RAY_SERVE_HAPROXY_RETRY_ON"].split()
 
 
 def test_serve_proxy_turns_both_off_even_where_the_environment_had_them_on() -> None:
