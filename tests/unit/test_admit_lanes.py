@@ -73,7 +73,7 @@ def test_a_full_lane_refuses_at_once_and_the_other_lane_goes_on():
         return refused_s, text
 
     refused_s, text = asyncio.run(main())
-    assert refused_s < 0.1 and text == "text"
+    assert refused_s < 1.0 and text == "text"  # at once: waiting would take the 10 s hold
 
 
 def test_arrivals_beyond_both_lanes_are_refused_before_their_bodies_are_read():

@@ -110,8 +110,10 @@ def test_66_byte_gif_bomb_is_refused_from_its_headers(monkeypatch: pytest.Monkey
         _, peak_bytes = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed_s < 0.1, elapsed_s
-    assert peak_bytes < 1 * MB, peak_bytes
+    # Decoding 32 such frames takes seconds; the bound only has to tell that apart, with room
+    # for a busy host (0.1 s failed once beside the integration clusters, under tracemalloc).
+    assert elapsed_s < 1.0, elapsed_s
+    assert peak_bytes < 1 * MB, peak_bytes  # nothing decoded
     assert "limit of 96000000 pixels per video" in error.message
 
 
