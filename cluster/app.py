@@ -488,7 +488,7 @@ def build_app(config: ClusterConfig):
     door = config.server.front_door
     return Ingress.options(
         num_replicas=config.server.num_replicas,
-        ray_actor_options={"num_cpus": 0, "runtime_env": replica_runtime_env(door)},
+        ray_actor_options={**Ingress.ray_actor_options, "runtime_env": replica_runtime_env(door)},
         graceful_shutdown_timeout_s=config.limits.request_timeout_s + 5,
     ).bind(config.model_dump(mode="json"))
 

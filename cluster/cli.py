@@ -22,7 +22,7 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
 
     from cluster.app import build_app
     from cluster.controller import prestart
-    from cluster.front_door import controller_options, export_for_local_ray, missing_haproxy
+    from cluster.front_door import controller_options, missing_haproxy
     from cluster.placement import check_placement
     from cluster.prompt_plan import PromptPlanner
 
@@ -30,11 +30,10 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
     spec = PromptPlanner(config.model.checkpoint_path, config.model.resolved_dtype).spec
     config.encoder_modalities(spec.modalities)  # a modality no pool encodes: ConfigError
     door = config.server.front_door
-    if problem := missing_haproxy(door):
-        raise ConfigError(problem)
     if not ray.is_initialized():
-        if not address:
-            export_for_local_ray(door)  # a Ray of our own: all its processes see the front door
+        # A Ray of our own runs Serve on this host; a cluster's nodes may differ from it.
+        if not address and (problem := missing_haproxy(door)):
+            raise ConfigError(problem)
         ray.init(
             address=address,
             num_cpus=None if address else config.server.num_cpus_ray,

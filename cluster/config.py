@@ -595,8 +595,8 @@ class ServerConfig(Strict):
         FrontDoor.HAPROXY,
         description="What accepts client connections. `haproxy`: Ray Serve's bundled HAProxy "
         "forwards each connection to an ingress replica that serves HTTP itself (no Python proxy "
-        "hop, no Ray object per streamed chunk; replicas listen on ports 30000-31000 of every "
-        "interface). `serve_proxy`: Serve's Python proxy relays requests and chunks over Ray "
+        "hop, no Ray object per streamed chunk; replicas listen on ports 30000-31000 of "
+        "`host`). `serve_proxy`: Serve's Python proxy relays requests and chunks over Ray "
         "calls. Fixed when Serve first starts on a cluster (cluster/front_door.py).",
     )
     trace_path: str | None = Field(

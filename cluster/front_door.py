@@ -5,15 +5,14 @@ connection to an ingress replica, which serves HTTP itself (Serve's "direct ingr
 proxy relays the request, and a streamed chunk is one socket write, not a Ray object to a proxy.
 `serve_proxy`: Serve's Python proxy actor relays every request and every chunk over Ray calls.
 
-Serve reads these as environment variables in each of its processes, so they travel three ways:
-in the environment of a Ray that `epd serve` starts itself, in the Serve controller's runtime env
-(its HAProxy managers inherit it), and in the ingress replicas' runtime env.
+Serve reads these as environment variables in each of its processes, so they travel two ways:
+in the Serve controller's runtime env (the HAProxy managers and proxies it starts inherit it) and
+in the ingress replicas' runtime env.
 """
 
 from __future__ import annotations
 
 import enum
-import os
 import socket
 
 
@@ -60,12 +59,6 @@ def missing_haproxy(front_door: FrontDoor) -> str | None:
             "install ray[serve] on Linux, or set server.front_door: serve_proxy"
         )
     return None
-
-
-def export_for_local_ray(front_door: FrontDoor) -> None:
-    """Set them in this process before it starts a Ray of its own: the raylet, and so every
-    Ray worker process on it, inherits this environment."""
-    os.environ.update(serve_env(front_door))
 
 
 def controller_options(front_door: FrontDoor) -> dict:

@@ -3,7 +3,6 @@ ingress replicas alike, whichever way the app is started."""
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
@@ -15,7 +14,6 @@ from cluster.config import REPO_ROOT, SERVE_CONFIG, ConfigError, load_config
 from cluster.front_door import (
     FrontDoor,
     controller_options,
-    export_for_local_ray,
     missing_haproxy,
     serve_env,
 )
@@ -79,14 +77,6 @@ def test_the_serve_config_gives_the_controller_its_apps_front_door() -> None:
     config = load_config(REPO_ROOT / AppArgs.model_validate(app["args"]).config)
     env = serve_yaml["controller_options"]["runtime_env"]["env_vars"]
     assert env == serve_env(config.server.front_door)  # HAProxy's own ports: one Serve a node
-
-
-def test_a_local_ray_is_started_with_the_front_door_in_its_environment(monkeypatch) -> None:
-    for name in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_ENABLE_DIRECT_INGRESS"):
-        monkeypatch.setenv(name, "1")  # restored (or removed) after the test
-    export_for_local_ray(FrontDoor.SERVE_PROXY)
-    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
-    assert os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
 
 
 def test_a_host_without_haproxy_is_told_which_setting_to_change(monkeypatch) -> None:
