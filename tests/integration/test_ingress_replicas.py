@@ -83,6 +83,7 @@ def test_both_replicas_serve_exact_answers(pair):
         async with httpx.AsyncClient(base_url=pair.root, timeout=120) as client:
             return await asyncio.gather(*[_ask(client, model, s) for s in seeds])
 
+    _replicas(pair)  # both in HAProxy's rotation (a new replica joins after its health checks)
     results = asyncio.run(all_at_once())
     assert [text for _, text in results] == [
         reference_generate(checkpoint, _messages(s), MAX_TOKENS)[1] for s in seeds
