@@ -139,7 +139,10 @@ class Ingress:
             prefix_block_tokens,
         )
         self.supervisor = Supervisor(self.fleet, self.router)
-        self.shared_metrics = MetricsShare(self.fleet, self.metrics.exposition)
+        self.supervisor.follow(self.fleet.snapshot.changed_since(None))  # empty slots: unrouted
+        self.shared_metrics = MetricsShare(
+            self.fleet, self.metrics.exposition, self.router.booked_ms_totals
+        )
         self.metrics.track_workers(lambda: self.supervisor.latest_stats)
         self.path = RequestPath(
             self.config,
@@ -161,8 +164,9 @@ class Ingress:
         """This replica's share of the cluster's back-pressure budgets (waiting prompt tokens,
         generating requests) when `num_replicas` share them."""
         limits, share = self.config.limits, max(num_replicas, 1)
-        tokens = limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_workers
-        generating = limits.max_generating_per_decode_worker * self.config.decode.num_workers
+        # An autoscaled pool admits for the workers it may grow to: its load is what grows it.
+        tokens = limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_slots
+        generating = limits.max_generating_per_decode_worker * self.config.decode.num_slots
         return math.ceil(tokens / share), math.ceil(generating / share)
 
     async def check_health(self) -> None:
@@ -477,6 +481,7 @@ class Ingress:
             body["fleet"] = {
                 "generation": snapshot.generation,
                 "actor_ids": {kind.value: list(snapshot.actor_ids[kind]) for kind in WorkerKind},
+                "pools": snapshot.pool_sizes(),
             }
         headers = {} if serving else {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(body, status_code=200 if serving else 503, headers=headers)

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.front_door import FrontDoor
+from router.autoscale import ScalingRule
 from router.types import Modality
 from router.worker_settings import DecodeSettings, EncoderSettings, PrefillSettings
 
@@ -133,8 +134,56 @@ class ModelConfig(Strict):
         return "bfloat16" if self.device == "cuda" else "float32"
 
 
+class AutoscalingConfig(Strict):
+    min_workers: int = Field(1, ge=1, description="The pool never shrinks below this.")
+    max_workers: int = Field(
+        ge=1,
+        description="The pool never grows beyond this; each worker beyond `num_workers` asks Ray "
+        "for the pool's resources when it starts (on a `ray up` or KubeRay cluster the "
+        "autoscaler launches a node for it), and is routed to once it is ready.",
+    )
+    target_utilization: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="The busy fraction each worker is sized to: the pool grows to the workers "
+        "that would carry its load at this utilisation (load: the router's booked compute per "
+        "second for encoders and prefill, generating and waiting rows over max_batch_size for "
+        "decode).",
+    )
+    up_delay_s: float = Field(
+        5.0, ge=0, description="How long the load must stay above the target before growing."
+    )
+    down_delay_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long one worker fewer must have sufficed before one is drained (no "
+        "new work routed to it, what it holds finishes, then it stops); one at a time.",
+    )
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> AutoscalingConfig:
+        if self.min_workers > self.max_workers:
+            raise ValueError(
+                f"autoscaling.min_workers ({self.min_workers}) exceeds "
+                f"max_workers ({self.max_workers})"
+            )
+        return self
+
+    def rule(self) -> ScalingRule:
+        return _settings(ScalingRule, self)
+
+
 class PoolConfig(Strict):
-    num_workers: int = Field(1, ge=1, description="Actors in this pool.")
+    num_workers: int = Field(
+        1, ge=1, description="Actors in this pool (with `autoscaling`: how many it starts with)."
+    )
+    autoscaling: AutoscalingConfig | None = Field(
+        None,
+        description="Size the pool by its load between min_workers and max_workers (the fleet "
+        'controller decides every second; README, "Autoscaling"). Unset: always num_workers. '
+        "Object-store transport only.",
+    )
     num_cpus: float = Field(1.0, ge=0, description="Ray CPU resources each actor reserves.")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPU resources each actor reserves.")
     torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each actor process.")
@@ -161,9 +210,24 @@ class PoolConfig(Strict):
 
     @model_validator(mode="after")
     def _slowdown_in_range(self) -> PoolConfig:
-        if any(f < 1.0 for f in self.slowdown) or len(self.slowdown) > self.num_workers:
+        if any(f < 1.0 for f in self.slowdown) or len(self.slowdown) > self.num_slots:
             raise ValueError("slowdown needs at most num_workers factors, each >= 1.0")
         return self
+
+    @model_validator(mode="after")
+    def _starts_within_bounds(self) -> PoolConfig:
+        scaling = self.autoscaling
+        if scaling and not scaling.min_workers <= self.num_workers <= scaling.max_workers:
+            raise ValueError(
+                f"num_workers ({self.num_workers}) must lie within autoscaling's min_workers "
+                f"({scaling.min_workers}) and max_workers ({scaling.max_workers})"
+            )
+        return self
+
+    @property
+    def num_slots(self) -> int:
+        """Worker indices the pool may use: its most workers at once."""
+        return self.autoscaling.max_workers if self.autoscaling else self.num_workers
 
     @model_validator(mode="after")
     def _idle_threads_not_fewer(self) -> PoolConfig:
@@ -492,13 +556,14 @@ class LimitsConfig(Strict):
         16384,
         ge=1,
         description="Back-pressure: prompt tokens of requests still waiting for their first "
-        "token, per prefill worker; a request beyond it gets 429 with Retry-After.",
+        "token, per prefill worker (an autoscaled pool: per max_workers); a request beyond it "
+        "gets 429 with Retry-After.",
     )
     max_generating_per_decode_worker: int = Field(
         256,
         ge=1,
         description="Back-pressure: requests past their first token and still generating, per "
-        "decode worker; beyond it, 429 with Retry-After.",
+        "decode worker (an autoscaled pool: per max_workers); beyond it, 429 with Retry-After.",
     )
     max_admitting_text: int = Field(
         256,
@@ -710,6 +775,13 @@ class ClusterConfig(Strict):
                 "connect two workers on one GPU; use object_store where workers share a GPU"
             )
         collective = {t for t in used if t.collective}
+        scaled = [name for name, pool in self.named_pools() if pool.autoscaling]
+        if collective and scaled:
+            raise ValueError(
+                f"transport {next(iter(collective)).value} needs fixed pools, but "
+                f"{', '.join(scaled)} sets autoscaling: the collective group is formed over "
+                "every worker at once; use object_store to autoscale"
+            )
         if collective and self.server.num_replicas > 1:
             raise ValueError(
                 f"transport {collective.pop().value} needs server.num_replicas: 1 "
@@ -752,7 +824,7 @@ class ClusterConfig(Strict):
                 f"no encoder pool encodes {sorted(m.value for m in missing)}, "
                 f"which model {self.model.served_name!r} takes"
             )
-        return [m for pool, m in zip(self.encoder_pools, per_pool) for _ in range(pool.num_workers)]
+        return [m for pool, m in zip(self.encoder_pools, per_pool) for _ in range(pool.num_slots)]
 
     def fingerprint(self) -> str:
         """A short hash of the whole config: tells which config a running replica serves."""

@@ -32,6 +32,7 @@ import ray
 
 from cluster.config import ClusterConfig
 from cluster.metrics_merge import MetricsBook
+from cluster.pool_scaling import PERIOD_S, PoolScaling
 from cluster.snapshot import FleetSnapshot
 from router.types import Modality, WorkerKind
 
@@ -69,17 +70,27 @@ class FleetController:
         self._seen_s = time.monotonic()
         self._replicas: dict[str, object] = {}  # owner tag -> the replica's actor handle
         self._metrics = MetricsBook()
+        self._scaling = PoolScaling(self._fleet, time.monotonic())
         threading.Thread(target=self._reap_when_orphaned, daemon=True, name="reaper").start()
         threading.Thread(target=self._watch_replicas, daemon=True, name="watcher").start()
+        if self._scaling.pools:
+            threading.Thread(target=self._autoscale, daemon=True, name="autoscaler").start()
 
     def register(self, owner: str, replica) -> None:
         """A replica whose requests' ids start with `owner`; its death frees them on the workers."""
         self._replicas[owner] = replica
 
-    def report_metrics(self, owner: str, exposition: bytes, seq: int = 0) -> None:
-        """A replica's latest exposition, its `seq`-th rendering (also a heartbeat)."""
+    def report_metrics(
+        self, owner: str, exposition: bytes, seq: int = 0, booked: dict | None = None
+    ) -> None:
+        """A replica's latest exposition, its `seq`-th rendering (also a heartbeat), and its
+        router's running totals of booked ms per worker ({kind: [ms per index]}: autoscaling's
+        load)."""
         self._seen_s = time.monotonic()
         self._metrics.report(owner, exposition, seq)
+        if booked:
+            with self._lock:
+                self._scaling.booked.report(owner, booked)
 
     def share_metrics(self, owner: str, exposition: bytes, seq: int = 0) -> list[str | bytes]:
         """A scrape on `owner`: its exposition is recorded before the scrape is answered (should
@@ -103,7 +114,7 @@ class FleetController:
     def snapshot(self) -> FleetSnapshot:
         self._seen_s = time.monotonic()
         with self._lock:
-            return self._fleet.snapshot(self._generation, self._infos)
+            return self._fleet.snapshot(self._generation, self._infos, self._scaling.scaling())
 
     def heartbeat(self) -> tuple[int, int]:
         """What replicas poll: the generation (a change means a new snapshot) and how many
@@ -119,7 +130,7 @@ class FleetController:
         """A replica saw worker `actor_id` die: replace it unless that was done already
         (several replicas report the same death); returns the snapshot after."""
         with self._lock:
-            if self._fleet.actor_id(kind, index) == actor_id:
+            if actor_id and self._fleet.actor_id(kind, index) == actor_id:
                 log.warning("replacing %s worker %d (actor %s)", kind.value, index, actor_id)
                 try:
                     self._fleet.replace(kind, index)
@@ -154,13 +165,23 @@ class FleetController:
                 ):  # a worker died meanwhile: its replacement holds nothing of the replica's
                     log.exception("freeing what replica %s held failed", owner)
 
+    def _autoscale(self) -> None:
+        while True:
+            time.sleep(PERIOD_S)
+            try:
+                with self._lock:
+                    infos = self._scaling.step(time.monotonic(), self._infos)
+                    if infos is not None:
+                        self._infos, self._generation = infos, self._generation + 1
+            except Exception:  # scaling must outlive any one failure; the next period retries
+                log.exception("autoscaling step failed")
+
     def _free_owner(self, owner: str) -> None:
         del self._replicas[owner]
         self._metrics.retire(owner)
         with self._lock:
-            workers = [
-                w for kind in WorkerKind for w in self._fleet.pools[kind]
-            ]  # encoders: references to release
+            self._scaling.booked.forget(owner)
+            workers = self._fleet.all_actors()  # encoders: references to release
         freed = ray.get([w.drop_owner.remote(owner) for w in workers], timeout=_PING_TIMEOUT_S)
         log.warning(
             "replica %s died; its requests' leftovers freed on the workers: %d", owner, sum(freed)

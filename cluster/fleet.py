@@ -20,7 +20,7 @@ from actors.idle_cores import BOARD_PREFIX
 from actors.prefill import PrefillActor
 from actors.runtime import WorkerSpec
 from cluster.config import ClusterConfig, PoolConfig, Transport
-from cluster.snapshot import FleetSnapshot, GroupRef
+from cluster.snapshot import FleetSnapshot, GroupRef, Scaling
 from router.types import Modality, WorkerInfo, WorkerKind
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,10 @@ def _rdt_transport(config: ClusterConfig) -> Transport | None:
     return used.pop() if used else None
 
 
+def _hex_id(actor) -> str:
+    return "" if actor is None else actor._actor_id.hex()
+
+
 class Fleet:
     def __init__(self, config: ClusterConfig):
         self.config = config
@@ -71,9 +75,14 @@ class Fleet:
             if self._borrows(config)
             else None,  # idle-core board on each node
         )
+        # Per kind, one entry per worker index (slot); None where an autoscaled pool runs
+        # fewer than its max_workers.
         self.pools: dict[WorkerKind, list] = {kind: [] for kind in WorkerKind}
         for kind in WorkerKind:
-            self.pools[kind] = [self._start(kind, i) for i in range(self._num_workers(kind))]
+            self.pools[kind] = [
+                self._start(kind, i) if self._starts_live(kind, i) else None
+                for i in range(self._num_slots(kind))
+            ]
         ray.get([a.ready.remote() for a in self.all_actors()])
         self._group_name: str | None = None
         self._form_group()
@@ -86,23 +95,36 @@ class Fleet:
             for pool in [*config.encoder_pools, config.prefill, config.decode]
         )
 
-    def _num_workers(self, kind: WorkerKind) -> int:
-        pools = (
-            self.config.encoder_pools
-            if kind == WorkerKind.ENCODER
-            else [getattr(self.config, kind.value)]
-        )
-        return sum(pool.num_workers for pool in pools)
+    def _kind_pools(self, kind: WorkerKind) -> list[PoolConfig]:
+        if kind == WorkerKind.ENCODER:
+            return self.config.encoder_pools
+        return [getattr(self.config, kind.value)]
+
+    def _num_slots(self, kind: WorkerKind) -> int:
+        return sum(pool.num_slots for pool in self._kind_pools(kind))
+
+    def _starts_live(self, kind: WorkerKind, index: int) -> bool:
+        """Whether worker `index` starts with the fleet: a pool's first num_workers slots."""
+        pool, in_pool = self._pool_config(kind, index)
+        return in_pool < pool.num_workers
 
     def _pool_config(self, kind: WorkerKind, index: int) -> tuple[PoolConfig, int]:
         """The pool worker `index` of `kind` belongs to, and its index within that pool."""
-        if kind != WorkerKind.ENCODER:
-            return getattr(self.config, kind.value), index
-        for pool in self.config.encoder_pools:
-            if index < pool.num_workers:
+        for pool in self._kind_pools(kind):
+            if index < pool.num_slots:
                 return pool, index
-            index -= pool.num_workers
-        raise IndexError(f"no encoder worker {index}")
+            index -= pool.num_slots
+        raise IndexError(f"no {kind.value} worker {index}")
+
+    def slots_of(self) -> list[tuple[WorkerKind, range, PoolConfig]]:
+        """Every pool: its kind, the worker indices it owns and its config."""
+        spans = []
+        for kind in WorkerKind:
+            first = 0
+            for pool in self._kind_pools(kind):
+                spans.append((kind, range(first, first + pool.num_slots), pool))
+                first += pool.num_slots
+        return spans
 
     def _start(self, kind: WorkerKind, index: int):
         pool, in_pool = self._pool_config(kind, index)
@@ -133,6 +155,7 @@ class Fleet:
                 actor.reconfigure.remote(pool.settings(), pool.slowdown_of(in_pool))
                 for kind in WorkerKind
                 for index, actor in enumerate(self.pools[kind])
+                if actor is not None
                 for pool, in_pool in [self._pool_config(kind, index)]
             ]
         )
@@ -146,7 +169,7 @@ class Fleet:
         ]
         infos = []
         for kind in WorkerKind:
-            nodes = ray.get([actor.node_id.remote() for actor in self.pools[kind]])
+            nodes = ray.get([self.node_of(kind, i) for i in range(len(self.pools[kind]))])
             modalities = per_encoder if kind == WorkerKind.ENCODER else [frozenset()] * len(nodes)
             infos += [
                 WorkerInfo(kind, i, node=node, modalities=m)
@@ -154,12 +177,31 @@ class Fleet:
             ]
         return infos
 
+    def node_of(self, kind: WorkerKind, index: int):
+        """A ref to the node id worker `index` runs on ("" for an empty slot: none yet)."""
+        actor = self.pools[kind][index]
+        return ray.put("") if actor is None else actor.node_id.remote()
+
     def actor_id(self, kind: WorkerKind, index: int) -> str:
-        """Ray's hex id of a worker's current actor (failures name the actor that died)."""
-        return self.pools[kind][index]._actor_id.hex()
+        """Ray's hex id of a worker's current actor (failures name the actor that died); ""
+        for an empty slot."""
+        return _hex_id(self.pools[kind][index])
 
     def all_actors(self) -> list:
-        return [a for kind in WorkerKind for a in self.pools[kind]]
+        return [a for kind in WorkerKind for a in self.pools[kind] if a is not None]
+
+    def start(self, kind: WorkerKind, index: int):
+        """A worker in empty slot `index` (autoscaling); returns the ref of its `ready`,
+        which resolves once Ray has placed it (the autoscaler may launch its node first)."""
+        assert self.pools[kind][index] is None, f"{kind.value} worker {index} is running"
+        self.pools[kind][index] = self._start(kind, index)
+        return self.pools[kind][index].ready.remote()
+
+    def stop(self, kind: WorkerKind, index: int) -> None:
+        """End worker `index` and empty its slot (autoscaling, after the worker drained)."""
+        actor, self.pools[kind][index] = self.pools[kind][index], None
+        if actor is not None:
+            ray.kill(actor, no_restart=True)
 
     def _form_group(self) -> None:
         """One collective group over every worker: an actor joins one group per backend."""
@@ -194,6 +236,7 @@ class Fleet:
             self._form_group()
 
     def _restart(self, workers: list[tuple[WorkerKind, int]]) -> None:
+        workers = [(k, i) for k, i in workers if self.pools[k][i] is not None]  # not empty slots
         for kind, index in workers:
             try:
                 ray.kill(self.pools[kind][index], no_restart=True)
@@ -202,14 +245,26 @@ class Fleet:
             self.pools[kind][index] = self._start(kind, index)
         ray.get([self.pools[kind][index].ready.remote() for kind, index in workers])
 
-    def snapshot(self, generation: int, infos: tuple[WorkerInfo, ...]) -> FleetSnapshot:
+    def snapshot(
+        self, generation: int, infos: tuple[WorkerInfo, ...], scaling: Scaling = Scaling()
+    ) -> FleetSnapshot:
+        """The fleet as replicas route to it: workers still starting are left out (their
+        slots stay empty until ready)."""
         group = GroupRef(self._group_name, _BACKEND[self.rdt]) if self.rdt is not None else None
+        pools = {
+            kind: tuple(
+                None if (kind, i) in scaling.starting else actor
+                for i, actor in enumerate(self.pools[kind])
+            )
+            for kind in WorkerKind
+        }
         return FleetSnapshot(
             generation,
-            {kind: tuple(self.pools[kind]) for kind in WorkerKind},
-            {kind: tuple(a._actor_id.hex() for a in self.pools[kind]) for kind in WorkerKind},
+            pools,
+            {kind: tuple(_hex_id(a) for a in pools[kind]) for kind in WorkerKind},
             infos,
             group,
+            scaling,
         )
 
     def shutdown(self) -> None:

@@ -27,9 +27,16 @@ _CONTROLLER_TIMEOUT_S = 5.0  # a controller busy longer than this: the last peer
 
 
 class MetricsShare:
-    def __init__(self, fleet: FleetClient, own: Callable[[], bytes]):
-        """`own()`: this replica's exposition (Metrics.exposition)."""
-        self._fleet, self._own = fleet, own
+    def __init__(
+        self,
+        fleet: FleetClient,
+        own: Callable[[], bytes],
+        booked: Callable[[], dict[str, list[float]]] = dict,
+    ):
+        """`own()`: this replica's exposition (Metrics.exposition); `booked()`: its router's
+        running totals of booked ms per worker, pushed alongside (the controller's
+        autoscaling load)."""
+        self._fleet, self._own, self._booked = fleet, own, booked
         self._task: asyncio.Task | None = None
         self._peers: list[
             str | bytes
@@ -58,7 +65,9 @@ class MetricsShare:
             self._own
         )  # ~10 ms of rendering each second: off the event loop
         await asyncio.wait_for(
-            self._fleet.controller.report_metrics.remote(self._fleet.owner, own, seq),
+            self._fleet.controller.report_metrics.remote(
+                self._fleet.owner, own, seq, self._booked()
+            ),
             _CONTROLLER_TIMEOUT_S,
         )
 

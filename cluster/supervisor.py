@@ -42,6 +42,7 @@ class Poll(str, enum.Enum):
     ALIVE = "alive"
     BUSY = "busy"  # did not answer in time
     DEAD = "dead"
+    EMPTY = "empty"  # an autoscaled pool's slot with no worker (yet, or any more)
 
 
 class Supervisor:
@@ -55,6 +56,8 @@ class Supervisor:
         self.latest_stats: dict[
             str, list[dict]
         ] = {}  # worker kind -> the last check's stats (for /metrics)
+        self._followed: tuple[int, tuple] | None = None  # generation and infos routed with
+        self._draining: set[tuple[WorkerKind, int]] = set()  # out of routing while they drain
 
     def ensure_running(self) -> None:
         if self._task is None or self._task.done():
@@ -64,7 +67,7 @@ class Supervisor:
         while True:
             await asyncio.sleep(CHECK_PERIOD_S)
             try:
-                self._back_in_routing(await self.fleet.sync())
+                self.follow(await self.fleet.sync())
                 await self.check()
             except Exception:  # supervision must outlive any one failure
                 log.exception("supervisor check failed")
@@ -72,8 +75,9 @@ class Supervisor:
     async def check(self, timeout_s: float = PING_TIMEOUT_S) -> dict[WorkerKind, list[dict]]:
         """Poll every worker at once (a slow one must not delay the others' heartbeats), act
         on what is learnt, and return each worker's stats (or why there are none)."""
+        snapshot = self.fleet.snapshot
         workers = [
-            (kind, index) for kind in WorkerKind for index in range(len(self.fleet.pools[kind]))
+            (kind, index) for kind in WorkerKind for index in range(len(snapshot.pools[kind]))
         ]
         results = await asyncio.gather(
             *[self._poll(kind, index, timeout_s) for kind, index in workers]
@@ -83,9 +87,15 @@ class Supervisor:
             if (kind, index) in self._restarting:
                 stats[kind].append({"error": "restarting"})
                 continue
+            if outcome is Poll.EMPTY:
+                starting = (kind, index) in snapshot.scaling.starting
+                stats[kind].append({"slot": "starting" if starting else "empty"})
+                continue
             self._judge(kind, index, outcome, report)
             stats[kind].append(
-                report[0]
+                {**report[0], "draining": True}
+                if report and (kind, index) in snapshot.scaling.draining
+                else report[0]
                 if report
                 else {
                     "error": f"{outcome.value} (no answer within {timeout_s} s)"
@@ -118,6 +128,8 @@ class Supervisor:
 
     async def _poll(self, kind: WorkerKind, index: int, timeout_s: float):
         actor = self.fleet.pools[kind][index]
+        if actor is None:
+            return Poll.EMPTY, None
         try:
             stats = await asyncio.wait_for(actor.stats.remote(), timeout=timeout_s)
             cached = None  # encoders: media identifiers; prefill workers: prefix block hashes
@@ -172,10 +184,9 @@ class Supervisor:
         try:
             async with self._restart_lock:
                 changed = await asyncio.to_thread(self.fleet.replace, kind, index)
-            self._back_in_routing(changed)
-            self.router.set_healthy(
-                kind, index, True
-            )  # also when another replica had it replaced already
+            self.follow(changed)
+            if self.fleet.snapshot.routable(kind, index):  # also if another replica replaced it
+                self.router.set_healthy(kind, index, True)
             self.num_restarts += 1
         except Exception:
             log.exception(
@@ -185,11 +196,36 @@ class Supervisor:
             self._restarting.pop((kind, index), None)
             self._busy_since.pop((kind, index), None)
 
-    def _back_in_routing(self, changed: list[tuple[WorkerKind, int]]) -> None:
-        """Workers with a new actor (replaced by the controller) route again."""
+    def follow(self, changed: list[tuple[WorkerKind, int]]) -> None:
+        """Route as the snapshot held says: workers with a new actor (replaced, or started by
+        autoscaling) route again; draining ones and empty slots leave routing, an emptied
+        slot's caches the view; workers placed on a node anew are placed so."""
+        snapshot = self.fleet.snapshot
+        if self._followed == (snapshot.generation, snapshot.infos) and not changed:
+            return
+        if self._followed is not None and self._followed[1] != snapshot.infos:
+            self.router.set_infos(snapshot.infos)
+        self._followed, now = (snapshot.generation, snapshot.infos), time.monotonic()
         for kind, index in changed:
             self._busy_since.pop((kind, index), None)
-            self.router.set_healthy(kind, index, True)
+            if snapshot.pools[kind][index] is None:
+                self.router.forget(kind, index, now)
+            else:
+                self.router.set_healthy(kind, index, True)
+        self._follow_draining(snapshot)
+
+    def _follow_draining(self, snapshot) -> None:
+        draining = {
+            (kind, index)
+            for kind, index in snapshot.scaling.draining
+            if snapshot.pools[kind][index] is not None
+        }
+        for kind, index in draining - self._draining:
+            self.router.set_healthy(kind, index, False)
+        for kind, index in self._draining - draining:
+            if snapshot.routable(kind, index):  # taken back (not stopped: that empties it)
+                self.router.set_healthy(kind, index, True)
+        self._draining = draining
 
     @property
     def restarting(self) -> list[tuple[WorkerKind, int]]:

@@ -26,8 +26,25 @@ class WorkerStatsCollector:
 
     def collect(self) -> Iterator[Metric]:
         stats = self.latest()
+        yield from self._pool_workers(stats)
         yield from self._encoder_cache(stats.get("encoder", []))
         yield from self._decode_kv(stats.get("decode", []))
+
+    def _pool_workers(self, stats: WorkerStats) -> Iterator[Metric]:
+        """Worker slots of each kind by state: serving (routed, or restarting), starting
+        (autoscaling: not placed or not ready yet), draining, empty."""
+        family = self._family(
+            GaugeMetricFamily,
+            "pool_workers",
+            "Worker slots by kind and state (serving, starting, draining, empty).",
+            "kind",
+            "state",
+        )
+        for kind, workers in stats.items():
+            states = [_slot_state(w) for w in workers]
+            for state in ("serving", "starting", "draining", "empty"):
+                family.add_metric([self.model_name, kind, state], states.count(state))
+        yield family
 
     def _family(self, kind, name: str, doc: str, *labels: str):
         return kind(self.prefix + name, doc, labels=["model_name", *labels])
@@ -91,3 +108,9 @@ class WorkerStatsCollector:
                     worker["kv_reserved_bytes"] / worker["kv_budget_bytes"],
                 )
         yield usage
+
+
+def _slot_state(worker: dict) -> str:
+    if "slot" in worker:
+        return worker["slot"]
+    return "draining" if worker.get("draining") else "serving"

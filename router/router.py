@@ -142,3 +142,15 @@ class Router:
 
     def set_healthy(self, kind: WorkerKind, index: int, healthy: bool) -> None:
         self.view.set_healthy(kind, index, healthy)
+
+    def set_infos(self, workers: Iterable[WorkerInfo]) -> None:
+        """The same slots, placed anew (an autoscaled worker started on some node)."""
+        self.view.set_infos(workers)
+
+    def forget(self, kind: WorkerKind, index: int, now_s: float) -> None:
+        """A worker stopped and its slot is empty: out of routing, its caches out of view."""
+        self.view.forget(kind, index, now_s)
+
+    def booked_ms_totals(self) -> dict[str, list[float]]:
+        """Estimated ms ever booked per encoder and prefill worker (autoscaling's load)."""
+        return {kind.value: list(self.view.booked_ms_total[kind]) for kind in (_E, _P)}

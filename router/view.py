@@ -94,22 +94,12 @@ class ClusterView:
         self.num_foreign = {
             kind: 0 for kind in sizes
         }  # sum of each: 0 lets the cost model skip them
+        # Estimated ms of work ever booked on each encoder and prefill worker: what autoscaling
+        # reads as offered load (cluster/pool_scaling.py).
+        self.booked_ms_total = {kind: [0.0] * n for kind, n in sizes.items()}
         self.encoder_cache = HolderIndex(sizes[_E], staleness_s)
         self.prefix_cache = HolderIndex(sizes[_P], staleness_s)
-        nodes = sorted({w.node for infos in self.workers.values() for w in infos})
-        self.node_ids = {
-            kind: [nodes.index(w.node) for w in infos] for kind, infos in self.workers.items()
-        }
-        self.num_nodes = len(nodes)
-        self.colocated = [
-            tuple(
-                e.index
-                for e in self.workers[_E]
-                if p.process is not None and e.process == p.process
-            )
-            for p in self.workers[_P]
-        ]
-        self.any_colocated = any(self.colocated)
+        self._place(self.workers)
         self._prefix_memo: tuple[tuple[str, ...] | None, int, int, dict[int, int]] = (
             None,
             0,
@@ -146,6 +136,41 @@ class ClusterView:
         self._splittable: set[frozenset[str]] = (
             set()
         )  # modality sets no encoder hosts together, each hosted by some
+
+    def _place(self, workers: dict[WorkerKind, list[WorkerInfo]]) -> None:
+        """Where each worker runs: node ids and the encoders sharing each prefill's process."""
+        self.workers = workers
+        nodes = sorted({w.node for infos in workers.values() for w in infos})
+        self.node_ids = {
+            kind: [nodes.index(w.node) for w in infos] for kind, infos in workers.items()
+        }
+        self.num_nodes = len(nodes)
+        self.colocated = [
+            tuple(e.index for e in workers[_E] if p.process is not None and e.process == p.process)
+            for p in workers[_P]
+        ]
+        self.any_colocated = any(self.colocated)
+        self._dirty = True
+
+    def set_infos(self, workers: Iterable[WorkerInfo]) -> None:
+        """The same workers' slots, placed anew (a worker started on another node)."""
+        placed = _as_infos(workers)
+        if {k: len(v) for k, v in placed.items()} != {k: len(v) for k, v in self.workers.items()}:
+            raise ValueError("set_infos takes the same worker slots, placed anew")
+        self._place(placed)
+
+    def forget(self, kind: WorkerKind, index: int, now_s: float) -> None:
+        """Worker `index` stopped (its slot is empty): out of routing, its caches out of view."""
+        self.set_healthy(kind, index, False)
+        self.reports[kind][index] = None
+        if kind is _E:
+            self.encoder_cache.publish(index, frozenset(), now_s)
+        elif kind is _P:
+            self.prefix_cache.publish(index, frozenset(), now_s)
+        elif kind is _D:
+            self._report_running(index, None, now_s)
+        if kind is not _D:
+            self._report_foreign(kind, index, 0)
 
     # -- time, liveness, candidates -----------------------------------------------------------
     def refresh(self, now_s: float) -> None:
@@ -419,13 +444,16 @@ class ClusterView:
             decision.decode,
         )
         counts, booked = self.outstanding, self.outstanding_ms
+        totals = self.booked_ms_total
         if decision.shares:  # split by modality: each encoder books its own part
             for share in decision.shares:
                 counts[_E][share.encoder] += share.num_items
                 booked[_E][share.encoder] += share.encode_ms
+                totals[_E][share.encoder] += share.encode_ms
         elif encoder is not None:
             counts[_E][encoder] += num_items
             booked[_E][encoder] += estimate.encode_ms
+            totals[_E][encoder] += estimate.encode_ms
         jobs = counts[_P]
         if not jobs[prefill]:  # an idle worker: the job starts once its embeddings are in
             ahead_ms = estimate.encoder_queue_ms + estimate.encode_ms + estimate.transfer_ms
@@ -433,6 +461,7 @@ class ClusterView:
             self.service_ms[prefill] = estimate.prefill_ms
         jobs[prefill] += 1
         booked[_P][prefill] += estimate.prefill_ms
+        totals[_P][prefill] += estimate.prefill_ms
         running = counts[_D]
         own = running[decode] = running[decode] + 1
         if own > self._loads[decode]:  # what _set_load() gives

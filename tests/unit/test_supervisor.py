@@ -10,6 +10,7 @@ import asyncio
 import ray.exceptions as rx
 
 from cluster import supervisor as sup
+from cluster.snapshot import FleetSnapshot
 from router.router import Router
 from router.types import WorkerInfo, WorkerKind
 
@@ -43,6 +44,16 @@ class _Fleet:
     def __init__(self):
         self.pools = {E: [_Actor()], P: [_Actor()], D: [_Actor()]}
         self.replaced: list[tuple[WorkerKind, int]] = []
+
+    @property
+    def snapshot(self) -> FleetSnapshot:
+        return FleetSnapshot(
+            len(self.replaced),
+            {k: tuple(a) for k, a in self.pools.items()},
+            {k: tuple(str(id(x)) for x in a) for k, a in self.pools.items()},
+            (),
+            None,
+        )
 
     def replace(self, kind: WorkerKind, index: int) -> list[tuple[WorkerKind, int]]:
         self.replaced.append((kind, index))
