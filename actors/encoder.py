@@ -122,6 +122,7 @@ class EncoderWorker(ModelWorker):
             "num_batches": self.batcher.num_batches,
             "max_batch": self.batcher.max_batch_seen,
             "step_threads": self.step_threads,
+            "busy_s": self.busy_s,
             **self.cache.stats().as_flat_dict(),
         }
 

@@ -183,6 +183,7 @@ class PrefillWorker(ModelWorker):
             "held_kv": len(self.kv),
             "held_embeddings": len(self.embeddings),
             "step_threads": self.step_threads,
+            "busy_s": self.busy_s,
         }
 
     def load(self) -> WorkerLoad:

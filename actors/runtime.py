@@ -83,6 +83,7 @@ class ModelWorker:
             NodeBoard(spec.board) if spec.board else None,
         )
         self._num_threads = spec.torch_threads
+        self.busy_s = 0.0  # device time so far (slowdown included): autoscaling's measured load
 
     def reconfigure(self, settings, slowdown: float) -> None:
         """Take a redeploy's live settings in place (cluster/config.py LIVE_FIELDS); the
@@ -140,6 +141,7 @@ class ModelWorker:
         result = fn(*args)
         if self.spec.slowdown > 1.0:  # sleep in the executor, so the worker really is slower
             time.sleep((self.spec.slowdown - 1.0) * (time.perf_counter() - started))
+        self.busy_s += time.perf_counter() - started
         return result
 
     def ready(self) -> bool:

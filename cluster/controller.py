@@ -70,6 +70,7 @@ class FleetController:
         self._seen_s = time.monotonic()
         self._replicas: dict[str, object] = {}  # owner tag -> the replica's actor handle
         self._metrics = MetricsBook()
+        self._bookings: dict[str, dict] = {}  # owner -> its router's booked ms per worker
         self._scaling = PoolScaling(self._fleet, time.monotonic())
         threading.Thread(target=self._reap_when_orphaned, daemon=True, name="reaper").start()
         threading.Thread(target=self._watch_replicas, daemon=True, name="watcher").start()
@@ -116,10 +117,17 @@ class FleetController:
         with self._lock:
             return self._fleet.snapshot(self._generation, self._infos, self._scaling.scaling())
 
-    def heartbeat(self) -> tuple[int, int]:
-        """What replicas poll: the generation (a change means a new snapshot) and how many
-        replicas are registered (each admits its share of the budgets)."""
-        return self.generation(), len(self._replicas)
+    def heartbeat(
+        self, owner: str | None = None, booked: dict | None = None
+    ) -> tuple[int, int, dict | None]:
+        """What replicas poll: the generation (a change means a new snapshot), how many
+        replicas are registered (each admits its share of the budgets), and the other
+        replicas' booked ms per worker, summed ({kind: [ms per index]}; None while no other
+        replica has shared): `booked` is the asking replica's own, shared with them."""
+        if owner is not None and booked is not None:
+            self._bookings[owner] = booked
+        others = [b for o, b in list(self._bookings.items()) if o != owner and o in self._replicas]
+        return self.generation(), len(self._replicas), sum_bookings(others)
 
     def generation(self) -> int:
         """What replicas poll (it is also their heartbeat): a change means a new snapshot."""
@@ -178,6 +186,7 @@ class FleetController:
 
     def _free_owner(self, owner: str) -> None:
         del self._replicas[owner]
+        self._bookings.pop(owner, None)
         self._metrics.retire(owner)
         with self._lock:
             self._scaling.booked.forget(owner)
@@ -192,6 +201,13 @@ class FleetController:
             time.sleep(_REAP_PERIOD_S)
         log.warning("no ingress replica for %.0f s: shutting the fleet down", ORPHAN_AFTER_S)
         self.shutdown()
+
+
+def sum_bookings(bookings: list[dict[str, list[float]]]) -> dict[str, list[float]] | None:
+    """Replicas' booked ms per worker ({kind: [ms per index]}), summed; None for none."""
+    if not bookings:
+        return None
+    return {kind: [sum(ms) for ms in zip(*(b[kind] for b in bookings))] for kind in bookings[0]}
 
 
 def attach(

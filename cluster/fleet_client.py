@@ -34,6 +34,7 @@ class FleetClient:
         )
         self.controller = attach(again=False)
         self.num_replicas = 1  # registered with the controller, as of the last sync
+        self.others_booked: dict | None = None  # the other replicas' booked ms per worker
         self.on_replicas: Callable[[int], None] | None = None  # told when that count changes
         # A redeploy that changed only live settings kept the fleet: they reach it from here.
         ray.get(self.controller.apply_live.remote(config.model_dump(mode="json")))
@@ -90,12 +91,15 @@ class FleetClient:
             ray.get(self.controller.replace.remote(kind, index, self.actor_id(kind, index)))
         )
 
-    async def sync(self) -> list[tuple[WorkerKind, int]]:
-        """Adopt the controller's snapshot if its generation moved. A controller that is gone
-        (killed, or its node lost) is created again, with a new fleet, unless another
+    async def sync(self, booked: dict | None = None) -> list[tuple[WorkerKind, int]]:
+        """Adopt the controller's snapshot if its generation moved; share this replica's
+        `booked` ms per worker and keep the others' (`others_booked`). A controller that is
+        gone (killed, or its node lost) is created again, with a new fleet, unless another
         config's controller took over (this replica is being replaced)."""
         try:
-            generation, num_replicas = await self.controller.heartbeat.remote()
+            generation, num_replicas, self.others_booked = await self.controller.heartbeat.remote(
+                self.owner, booked
+            )
             self._count_replicas(num_replicas)
             if generation == self.snapshot.generation:
                 return []

@@ -30,7 +30,8 @@ from router.types import WorkerKind
 
 log = logging.getLogger(__name__)
 
-CHECK_PERIOD_S = 0.2  # also how fresh other replicas' load is in this one's routing view
+CHECK_PERIOD_S = 0.2  # also how fresh other replicas' load is in this one's routing view (their
+# bookings travel with each check's controller heartbeat; workers' reports with its polls)
 PING_TIMEOUT_S = 5.0
 CONFIRM_TIMEOUT_S = (
     2.0  # a suspect named by a failed request answers within this, or is presumed busy
@@ -67,7 +68,9 @@ class Supervisor:
         while True:
             await asyncio.sleep(CHECK_PERIOD_S)
             try:
-                self.follow(await self.fleet.sync())
+                self.follow(await self.fleet.sync(self.router.outstanding_ms()))
+                if self.fleet.others_booked is not None:
+                    self.router.share_foreign(self.fleet.others_booked, self.fleet.num_replicas - 1)
                 await self.check()
             except Exception:  # supervision must outlive any one failure
                 log.exception("supervisor check failed")

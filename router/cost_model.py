@@ -406,7 +406,9 @@ class CostModel:
                 costs = [c + count * ai + size * bi for c, ai, bi in zip(costs, a, b)]
             if costs is queue:  # no items: a copy, never the view's own list
                 costs = list(queue)
-        if view.num_foreign[
+        if (shared := view.foreign_queue_ms(_E)) is not None:  # other replicas' booked ms there
+            costs = [c + f for c, f in zip(costs, shared)]
+        elif view.num_foreign[
             _E
         ]:  # other replicas' items queued there, each priced as this request's mean item
             n, foreign = len(items) or 1, view.foreign[_E]
@@ -454,7 +456,9 @@ class CostModel:
                 tokens,
             )
         ]
-        if view.num_foreign[_P]:  # other replicas' jobs queued there, each priced as this request
+        if (shared := view.foreign_queue_ms(_P)) is not None:  # other replicas' booked ms there
+            costs = [c + f for c, f in zip(costs, shared)]
+        elif view.num_foreign[_P]:  # other replicas' jobs queued there, priced as this request
             costs = [
                 c + (a + b * t) * f if f else c
                 for c, a, b, t, f in zip(

@@ -151,6 +151,17 @@ class Router:
         """A worker stopped and its slot is empty: out of routing, its caches out of view."""
         self.view.forget(kind, index, now_s)
 
+    def outstanding_ms(self) -> dict[str, list[float]]:
+        """Estimated ms this router has booked and not yet seen finish, per encoder and
+        prefill worker: what it shares with other ingress replicas."""
+        return {kind.value: list(self.view.outstanding_ms[kind]) for kind in (_E, _P)}
+
+    def share_foreign(self, others: dict[str, list[float]], num_others: int) -> None:
+        """The other replicas' outstanding_ms(), summed: priced as queued work from now on."""
+        for kind in (_E, _P):
+            if kind.value in others:
+                self.view.share_foreign(kind, others[kind.value], num_others)
+
     def booked_ms_totals(self) -> dict[str, list[float]]:
         """Estimated ms ever booked per encoder and prefill worker (autoscaling's load)."""
         return {kind.value: list(self.view.booked_ms_total[kind]) for kind in (_E, _P)}

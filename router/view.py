@@ -94,6 +94,11 @@ class ClusterView:
         self.num_foreign = {
             kind: 0 for kind in sizes
         }  # sum of each: 0 lets the cost model skip them
+        # Other replicas' booked ms per encoder and prefill worker, as they last shared them
+        # (share_foreign); None until then. Shared bookings replace the counts above.
+        self.foreign_ms: dict[WorkerKind, list[float] | None] = {_E: None, _P: None}
+        self._num_others = 0  # the other replicas sharing (foreign_queue_ms)
+        self._booked_at_share: dict[WorkerKind, list[float]] = {}
         # Estimated ms of work ever booked on each encoder and prefill worker: what autoscaling
         # reads as offered load (cluster/pool_scaling.py).
         self.booked_ms_total = {kind: [0.0] * n for kind, n in sizes.items()}
@@ -306,7 +311,28 @@ class ClusterView:
         if kind is _P and prefix_hashes is not None:
             self.prefix_cache.publish(index, prefix_hashes, now_s)
 
+    def share_foreign(self, kind: WorkerKind, booked_ms: list[float], num_others: int) -> None:
+        """The other `num_others` replicas' booked ms on each worker of `kind` (summed), as of
+        their last share: they replace the reported counts in the queue (foreign_queue_ms)."""
+        self.foreign_ms[kind], self._num_others = booked_ms, num_others
+        self._booked_at_share[kind] = list(self.booked_ms_total[kind])
+        self.num_foreign[kind] = 0
+        self.foreign[kind] = [0] * len(booked_ms)
+
+    def foreign_queue_ms(self, kind: WorkerKind) -> list[float] | None:
+        """Other replicas' work queued on each worker, in ms: what they last shared, plus what
+        they have presumably booked since. Routers with the same information make the same
+        choices, so until the next share each of this router's bookings stands for one by
+        each of the others on the same worker: they spread instead of herding."""
+        shared = self.foreign_ms[kind]
+        if shared is None or not self._num_others:
+            return shared
+        k, since = self._num_others, self._booked_at_share[kind]
+        return [f + k * (t - b) for f, t, b in zip(shared, self.booked_ms_total[kind], since)]
+
     def _report_foreign(self, kind: WorkerKind, index: int, reported: int) -> None:
+        if kind in self.foreign_ms and self.foreign_ms[kind] is not None:
+            return  # bookings shared: exact, where reported counts are priced by guess
         own = self.outstanding[kind][index]
         foreign = reported - own if reported > own else 0
         self.num_foreign[kind] += foreign - self.foreign[kind][index]

@@ -19,6 +19,7 @@ NEEDS_DEFAULT_MODEL = (
 )
 MULTI_NODE = "test_multi_node.py::"
 SERVE_RUN = "test_serve_run.py::"
+RAY_AUTOSCALER = "test_ray_autoscaler.py::"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -47,7 +48,7 @@ def pytest_collection_finish(session):
     """The default model takes about 80 s of one core on a new machine (unit tests run one
     torch thread, so a core is left); its build is atomic, so a second builder could only lose
     a race, never see half a checkpoint. The multi-node run and `serve run` bring Ray clusters
-    of their own."""
+    of their own, as does the check with Ray's autoscaler."""
     recipe, path = _default_model_dir()
     if _selected(session, NEEDS_DEFAULT_MODEL) and recipe and not (path / "config.json").is_file():
         background.start("default-model", background.Job("actors.checkpoints", recipe, str(path)))
@@ -59,6 +60,10 @@ def pytest_collection_finish(session):
         from tests.integration import test_serve_run
 
         background.start("serve-run", test_serve_run.start_run())
+    if _selected(session, (RAY_AUTOSCALER,)):
+        from tests.integration import test_ray_autoscaler
+
+        background.start("ray-autoscaler", test_ray_autoscaler.start_run())
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -10,9 +10,10 @@ recorded from the live cluster (router/sim/workload.py has the schema). `--load`
 offered load as a fraction of the cluster's capacity for the workload's request mix (a
 trace is time-scaled to it; without --load a trace replays at its recorded pace).
 `--rate` offers requests per second instead (the report gives the load fraction it amounts
-to; not with --load or --sweep). `--policy all` runs every routing policy on the same
-requests. `--sweep 0.5,0.7,0.9` runs every load listed (and, with --plot, also draws TTFT
-percentiles vs load next to the CDF).
+to; not with --load or --sweep). `--routers N` splits the requests over N ingress replicas'
+routers that learn of each other's work only from the workers' reports, every `--share-ms`.
+`--policy all` runs every routing policy on the same requests. `--sweep 0.5,0.7,0.9` runs
+every load listed (and, with --plot, also draws TTFT percentiles vs load next to the CDF).
 
 Exit status 2 with a message naming the problem for bad input: unknown policy, a
 cluster shape that does not parse or cannot serve the workload (e.g. no encoder hosts
@@ -174,6 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="ingress replicas' routers taking turns, each booking only its own requests "
+        "(default 1)",
+    )
+    p.add_argument(
+        "--share-ms",
+        type=float,
+        default=None,
+        help="how often workers report their queues and caches to every router, in ms "
+        "(the routers' sharing period; default: the cluster's publish interval)",
+    )
+    p.add_argument(
         "--slo-ms", type=float, default=2000.0, help="TTFT SLO for goodput (default 2000)"
     )
     _add_mix_args(p)
@@ -220,7 +235,13 @@ def run(args: argparse.Namespace, out=None) -> int:
     _check_rate(args.rate)
     if not (args.slo_ms > 0):
         raise UsageError(f"--slo-ms must be > 0, got {args.slo_ms}")
+    if args.routers < 1:
+        raise UsageError(f"--routers must be >= 1, got {args.routers}")
+    if args.share_ms is not None and not (args.share_ms > 0 and math.isfinite(args.share_ms)):
+        raise UsageError(f"--share-ms must be a positive number of ms, got {args.share_ms}")
     cluster = SimCluster.parse(args.cluster)
+    if args.share_ms is not None:
+        cluster = cluster.with_costs(publish_interval_s=args.share_ms / 1e3)
 
     workload = _workload(args, 100_000)
     default_load = 0.8 if args.workload in ("poisson", "bursty") else None
@@ -260,6 +281,7 @@ def run(args: argparse.Namespace, out=None) -> int:
                     slo_ms=args.slo_ms,
                     progress=progress,
                     load=actual_load,
+                    routers=args.routers,
                 )
             )
         if not args.json:

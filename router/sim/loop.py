@@ -117,14 +117,26 @@ def simulate(
     record_decisions: bool = False,
     load: float | None = None,
     router_kwargs: dict | None = None,
+    routers: int = 1,
 ) -> SimResult:
     """Play `workload` through `cluster`, every request routed by a fresh
     `Router(cluster.worker_infos(), priors, policy, seed=seed)`; `priors` default to
     the cost model's own (`CostPriors()`), which the router then calibrates online.
+    `routers` > 1: that many ingress replicas' routers take turns (router/sim/routers.py),
+    sharing what they booked only through the workers' reports.
     Raises ClusterShapeError (before simulating) when no encoder hosts a modality the
     workload needs. Returns per-request TTFTs and pool statistics (`.summary()`)."""
     cluster.check_workload(workload.modalities())
-    router = make_router(cluster, policy, seed=seed, priors=priors, **(router_kwargs or {}))
+    kwargs = router_kwargs or {}
+    router = make_router(cluster, policy, seed=seed, priors=priors, **kwargs)
+    if routers > 1:
+        from router.sim.routers import RouterGroup
+
+        others = [
+            make_router(cluster, policy, seed=seed + i, priors=priors, **kwargs)
+            for i in range(1, routers)
+        ]
+        router = RouterGroup([router, *others])
     if load is None:
         try:
             cap = capacity_rps(cluster, workload)
@@ -381,5 +393,7 @@ class Engine:
         self.encoders.publish(publish, now)
         self.prefill.publish(publish, now)
         self.decode.publish(publish, now)
+        if hasattr(self.router, "share"):  # several routers: they share their bookings too
+            self.router.share()
         if self.completed < len(self.arrivals):
             heappush(self.heap, (now + self.publish_s, EV_PUBLISH, 0, 0))

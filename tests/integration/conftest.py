@@ -47,6 +47,7 @@ MODULE_ORDER = (
     "test_vl_families.py",
     "test_multi_node.py",  # a cluster of its own, in a subprocess
     "test_serve_run.py",  # `serve run` on a cluster of its own
+    "test_ray_autoscaler.py",  # Ray's autoscaler launching a node, on a cluster of its own
 )
 
 

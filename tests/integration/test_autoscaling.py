@@ -3,34 +3,21 @@ worker to two (the second placed and routed to while requests stream), the pool 
 to one once the burst ends, and every answer across both changes equals `generate`.
 
 The encoder is slowed (`slowdown`, a sleep per step: no host CPU) so that a handful of clients
-keep one worker busy; the load the controller sees is the router's booked encode ms."""
+keep one worker busy; the load the controller sees is the router's booked encode ms (or the
+workers' measured device time, where more). tests/integration/test_ray_autoscaler.py does the
+same with Ray's autoscaler launching the second worker's node."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import cluster_config, deploy, png_data_url, random_image
+from tests.integration.burst import MAX_TOKENS, SCALING, burst_until, messages
+from tests.integration.conftest import cluster_config, deploy
 from tests.integration.reference import reference_generate
-
-MAX_TOKENS = 8
-SCALING = {
-    "min_workers": 1,
-    "max_workers": 2,
-    "target_utilization": 0.3,
-    "up_delay_s": 1.0,
-    "down_delay_s": 3.0,
-}
-CLIENTS = 6
-
-
-def _messages(seed: int) -> list[dict]:
-    image = {"type": "image_url", "image_url": {"url": png_data_url(random_image(seed, 48, 48))}}
-    return [{"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]}]
 
 
 @pytest.fixture(scope="module")
@@ -42,32 +29,6 @@ def app(ray_session):
 def _encoders(app) -> tuple[dict, list[dict]]:
     body = httpx.get(f"{app.root}/health", params={"verbose": 1}, timeout=30).json()
     return body["fleet"]["pools"]["encoder"], body["workers"]["encoder"]
-
-
-async def _burst_until(app, grown, deadline_s: float) -> list[tuple[int, dict]]:
-    """CLIENTS streams of requests, each with a new image (no cache hits), until `grown()`."""
-    answers: list[tuple[int, dict]] = []
-    seeds = iter(range(10_000, 20_000))
-    stop = asyncio.Event()
-
-    async def client(http: httpx.AsyncClient) -> None:
-        while not stop.is_set() and time.monotonic() < deadline_s:
-            seed = next(seeds)
-            body = {"model": app.config.model.served_name, "messages": _messages(seed)}
-            response = await http.post(
-                "/v1/chat/completions", json={**body, "temperature": 0, "max_tokens": MAX_TOKENS}
-            )
-            assert response.status_code == 200, response.text
-            answers.append((seed, response.json()))
-
-    async def watch() -> None:
-        while time.monotonic() < deadline_s and not await asyncio.to_thread(grown):
-            await asyncio.sleep(0.5)
-        stop.set()
-
-    async with httpx.AsyncClient(base_url=app.root, timeout=120) as http:
-        await asyncio.gather(watch(), *[client(http) for _ in range(CLIENTS)])
-    return answers
 
 
 def _pool_workers(app) -> dict[str, float]:
@@ -100,8 +61,7 @@ def test_an_image_burst_grows_the_encoder_pool_and_it_drains_back(app):
         pool, workers = _encoders(app)
         return pool["routed"] == 2 and workers[1].get("num_batches", 0) > 0
 
-    answers = _burst_until(app, grown, time.monotonic() + 150)
-    answers = asyncio.run(answers)
+    answers = burst_until(app.root, app.config.model.served_name, grown, within_s=150)
     assert grown(), f"the pool did not grow: {_encoders(app)}"
     assert _pool_workers(app)["serving"] == 2
 
@@ -109,11 +69,11 @@ def test_an_image_burst_grows_the_encoder_pool_and_it_drains_back(app):
     assert _wait_for(lambda: _encoders(app)[0]["routed"] == 1, within_s=60), _encoders(app)
     assert _wait_for(lambda: _encoders(app)[1][1] == {"slot": "empty"}, within_s=30)
     assert _pool_workers(app) == {"serving": 1, "starting": 0, "draining": 0, "empty": 1}
-    after = app.chat(_messages(1), temperature=0, max_tokens=MAX_TOKENS)
+    after = app.chat(messages(1), temperature=0, max_tokens=MAX_TOKENS)
     assert after.status_code == 200, after.text
 
     checkpoint = str(app.config.model.checkpoint_path)
-    sample = answers[:: max(1, len(answers) // 6)] + answers[-2:] + [(1, after.json())]
-    for seed, answer in sample:
-        _, text, _ = reference_generate(checkpoint, _messages(seed), MAX_TOKENS)
-        assert answer["choices"][0]["message"]["content"] == text, f"seed {seed}"
+    answers.append((1, after.json()["choices"][0]["message"]["content"]))
+    for seed, answer in answers[:: max(1, len(answers) // 6)] + answers[-3:]:
+        _, text, _ = reference_generate(checkpoint, messages(seed), MAX_TOKENS)
+        assert answer == text, f"seed {seed}"

@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.config import load_config
+from cluster.controller import sum_bookings
 from cluster.pool_scaling import BookedLoad
 from cluster.snapshot import FleetSnapshot, Scaling
 from router.autoscale import PoolScaler, ScalingRule
@@ -141,3 +142,10 @@ def test_a_snapshot_routes_only_to_running_workers_that_do_not_drain():
     assert [snap.routable(E, i) for i in range(3)] == [True, False, False]
     assert snap.present(E) == [0, 2] and len(snap.all_actors()) == 4
     assert snap.pool_sizes()["encoder"] == {"slots": 3, "routed": 1, "starting": 1, "draining": 1}
+
+
+def test_the_controller_sums_the_other_replicas_bookings_per_worker():
+    a = {"encoder": [10.0, 0.0], "prefill": [5.0]}
+    b = {"encoder": [1.0, 2.0], "prefill": [0.0]}
+    assert sum_bookings([a, b]) == {"encoder": [11.0, 2.0], "prefill": [5.0]}
+    assert sum_bookings([]) is None  # no other replica: routers keep the workers' counts
