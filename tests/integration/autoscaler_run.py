@@ -84,6 +84,27 @@ def encoder_nodes() -> int:
     return sum(1 for n in ray.nodes() if n["Alive"] and NODE_TYPE in n["Resources"])
 
 
+def pool_view(root: str) -> dict:
+    """What /health?verbose=1 and /metrics say of the encoder pool now."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    health = httpx.get(f"{root}/health", params={"verbose": 1}, timeout=30).json()
+    second = health["workers"]["encoder"][1]
+    metrics = text_string_to_metric_families(httpx.get(f"{root}/metrics", timeout=30).text)
+    return {
+        "pool": health["fleet"]["pools"]["encoder"],
+        "second": second.get("slot") or ("encoded" if second.get("num_batches") else "idle"),
+        "pool_workers": {
+            s.labels["state"]: s.value
+            for family in metrics
+            if family.name == "epd:pool_workers"
+            for s in family.samples
+            if s.labels["kind"] == "encoder"
+        },
+    }
+
+
 class Watch:
     """Encoder nodes and the encoder pool (routed, starting) over time, every 0.5 s."""
 
@@ -114,6 +135,30 @@ class Watch:
         self._thread.join()
 
 
+def run(root: str, model: str) -> dict:
+    """The burst and the drain, with the pool as the endpoints show it at each step."""
+    from tests.integration.burst import burst_until
+
+    views, watch = {"before": pool_view(root)}, Watch(root)
+
+    def grown() -> bool:  # two routed and the new worker has encoded part of the burst
+        views["grown"] = pool_view(root)
+        return views["grown"]["second"] == "encoded" and views["grown"]["pool"]["routed"] == 2
+
+    answers = burst_until(root, model, grown, within_s=240)
+    drained = watch.until(lambda nodes, routed: routed == 1, within_s=90)
+    released = watch.until(lambda nodes, routed: nodes == 1, within_s=120)
+    watch.stop()
+    views["after"] = pool_view(root)
+    return {
+        "answers": answers,
+        "seen": watch.seen,
+        "drained": drained,
+        "released": released,
+        "views": views,
+    }
+
+
 def main(port: int) -> None:
     import ray
     from ray import serve
@@ -124,7 +169,7 @@ def main(port: int) -> None:
     from cluster.config import builtin_model, load_config
     from cluster.prepare import ensure_model
     from tests.background import free_port
-    from tests.integration.burst import SCALING, burst_until
+    from tests.integration.burst import SCALING
 
     config = load_config().replace(
         model=builtin_model("tiny-llava"),
@@ -140,8 +185,7 @@ def main(port: int) -> None:
     path = os.path.join(tempfile.mkdtemp(prefix="epd-autoscaler-"), "cluster.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(autoscaler_config(f"{get_node_ip_address()}:{gcs_port}", head_cpus), f)
-    # Ray's autoscaler v2 (KubeRay's): it publishes its node types, which epd's placement check
-    # reads; the fake provider knows the head by a fixed id.
+    # Ray's autoscaler v2, as KubeRay runs it; the fake provider knows the head by a fixed id.
     os.environ.update(
         {
             "RAY_FAKE_CLUSTER": "1",
@@ -163,18 +207,7 @@ def main(port: int) -> None:
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         root = start(config, address=cluster.address).removesuffix("/v1")
-        watch = Watch(root)
-        grown = lambda: bool(watch.seen) and watch.seen[-1][2] == 2  # noqa: E731
-        answers = burst_until(root, config.model.served_name, grown, within_s=240)
-        drained = watch.until(lambda nodes, routed: routed == 1, within_s=90)
-        released = watch.until(lambda nodes, routed: nodes == 1, within_s=120)
-        watch.stop()
-        print(
-            json.dumps(
-                {"answers": answers, "seen": watch.seen, "drained": drained, "released": released}
-            ),
-            flush=True,
-        )
+        print(json.dumps(run(root, config.model.served_name)), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()

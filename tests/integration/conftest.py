@@ -41,7 +41,6 @@ MODULE_ORDER = (
     "test_kv_budget.py",  # a live KV budget: the default fleet still
     "test_token_exact.py",  # the default's transport first, then a fleet per transport
     "test_default_model.py",
-    "test_autoscaling.py",  # an autoscaled encoder pool: a fleet of its own
     "test_checkpoints.py",
     "test_modalities.py",
     "test_vl_families.py",

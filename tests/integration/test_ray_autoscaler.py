@@ -1,6 +1,7 @@
 """epd's encoder autoscaling with Ray's own autoscaler (fake multi-node provider): an image
-burst grows the pool from one worker to two on a node the autoscaler launches for it; after
-the burst the pool returns to one and the autoscaler releases the node; every answer equals
+burst grows the pool from one worker to two on a node the autoscaler launches for it (the new
+worker pending until then, routed to once ready, as /health and /metrics show); after the
+burst the pool drains back to one and the autoscaler releases the node; every answer equals
 `generate`. The cluster runs in a process of its own (autoscaler_run.py), started early."""
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def test_the_autoscaler_launches_a_node_for_the_new_worker_and_releases_it(outco
     assert any(nodes == 2 and routed == 2 for _, nodes, routed in seen), seen
     assert outcome["drained"] and outcome["released"], seen[-5:]
     assert seen[-1][1:] == [1, 1], seen[-3:]
+
+
+def test_health_and_metrics_show_the_pool_grow_and_drain(outcome):
+    before, grown, after = (outcome["views"][k] for k in ("before", "grown", "after"))
+    assert before["pool"] == {"slots": 2, "routed": 1, "starting": 0, "draining": 0}
+    assert before["second"] == "empty" and before["pool_workers"]["empty"] == 1
+    assert grown["second"] == "encoded" and grown["pool_workers"]["serving"] == 2
+    assert after["pool"] == before["pool"] and after["second"] == "empty"
+    assert after["pool_workers"] == {"serving": 1, "starting": 0, "draining": 0, "empty": 1}
 
 
 def test_answers_across_the_scaling_equal_generate(outcome):
