@@ -39,6 +39,11 @@ def _fleet(app) -> dict:
     return app.http.get("/health", params={"verbose": 1}).json()["fleet"]
 
 
+def _max_generating(app) -> int:
+    """The generating requests the replica answering admits (its share of the budget)."""
+    return app.http.get("/health", params={"verbose": 1}).json()["ingress"]["max_generating"]
+
+
 def _stream(root: str, body: dict) -> tuple[int, int, float]:
     """Status, completion tokens and the monotonic time of the stream's last byte."""
     with httpx.stream("POST", f"{root}/v1/chat/completions", json=body, timeout=120) as r:
@@ -90,9 +95,14 @@ def test_rotating_the_key_and_limits_keeps_workers_and_requests_in_flight(ray_se
     assert new.http.post("/v1/chat/completions", json=ask).status_code == 401  # the new key
     auth = {"Authorization": f"Bearer {KEY}"}
     assert new.http.post("/v1/chat/completions", json=ask, headers=auth).status_code == 200
-    ingress = new.http.get("/health", params={"verbose": 1}).json()["ingress"]
-    workers = new.config.decode.num_workers
-    assert ingress["max_generating"] == LIMITS["max_generating_per_decode_worker"] * workers
+    # The new limits, whole once the old replica has gone: until the controller has seen it die
+    # (its watcher checks every second), the new one admits half the budget, its share of two.
+    whole = LIMITS["max_generating_per_decode_worker"] * new.config.decode.num_workers
+    seen, deadline = [_max_generating(new)], time.monotonic() + 30
+    while seen[-1] != whole and time.monotonic() < deadline:
+        time.sleep(0.2)
+        seen.append(_max_generating(new))
+    assert seen[-1] == whole and set(seen) <= {whole, whole // 2}, seen
 
 
 def test_api_key_guards_v1_only(keyed):
