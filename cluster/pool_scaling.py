@@ -147,20 +147,23 @@ class PoolScaling:
         return bool(stopped)
 
     def _stats(self, slots: list[Slot]) -> list[dict | None]:
+        """Each worker's stats, None where it did not answer within _POLL_TIMEOUT_S (all asked
+        at once: one slow worker must not stall the period)."""
         refs = [self.fleet.pools[kind][index].stats.remote() for kind, index in slots]
-        out = []
-        for ref in refs:
-            try:
-                out.append(ray.get(ref, timeout=_POLL_TIMEOUT_S))
-            except Exception:  # busy or dead: asked again next period
-                out.append(None)
-        return out
+        if not refs:
+            return []
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=_POLL_TIMEOUT_S)[0])
+        return [_answer(ref) if ref in ready else None for ref in refs]
 
     def _load(self, pool: _Pool, booked: dict[tuple[str, int], float], dt_s: float) -> float:
         """The pool's offered load, in workers' worth: for encoders and prefill the booked
         estimate, or the device time the workers measured where that is more (an estimate
         not yet calibrated, e.g. the first burst after a deploy, reads low)."""
-        present = [(pool.kind, i) for i in pool.slots if self.fleet.pools[pool.kind][i] is not None]
+        present = [  # workers still starting have nothing to say (and may not be placed yet)
+            (pool.kind, i)
+            for i in pool.slots
+            if self.fleet.pools[pool.kind][i] is not None and (pool.kind, i) not in self._starting
+        ]
         stats = self._stats(present)
         if pool.kind is WorkerKind.DECODE:
             rows = sum(s.get("running", 0) + s.get("queued", 0) for s in stats if s)
@@ -223,6 +226,13 @@ class PoolScaling:
             self.fleet.stop(pool.kind, index)
         elif len(live) > 1:  # the last routable worker never drains
             self._draining[(pool.kind, live[-1])] = self._last_step_s
+
+
+def _answer(ref) -> dict | None:
+    try:
+        return ray.get(ref)
+    except Exception:  # it died: the replicas' supervisors replace it; asked again next period
+        return None
 
 
 def _holds_nothing(stats: dict) -> bool:
