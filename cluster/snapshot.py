@@ -54,10 +54,6 @@ class FleetSnapshot:
         """Every worker, in the order they rank in the collective group."""
         return [actor for kind in WorkerKind for actor in self.pools[kind] if actor is not None]
 
-    def present(self, kind: WorkerKind) -> list[int]:
-        """Indices of the workers running now (draining ones included)."""
-        return [i for i, actor in enumerate(self.pools[kind]) if actor is not None]
-
     def routable(self, kind: WorkerKind, index: int) -> bool:
         """Whether new requests may go to worker `index`: running and not draining."""
         return self.pools[kind][index] is not None and (kind, index) not in self.scaling.draining

@@ -69,8 +69,7 @@ class Supervisor:
             await asyncio.sleep(CHECK_PERIOD_S)
             try:
                 self.follow(await self.fleet.sync(self.router.outstanding_ms()))
-                if self.fleet.others_booked is not None:
-                    self.router.share_foreign(self.fleet.others_booked, self.fleet.num_replicas - 1)
+                self.router.share_foreign(self.fleet.others_booked, self.fleet.num_replicas - 1)
                 await self.check()
             except Exception:  # supervision must outlive any one failure
                 log.exception("supervisor check failed")

@@ -156,10 +156,13 @@ class Router:
         prefill worker: what it shares with other ingress replicas."""
         return {kind.value: list(self.view.outstanding_ms[kind]) for kind in (_E, _P)}
 
-    def share_foreign(self, others: dict[str, list[float]], num_others: int) -> None:
-        """The other replicas' outstanding_ms(), summed: priced as queued work from now on."""
+    def share_foreign(self, others: dict[str, list[float]] | None, num_others: int) -> None:
+        """The other replicas' outstanding_ms(), summed: priced as queued work from now on;
+        None once no other replica shares (their last share must not linger)."""
         for kind in (_E, _P):
-            if kind.value in others:
+            if others is None:
+                self.view.share_foreign(kind, None, 0)
+            elif kind.value in others:
                 self.view.share_foreign(kind, others[kind.value], num_others)
 
     def booked_ms_totals(self) -> dict[str, list[float]]:

@@ -311,13 +311,18 @@ class ClusterView:
         if kind is _P and prefix_hashes is not None:
             self.prefix_cache.publish(index, prefix_hashes, now_s)
 
-    def share_foreign(self, kind: WorkerKind, booked_ms: list[float], num_others: int) -> None:
+    def share_foreign(
+        self, kind: WorkerKind, booked_ms: list[float] | None, num_others: int
+    ) -> None:
         """The other `num_others` replicas' booked ms on each worker of `kind` (summed), as of
-        their last share: they replace the reported counts in the queue (foreign_queue_ms)."""
+        their last share: they replace the reported counts in the queue (foreign_queue_ms).
+        None: no other replica shares any more; reported counts are priced again."""
+        if booked_ms is None and self.foreign_ms[kind] is None:
+            return  # not sharing, as before: the reported counts stand
         self.foreign_ms[kind], self._num_others = booked_ms, num_others
         self._booked_at_share[kind] = list(self.booked_ms_total[kind])
         self.num_foreign[kind] = 0
-        self.foreign[kind] = [0] * len(booked_ms)
+        self.foreign[kind] = [0] * len(self.outstanding[kind])
 
     def foreign_queue_ms(self, kind: WorkerKind) -> list[float] | None:
         """Other replicas' work queued on each worker, in ms: what they last shared, plus what

@@ -140,7 +140,7 @@ def test_a_snapshot_routes_only_to_running_workers_that_do_not_drain():
     scaling = Scaling(starting=frozenset({(E, 1)}), draining=frozenset({(E, 2)}))
     snap = FleetSnapshot(4, pools, ids, (), None, scaling)
     assert [snap.routable(E, i) for i in range(3)] == [True, False, False]
-    assert snap.present(E) == [0, 2] and len(snap.all_actors()) == 4
+    assert len(snap.all_actors()) == 4  # the running ones, draining included
     assert snap.pool_sizes()["encoder"] == {"slots": 3, "routed": 1, "starting": 1, "draining": 1}
 
 
@@ -149,3 +149,12 @@ def test_the_controller_sums_the_other_replicas_bookings_per_worker():
     b = {"encoder": [1.0, 2.0], "prefill": [0.0]}
     assert sum_bookings([a, b]) == {"encoder": [11.0, 2.0], "prefill": [5.0]}
     assert sum_bookings([]) is None  # no other replica: routers keep the workers' counts
+
+
+def test_shared_bookings_stop_counting_once_the_other_replicas_are_gone():
+    router = Router(fleet(1, 2, 1), CostPriors(), "joint")
+    router.share_foreign({"encoder": [0.0], "prefill": [500.0, 0.0]}, num_others=1)
+    assert router.view.foreign_queue_ms(P) == [500.0, 0.0]
+    assert router.route(RequestProfile(100), 0.0).prefill == 1  # the other's queue on worker 0
+    router.share_foreign(None, num_others=0)  # the last other replica died
+    assert router.view.foreign_queue_ms(P) is None  # its last share no longer counts
