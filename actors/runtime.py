@@ -18,23 +18,12 @@ from actors.models.adapter import ModelAdapter, load_adapter
 from actors.models.source import resolve_checkpoint
 
 
-def device_dtype(dtype: str, device: str) -> str:
-    """`auto` as this worker's device has it: bfloat16 on GPUs with native support (compute
-    capability 8.0 and up), float16 on older ones (a T4 only emulates bfloat16, slowly),
-    float32 on CPU. Decided on the worker's own node: node types may differ."""
-    if dtype != "auto":
-        return dtype
-    if not device.startswith("cuda"):
-        return "float32"
-    return "bfloat16" if torch.cuda.get_device_capability(device)[0] >= 8 else "float16"
-
-
 @dataclass(frozen=True)
 class WorkerSpec:
     """What every worker needs to load its part of the model."""
 
     checkpoint: str
-    dtype: str  # `auto` is resolved by each worker for its own device (device_dtype)
+    dtype: str  # `auto` is resolved by each worker for its own device (load_adapter)
     device: str
     torch_threads: int
     max_model_len: int
@@ -71,7 +60,7 @@ class ModelWorker:
             spec.checkpoint, spec.revision, spec.hub_cache_dir
         )  # on this worker's node
         self.adapter: ModelAdapter = load_adapter(
-            checkpoint, part=part, dtype=device_dtype(spec.dtype, spec.device), device=spec.device
+            checkpoint, part=part, dtype=spec.dtype, device=spec.device
         )
         self._executor = ThreadPoolExecutor(max_workers=1)
         self._loop_task: asyncio.Task | None = None

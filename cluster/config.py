@@ -128,7 +128,7 @@ class ModelConfig(Strict):
     @property
     def resolved_dtype(self) -> str:
         """The dtype as this process sees it (byte sizes, baselines); the workers resolve
-        `auto` for their own GPUs (actors.runtime.device_dtype)."""
+        `auto` for their own GPUs (actors.models.adapter.device_dtype)."""
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device == "cuda" else "float32"

@@ -161,14 +161,28 @@ def _family(config):
     return importlib.import_module(FAMILIES[config.model_type])
 
 
+def device_dtype(dtype: str, device: str) -> str:
+    """`auto` as this worker's device has it: bfloat16 on GPUs with native support (compute
+    capability 8.0 and up), float16 on older ones (a T4 only emulates bfloat16, slowly),
+    float32 on CPU. Decided on the worker's own node: node types may differ."""
+    if dtype != "auto":
+        return dtype
+    if not device.startswith("cuda"):
+        return "float32"
+    return "bfloat16" if torch.cuda.get_device_capability(device)[0] >= 8 else "float16"
+
+
 def load_adapter(checkpoint: Path, *, part: str, dtype: str, device: str) -> ModelAdapter:
+    """`part` of the checkpoint on `device`, in `dtype` (`auto` resolved for that device)."""
     family = _family(AutoConfig.from_pretrained(checkpoint))
     if device.startswith("cuda"):
         # cuDNN's attention builds an execution plan per new sequence length: on an H100 it
         # took 3 ms of CPU per layer call where the kernel ran 4 us, every decode step (each
         # has a new KV length) and every prefill chunk. SDPA then picks flash or efficient.
         torch.backends.cuda.enable_cudnn_sdp(False)
-    return family.ADAPTER(checkpoint, part=part, dtype=getattr(torch, dtype), device=device)
+    return family.ADAPTER(
+        checkpoint, part=part, dtype=getattr(torch, device_dtype(dtype, device)), device=device
+    )
 
 
 def placeholder_spec(checkpoint: Path, processor, dtype: str = "float32") -> PlaceholderSpec:

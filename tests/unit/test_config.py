@@ -395,7 +395,7 @@ def test_auto_dtype_is_what_the_workers_gpu_supports(monkeypatch, capability, ex
     bfloat16; a set dtype is kept as it is."""
     import torch
 
-    from actors.runtime import device_dtype
+    from actors.models.adapter import device_dtype
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert device_dtype("auto", "cuda") == expected
