@@ -21,6 +21,8 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
+import sys
 import threading
 import time
 
@@ -133,6 +135,18 @@ def run_arm(cfg, capacity_rps: float | None, args) -> dict:
         }
 
 
+def recorded() -> dict:
+    """Where and when: a result file carries its commit and date (the notebook plots one)."""
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return {
+        "by": " ".join(["scripts/bench_autoscale.py", *sys.argv[1:]]),
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=3, help="the fixed pool; the autoscaled max")
@@ -147,7 +161,7 @@ def main() -> None:
     fixed = run_arm(arm_config(args.workers, False, args.slowdown, args.down_delay_s), None, args)
     auto_cfg = arm_config(args.workers, True, args.slowdown, args.down_delay_s)
     auto = run_arm(auto_cfg, fixed["capacity_rps"], args)
-    result = {"args": vars(args), "fixed": fixed, "autoscaled": auto}
+    result = {"recorded": recorded(), "args": vars(args), "fixed": fixed, "autoscaled": auto}
     for name, arm in (("fixed", fixed), ("autoscaled", auto)):
         t = arm["ttft_ms"]
         print(
