@@ -12,11 +12,11 @@ from cluster.config import REPO_ROOT
 SCRIPT = REPO_ROOT / "scripts" / "gpu_checks"
 
 
-def run(tmp_path, budget_s: int, *steps: str) -> subprocess.CompletedProcess:
+def run(tmp_path, budget_s: int, *steps: str, **env: str) -> subprocess.CompletedProcess:
     python = tmp_path / "python"
     python.write_text('#!/bin/sh\necho "stand-in python: $*"\n')
     python.chmod(0o755)
-    env = {**os.environ, "GPU_CHECKS_BUDGET_S": str(budget_s), "PYTHON": str(python)}
+    env = {**os.environ, **env, "GPU_CHECKS_BUDGET_S": str(budget_s), "PYTHON": str(python)}
     return subprocess.run(
         [str(SCRIPT), str(tmp_path), *steps], env=env, capture_output=True, text=True, timeout=120
     )
@@ -37,3 +37,15 @@ def test_steps_are_skipped_once_the_budget_is_spent(tmp_path):
 def test_an_unknown_step_is_refused_by_name(tmp_path):
     done = run(tmp_path, 300, "benchmark_everything")
     assert done.returncode == 2 and "unknown step benchmark_everything" in done.stderr
+
+
+def test_the_cuda_ipc_hang_step_runs_that_test_then_dumps_stacks(tmp_path):
+    """No Ray process matches here: the step runs the one test, then lists no stacks."""
+    done = run(
+        tmp_path, 300, "cuda_ipc_hang", GPU_CHECKS_STACKS_AFTER_S="0", GPU_CHECKS_STACKS_OF="@none@"
+    )
+    assert done.returncode == 0 and "== cuda_ipc_hang: exit 0" in done.stdout
+    log = (tmp_path / "cuda_ipc_hang.log").read_text()
+    assert "stand-in python: -m pytest -m gpu" in log
+    assert "test_workers_sharing_a_gpu_equal_generate[cuda_ipc]" in log
+    assert "--- stacks of" not in log
