@@ -19,17 +19,11 @@ import socket
 import statistics
 import time
 
+from benchkit.http_client import streaming_chat_body
+
 
 def request_bytes(model: str) -> bytes:
-    body = json.dumps(
-        {
-            "model": model,
-            "messages": [{"role": "user", "content": "Hello there, what is this?"}],
-            "max_tokens": 1,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
+    body = streaming_chat_body(model, [{"type": "text", "text": "Hello there, what is this?"}], 1)
     head = "POST /v1/chat/completions HTTP/1.1\r\nHost: epd\r\nContent-Type: application/json\r\n"
     return f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
 
