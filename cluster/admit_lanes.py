@@ -55,6 +55,15 @@ class AdmitLanes:
             Lane.MEDIA: ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="admit-media"),
         }
 
+    @property
+    def busy(self) -> bool:
+        """Whether a request is being read or admitted."""
+        return self.num_arriving > 0 or any(self.pending.values())
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown(wait=False)
+
     @contextlib.contextmanager
     def arriving(self):
         """Hold a place while a request's body is read and admitted; Overloaded at once when

@@ -81,6 +81,12 @@ class FleetController:
         """A replica whose requests' ids start with `owner`; its death frees them on the workers."""
         self._replicas[owner] = replica
 
+    def unregister(self, owner: str) -> None:
+        """A replica reconfigured in place and `owner`, its old tag, has no request left: what
+        the tag's requests left on the workers is freed and its counts join the retired sum,
+        as for a replica that died."""
+        self._free_owner(owner, "reconfigured")
+
     def report_metrics(
         self, owner: str, exposition: bytes, seq: int = 0, booked: dict | None = None
     ) -> None:
@@ -184,8 +190,9 @@ class FleetController:
             except Exception:  # scaling must outlive any one failure; the next period retries
                 log.exception("autoscaling step failed")
 
-    def _free_owner(self, owner: str) -> None:
-        del self._replicas[owner]
+    def _free_owner(self, owner: str, why: str = "died") -> None:
+        if self._replicas.pop(owner, None) is None:
+            return  # freed already (the watcher and an unregister may meet)
         self._bookings.pop(owner, None)
         self._metrics.retire(owner)
         with self._lock:
@@ -193,7 +200,10 @@ class FleetController:
             workers = self._fleet.all_actors()  # encoders: references to release
         freed = ray.get([w.drop_owner.remote(owner) for w in workers], timeout=_PING_TIMEOUT_S)
         log.warning(
-            "replica %s died; its requests' leftovers freed on the workers: %d", owner, sum(freed)
+            "replica %s %s; its requests' leftovers freed on the workers: %d",
+            owner,
+            why,
+            sum(freed),
         )
 
     def _reap_when_orphaned(self) -> None:

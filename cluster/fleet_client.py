@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+import weakref
 from collections.abc import Callable
 
 import ray
@@ -22,6 +23,11 @@ from cluster.snapshot import FleetSnapshot
 from router.types import WorkerKind
 
 log = logging.getLogger(__name__)
+
+# One RDT transfer at a time per collective group in this process (receiving()): a replica
+# that reconfigured in place has two clients on one group while the old one drains.
+_TRANSFER_LOCKS: dict[str, asyncio.Lock] = {}
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # this process's clients not closed yet
 
 
 class FleetClient:
@@ -39,8 +45,8 @@ class FleetClient:
         # A redeploy that changed only live settings kept the fleet: they reach it from here.
         ray.get(self.controller.apply_live.remote(config.model_dump(mode="json")))
         self.snapshot: FleetSnapshot | None = None
-        self._transfer_lock: asyncio.Lock | None = None  # one RDT transfer at a time (receiving())
         self.adopt(ray.get(self.controller.snapshot.remote()))
+        _OPEN.add(self)
         self._register()
 
     def _register(self):
@@ -78,11 +84,28 @@ class FleetClient:
             manager.remove_remote_communicator(old.group.name)
         self.snapshot = snapshot
         changed = snapshot.changed_since(old)
-        if changed or (old is not None and old.group != snapshot.group):
-            self._transfer_lock = (
-                None  # a transfer hung in the old group must not hold up the new one
-            )
+        if changed and snapshot.group is not None:
+            # a transfer hung with a replaced worker must not hold up the others (a re-formed
+            # group has a new name, and so a new lock, anyway)
+            _TRANSFER_LOCKS.pop(snapshot.group.name, None)
         return changed
+
+    def close(self) -> None:
+        """This client is done (its replica reconfigured in place and its requests ended):
+        forget its group unless the replica's current client uses it too."""
+        group = self.snapshot.group if self.snapshot is not None else None
+        if group is None:
+            return
+        from ray.experimental.collective.collective import RemoteCommunicatorManager
+
+        if not any(c is not self and c.uses(group.name) for c in _OPEN):
+            RemoteCommunicatorManager.get().remove_remote_communicator(group.name)
+            _TRANSFER_LOCKS.pop(group.name, None)
+        _OPEN.discard(self)
+
+    def uses(self, group_name: str) -> bool:
+        group = self.snapshot.group if self.snapshot is not None else None
+        return group is not None and group.name == group_name
 
     def replace(self, kind: WorkerKind, index: int) -> list[tuple[WorkerKind, int]]:
         """Blocking (run it in a thread): have the controller replace a dead worker, or learn
@@ -134,6 +157,4 @@ class FleetClient:
         process's: hence RDT transports need server.num_replicas 1 (ClusterConfig checks)."""
         if not transport.collective:
             return contextlib.nullcontext()
-        if self._transfer_lock is None:
-            self._transfer_lock = asyncio.Lock()
-        return self._transfer_lock
+        return _TRANSFER_LOCKS.setdefault(self.snapshot.group.name, asyncio.Lock())

@@ -38,6 +38,7 @@ class MetricsShare:
         autoscaling load)."""
         self._fleet, self._own, self._booked = fleet, own, booked
         self._task: asyncio.Task | None = None
+        self._stopped = False
         self._peers: list[
             str | bytes
         ] = []  # the last answer, for a scrape while the controller is busy or gone
@@ -46,8 +47,14 @@ class MetricsShare:
         )  # numbers each exposition handed over: the book keeps the latest
 
     def ensure_running(self) -> None:
-        if self._task is None or self._task.done():
+        if not self._stopped and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def stop(self) -> None:
+        """For good: the replica reconfigured in place and serves with a new one."""
+        self._stopped = True
+        if self._task is not None:
+            self._task.cancel()
 
     async def _loop(self) -> None:
         while True:

@@ -50,6 +50,7 @@ class Supervisor:
     def __init__(self, fleet: FleetClient, router: Router):
         self.fleet, self.router = fleet, router
         self._task: asyncio.Task | None = None
+        self._stopped = False
         self._restarting: dict[tuple[WorkerKind, int], asyncio.Task] = {}
         self._restart_lock: asyncio.Lock | None = None  # one re-formation of the group at a time
         self._busy_since: dict[tuple[WorkerKind, int], float] = {}
@@ -61,8 +62,14 @@ class Supervisor:
         self._draining: set[tuple[WorkerKind, int]] = set()  # out of routing while they drain
 
     def ensure_running(self) -> None:
-        if self._task is None or self._task.done():
+        if not self._stopped and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    def stop(self) -> None:
+        """For good: the replica reconfigured in place and serves with a new one."""
+        self._stopped = True
+        if self._task is not None:
+            self._task.cancel()
 
     async def _loop(self) -> None:
         while True:

@@ -1,6 +1,7 @@
 """What an operator sets up around the endpoint: an API key on /v1 (probes and scrapes stay
 open), and one log line per request that names its id, outcome, tokens and times. Rotating the
-key and changing limits is a redeploy that keeps every worker: requests in flight finish."""
+key and changing limits is a redeploy that keeps every worker and the replica itself (it
+reconfigures in place): requests in flight finish."""
 
 from __future__ import annotations
 
@@ -39,9 +40,13 @@ def _fleet(app) -> dict:
     return app.http.get("/health", params={"verbose": 1}).json()["fleet"]
 
 
+def _ingress(app) -> dict:
+    return app.http.get("/health", params={"verbose": 1}).json()["ingress"]
+
+
 def _max_generating(app) -> int:
     """The generating requests the replica answering admits (its share of the budget)."""
-    return app.http.get("/health", params={"verbose": 1}).json()["ingress"]["max_generating"]
+    return _ingress(app)["max_generating"]
 
 
 def _stream(root: str, body: dict) -> tuple[int, int, float]:
@@ -67,13 +72,14 @@ _COUNT = [{"role": "user", "content": "Count slowly"}]
 
 def test_rotating_the_key_and_limits_keeps_workers_and_requests_in_flight(ray_session):
     """A redeploy that changes the API key and the back-pressure limits (ingress settings)
-    starts no worker: the fleet's actors stay, streams that began under the old replica run to
-    their last token while it drains (Serve's own 20 s grace would cut long ones), and the new
-    key and limits hold."""
+    starts no process: the fleet's actors and the replica stay (it reconfigures in place),
+    streams that began under the old config run to their last token, and the new key and
+    limits hold."""
     old = deploy(cluster_config())
     fleet = ray.get_actor(controller.controller_name("epd", old.config), controller.NAMESPACE)
     ray.get(fleet.apply_live.remote(cluster_config(decode=SLOW).model_dump(mode="json")))
     before = _fleet(old)["actor_ids"]
+    pid = _ingress(old)["pid"]
     num_tokens = min(max(math.ceil(6 / _seconds_per_token(old)), 24), 1500)  # ~6 s a stream
     body = {
         "model": old.config.model.served_name,
@@ -86,17 +92,18 @@ def test_rotating_the_key_and_limits_keeps_workers_and_requests_in_flight(ray_se
     with ThreadPoolExecutor(3) as pool:
         streams = [pool.submit(_stream, old.root, body) for _ in range(3)]
         redeployed = time.monotonic()
-        new = deploy(_keyed_config())  # Serve drains the old replica: returns after the streams
+        new = deploy(_keyed_config())
         results = [s.result() for s in streams]
     assert [(status, tokens) for status, tokens, _ in results] == [(200, num_tokens)] * 3
     assert min(ended for *_, ended in results) > redeployed + 3  # in flight through the switch
     assert _fleet(new)["actor_ids"] == before  # no worker restarted
+    assert _ingress(new)["pid"] == pid  # nor the replica
     ask = {"model": body["model"], "messages": _COUNT, "max_tokens": 2}
     assert new.http.post("/v1/chat/completions", json=ask).status_code == 401  # the new key
     auth = {"Authorization": f"Bearer {KEY}"}
     assert new.http.post("/v1/chat/completions", json=ask, headers=auth).status_code == 200
-    # The new limits, whole once the old replica has gone: until the controller has seen it die
-    # (its watcher checks every second), the new one admits half the budget, its share of two.
+    # The new limits, whole once the old config's requests have ended and it has unregistered:
+    # until then the controller counts two owners, and the new one admits half the budget.
     whole = LIMITS["max_generating_per_decode_worker"] * new.config.decode.num_workers
     seen, deadline = [_max_generating(new)], time.monotonic() + 30
     while seen[-1] != whole and time.monotonic() < deadline:

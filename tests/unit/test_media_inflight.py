@@ -297,7 +297,7 @@ def test_a_failed_admission_gives_its_charges_back(where):
 
 
 def test_an_overfull_budget_is_a_429_with_retry_after_and_an_oversize_item_a_400():
-    from cluster.app import Ingress, _error
+    from cluster.serving import Serving, error_response
 
     ingress = intake(
         max_decoded_media_mb=1, max_image_pixels=300_000, max_waiting_for_decoded_media=0
@@ -307,7 +307,7 @@ def test_an_overfull_budget_is_a_429_with_retry_after_and_an_oversize_item_a_400
     with pytest.raises(Overloaded) as busy:
         with Ledger(ingress.media_budget) as ledger:
             ingress._decode_media([image(20, 20)], ledger)
-    response = _error(Ingress.func_or_class._overloaded(ingress, busy.value), "r")
+    response = error_response(Serving.overloaded(ingress, busy.value))
     body = json.loads(response.body)
     assert response.status_code == 429 and response.headers["retry-after"] == "1"
     assert "limits.max_decoded_media_mb" in body["error"]["message"]

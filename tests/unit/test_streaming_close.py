@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from cluster.app import ClosingStreamingResponse
+from cluster.serving import ClosingStreamingResponse
 
 
 def test_a_disconnect_that_cancels_a_send_still_closes_the_body():
