@@ -13,17 +13,17 @@ import logging
 import os
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 
-from actors.engine.decode import DecodeEngine
-from actors.engine.lm_runner import LMRunner
 from actors.inbox import TensorInbox
-from actors.models.adapter import Part
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import DecodeBatch, DecodeOutput, DecodeRequest, FinishReason, TokenChunk
 from router.worker_settings import DecodeSettings
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,10 @@ class _Outbox:
 
 class DecodeWorker(ModelWorker):
     def __init__(self, spec: WorkerSpec, settings: DecodeSettings):
+        from actors.engine.decode import DecodeEngine  # in the worker only (runtime.py)
+        from actors.engine.lm_runner import LMRunner
+        from actors.models.adapter import Part
+
         super().__init__(spec, Part.LANGUAGE_MODEL)
         self.settings = settings
         self.engine = DecodeEngine(LMRunner(self.adapter), settings, spec.max_model_len)

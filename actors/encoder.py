@@ -12,20 +12,24 @@ import asyncio
 import dataclasses
 import os
 import time
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 
 from actors.engine.batching import MicroBatcher
 from actors.engine.encoder_cache import EncoderCache, EntryState
-from actors.models.adapter import Part
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import EncodeJob, EncodeStats
 from router.worker_settings import EncoderSettings
 
+if TYPE_CHECKING:
+    import torch
+
 
 class EncoderWorker(ModelWorker):
     def __init__(self, spec: WorkerSpec, settings: EncoderSettings):
+        from actors.models.adapter import Part  # in the worker only (runtime.py)
+
         super().__init__(spec, Part.ENCODER)
         self.settings = settings
         self.cache = EncoderCache(settings.cache_bytes)

@@ -9,17 +9,19 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import ray
-import torch
 
-from actors.engine.lm_runner import LMRunner
-from actors.engine.prefill import PrefillEngine, PrefillOutput
 from actors.inbox import TensorInbox
-from actors.models.adapter import Part
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import EncodeStats, PrefillRequest, PrefillResult, WorkerRequestError
 from router.worker_settings import PrefillSettings
+
+if TYPE_CHECKING:
+    import torch
+
+    from actors.engine.prefill import PrefillOutput
 
 
 @dataclass
@@ -38,6 +40,10 @@ class _InFlight:
 
 class PrefillWorker(ModelWorker):
     def __init__(self, spec: WorkerSpec, settings: PrefillSettings):
+        from actors.engine.lm_runner import LMRunner  # in the worker only (runtime.py)
+        from actors.engine.prefill import PrefillEngine
+        from actors.models.adapter import Part
+
         super().__init__(spec, Part.LANGUAGE_MODEL)
         self.settings = settings
         self.engine = PrefillEngine(LMRunner(self.adapter, settings.max_chunk_tokens), settings)

@@ -1,4 +1,9 @@
-"""Process set-up shared by the three worker kinds."""
+"""Process set-up shared by the three worker kinds.
+
+The actor shells (this module, decode.py, prefill.py, encoder.py) import torch, transformers
+and the engines only inside the worker, when it starts: the fleet controller imports the
+shells to start actors, and a fleet change waits for its imports (tests/unit/test_layout.py).
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,13 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from actors.idle_cores import NodeBoard, ThreadPolicy
-from actors.models.adapter import ModelAdapter, load_adapter
 from actors.models.source import resolve_checkpoint
+
+if TYPE_CHECKING:
+    from actors.models.adapter import ModelAdapter
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,10 @@ class ModelWorker:
     thread so device work never blocks the actor's event loop."""
 
     def __init__(self, spec: WorkerSpec, part: str):
+        import torch
+
+        from actors.models.adapter import load_adapter
+
         torch.set_num_threads(spec.torch_threads)  # oversubscribed threads collapse on small hosts
         # Received tensors are only ever read (caches grow by concatenation into new
         # tensors), which is what zero-copy deserialisation requires.
@@ -124,6 +134,8 @@ class ModelWorker:
         if (
             threads := self.threads.for_step()
         ) != self._num_threads:  # on the device thread: OpenMP's setting is per thread
+            import torch
+
             torch.set_num_threads(threads)
             self._num_threads = threads
         started = time.perf_counter()

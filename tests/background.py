@@ -52,6 +52,7 @@ class Job:
             stderr=self.err,
             start_new_session=True,  # a clean-up kills its whole process group
         )
+        self.ray_tmpdir = (env or {}).get("RAY_TMPDIR")  # a private Ray's daemons live under it
 
     def finish(self, timeout_s: float) -> tuple[int, str, str]:
         """(exit status, stdout, stderr) once it ends; killed with everything it started if it
@@ -64,12 +65,35 @@ class Job:
         return self.proc.returncode, self.out.read(), self.err.read()
 
     def kill(self) -> None:
+        """The job's process group, and the daemons of its private Ray (`ray start` detaches
+        them from the group: a job killed before its own clean-up would leave them running)."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.ray_tmpdir:
+            for pid in _pids_mentioning(self.ray_tmpdir):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    """Processes whose command line contains `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+    return found
 
 
 def start(name: str, job: Job) -> None:
     _started[name] = job
+
+
+def stop(name: str) -> None:
+    """Kill the job started under `name`, if any: no test that needs it will run."""
+    if (job := _started.pop(name, None)) is not None:
+        job.kill()
 
 
 def take(name: str) -> Job | None:
@@ -86,9 +110,15 @@ def kill_all() -> None:
 
 def json_outcome(name: str, start, timeout_s: float) -> dict:
     """The last JSON line a runner printed: from the job started early under `name`, or from
-    one `start()` starts now. Fails with its output if it failed or printed none."""
-    job = take(name) or start()
-    status, stdout, stderr = job.finish(timeout_s)
-    lines = [line for line in stdout.splitlines() if line.startswith("{")]
-    assert status == 0 and lines, stdout[-3000:] + stderr[-5000:]
-    return json.loads(lines[-1])
+    one `start()` starts now; kept for the other modules that read the same run. Fails with its
+    output if it failed or printed none."""
+    if name not in _outcomes:
+        job = take(name) or start()
+        status, stdout, stderr = job.finish(timeout_s)
+        lines = [line for line in stdout.splitlines() if line.startswith("{")]
+        assert status == 0 and lines, stdout[-3000:] + stderr[-5000:]
+        _outcomes[name] = json.loads(lines[-1])
+    return _outcomes[name]
+
+
+_outcomes: dict[str, dict] = {}

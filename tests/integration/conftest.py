@@ -40,7 +40,7 @@ MODULE_ORDER = (
     "test_backpressure.py",  # live settings (a slower prefill): the default fleet, in place
     "test_kv_budget.py",  # a live KV budget: the default fleet still
     "test_token_exact.py",  # the default's transport first, then a fleet per transport
-    "test_default_model.py",
+    "test_default_model.py",  # reads the `serve run` check's run: no fleet here
     "test_checkpoints.py",
     "test_modalities.py",
     "test_vl_families.py",

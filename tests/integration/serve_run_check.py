@@ -1,14 +1,16 @@
 """One run of Serve's own conventions, in a process of its own: `ray start --head`, then the
-real `serve run configs/serve.yaml` (the app builder behind `import_path`) against it, a
-question over HTTP, Ctrl-C, and a check that the app is gone. Prints one JSON line of what
-it saw; tests/integration/test_serve_run.py holds it to what a user expects. Started early in
-a test run (tests/background.py), it overlaps the tests before it.
+real `serve run configs/serve.yaml` (the app builder behind `import_path`, serving the embedded
+default model) against it, a question over HTTP, the held-out questions all at once, Ctrl-C,
+and a check that the app is gone. Prints one JSON line of what it saw;
+tests/integration/test_serve_run.py and test_default_model.py hold it to what a user expects.
+Started early in a test run (tests/background.py), it overlaps the tests before it.
 
     python -m tests.integration.serve_run_check
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -26,6 +28,7 @@ import httpx
 import yaml
 
 from actors.checkpoints import scenes
+from actors.checkpoints.shapes import SHAPES_RECIPES
 from cluster.config import REPO_ROOT, load_config
 from tests.background import free_port
 from tests.integration.conftest import png_data_url
@@ -156,6 +159,40 @@ def _ask(root: str) -> dict:
     }
 
 
+HELD_OUT_SEED = 20261123  # the training stream uses the recipe's data_seed, never this
+NUM_HELD_OUT = 64
+
+
+def held_out_samples() -> list[scenes.Sample]:
+    """Pictures the default model never saw, every kind of question it was taught."""
+    recipe = SHAPES_RECIPES[_served_config().model.builtin]  # the default is a trained built-in
+    return scenes.samples(HELD_OUT_SEED, NUM_HELD_OUT, asks=recipe.asks)
+
+
+async def _ask_held_out(root: str) -> list[list]:
+    """[status, answer or error body] per held-out question, all in flight at once."""
+    async with httpx.AsyncClient(base_url=root, timeout=300) as client:
+        calls = [
+            client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": served_name(),
+                    "temperature": 0,
+                    "max_tokens": 8,
+                    "messages": s.messages(
+                        {"type": "image_url", "image_url": {"url": png_data_url(s.image)}}
+                    ),
+                },
+            )
+            for s in held_out_samples()
+        ]
+        responses = await asyncio.gather(*calls)
+    return [
+        [r.status_code, r.json()["choices"][0]["message"]["content"] if r.is_success else r.text]
+        for r in responses
+    ]
+
+
 def _gone(root: str) -> bool:
     try:
         httpx.get(f"{root}/health", timeout=5).raise_for_status()
@@ -181,6 +218,7 @@ def run(folder: Path) -> dict:
         try:
             _wait_ready(root, proc, log)
             outcome.update(_ask(root))
+            outcome["held_out"] = asyncio.run(_ask_held_out(root))
         except Exception:
             outcome["error"] = traceback.format_exc()
         finally:

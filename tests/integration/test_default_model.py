@@ -1,25 +1,25 @@
-"""The embedded default model answers: over HTTP on a real local Ray + Serve, the trained
-`shapes-llava-v2` of `configs/local_cpu.yaml` answers what it was taught (colour, shape, side) about
-pictures it never saw (a held-out seed), greedy, with all requests in flight at once.
-Concurrency also catches cross-request mix-ups (another request's picture or KV would
-give another answer), which token-exactness on random weights can miss."""
+"""The embedded default model answers: over HTTP, the trained `shapes-llava-v2` of
+`configs/local_cpu.yaml` answers what it was taught (colour, shape, side) about pictures it
+never saw (a held-out seed), greedy, with all requests in flight at once. Concurrency also
+catches cross-request mix-ups (another request's picture or KV would give another answer),
+which token-exactness on random weights can miss.
+
+The questions go to the `serve run configs/serve.yaml` run (serve_run_check.py), which serves
+that default config on a Ray of its own in the background: a fleet of the default model
+fewer on the shared cluster."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
-import httpx
 import pytest
 
-from actors.checkpoints import scenes
 from actors.checkpoints.shapes import SHAPES_RECIPES
 from cluster.config import load_config
-from cluster.prepare import ensure_model
-from tests.integration.conftest import TEST_PORT, TRACE_PATH, deploy, png_data_url
+from tests import background
+from tests.integration import test_serve_run
+from tests.integration.serve_run_check import held_out_samples
 
-HELD_OUT_SEED = 20261123  # the training stream uses the recipe's data_seed, never this
-NUM_QUESTIONS = 64
 MIN_ACCURACY = 0.90
 MIN_PER_KIND = (
     0.75  # no kind of question hides behind the others (chance: 1/7 colour, 1/4 shape, 1/2 side)
@@ -27,40 +27,19 @@ MIN_PER_KIND = (
 
 
 @pytest.fixture(scope="module")
-def default_app(ray_session, default_model_built):
-    config = ensure_model(load_config())  # the embedded default, as `./scripts/serve` serves it
-    return deploy(config.replace(server={"port": TEST_PORT, "trace_path": str(TRACE_PATH)}))
+def answers() -> list[str]:
+    outcome = background.json_outcome("serve-run", test_serve_run.start_run, timeout_s=600)
+    assert "error" not in outcome, outcome["error"] + outcome["log_tail"]
+    replies = outcome["held_out"]
+    assert all(status == 200 for status, _ in replies), replies
+    return [answer for _, answer in replies]
 
 
-async def _ask_all(app, held_out: list[scenes.Sample]) -> list[str]:
-    async with httpx.AsyncClient(base_url=app.root, timeout=300) as client:
-        calls = [
-            client.post(
-                "/v1/chat/completions",
-                json={
-                    "model": app.config.model.served_name,
-                    "temperature": 0,
-                    "max_tokens": 8,
-                    "messages": s.messages(
-                        {"type": "image_url", "image_url": {"url": png_data_url(s.image)}}
-                    ),
-                },
-            )
-            for s in held_out
-        ]
-        responses = await asyncio.gather(*calls)
-    for r in responses:
-        assert r.status_code == 200, r.text
-    return [r.json()["choices"][0]["message"]["content"] for r in responses]
-
-
-def test_default_model_answers_held_out_questions(default_app):
-    recipe = SHAPES_RECIPES[default_app.config.model.builtin]  # the default is a trained built-in
-    held_out = scenes.samples(HELD_OUT_SEED, NUM_QUESTIONS, asks=recipe.asks)
-    assert {s.ask for s in held_out} == set(recipe.asks), (
-        "every kind of question it was taught is asked"
-    )
-    answers = asyncio.run(_ask_all(default_app, held_out))
+def test_default_model_answers_held_out_questions(answers):
+    held_out = held_out_samples()
+    recipe = SHAPES_RECIPES[load_config().model.builtin]
+    assert {s.ask for s in held_out} == set(recipe.asks)  # every kind it was taught is asked
+    assert len(answers) == len(held_out)
     right, asked = Counter(), Counter()
     for sample, answer in zip(held_out, answers):
         asked[sample.ask] += 1

@@ -10,6 +10,8 @@ Imports inside functions count too: a lazy import still ties the two modules tog
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,3 +178,17 @@ def test_the_readme_map_lists_every_module_and_nothing_else():
     assert sorted(modules - listed) == []
     assert sorted(packages - listed) == []
     assert sorted(p for p in listed if not (ROOT / p).exists()) == []
+
+
+def test_the_fleet_controller_starts_workers_without_importing_torch():
+    """A fleet change waits for the new controller's imports before any worker starts: the
+    actor shells leave torch, transformers and the engines to the workers themselves."""
+    code = (
+        "import cluster.controller, cluster.fleet, sys; "
+        "heavy = [m for m in ('torch', 'transformers', 'xgrammar') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
