@@ -102,7 +102,8 @@ class Ingress:
         api.state.api_key = new.server.api_key
         if old is not None:
             log.info("reconfigured in place: %s -> %s", old.config_sha1, new.fingerprint())
-            task = asyncio.get_running_loop().create_task(old.retire())
+            fleet_retired = old.config.fleet_fingerprint() != new.fleet_fingerprint()
+            task = asyncio.get_running_loop().create_task(old.retire(fleet_retired))
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
 

@@ -88,6 +88,7 @@ class RequestPath:
         # then sends a reference, and the event loop never serializes pixels.
         self.intake = Intake(config, planner, store=ray.put)
         self.feeds = DecodeFeeds(fleet.owner)
+        self.fleet_retired: str | None = None  # why, once a redeploy retired this fleet
 
     # -- 1. admit -------------------------------------------------------------------------
     def admit(
@@ -102,6 +103,10 @@ class RequestPath:
         one until the request's deadline rather than failing at once."""
         trace.profile = self.routing.profile(job.adm.plan, job.token_ids, job.sampling.max_tokens)
         while True:
+            if self.fleet_retired:  # no worker of this fleet will come back: say so at once
+                raise RequestError(
+                    503, self.fleet_retired, type="server_error", retry_after_s=RETRY_AFTER_S
+                )
             try:
                 trace.route = self.routing.route(trace.profile)
                 return trace.route
@@ -128,7 +133,8 @@ class RequestPath:
                     yield chunk
                 return
             except WorkerLost as lost:
-                await self.on_worker_lost(lost)
+                if not self.fleet_retired:  # else nobody would replace it
+                    await self.on_worker_lost(lost)
                 self.metrics.retries.labels(lost.kind).inc()
                 failure = lost
             finally:

@@ -176,10 +176,20 @@ class Serving:
         admission = self.admission
         return self.lanes.busy or admission.generating > 0 or admission.waiting_tokens > 0
 
-    async def retire(self) -> None:
+    async def retire(self, fleet_retired: bool) -> None:
         """Once this config's requests have ended (or after the longest a request may run),
         stop its loops and free its owner tag, as if its replica had died: what its requests
-        left on the workers goes, its counts join the app's retired sum."""
+        left on the workers goes, its counts join the app's retired sum.
+
+        `fleet_retired`: the new config has a fleet of its own and retired this one's
+        workers; a request that loses its worker then fails at once with a 503 that says so
+        (retried, it runs on the new fleet) instead of waiting for a replacement until its
+        deadline."""
+        if fleet_retired:
+            self.supervisor.stop()
+            self.path.fleet_retired = (
+                "a redeploy replaced the workers this request ran on (a new fleet config); retry"
+            )
         deadline = time.monotonic() + self.config.limits.request_timeout_s + 5
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(RETIRE_POLL_S)

@@ -134,6 +134,11 @@ class Deployed:
 _current: dict[str, Deployed] = {}
 
 
+def deployed_now() -> Deployed | None:
+    """The app this session deployed last, if any."""
+    return next(iter(_current.values()), None)
+
+
 def deploy(config: ClusterConfig) -> Deployed:
     """Deploy `config` unless it is what is running now."""
     key = config.model_dump_json()

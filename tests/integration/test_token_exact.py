@@ -4,12 +4,20 @@ through HTTP, with many requests in flight at once, for each transport."""
 from __future__ import annotations
 
 import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import ray
 
-from tests.integration.conftest import cluster_config, deploy, png_data_url, random_image
+from tests.integration.conftest import (
+    cluster_config,
+    deploy,
+    deployed_now,
+    png_data_url,
+    random_image,
+)
 from tests.integration.reference import reference_generate
 
 MAX_TOKENS = 20
@@ -152,6 +160,38 @@ def test_streaming_equals_whole_response(app, references):
     )
 
 
+def _long_stream(app) -> tuple[list[str], float]:
+    """A long greedy stream's SSE data lines, and the monotonic time it ended. The app's decode
+    steps are slowed 8x (a live setting, its fleet is about to go): far longer than a fleet
+    change takes."""
+    from cluster import controller
+
+    fleet = ray.get_actor(controller.controller_name("epd", app.config), controller.NAMESPACE)
+    ray.get(
+        fleet.apply_live.remote(
+            app.config.replace(decode={"slowdown": [8.0]}).model_dump(mode="json")
+        )
+    )
+    body = {
+        "model": app.config.model.served_name,
+        "messages": [{"role": "user", "content": "Count slowly"}],
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with app.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    return lines, time.monotonic()
+
+
+def _ends_at_once_naming_the_redeploy(stream: tuple[list[str], float], deployed: float) -> None:
+    """A stream on a fleet a redeploy retired ends with an error that says so, as the new
+    config takes over, not at its deadline: retried, it runs on the new fleet."""
+    lines, ended = stream
+    assert ended < deployed + 5, (ended - deployed, lines[-2:])
+    assert "a redeploy replaced the workers" in lines[-2], lines[-2:]
+
+
 # Last: the tests above share the default app; overlap is the ingress's choice (same fleet),
 # gloo with aging needs a fleet of its own.
 @pytest.mark.parametrize(
@@ -165,7 +205,16 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport, 
     not move)."""
     prefill = {"overlap_encode": overlap, "aging_tokens_per_s": aging}
     transports = {"embeddings": transport, "kv": transport}
-    app = deploy(cluster_config(transport=transports, prefill=prefill, limits=LIMITS))
+    config = cluster_config(transport=transports, prefill=prefill, limits=LIMITS)
+    with ThreadPoolExecutor(1) as pool:
+        old = deployed_now()  # a new fleet config: a stream in flight on the old one must end
+        fleet_change = old is not None and old.config.fleet_fingerprint() != (
+            config.fleet_fingerprint()
+        )
+        in_flight = pool.submit(_long_stream, old) if fleet_change else None
+        app = deploy(config)
+        if in_flight is not None:
+            _ends_at_once_naming_the_redeploy(in_flight.result(), time.monotonic())
     assert _prefill_engine_aging(app) == aging  # the setting reached the worker's scheduler
     copies = 3  # 36 requests in flight: encoder batches and decode batches form
     got = asyncio.run(_send_all(app, varied_requests(), copies))
