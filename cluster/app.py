@@ -152,6 +152,7 @@ class Ingress:
         serving = self.serving
         try:
             body = await request.body()
+            serving = self.serving  # the newest: one retired meanwhile has closed its lanes
             check_size(body, serving.config.limits.max_request_bytes)
             return JSONResponse(await serving.lanes.run(body, getattr(serving.tokens, route)))
         except Overloaded as exc:
