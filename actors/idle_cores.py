@@ -6,6 +6,8 @@ oversubscribed threads collapse on small hosts.
 The workers of one fleet on one node share a directory (under /dev/shm) of one-byte files,
 one per worker process: 1 while that worker has work, 0 when it has none. A worker marks
 itself busy before it looks at the others, so of two that start at once neither borrows.
+The board knows only the fleet's workers; the cores the rest of the host keeps busy (an
+ingress streaming tokens, clients, other fleets) come from /proc (actors/host_cpu.py).
 No Ray and no torch here: tests drive several boards as several workers.
 """
 
@@ -17,9 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from actors.host_cpu import HostCpu
+
 BUSY, IDLE = b"\x01", b"\x00"
 RESCAN_S = 0.5  # how often the directory is listed again (new or restarted workers)
 BOARD_PREFIX = "epd-cores-"  # board directories are named this plus the fleet's id
+# A core counts as idle while other processes keep less than half of it busy: Ray's own
+# daemons tick on an idle host.
+IDLE_CORE_SLACK = 0.5
 
 
 def default_root() -> Path:
@@ -115,13 +122,18 @@ class NodeBoard:
 
 
 class ThreadPolicy:
-    """How many torch threads the next device step uses: `idle_threads` while no peer on
-    the board has work, else `threads`. Without a board (or nothing to borrow) always `threads`."""
+    """How many torch threads the next device step uses: up to `idle_threads` while no peer
+    on the board has work and the host's other processes leave cores idle (`host`), else
+    `threads`. Without a board (or nothing to borrow) always `threads`."""
 
     def __init__(
-        self, threads: int, idle_threads: int | None = None, board: NodeBoard | None = None
+        self,
+        threads: int,
+        idle_threads: int | None = None,
+        board: NodeBoard | None = None,
+        host: HostCpu | None = None,
     ):
-        self.threads, self.board = threads, board
+        self.threads, self.board, self.host = threads, board, host
         self.idle_threads = idle_threads if board is not None and idle_threads else threads
 
     def for_step(self) -> int:
@@ -130,7 +142,12 @@ class ThreadPolicy:
         self.board.set_busy(True)  # first: of two workers starting at once, neither borrows
         if self.idle_threads <= self.threads:  # posts its work for the others, borrows nothing
             return self.threads
-        return self.threads if self.board.others_busy() else self.idle_threads
+        if self.board.others_busy():
+            return self.threads
+        if self.host is None:
+            return self.idle_threads
+        spare = int(self.host.spare_cores() + IDLE_CORE_SLACK)
+        return max(self.threads, min(self.idle_threads, spare))
 
     def step_done(self, more_work: bool) -> None:
         """After a step: busy while work is left (a decode loop between steps), else idle."""

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from actors.host_cpu import HostCpu
 from actors.idle_cores import NodeBoard, ThreadPolicy
 from actors.models.source import resolve_checkpoint
 
@@ -76,10 +77,10 @@ class ModelWorker:
         self._loop_task: asyncio.Task | None = None
         # Every worker posts whether it has work, also one that never borrows: the others must
         # see it.
+        board = NodeBoard(spec.board) if spec.board else None
+        borrows = board is not None and (spec.idle_torch_threads or 0) > spec.torch_threads
         self.threads = ThreadPolicy(
-            spec.torch_threads,
-            spec.idle_torch_threads,
-            NodeBoard(spec.board) if spec.board else None,
+            spec.torch_threads, spec.idle_torch_threads, board, HostCpu() if borrows else None
         )
         self._num_threads = spec.torch_threads
         self.busy_s = 0.0  # device time so far (slowdown included): autoscaling's measured load

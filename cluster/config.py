@@ -191,7 +191,8 @@ class PoolConfig(Strict):
         None,
         ge=1,
         description="Idle-core borrowing: threads a device step may use while no other worker of "
-        "the fleet on its node has work, so an idle cluster answers with every core; under load "
+        "the fleet on its node has work and the node's other processes leave cores idle "
+        "(measured over the last 50 ms), so an idle cluster answers with every core; under load "
         "each worker keeps torch_threads. At most the cores the node can spare. Unset: always "
         "torch_threads.",
     )

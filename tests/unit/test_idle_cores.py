@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from actors import idle_cores
+from actors.host_cpu import HostCpu
 from actors.idle_cores import NodeBoard, ThreadPolicy
 
 
@@ -118,16 +119,62 @@ def test_no_board_or_nothing_to_borrow_means_own_threads(tmp_path, live_pid):
     )
 
 
+class FakeHost:
+    """A host's /proc counters that the test moves: CPU seconds of the host and of this process."""
+
+    def __init__(self):
+        self.now_s, self.host_s, self.own_s = 0.0, 0.0, 0.0
+
+    def spend(self, seconds: float, others_cores: float, own_cores: float) -> None:
+        self.now_s += seconds
+        self.host_s += seconds * (others_cores + own_cores)
+        self.own_s += seconds * own_cores
+
+
+def test_a_worker_borrows_only_the_cores_the_rest_of_the_host_leaves_idle(tmp_path):
+    fake = FakeHost()
+    host = HostCpu(4, read=lambda: (fake.host_s, fake.own_s), clock=lambda: fake.now_s)
+    policy = ThreadPolicy(1, 4, NodeBoard("fleet", tmp_path), host)
+    fake.spend(1.0, others_cores=0.2, own_cores=0.0)  # Ray's daemons on an idle host
+    assert policy.for_step() == 4, "an idle host: every core"
+    fake.spend(0.1, others_cores=1.8, own_cores=4.0)  # an ingress streaming beside the step
+    assert policy.for_step() == 2, "its own 4 threads do not count against it; the others' 2 do"
+    fake.spend(0.01, others_cores=4.0, own_cores=0.0)
+    assert policy.for_step() == 2, "within the 50 ms window the last answer stands"
+    fake.spend(0.1, others_cores=3.9, own_cores=0.1)
+    assert policy.for_step() == 1, "a saturated host: own threads only, never fewer"
+
+
+def test_a_host_without_proc_lends_what_the_board_allows(tmp_path):
+    host = HostCpu(2, read=lambda: None)
+    assert host.spare_cores() == 2.0
+    assert ThreadPolicy(1, 2, NodeBoard("fleet", tmp_path), host).for_step() == 2
+
+
+def test_this_host_reports_its_own_counters():
+    from actors.host_cpu import read_proc
+
+    first = read_proc()
+    assert first is not None, "Linux: /proc is there"
+    sum(range(3_000_000))  # some CPU of this process's own
+    second = read_proc()
+    assert second[1] > first[1] or second[0] > first[0], "the counters move"
+    assert second[0] >= second[1], "the host's busy time includes this process's"
+
+
 def test_the_prefill_worker_steps_with_borrowed_threads_only_while_its_peer_is_idle(
     ckpt, tmp_path, monkeypatch, live_pid
 ):
     torch = pytest.importorskip("torch")
+    from actors import runtime
     from actors.prefill import PrefillWorker
     from actors.runtime import WorkerSpec
     from actors.types import PrefillRequest, SamplingParams
     from router.worker_settings import PrefillSettings
 
     monkeypatch.setattr(idle_cores, "default_root", lambda: tmp_path)
+    # the suite's other processes must not decide it: a host they leave idle
+    monkeypatch.setattr(runtime, "HostCpu", lambda: HostCpu(2, read=lambda: (0.0, 0.0)))
     board = f"epd-cores-{uuid.uuid4().hex[:8]}"
     spec = WorkerSpec(str(ckpt), "float32", "cpu", 1, 256, idle_torch_threads=2, board=board)
     worker = PrefillWorker(spec, PrefillSettings(max_chunk_tokens=64))
