@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -57,7 +58,8 @@ def http_phase(cfg, args) -> dict:
         cluster = cluster_tpot(
             base, cfg.model.served_name, args.streams, args.new_tokens, args.rounds
         )
-    threads = sorted({cfg.decode.torch_threads, cfg.decode.idle_torch_threads or 0} - {0})
+    # every thread count one process could use here, whatever the config lets a worker use
+    threads = sorted({1, min(2, len(os.sched_getaffinity(0))), cfg.decode.torch_threads})
     baselines = {
         f"generate_{t}t_tpot_ms": round(generate_tpot_ms(cfg, args.streams, args.new_tokens, t), 3)
         for t in threads
