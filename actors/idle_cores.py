@@ -142,12 +142,13 @@ class ThreadPolicy:
         self.board.set_busy(True)  # first: of two workers starting at once, neither borrows
         if self.idle_threads <= self.threads:  # posts its work for the others, borrows nothing
             return self.threads
-        if self.board.others_busy():
+        # The host's answer first: it is cached between reads, and the board's reads are
+        # syscalls that hand this thread's GIL to the actor's event loop on a busy worker.
+        spare = self.idle_threads if self.host is None else self.host.spare_cores()
+        threads = max(self.threads, min(self.idle_threads, int(spare + IDLE_CORE_SLACK)))
+        if threads == self.threads or self.board.others_busy():
             return self.threads
-        if self.host is None:
-            return self.idle_threads
-        spare = int(self.host.spare_cores() + IDLE_CORE_SLACK)
-        return max(self.threads, min(self.idle_threads, spare))
+        return threads
 
     def step_done(self, more_work: bool) -> None:
         """After a step: busy while work is left (a decode loop between steps), else idle."""
