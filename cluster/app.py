@@ -14,7 +14,7 @@ import functools
 import hashlib
 import logging
 import os
-import uuid
+import random
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -56,6 +56,13 @@ def code_version() -> str:
 
 
 # Defined before the class: Serve pickles the deployment's class as it is decorated.
+_IDS = random.Random()  # seeded from os.urandom once: no syscall per request, as uuid4 makes
+
+
+def _request_id() -> str:
+    return f"{_IDS.getrandbits(128):032x}"
+
+
 def _ingress_report(serving: Serving) -> dict:
     """/health?verbose=1's view of this replica: its config, admission and media budget."""
     served = serving.metrics.registry.get_sample_value(
@@ -114,11 +121,11 @@ class Ingress:
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:
-        return await self.serving.serve(request, Endpoint.CHAT, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self.serving.serve(request, Endpoint.CHAT, f"chatcmpl-{_request_id()}")
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
-        return await self.serving.serve(request, Endpoint.COMPLETIONS, f"cmpl-{uuid.uuid4().hex}")
+        return await self.serving.serve(request, Endpoint.COMPLETIONS, f"cmpl-{_request_id()}")
 
     @api.get("/v1/models")
     async def models(self) -> dict:
@@ -217,6 +224,8 @@ def build_app(config: ClusterConfig):
         ray_actor_options={**Ingress.ray_actor_options, "runtime_env": replica_runtime_env(door)},
         graceful_shutdown_timeout_s=config.limits.request_timeout_s + 5,
         user_config=config.model_dump(mode="json"),
+        # epd's own line per request (server.log_requests) carries what Serve's would, and more
+        logging_config={"enable_access_log": False},
         version=code_version(),
         _internal=True,
     ).bind()

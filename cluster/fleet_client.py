@@ -30,6 +30,12 @@ _TRANSFER_LOCKS: dict[str, asyncio.Lock] = {}
 _OPEN: weakref.WeakSet = weakref.WeakSet()  # this process's clients not closed yet
 
 
+def with_options(method, options: dict):
+    """`method` with Ray call options; with none, the method itself: Ray builds an options
+    wrapper on every call otherwise (per request on the hot path)."""
+    return method.options(**options) if options else method
+
+
 class FleetClient:
     def __init__(self, attach: Callable[..., object], config: ClusterConfig):
         """`attach(again=False)` returns the controller's handle, creating the controller if

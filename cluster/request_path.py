@@ -27,7 +27,7 @@ from cluster.admitted import Admitted, Endpoint, Job
 from cluster.config import ClusterConfig
 from cluster.decode_feed import DecodeFeeds
 from cluster.errors import RequestError
-from cluster.fleet_client import FleetClient
+from cluster.fleet_client import FleetClient, with_options
 from cluster.intake import Intake
 from cluster.leftovers import close_soon, detached
 from cluster.metrics import Metrics
@@ -221,9 +221,9 @@ class RequestPath:
         option = self.fleet.transport_option(self.config.transport.embeddings)
         plan = job.adm.plan
         return [
-            encoders[decision.encoder_for(item.modality.value)]
-            .encode.options(**option)
-            .remote(EncodeJob(job.job_id, item, n))
+            with_options(encoders[decision.encoder_for(item.modality.value)].encode, option).remote(
+                EncodeJob(job.job_id, item, n)
+            )
             for item, n in zip(plan.items, plan.num_embeddings)
         ]
 
@@ -330,8 +330,8 @@ class RequestPath:
     ) -> AsyncIterator[TokenChunk]:
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         decoder = self.fleet.pools[WorkerKind.DECODE][decision.decode]
-        kv_ref = prefill.pop_kv.options(
-            **self.fleet.transport_option(self.config.transport.kv)
+        kv_ref = with_options(
+            prefill.pop_kv, self.fleet.transport_option(self.config.transport.kv)
         ).remote(job.job_id)
         request = DecodeRequest(
             job.job_id,

@@ -8,7 +8,7 @@ checked in `to_sampling_params`. No torch here.
 
 from __future__ import annotations
 
-import secrets
+import random
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from actors.types import SamplingParams
+
+# Seeds of unseeded requests: not secrets, so no os.urandom call per request (a syscall on the
+# request's thread, which hands the GIL to the replica's other loop); seeded from it once.
+_SEEDS = random.Random()
 
 MIN_TEMPERATURE = (
     0.01  # as vLLM: below it, sampling is numerically unsafe and barely differs from greedy
@@ -231,7 +235,7 @@ class SamplingFields(Strict):
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=max(self.top_k, 0),
-            seed=self.seed if self.seed is not None else secrets.randbits(63),
+            seed=self.seed if self.seed is not None else _SEEDS.getrandbits(63),
             max_tokens=max_tokens,
             stop_token_ids=self._stop_token_ids(bounds),
             min_tokens=self.min_tokens,
