@@ -224,8 +224,6 @@ def build_app(config: ClusterConfig):
         ray_actor_options={**Ingress.ray_actor_options, "runtime_env": replica_runtime_env(door)},
         graceful_shutdown_timeout_s=config.limits.request_timeout_s + 5,
         user_config=config.model_dump(mode="json"),
-        # epd's own line per request (server.log_requests) carries what Serve's would, and more
-        logging_config={"enable_access_log": False},
         version=code_version(),
         _internal=True,
     ).bind()
