@@ -19,12 +19,12 @@ BUSY_FIELDS = (0, 1, 2, 5, 6)  # /proc/stat cpu line: user nice system irq softi
 Sample = tuple[float, float]  # (CPU seconds of the whole host, of this process) since boot
 
 
-def read_proc(pid: int | None = None) -> Sample | None:
-    """Busy CPU seconds of the host and of process `pid` (this one); None without /proc."""
+def read_proc() -> Sample | None:
+    """Busy CPU seconds of the host and of this process; None without /proc."""
     tick = os.sysconf("SC_CLK_TCK")
     try:
         host = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-        own = Path(f"/proc/{pid or 'self'}/stat").read_text().rsplit(") ", 1)[1].split()
+        own = Path("/proc/self/stat").read_text().rsplit(") ", 1)[1].split()
     except (OSError, IndexError):
         return None
     host_s = sum(int(host[i]) for i in BUSY_FIELDS) / tick

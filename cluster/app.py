@@ -55,7 +55,6 @@ def code_version() -> str:
     return digest.hexdigest()[:16]
 
 
-# Defined before the class: Serve pickles the deployment's class as it is decorated.
 _IDS = random.Random()  # seeded from os.urandom once: no syscall per request, as uuid4 makes
 
 
@@ -63,6 +62,7 @@ def _request_id() -> str:
     return f"{_IDS.getrandbits(128):032x}"
 
 
+# Defined before the class: Serve pickles the deployment's class as it is decorated.
 def _ingress_report(serving: Serving) -> dict:
     """/health?verbose=1's view of this replica: its config, admission and media budget."""
     served = serving.metrics.registry.get_sample_value(
