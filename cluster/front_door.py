@@ -13,6 +13,7 @@ in the ingress replicas' runtime env.
 from __future__ import annotations
 
 import enum
+import random
 import socket
 
 
@@ -77,16 +78,46 @@ def controller_options(front_door: FrontDoor) -> dict:
     return {"runtime_env": {"env_vars": env}}
 
 
+# Ports below the kernel's ephemeral range (what `bind(0)` and every outgoing connection on the
+# host take from) and above Ray's worker ports (10002-19999): one chosen here and bound a few
+# seconds later is taken meanwhile only by a listener that asked for it by number. A port from
+# `bind(0)` was taken in between in CI (Serve's proxy: "Failed to bind to address").
+_FIRST_PORT = 20000
+
+
 def free_ports(count: int) -> list[int]:
-    """`count` distinct ports the kernel had free a moment ago (held together while chosen)."""
-    socks = [socket.socket() for _ in range(count)]
+    """`count` distinct ports free on this host a moment ago (held together while chosen)."""
+    below_ephemeral = range(_FIRST_PORT, _ephemeral_start())
+    candidates = random.SystemRandom().sample(below_ephemeral, min(4 * count, len(below_ephemeral)))
+    socks: list[socket.socket] = []
     try:
-        for sock in socks:
-            sock.bind(("", 0))
+        for port in candidates:
+            if len(socks) < count and (sock := _bound(port)) is not None:
+                socks.append(sock)
+        while len(socks) < count:  # a host whose ephemeral range leaves no room below it
+            socks.append(_bound(0))
         return [sock.getsockname()[1] for sock in socks]
     finally:
         for sock in socks:
             sock.close()
+
+
+def _bound(port: int) -> socket.socket | None:
+    sock = socket.socket()
+    try:
+        sock.bind(("", port))
+        return sock
+    except OSError:
+        sock.close()
+        return None
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return max(_FIRST_PORT, int(f.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def replica_runtime_env(front_door: FrontDoor) -> dict:

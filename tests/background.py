@@ -9,20 +9,19 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from cluster.front_door import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _started: dict[str, Job] = {}
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def private_ray_env() -> dict:

@@ -14,6 +14,7 @@ from cluster.config import REPO_ROOT, SERVE_CONFIG, ConfigError, load_config
 from cluster.front_door import (
     FrontDoor,
     controller_options,
+    free_ports,
     missing_haproxy,
     serve_env,
 )
@@ -38,6 +39,16 @@ def test_an_unknown_front_door_is_refused_by_name(tmp_path) -> None:
     path.write_text("server: {front_door: nginx}\n")
     with pytest.raises(ConfigError, match="front_door"):
         load_config(path)
+
+
+def test_chosen_ports_lie_below_the_kernels_ephemeral_range() -> None:
+    """A port from the ephemeral range can be taken by any outgoing connection on the host
+    before Serve binds it; below that range only a listener naming it could."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_start = int(f.read().split()[0])
+    ports = free_ports(16)
+    assert len(set(ports)) == 16
+    assert all(20000 <= port < ephemeral_start for port in ports), ports
 
 
 @pytest.mark.parametrize("door", list(FrontDoor))
