@@ -199,13 +199,15 @@ def small_still_image(url: str, max_pixels: int) -> bool:
     pixels); anything odd, animated or unreadable is not small."""
     if max_pixels <= 0 or not url.startswith("data:image/"):
         return False
-    kind, _, payload = url[len("data:image/") :].partition(";base64,")
-    if kind not in ("png", "jpeg", "webp") or len(payload) > max_pixels * 4:
+    # slices of the URL, never a copy of its payload: this runs holding the GIL
+    kind, sep, _ = url[len("data:image/") : len("data:image/") + 16].partition(";base64,")
+    start = len("data:image/") + len(kind) + len(sep)
+    if not sep or kind not in ("png", "jpeg", "webp") or len(url) - start > max_pixels * 4:
         return False  # a format that may animate, or more bytes than raw pixels would take
     try:
         if kind == "jpeg":  # its size is in the first 64 KiB but for odd files (then: a process)
-            return _small_jpeg(base64.b64decode(payload[:_JPEG_HEAD_B64]), max_pixels)
-        head = base64.b64decode(payload[:_HEAD_B64])
+            return _small_jpeg(base64.b64decode(url[start : start + _JPEG_HEAD_B64]), max_pixels)
+        head = base64.b64decode(url[start : start + _HEAD_B64])
         size = header_size(head)
         animated = head[12:16] == b"VP8X" and head[20] & 0x02  # the WebP animation flag
         return size is not None and not animated and size[0] * size[1] <= max_pixels

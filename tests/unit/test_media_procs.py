@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import Pipe
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from cluster.config import LimitsConfig
 from cluster.media.child import DecodeTask
 from cluster.media.decoders import LimitsSnapshot, MediaOptions, decode_media
 from cluster.media.errors import MediaError
-from cluster.media.procs import DecodePool, PoolShape
+from cluster.media.procs import DecodePool, PoolShape, _recv_array
 from router.types import Modality
 from tests.unit.test_media_budget import png
 
@@ -47,6 +48,22 @@ def test_a_decode_runs_in_a_child_and_matches_decoding_here(pool: DecodePool) ->
         data, decode_media(Modality.IMAGE, url, limits=LimitsConfig(), param=PARAM).data
     )
     assert data.flags.writeable and data.shape == (20, 30, 3)
+
+
+def test_an_array_many_socket_buffers_long_arrives_whole_and_the_framing_stays_in_step() -> None:
+    """The ingress reads a decoded array with os.readv, not Connection.recv_bytes_into (which
+    copies it twice holding the GIL): the bytes and the next message must come through intact."""
+    here, there = Pipe(duplex=True)
+    data = np.random.default_rng(0).integers(0, 256, size=(2000, 1500, 3), dtype=np.uint8)
+    with ThreadPoolExecutor(1) as sender:
+        sent = sender.submit(lambda: (there.send_bytes(memoryview(data).cast("B")), there.send(7)))
+        out = np.empty_like(data)
+        _recv_array(here, memoryview(out).cast("B"))
+        sent.result()
+    assert np.array_equal(out, data) and here.recv() == 7
+    there.send_bytes(b"x" * 10)
+    with pytest.raises(OSError, match="10 bytes for a 12-byte array"):
+        _recv_array(here, memoryview(bytearray(12)))
 
 
 def test_a_media_error_in_the_child_arrives_as_the_same_media_error(pool: DecodePool) -> None:
