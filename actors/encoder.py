@@ -19,7 +19,7 @@ import ray
 from actors.engine.batching import MicroBatcher
 from actors.engine.encoder_cache import EncoderCache, EntryState
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
-from actors.types import EncodeJob, EncodeStats
+from actors.types import EncodeJob, EncodeStats, WorkerRequestError
 from router.worker_settings import EncoderSettings
 
 if TYPE_CHECKING:
@@ -139,7 +139,9 @@ async def _with_pixels(job: EncodeJob) -> EncodeJob:
     """`job` with its item's pixels here, fetched from the object store if they are there."""
     if job.item.data_ref is None:
         return job
-    return dataclasses.replace(job, item=job.item.with_data(await job.item.data_ref))
+    if (ref := job.item.data_ref.ref) is None:  # the ingress let them go: a bug, not the client's
+        raise WorkerRequestError(f"request {job.request_id}: its pixels were already released")
+    return dataclasses.replace(job, item=job.item.with_data(await ref))
 
 
 # Tensor transport must be declared on the class: a per-handle option is not honoured.

@@ -32,6 +32,24 @@ class WorkerRequestError(Exception):
     request alone fails, with HTTP 500, and is not retried elsewhere."""
 
 
+class PixelRef:
+    """Where an item's pixels wait in Ray's object store, for as long as the ingress needs
+    them: once the prefill worker has the item's embeddings the ingress `drop`s its reference
+    and the store frees them (a retry decodes the item again). Pickles as the bare reference,
+    so Ray sees it and the receiving worker borrows it."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+
+    def drop(self) -> None:
+        self.ref = None
+
+    def __reduce__(self):
+        return PixelRef, (self.ref,)
+
+
 @dataclass(frozen=True)
 class MediaItem:
     """One decoded, validated item. `data` layout depends on the modality:
@@ -47,12 +65,12 @@ class MediaItem:
     data: np.ndarray = field(repr=False, compare=False)
     sample_rate_hz: int | None = None  # audio: samples per second of `data`
     frames_per_s: float | None = None  # video: rate of the sampled frames (num_frames / duration)
-    data_ref: Any = field(default=None, repr=False, compare=False)  # ray.ObjectRef of the data
+    data_ref: PixelRef | None = field(default=None, repr=False, compare=False)
 
     def stored(self, ref: Any) -> MediaItem:
         """This item with its pixels at `ref` (an ObjectRef) instead of in this process."""
         return dataclasses.replace(
-            self, data=_no_bytes(self.data.shape, self.data.dtype), data_ref=ref
+            self, data=_no_bytes(self.data.shape, self.data.dtype), data_ref=PixelRef(ref)
         )
 
     def with_data(self, data: np.ndarray) -> MediaItem:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from actors.types import NO_HISTORY, MediaItem, SamplingParams, TokenHistory
 from cluster.completions import CompletionRequest
+from cluster.media.inflight import StoredMedia
 from cluster.prompt_plan import PromptPlan
 from cluster.protocol import ChatCompletionRequest
 
@@ -46,6 +47,17 @@ class Admitted:
     arrived_s: float
     choice: int = 0  # which of the request's n choices this is
     timings: AdmissionTimings = AdmissionTimings()
+    media: StoredMedia | None = None  # stored pixels, charged until each choice's prefill
+
+    def release_media(self) -> None:
+        """This choice's prefill has the embeddings: the pixels may go (once every choice's has)."""
+        if self.media is not None:
+            self.media.release(self.choice)
+
+    @property
+    def media_released(self) -> bool:
+        """A retry of this choice must decode its media again."""
+        return self.media is not None and self.media.released
 
     def choices(self) -> list[Admitted]:
         """One per choice, each its own sequence; choice i samples with seed + i, as vLLM."""

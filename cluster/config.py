@@ -490,10 +490,11 @@ class LimitsConfig(Strict):
         ge=1,
         description="Most decoded media the ingress holds at once, in MB (RGB pixels x 3 bytes, "
         "audio samples x 4), across requests: each item is charged from its headers before it "
-        "decodes and given back once its pixels are in Ray's object store (or its request ends). "
-        "An item that does not fit waits (max_waiting_for_decoded_media, decoded_media_wait_s) "
-        "or gets 429 with Retry-After; one larger than all of it is refused with a 400 naming "
-        "this limit. Text requests never wait for it. At least one image of max_image_pixels.",
+        "decodes and given back once the prefill worker has its embeddings (its pixels wait in "
+        "Ray's object store until then, or until its request ends). An item that does not fit "
+        "waits (max_waiting_for_decoded_media, decoded_media_wait_s) or gets 429 with "
+        "Retry-After; a request whose media alone exceed it is refused with a 400 naming this "
+        "limit. Text requests never wait for it. At least one image of max_image_pixels.",
     )
     max_waiting_for_decoded_media: int = Field(
         16,

@@ -3,8 +3,9 @@
 Parse and validate the body, check the model name, decode and bound the media, plan the
 prompt (placeholders expanded) and check that it and its KV fit. No worker is asked. Decoded
 media counts against the ingress's in-flight budget (cluster/media/inflight.py) from its headers
-until it is in Ray's object store (`store`): images and videos right after each decodes, audio
-once the plan has cut it into windows; whatever admission still holds is given back at its end.
+until the request's prefill has its embeddings: images and videos go into Ray's object store
+(`store`) right after each decodes, audio once the plan has cut it into windows, and the charge
+moves with them to the Admitted request (`StoredMedia`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from cluster.media.decoders import MediaOptions
 from cluster.media.errors import MediaError
 from cluster.media.identifiers import media_identifier
 from cluster.media.image import low_detail
-from cluster.media.inflight import MB, InFlightBudget, Ledger, MediaBusy
+from cluster.media.inflight import MB, InFlightBudget, Ledger, MediaBusy, StoredMedia
 from cluster.media.load import load_media_item
 from cluster.media.video import VideoSampling
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
@@ -75,12 +76,9 @@ class Intake:
                 "model",
                 code="model_not_found",
             )
+        media = None
         if isinstance(request, ChatCompletionRequest):
-            hf_messages, media = to_template_messages(request.messages)
-            with Ledger(self.media_budget, request_ended()) as ledger:
-                items = tuple(self._decode_media(media, ledger))
-                decoded_s = time.perf_counter()
-                plan = self._stored(self._plan(hf_messages, items, request))
+            plan, media, decoded_s = self._admit_media(request, range(request.n))
         else:
             plan = self._text_plan(request.prompt)
         try:
@@ -100,7 +98,41 @@ class Intake:
             media_ms=ms(parsed_s, decoded_s),
             plan_ms=ms(decoded_s, time.perf_counter()),
         )
-        return Admitted(request_id, request, plan.items, plan, sampling, arrived_s, 0, timings)
+        return Admitted(
+            request_id, request, plan.items, plan, sampling, arrived_s, 0, timings, media
+        )
+
+    def _admit_media(
+        self, request: ChatCompletionRequest, shares: Iterable[int]
+    ) -> tuple[PromptPlan, StoredMedia | None, float]:
+        """The request's media decoded and stored and its prompt planned: the plan, what stays
+        charged until prefill (held by `shares`, the choices), and when decoding ended."""
+        hf_messages, media = to_template_messages(request.messages)
+        with Ledger(self.media_budget, request_ended()) as ledger:
+            items = tuple(self._decode_media(media, ledger))
+            decoded_s = time.perf_counter()
+            plan = self._stored(self._plan(hf_messages, items, request))
+            if self.store is None or not plan.items:
+                return plan, None, decoded_s  # tests without Ray: given back as admission ends
+            refs = [item.data_ref for item in plan.items if item.data_ref is not None]
+            return plan, ledger.keep(refs, shares), decoded_s
+
+    def reload_media(self, adm: Admitted) -> Admitted:
+        """`adm` with its media decoded and stored again, for one choice's attempt after its
+        pixels were released (the prefill worker that had their embeddings is gone)."""
+        try:
+            plan, media, _ = self._admit_media(adm.request, [adm.choice])
+        except Overloaded as exc:
+            raise RequestError(
+                503,
+                f"a worker failed under this request and its media could not be decoded again "
+                f"for the retry: {exc.message}",
+                type="server_error",
+                retry_after_s=self.config.limits.retry_after_s,
+            ) from None
+        return dataclasses.replace(
+            adm, items=plan.items, plan=dataclasses.replace(adm.plan, items=plan.items), media=media
+        )
 
     def _kv_fits(self, num_prompt_tokens: int, max_tokens: int, prompt_param: str) -> None:
         """Refuse a request whose KV (prompt plus max_tokens) a decode worker could never hold:
@@ -140,7 +172,7 @@ class Intake:
 
     def _decode_media(self, media, ledger: Ledger | None = None) -> list[MediaItem]:
         """The request's items decoded, in order; each is charged to `ledger` before it decodes,
-        and an image or video is stored (and its charge given back) before the next decodes."""
+        and an image or video is stored before the next decodes (its charge stays)."""
         limits = self.config.limits
         if len(media) > limits.max_items_per_request:
             raise RequestError(
@@ -160,12 +192,10 @@ class Intake:
                     f"does not take {part.modality.value} input",
                     part.param,
                 )
-            held = ledger.held if ledger is not None else 0
             item = self._load(part, budget)
             # Audio waits for the plan, which cuts it into windows that read its samples.
-            if ledger is not None and self.store is not None and item.modality != Modality.AUDIO:
+            if self.store is not None and item.modality != Modality.AUDIO:
                 item = item.stored(self.store(item.data))
-                ledger.release_to(held)
             items.append(item)
         return items
 

@@ -124,27 +124,33 @@ class RequestPath:
         again, and sampling (keyed by seed and position) continues as if nothing happened."""
         produced: list[int] = []
         deadline_s = adm.arrived_s + self.config.limits.request_timeout_s
-        for attempt in range(self.config.limits.max_attempts):
-            job = Job.of(adm, tuple(produced), attempt, deadline_s, self.fleet.owner)
-            attempt_stream = self._attempt(job, trace)
-            try:
-                async for chunk in attempt_stream:
-                    produced.extend(chunk.token_ids)
-                    yield chunk
-                return
-            except WorkerLost as lost:
-                if not self.fleet_retired:  # else nobody would replace it
-                    await self.on_worker_lost(lost)
-                self.metrics.retries.labels(lost.kind).inc()
-                failure = lost
-            finally:
-                # closed now, not whenever the garbage collector gets to it: its clean-up frees KV
-                close_soon(attempt_stream)
-            if done := self._finished_already(
-                adm, produced
-            ):  # the worker died after the last token
-                yield done
-                return
+        try:
+            for attempt in range(self.config.limits.max_attempts):
+                if adm.media_released:  # the prefill worker that had its embeddings is gone
+                    adm = await asyncio.to_thread(self.intake.reload_media, adm)
+                job = Job.of(adm, tuple(produced), attempt, deadline_s, self.fleet.owner)
+                attempt_stream = self._attempt(job, trace)
+                try:
+                    async for chunk in attempt_stream:
+                        produced.extend(chunk.token_ids)
+                        yield chunk
+                    return
+                except WorkerLost as lost:
+                    if not self.fleet_retired:  # else nobody would replace it
+                        await self.on_worker_lost(lost)
+                    self.metrics.retries.labels(lost.kind).inc()
+                    failure = lost
+                finally:
+                    # closed now, not whenever the garbage collector gets to it: its clean-up
+                    # frees KV
+                    close_soon(attempt_stream)
+                if done := self._finished_already(
+                    adm, produced
+                ):  # the worker died after the last token
+                    yield done
+                    return
+        finally:
+            adm.release_media()  # however it ended; at once if it never reached a prefill
         raise RequestError(
             503,
             f"workers failed {self.config.limits.max_attempts} times under this request; "
@@ -171,6 +177,7 @@ class RequestPath:
             encoded = self.encode(job, decision)
             result, transfer_ms = await self.prefill(job, decision, encoded)
             prefilled = True
+            job.adm.release_media()  # the embeddings are in: the pixels leave the object store
             trace.prefill_call_ms = (time.perf_counter() - routed_s) * 1e3
             trace.transfer_ms = transfer_ms or 0.0
             self.routing.prefill_finished(decision, result, transfer_ms)

@@ -1,10 +1,12 @@
 """The ingress's budget for decoded media in flight: bytes of pixels and samples decoded (or being
-decoded) for requests still in admission, before they move into Ray's object store.
+decoded), from before they decode until the prefill worker has their embeddings.
 
 Why: a 16 MP image is 48 MB of RGB, and bounding only threads let a burst of large images hold
-gigabytes in the ingress. Each item is charged from its headers before it decodes (the hook of
-cluster/media/budget.py's PixelBudget), and given back once its pixels are in the object store or
-its request's admission ends, however it ends (`Ledger`). An item that does not fit waits in a
+gigabytes in the ingress, and then in the object store pages it wrote (which count in its RSS and
+stay resident after the objects go). Each item is charged from its headers before it decodes (the
+hook of cluster/media/budget.py's PixelBudget); what admission stored stays charged as
+`StoredMedia` until the request's prefill ends, and anything else comes back when admission ends,
+however it ends (`Ledger`). An item that does not fit waits in a
 short first-come queue, bounded by count and by time, or is refused at once (MediaBusy: a 429);
 one that could never fit is a MediaError naming the limit (a 400). Plain threads: admission
 threads wait here, never the event loop.
@@ -14,9 +16,15 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from cluster.media.errors import MediaError
+
+if TYPE_CHECKING:
+    from actors.types import PixelRef
 
 MB = 2**20
 POLL_S = 0.05  # how often a waiter looks whether its request is gone
@@ -134,6 +142,12 @@ class Ledger:
         self.budget.give(self.held - mark)
         self.held = mark
 
+    def keep(self, refs: list[PixelRef], shares: Iterable[int]) -> StoredMedia:
+        """What is charged now, handed over to a StoredMedia holding `refs`: this ledger's
+        close no longer gives it back."""
+        nbytes, self.held = self.held, 0
+        return StoredMedia(self.budget, nbytes, refs, shares)
+
     def check(self) -> None:
         if self.ended is not None and self.ended.is_set():
             raise RequestGone("the request ended during admission")
@@ -146,3 +160,29 @@ class Ledger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class StoredMedia:
+    """An admitted request's media in the object store, charged to the budget until the prefill
+    worker has the embeddings: so the budget bounds the store's pages too, not only decoding.
+    Each of the request's `shares` (its choices) releases once; the last gives the bytes back and
+    drops the references, so the store frees the pixels. A request dropped before it released
+    (it never ran) gives them back when it is garbage-collected."""
+
+    def __init__(
+        self, budget: InFlightBudget, nbytes: int, refs: list[PixelRef], shares: Iterable[int]
+    ) -> None:
+        self.nbytes, self._refs, self._shares = nbytes, refs, set(shares)
+        self._give_back = weakref.finalize(self, budget.give, nbytes)
+
+    @property
+    def released(self) -> bool:
+        return not self._give_back.alive
+
+    def release(self, share: int) -> None:
+        """Share `share` is done with the pixels (again: nothing happens)."""
+        self._shares.discard(share)
+        if not self._shares and self._give_back.alive:
+            for ref in self._refs:
+                ref.drop()
+            self._give_back()

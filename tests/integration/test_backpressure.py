@@ -120,11 +120,12 @@ def _gradient_jpeg(seed: int, width: int, height: int) -> str:
 
 @pytest.fixture(scope="module")
 def small_media(default_fleet):
-    # Room for one 3 MP image (8.6 MB of RGB) at a time, one more item may wait, three decode at
-    # once: a burst of such images waits or gets 429. Limits only: the same fleet.
+    # Room for one request's two 3 MP images (17.2 MB of RGB) from decode to prefill, one more
+    # item may wait, three decode at once: a burst of such requests waits or gets 429. Limits
+    # only: the same fleet.
     limits = {
         "max_image_pixels": 3_000_000,
-        "max_decoded_media_mb": 12,
+        "max_decoded_media_mb": 20,
         "max_waiting_for_decoded_media": 1,
         "decoded_media_wait_s": 30.0,
         "max_concurrent_decodes": 3,

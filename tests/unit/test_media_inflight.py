@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import io
 import json
 import threading
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from actors.types import PixelRef
 from cluster.admit_lanes import AdmitLanes, request_ended
 from cluster.backpressure import Overloaded
 from cluster.config import ClusterConfig, LimitsConfig
@@ -29,7 +31,8 @@ from cluster.media.decoders import LimitsSnapshot, MediaOptions, decode_media
 from cluster.media.errors import MediaError
 from cluster.media.inflight import MB, InFlightBudget, Ledger, MediaBusy, RequestGone
 from cluster.media.procs import DecodePool, PoolShape
-from cluster.prompt_plan import PromptPlan
+from cluster.prepare import ensure_model
+from cluster.prompt_plan import PromptPlan, PromptPlanner
 from cluster.protocol import MediaPart
 from router.types import Modality
 from tests.unit.test_media_budget import png
@@ -264,13 +267,66 @@ def test_images_go_to_the_store_as_they_decode_and_audio_after_the_plan():
         ledger.hold = lambda *a: held_at_each_charge.append(ledger.held) or charge(*a)
         parts = [image(40, 30), MediaPart(Modality.AUDIO, wav(), PARAM, format="wav"), image(8, 8)]
         first, audio, last = ingress._decode_media(parts, ledger)
-        assert held_at_each_charge == [0, 0, 16_000 * 4]  # only the audio is still held
-        assert ledger.held == ingress.media_budget.in_flight == 16_000 * 4
-        assert (first.data_ref, last.data_ref, audio.data_ref) == ("ref-1", "ref-2", None)
+        # stored items stay charged: until prefill, the budget bounds the object store too
+        assert held_at_each_charge == [0, 40 * 30 * 3, 40 * 30 * 3 + 16_000 * 4]
+        assert ledger.held == ingress.media_budget.in_flight == 3600 + 64_000 + 8 * 8 * 3
+        assert (first.data_ref.ref, last.data_ref.ref, audio.data_ref) == ("ref-1", "ref-2", None)
         assert first.data.shape == (30, 40, 3) and first.data.strides == (0, 0, 0)  # no bytes
         assert stored[0].shape == (30, 40, 3) and stored[0].any()
         plan = ingress._stored(PromptPlan((1,), (), (), (first, audio, last)))
-        assert [item.data_ref for item in plan.items] == ["ref-1", "ref-3", "ref-2"]
+        assert [item.data_ref.ref for item in plan.items] == ["ref-1", "ref-3", "ref-2"]
+    assert ingress.media_budget.in_flight == 0
+
+
+def test_stored_media_stays_charged_until_every_choice_released_then_lets_its_pixels_go():
+    budget = InFlightBudget(100, 0, 1.0)
+    refs = [PixelRef("a"), PixelRef("b")]
+    with Ledger(budget) as ledger:
+        ledger.hold(60, PARAM, "image")
+        kept = ledger.keep(refs, range(2))
+    assert budget.in_flight == 60 and not kept.released  # admission ended; the charge did not
+    kept.release(0)
+    kept.release(0)  # a choice's second prefill (a retry) is not another choice's
+    assert budget.in_flight == 60 and [r.ref for r in refs] == ["a", "b"]
+    kept.release(1)
+    assert budget.in_flight == 0 and kept.released and [r.ref for r in refs] == [None, None]
+    kept.release(1)
+    assert budget.in_flight == 0
+
+
+def test_stored_media_of_a_request_that_never_ran_comes_back_when_it_is_collected():
+    budget = InFlightBudget(100, 0, 1.0)
+    with Ledger(budget) as ledger:
+        ledger.hold(40, PARAM, "image")
+        kept = ledger.keep([PixelRef("a")], range(1))
+    assert budget.in_flight == 40
+    del kept
+    gc.collect()
+    assert budget.in_flight == 0
+
+
+def test_a_retry_after_the_release_decodes_and_stores_the_media_again(ckpt):
+    stored: list[np.ndarray] = []
+    store = lambda array: stored.append(array) or f"ref-{len(stored)}"  # noqa: E731
+    config = {"model": {"checkpoint": str(ckpt), "served_name": "m"}}
+    ingress = Intake(ensure_model(ClusterConfig.model_validate(config)), PromptPlanner(ckpt), store)
+    content = [{"type": "image_url", "image_url": {"url": png(40, 30)}}]
+    content.append({"type": "text", "text": "what?"})
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "n": 2}
+    adm = ingress.admit(json.dumps(body).encode(), "r", 0.0)
+    first, second = adm.choices()
+    assert ingress.media_budget.in_flight == 40 * 30 * 3 and len(stored) == 1
+    first.release_media()
+    assert not second.media_released  # the other choice still needs them
+    second.release_media()
+    assert first.media_released and ingress.media_budget.in_flight == 0
+    again = ingress.reload_media(first)
+    assert len(stored) == 2 and np.array_equal(stored[0], stored[1])
+    assert again.plan.token_ids == first.plan.token_ids
+    assert [i.identifier for i in again.plan.items] == [i.identifier for i in first.plan.items]
+    assert again.plan.items[0].data_ref.ref == "ref-2" and not again.media_released
+    assert ingress.media_budget.in_flight == 40 * 30 * 3
+    again.release_media()
     assert ingress.media_budget.in_flight == 0
 
 
