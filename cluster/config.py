@@ -499,8 +499,9 @@ class LimitsConfig(Strict):
     max_waiting_for_decoded_media: int = Field(
         16,
         ge=0,
-        description="Media items that may wait at once for room in max_decoded_media_mb; one "
-        "more is refused at once with 429 (0: never wait).",
+        description="Waits for room in max_decoded_media_mb at once (a request's inline still "
+        "images wait as one, any other item on its own); one more is refused at once with 429 "
+        "(0: never wait).",
     )
     decoded_media_wait_s: float = Field(
         5.0,

@@ -31,7 +31,7 @@ from cluster.media.budget import PixelBudget
 from cluster.media.decoders import MediaOptions
 from cluster.media.errors import MediaError
 from cluster.media.identifiers import media_identifier
-from cluster.media.image import low_detail
+from cluster.media.image import declared_size, low_detail
 from cluster.media.inflight import MB, InFlightBudget, Ledger, MediaBusy, StoredMedia
 from cluster.media.load import load_media_item
 from cluster.media.video import VideoSampling
@@ -181,6 +181,13 @@ class Intake:
                 f"the limit is {limits.max_items_per_request}",
                 "messages",
             )
+        if ledger is not None and (declared := _declared_bytes(media, limits)):
+            try:  # all of it before any item decodes: no decoding thrown away at a refusal
+                ledger.reserve(declared, "messages")
+            except MediaError as exc:
+                raise RequestError(400, exc.message, exc.param) from None
+            except MediaBusy as exc:
+                raise Overloaded(exc.message) from None
         hold = ledger.hold if ledger is not None else None
         budget = PixelBudget(limits.max_request_pixels, hold)  # shared by the request's items
         items = []
@@ -280,6 +287,14 @@ class Intake:
                 code="context_length_exceeded",
             )
         return plan
+
+
+def _declared_bytes(media, limits) -> int:
+    """RGB bytes the request's inline still images declare in their headers (nothing decoded).
+    What breaks a pixel limit is left out: its own check refuses it, naming the item and limit."""
+    sizes = [declared_size(part.payload) for part in media if part.modality == Modality.IMAGE]
+    pixels = [w * h for w, h in filter(None, sizes) if w * h <= limits.max_image_pixels]
+    return 3 * sum(pixels) if sum(pixels) <= limits.max_request_pixels else 0
 
 
 def _constrained(request: ChatCompletionRequest, sampling: SamplingParams) -> SamplingParams:

@@ -187,6 +187,10 @@ async def phase_media(ctx) -> PhaseResult:
         "beside_p99_ms": pct(beside, 99),
         "p99_over_idle": pct(beside, 99) / pct(idle, 50),
     }
+    for status in (200, 429):  # when the uploads learned their answer, in s
+        took = [o.latency_s for o in media if o.status == status]
+        if took:
+            text |= {f"media_{status}_p50_s": pct(took, 50), f"media_{status}_max_s": max(took)}
     result.rows = [text]
     result.note = (
         f"{a.media_burst} requests x {a.media_images} x {a.media_megapixels:g} MP JPEG; "

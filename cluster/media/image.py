@@ -194,30 +194,46 @@ _JPEG_HEAD_B64 = 87_380  # a JPEG's first 64 KiB (EXIF and tables come before it
 
 def small_still_image(url: str, max_pixels: int) -> bool:
     """Whether `url` is an inline still PNG, JPEG or WebP whose header declares at most
-    `max_pixels` pixels: cheap to decode anywhere. Reads headers only: a PNG's or WebP's from
-    its first bytes, a JPEG's through Pillow's open of its first 64 KiB (which allocates no
-    pixels); anything odd, animated or unreadable is not small."""
-    if max_pixels <= 0 or not url.startswith("data:image/"):
+    `max_pixels` pixels: cheap to decode anywhere."""
+    if max_pixels <= 0 or (inline := _inline_image(url)) is None:
         return False
-    # slices of the URL, never a copy of its payload: this runs holding the GIL
-    kind, sep, _ = url[len("data:image/") : len("data:image/") + 16].partition(";base64,")
-    start = len("data:image/") + len(kind) + len(sep)
-    if not sep or kind not in ("png", "jpeg", "webp") or len(url) - start > max_pixels * 4:
-        return False  # a format that may animate, or more bytes than raw pixels would take
+    if len(url) - inline[1] > max_pixels * 4:
+        return False  # more bytes than raw pixels would take
+    size = declared_size(url)
+    return size is not None and size[0] * size[1] <= max_pixels
+
+
+def declared_size(url: str) -> tuple[int, int] | None:
+    """(width, height) as an inline still PNG, JPEG or WebP declares them: headers only, a PNG's
+    or WebP's from its first bytes, a JPEG's through Pillow's open of its first 64 KiB (which
+    allocates no pixels). None for anything odd, animated or unreadable (its decoding names it)."""
+    if (inline := _inline_image(url)) is None:
+        return None
+    kind, start = inline
     try:
-        if kind == "jpeg":  # its size is in the first 64 KiB but for odd files (then: a process)
-            return _small_jpeg(base64.b64decode(url[start : start + _JPEG_HEAD_B64]), max_pixels)
+        if kind == "jpeg":  # its size is in the first 64 KiB but for odd files
+            return _jpeg_size(base64.b64decode(url[start : start + _JPEG_HEAD_B64]))
         head = base64.b64decode(url[start : start + _HEAD_B64])
-        size = header_size(head)
         animated = head[12:16] == b"VP8X" and head[20] & 0x02  # the WebP animation flag
-        return size is not None and not animated and size[0] * size[1] <= max_pixels
-    except (ValueError, TypeError, IndexError):  # the decoding process will name what is wrong
-        return False
+        return None if animated else header_size(head)
+    except (ValueError, TypeError, IndexError):
+        return None
 
 
-def _small_jpeg(data: bytes, max_pixels: int) -> bool:
+def _inline_image(url: str) -> tuple[str, int] | None:
+    """(format, where the base64 payload starts) of a data URL of a PNG, JPEG or WebP; read from
+    a slice, never a copy of the payload: this runs holding the GIL."""
+    if not url.startswith("data:image/"):
+        return None
+    kind, sep, _ = url[len("data:image/") : len("data:image/") + 16].partition(";base64,")
+    if not sep or kind not in ("png", "jpeg", "webp"):
+        return None  # a format that may animate
+    return kind, len("data:image/") + len(kind) + len(sep)
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     try:
         with Image.open(io.BytesIO(data), formats=("JPEG",)) as image:
-            return image.size[0] * image.size[1] <= max_pixels
+            return image.size
     except Exception:  # noqa: BLE001 - not a readable JPEG: the decoding process names it
-        return False
+        return None

@@ -56,15 +56,25 @@ class InFlightBudget:
     def num_waiting(self) -> int:
         return len(self._queue)
 
-    def take(self, nbytes: int, *, may_wait: bool, ended: threading.Event | None = None) -> None:
+    def take(
+        self,
+        nbytes: int,
+        *,
+        may_wait: bool,
+        holding: bool = False,
+        ended: threading.Event | None = None,
+    ) -> None:
         """Charge `nbytes`: at once if they fit and nobody waits before us; else wait for our
-        turn when `may_wait` and the queue has room. MediaBusy when refused or after
-        `max_wait_s`; RequestGone as soon as `ended` is set while waiting."""
+        turn when `may_wait` and the queue has room. A caller `holding` charges already waits
+        only at the head of an empty queue: two holders waiting for each other's room would
+        wait out their time, and one alone waits only for requests past admission, which give
+        theirs back at their prefill. MediaBusy when refused or after `max_wait_s`;
+        RequestGone as soon as `ended` is set while waiting."""
         with self._cond:
             if not self._queue and self._fits(nbytes):
                 self.in_flight += nbytes
                 return
-            if not may_wait or len(self._queue) >= self.max_waiting:
+            if not may_wait or len(self._queue) >= self.max_waiting or (holding and self._queue):
                 raise MediaBusy(self._full())
             turn = object()
             self._queue.append(turn)
@@ -119,10 +129,22 @@ class Ledger:
 
     def __init__(self, budget: InFlightBudget, ended: threading.Event | None = None) -> None:
         self.budget, self.ended, self.held = budget, ended, 0
+        self.reserved = 0  # of `held`: reserved for items not yet decoded (reserve)
+
+    def reserve(self, nbytes: int, param: str) -> None:
+        """Charge what the request's still images declare, before any decodes: a request that
+        cannot have it all waits or is refused before it decodes anything. Images draw on it
+        (hold); what they leave comes back when the request keeps its media."""
+        self.hold(nbytes, param, "this request's media")
+        self.reserved += nbytes
 
     def hold(self, nbytes: int, param: str, noun: str) -> None:
         """Charge one item's decoded bytes, before it decodes."""
         self.check()
+        drawn = min(nbytes, self.reserved) if noun == "image" else 0  # what `reserve` covers
+        self.reserved -= drawn
+        if not (nbytes := nbytes - drawn):
+            return
         total = self.held + nbytes
         if total > self.budget.max_bytes:
             others = f" (with the request's other media, {total / MB:.1f} MB)" if self.held else ""
@@ -132,19 +154,23 @@ class Ledger:
                 "(limits.max_decoded_media_mb)",
                 param,
             )
-        # Only a request that holds nothing may wait: requests that each held some and waited
-        # for more could wait on each other until they all timed out.
-        self.budget.take(nbytes, may_wait=self.held == 0, ended=self.ended)
+        # A request that holds some waits only first in line (InFlightBudget.take): else
+        # requests that each held some could wait on each other until they all timed out, and
+        # refusing it at once would throw away the items it already decoded.
+        self.budget.take(nbytes, may_wait=True, holding=self.held > 0, ended=self.ended)
         self.held = total
 
     def release_to(self, mark: int) -> None:
         """Give back what was charged since `held` was `mark` (those items left the ingress)."""
         self.budget.give(self.held - mark)
         self.held = mark
+        self.reserved = min(self.reserved, mark)
 
     def keep(self, refs: list[PixelRef], shares: Iterable[int]) -> StoredMedia:
         """What is charged now, handed over to a StoredMedia holding `refs`: this ledger's
         close no longer gives it back."""
+        self.release_to(self.held - self.reserved)  # declared, not decoded: not kept
+        self.reserved = 0
         nbytes, self.held = self.held, 0
         return StoredMedia(self.budget, nbytes, refs, shares)
 

@@ -141,19 +141,27 @@ def test_an_item_larger_than_the_whole_budget_is_refused_by_name():
     assert budget.in_flight == 0
 
 
-def test_a_request_that_holds_some_does_not_wait_for_more():
-    # Requests that each held some and waited for more could wait on each other.
+def test_a_request_that_holds_some_waits_for_more_only_first_in_line():
+    # Requests that each held some and waited for more could wait on each other; one alone
+    # waits, and keeps the items it already decoded.
     budget = InFlightBudget(10 * MB, 4, 5.0)
-    other = Ledger(budget)
+    other, ledger, second = Ledger(budget), Ledger(budget), Ledger(budget)
     other.hold(5 * MB, PARAM, "image")
-    ledger = Ledger(budget)
     ledger.hold(3 * MB, PARAM, "audio")
-    started = time.perf_counter()
-    with pytest.raises(MediaBusy):
-        ledger.hold(4 * MB, PARAM, "image")
-    assert time.perf_counter() - started < 0.5 and budget.num_waiting == 0
+    second.hold(1 * MB, PARAM, "image")
+    with ThreadPoolExecutor(1) as pool:
+        more = pool.submit(ledger.hold, 4 * MB, PARAM, "image")
+        while budget.num_waiting == 0:
+            time.sleep(0.01)
+        started = time.perf_counter()
+        with pytest.raises(MediaBusy):  # holds some, and one waits already: refused at once
+            second.hold(1 * MB, PARAM, "image")
+        assert time.perf_counter() - started < 0.5 and not more.done()
+        other.close()  # room: the first in line gets it
+        more.result(timeout=2)
+    assert ledger.held == 7 * MB and budget.num_waiting == 0
     ledger.close()
-    other.close()
+    second.close()
     assert budget.in_flight == 0
 
 
@@ -267,8 +275,10 @@ def test_images_go_to_the_store_as_they_decode_and_audio_after_the_plan():
         ledger.hold = lambda *a: held_at_each_charge.append(ledger.held) or charge(*a)
         parts = [image(40, 30), MediaPart(Modality.AUDIO, wav(), PARAM, format="wav"), image(8, 8)]
         first, audio, last = ingress._decode_media(parts, ledger)
-        # stored items stay charged: until prefill, the budget bounds the object store too
-        assert held_at_each_charge == [0, 40 * 30 * 3, 40 * 30 * 3 + 16_000 * 4]
+        # the images' declared bytes first, then each item (images draw on that); stored items
+        # stay charged: until prefill, the budget bounds the object store too
+        images = 40 * 30 * 3 + 8 * 8 * 3
+        assert held_at_each_charge == [0, images, images, images + 16_000 * 4]
         assert ledger.held == ingress.media_budget.in_flight == 3600 + 64_000 + 8 * 8 * 3
         assert (first.data_ref.ref, last.data_ref.ref, audio.data_ref) == ("ref-1", "ref-2", None)
         assert first.data.shape == (30, 40, 3) and first.data.strides == (0, 0, 0)  # no bytes
@@ -330,6 +340,21 @@ def test_a_retry_after_the_release_decodes_and_stores_the_media_again(ckpt):
     assert ingress.media_budget.in_flight == 0
 
 
+def test_a_request_whose_images_do_not_fit_is_refused_before_any_decodes():
+    ingress = intake(lambda array: "ref", max_waiting_for_decoded_media=0)
+    holder = Ledger(ingress.media_budget)
+    holder.hold(ingress.media_budget.max_bytes - 5000, PARAM, "image")  # room for one 40x40
+    charged = []
+    with pytest.raises(Overloaded):
+        with Ledger(ingress.media_budget) as ledger:
+            hold = ledger.hold
+            ledger.hold = lambda *a: charged.append(a[0]) or hold(*a)
+            ingress._decode_media([image(40, 40), image(40, 40)], ledger)
+    assert charged == [2 * 40 * 40 * 3]  # the declared bytes alone: no item began to decode
+    holder.close()
+    assert ingress.media_budget.in_flight == 0
+
+
 @pytest.mark.parametrize("where", ["decoding", "storing"])
 def test_a_failed_admission_gives_its_charges_back(where):
     def store(array):
@@ -349,7 +374,8 @@ def test_a_failed_admission_gives_its_charges_back(where):
             hold = ledger.hold
             ledger.hold = lambda *a: charged.append(a[0]) or hold(*a)
             ingress._decode_media(parts, ledger)
-    assert len(charged) == len(parts) and ingress.media_budget.in_flight == 0
+    # the images' declared bytes, then each item: all given back
+    assert len(charged) == len(parts) + 1 and ingress.media_budget.in_flight == 0
 
 
 def test_an_overfull_budget_is_a_429_with_retry_after_and_an_oversize_item_a_400():
