@@ -189,7 +189,10 @@ def convert_to_rgb(image: Image.Image) -> np.ndarray:
 
 
 _HEAD_B64 = 64  # base64 characters of a PNG's or WebP's first 48 bytes: their size is there
-_JPEG_HEAD_B64 = 87_380  # a JPEG's first 64 KiB (EXIF and tables come before its frame header)
+# A JPEG's first 4 KiB, then its first 64 KiB: its frame header follows EXIF and the tables,
+# which most photos keep within the first (the header read runs twice per JPEG: a budget
+# reservation, then the choice of where it decodes)
+_JPEG_HEAD_B64 = (5_464, 87_380)
 
 
 def small_still_image(url: str, max_pixels: int) -> bool:
@@ -212,7 +215,7 @@ def declared_size(url: str) -> tuple[int, int] | None:
     kind, start = inline
     try:
         if kind == "jpeg":  # its size is in the first 64 KiB but for odd files
-            return _jpeg_size(base64.b64decode(url[start : start + _JPEG_HEAD_B64]))
+            return _jpeg_declared(url, start)
         head = base64.b64decode(url[start : start + _HEAD_B64])
         animated = head[12:16] == b"VP8X" and head[20] & 0x02  # the WebP animation flag
         return None if animated else header_size(head)
@@ -229,6 +232,14 @@ def _inline_image(url: str) -> tuple[str, int] | None:
     if not sep or kind not in ("png", "jpeg", "webp"):
         return None  # a format that may animate
     return kind, len("data:image/") + len(kind) + len(sep)
+
+
+def _jpeg_declared(url: str, start: int) -> tuple[int, int] | None:
+    for head_b64 in _JPEG_HEAD_B64:
+        size = _jpeg_size(base64.b64decode(url[start : start + head_b64]))
+        if size is not None or len(url) <= start + head_b64:
+            return size
+    return None
 
 
 def _jpeg_size(data: bytes) -> tuple[int, int] | None:

@@ -15,7 +15,7 @@ from PIL import Image
 
 from cluster.config import LimitsConfig
 from cluster.media import load
-from cluster.media.image import small_still_image
+from cluster.media.image import declared_size, small_still_image
 from router.types import Modality
 
 LIMIT = 1 << 20
@@ -89,3 +89,13 @@ def test_a_jpeg_is_sized_from_its_head_whatever_its_length():
     url = _url(_noise(800, 600), "JPEG", quality=95)
     assert len(url) > 4 * 87_380
     assert small_still_image(url, 800 * 600) and not small_still_image(url, 800 * 600 - 1)
+
+
+def test_a_jpeg_header_past_its_first_4_kib_is_still_found():
+    """The first 4 KiB are read first; a frame header behind a large comment or EXIF block is
+    found in the first 64 KiB, and a still image's declared size is what it decodes to."""
+    late = _url(Image.new("RGB", (123, 45)), "JPEG", comment=b"x" * 20_000)
+    early = _url(_noise(300, 200), "JPEG")
+    assert declared_size(late) == (123, 45) and declared_size(early) == (300, 200)
+    assert declared_size(_url(_noise(30, 20), "PNG")) == (30, 20)
+    assert declared_size(_url(_noise(30, 20), "GIF")) is None  # may animate: not declared
