@@ -132,23 +132,24 @@ async def phase_burst(ctx) -> PhaseResult:
     return result
 
 
-async def _text_ttfts(url: str, model: str, timeout: float, idle: int, stop) -> list[float]:
-    """`idle` one-token text requests one after another, then more until `stop` is set: each
-    one's latency in ms, which with one token is its time to first token."""
+async def _text_ttfts(url: str, model: str, timeout: float, stop, count: int = 0) -> list[float]:
+    """One-token text requests' latencies in ms (with one token, each one's time to first
+    token): `count` one after another, or (0) one every 0.2 s until `stop` is set."""
     out: list[float] = []
     async with httpx.AsyncClient() as client:
-        while len(out) < idle or (idle == 0 and not stop.is_set()):
+        while len(out) < count if count else not stop.is_set():
             body = pc.chat(model, f"Say hi to number {len(out)}.", max_tokens=1)
             out.append((await run_chat(client, url, body, timeout)).latency_s * 1e3)
-            if idle == 0:
+            if not count:
                 await asyncio.sleep(0.2)
     return out
 
 
 def _text_client(url: str, model: str, timeout: float, stop, results) -> None:
-    """A text user of its own (a process: the media uploads' client must not delay it)."""
-    results.put(asyncio.run(_text_ttfts(url, model, timeout, 5, stop)))
-    results.put(asyncio.run(_text_ttfts(url, model, timeout, 0, stop)))
+    """A text user of its own (a process: the media uploads' client must not delay it): five
+    requests at idle, then requests until the uploads are done."""
+    results.put(asyncio.run(_text_ttfts(url, model, timeout, stop, count=5)))
+    results.put(asyncio.run(_text_ttfts(url, model, timeout, stop)))
 
 
 async def phase_media(ctx) -> PhaseResult:

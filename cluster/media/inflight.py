@@ -60,12 +60,11 @@ class InFlightBudget:
         self,
         nbytes: int,
         *,
-        may_wait: bool,
         holding: bool = False,
         ended: threading.Event | None = None,
     ) -> None:
         """Charge `nbytes`: at once if they fit and nobody waits before us; else wait for our
-        turn when `may_wait` and the queue has room. A caller `holding` charges already waits
+        turn when the queue has room. A caller `holding` charges already waits
         only at the head of an empty queue: two holders waiting for each other's room would
         wait out their time, and one alone waits only for requests past admission, which give
         theirs back at their prefill. MediaBusy when refused or after `max_wait_s`;
@@ -74,7 +73,7 @@ class InFlightBudget:
             if not self._queue and self._fits(nbytes):
                 self.in_flight += nbytes
                 return
-            if not may_wait or len(self._queue) >= self.max_waiting or (holding and self._queue):
+            if len(self._queue) >= self.max_waiting or (holding and self._queue):
                 raise MediaBusy(self._full())
             turn = object()
             self._queue.append(turn)
@@ -157,7 +156,7 @@ class Ledger:
         # A request that holds some waits only first in line (InFlightBudget.take): else
         # requests that each held some could wait on each other until they all timed out, and
         # refusing it at once would throw away the items it already decoded.
-        self.budget.take(nbytes, may_wait=True, holding=self.held > 0, ended=self.ended)
+        self.budget.take(nbytes, holding=self.held > 0, ended=self.ended)
         self.held = total
 
     def release_to(self, mark: int) -> None:
@@ -169,8 +168,8 @@ class Ledger:
     def keep(self, refs: list[PixelRef], shares: Iterable[int]) -> StoredMedia:
         """What is charged now, handed over to a StoredMedia holding `refs`: this ledger's
         close no longer gives it back."""
-        self.release_to(self.held - self.reserved)  # declared, not decoded: not kept
-        self.reserved = 0
+        unused, self.reserved = self.reserved, 0  # declared, never decoded: not kept
+        self.release_to(self.held - unused)
         nbytes, self.held = self.held, 0
         return StoredMedia(self.budget, nbytes, refs, shares)
 
@@ -198,7 +197,7 @@ class StoredMedia:
     def __init__(
         self, budget: InFlightBudget, nbytes: int, refs: list[PixelRef], shares: Iterable[int]
     ) -> None:
-        self.nbytes, self._refs, self._shares = nbytes, refs, set(shares)
+        self._refs, self._shares = refs, set(shares)
         self._give_back = weakref.finalize(self, budget.give, nbytes)
 
     @property
