@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from cluster.front_door import FrontDoor
 from router.autoscale import ScalingRule
+from router.router import SYNC_ABOVE_MS
 from router.types import Modality
 from router.worker_settings import DecodeSettings, EncoderSettings, PrefillSettings
 
@@ -629,6 +630,15 @@ class RouterConfig(Strict):
         10.0,
         gt=0,
         description="A worker silent this long leaves the candidate set until it reports again.",
+    )
+    sync_above_ms: float = Field(
+        SYNC_ABOVE_MS,
+        ge=0,
+        allow_inf_nan=False,
+        description="With several ingress replicas: a request whose prefill is estimated above "
+        "this many ms (on the fastest prefill worker) routes on the other replicas' bookings as "
+        "of now and shares its own at once, one round trip to the fleet controller; smaller "
+        "ones route on the shares of the last heartbeat (every 0.2 s). 0: never.",
     )
 
     @model_validator(mode="after")

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import ray
 
 from cluster.config import ClusterConfig, Transport
+from cluster.leftovers import detached
 from cluster.snapshot import FleetSnapshot
 from router.types import WorkerKind
 
@@ -143,6 +144,26 @@ class FleetClient:
             return self.adopt(
                 await self.controller.snapshot.remote(), force=True
             )  # its generations start over
+
+    async def share_now(self, booked: dict, timeout_s: float) -> bool:
+        """A heartbeat between syncs, for a large request: share this replica's `booked` ms and
+        take the others' (`others_booked`). False if the controller did not answer within
+        `timeout_s` or is gone: the request routes on the last share, and the next sync deals
+        with the controller."""
+        try:
+            answer = await asyncio.wait_for(
+                self.controller.heartbeat.remote(self.owner, booked), timeout_s
+            )
+        except (TimeoutError, ray.exceptions.RayActorError):
+            return False
+        _, num_replicas, self.others_booked = answer
+        self._count_replicas(num_replicas)
+        return True
+
+    def publish(self, booked: dict) -> None:
+        """Share this replica's `booked` ms now, answer unread (a large request was just booked:
+        the next large one on another replica should see it)."""
+        detached(self.controller.heartbeat.remote, self.owner, booked)
 
     def _count_replicas(self, num_replicas: int) -> None:
         if num_replicas != self.num_replicas:

@@ -183,6 +183,12 @@ class Metrics:
             "Requests resumed on other workers after a worker failed, by the failed kind.",
             "kind",
         )
+        self.route_syncs = self._counter(
+            "route_syncs",
+            "Large requests routed on the other ingress replicas' bookings as of now "
+            "(router.sync_above_ms), by outcome: shared, or unanswered (the last share served).",
+            "outcome",
+        )
 
     def _histogram(self, name: str, doc: str, buckets, *labels: str) -> _Bound:
         return _Bound(

@@ -108,7 +108,7 @@ class RequestPath:
                     503, self.fleet_retired, type="server_error", retry_after_s=RETRY_AFTER_S
                 )
             try:
-                trace.route = self.routing.route(trace.profile)
+                trace.route = await self.routing.route_shared(trace.profile)
                 return trace.route
             except RoutingUnavailable as exc:
                 if time.perf_counter() + ROUTE_RETRY_S > job.deadline_s:

@@ -7,6 +7,7 @@ The Router itself (router/) is the same object the simulator drives.
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 from actors.engine.prefix_cache import MediaKey, block_hashes
 from actors.types import PrefillResult
@@ -16,9 +17,23 @@ from router.router import Router
 from router.types import MediaJob, RequestProfile, RouteDecision, WorkerKind
 from router.view import NoWorkerError
 
+# A large request waits at most this for the controller's answer, then routes on the last share.
+SHARE_TIMEOUT_S = 0.05
+
 
 class RoutingUnavailable(RuntimeError):
     pass
+
+
+class BookingShares(Protocol):
+    """Where the ingress replicas share their bookings (cluster/fleet_client.py FleetClient)."""
+
+    num_replicas: int
+    others_booked: dict | None
+
+    async def share_now(self, booked: dict, timeout_s: float) -> bool: ...
+
+    def publish(self, booked: dict) -> None: ...
 
 
 class LiveRouting:
@@ -28,12 +43,17 @@ class LiveRouting:
         metrics: Metrics,
         embedding_bytes_per_token: int,
         prefix_block_tokens: int = 0,
+        *,
+        shares: BookingShares | None = None,
+        sync_above_ms: float = 0.0,
     ):
         self.router, self.metrics = router, metrics
         self.embedding_bytes_per_token = embedding_bytes_per_token
         self.prefix_block_tokens = (
             prefix_block_tokens  # 0: the prefill workers keep no prefix cache
         )
+        self.shares = shares  # None: this replica routes alone
+        self.sync_above_ms = sync_above_ms  # router.sync_above_ms
 
     def profile(
         self, plan: PromptPlan, token_ids: tuple[int, ...], max_tokens: int
@@ -59,6 +79,24 @@ class LiveRouting:
         )
         hashes = tuple(block_hashes(token_ids, self.prefix_block_tokens, media))
         return RequestProfile(len(token_ids), jobs, hashes, self.prefix_block_tokens, max_tokens)
+
+    async def route_shared(self, profile: RequestProfile) -> RouteDecision:
+        """route(), but a large request among other replicas routes on their bookings as of now
+        and publishes its own at once: on the periodic shares alone, two replicas would send
+        large requests to the same idle-looking worker (router/sim/routers.py measures it)."""
+        shares = self.shares
+        if shares is None or shares.num_replicas < 2 or not self._is_large(profile):
+            return self.route(profile)
+        answered = await shares.share_now(self.router.outstanding_ms(), SHARE_TIMEOUT_S)
+        if answered:
+            self.router.share_foreign(shares.others_booked, shares.num_replicas - 1)
+        self.metrics.route_syncs.labels("shared" if answered else "unanswered").inc()
+        decision = self.route(profile)
+        shares.publish(self.router.outstanding_ms())
+        return decision
+
+    def _is_large(self, profile: RequestProfile) -> bool:
+        return 0 < self.sync_above_ms < self.router.prefill_floor_ms(profile)
 
     def route(self, profile: RequestProfile) -> RouteDecision:
         try:

@@ -154,6 +154,8 @@ class Serving:
             self.metrics,
             self.planner.spec.embedding_bytes_per_token,
             prefix_block_tokens,
+            shares=self.fleet,
+            sync_above_ms=self.config.router.sync_above_ms,
         )
 
     def _budget_share(self, num_replicas: int) -> tuple[int, int]:

@@ -23,6 +23,9 @@ from router.types import MediaJob, Placement, RequestProfile, RouteDecision, Wor
 from router.view import ClusterView
 
 _E, _P, _D = WorkerKind.ENCODER, WorkerKind.PREFILL, WorkerKind.DECODE
+# With several ingress replicas, a request whose prefill is estimated above this many ms routes
+# on a fresh share of the others' bookings and shares its own at once (router.sync_above_ms).
+SYNC_ABOVE_MS = 50.0
 
 
 class Router:
@@ -155,6 +158,13 @@ class Router:
         """Estimated ms this router has booked and not yet seen finish, per encoder and
         prefill worker: what it shares with other ingress replicas."""
         return {kind.value: list(self.view.outstanding_ms[kind]) for kind in (_E, _P)}
+
+    def prefill_floor_ms(self, profile: RequestProfile) -> float:
+        """The request's estimated prefill on the fastest prefill worker, nothing cached: how
+        large it is, before any choice (a large one routes on fresh shares)."""
+        num_workers = len(self.view.outstanding_ms[_P])
+        n = profile.num_prompt_tokens
+        return min((self.cost.prefill_ms(i, n) for i in range(num_workers)), default=0.0)
 
     def share_foreign(self, others: dict[str, list[float]] | None, num_others: int) -> None:
         """The other replicas' outstanding_ms(), summed: priced as queued work from now on;

@@ -11,7 +11,8 @@ offered load as a fraction of the cluster's capacity for the workload's request 
 trace is time-scaled to it; without --load a trace replays at its recorded pace).
 `--rate` offers requests per second instead (the report gives the load fraction it amounts
 to; not with --load or --sweep). `--routers N` splits the requests over N ingress replicas'
-routers that learn of each other's work only from the workers' reports, every `--share-ms`.
+routers that share their bookings every `--share-ms`, and at once around a request whose
+prefill is estimated above `--sync-above-ms`.
 `--policy all` runs every routing policy on the same requests. `--sweep 0.5,0.7,0.9` runs
 every load listed (and, with --plot, also draws TTFT percentiles vs load next to the CDF).
 
@@ -26,6 +27,8 @@ import argparse
 import math
 import sys
 from pathlib import Path
+
+from router.router import SYNC_ABOVE_MS
 
 PROG = "epd simulate"
 
@@ -189,6 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(the routers' sharing period; default: the cluster's publish interval)",
     )
     p.add_argument(
+        "--sync-above-ms",
+        type=float,
+        default=SYNC_ABOVE_MS,
+        help="with several routers: a request whose prefill is estimated above this (on the "
+        "fastest worker) is routed on a fresh share and shared at once, as router.sync_above_ms "
+        f"does live (default {SYNC_ABOVE_MS:g}; 0: only every --share-ms)",
+    )
+    p.add_argument(
         "--slo-ms", type=float, default=2000.0, help="TTFT SLO for goodput (default 2000)"
     )
     _add_mix_args(p)
@@ -239,6 +250,8 @@ def run(args: argparse.Namespace, out=None) -> int:
         raise UsageError(f"--routers must be >= 1, got {args.routers}")
     if args.share_ms is not None and not (args.share_ms > 0 and math.isfinite(args.share_ms)):
         raise UsageError(f"--share-ms must be a positive number of ms, got {args.share_ms}")
+    if not (args.sync_above_ms >= 0 and math.isfinite(args.sync_above_ms)):
+        raise UsageError(f"--sync-above-ms must be 0 or more ms, got {args.sync_above_ms}")
     cluster = SimCluster.parse(args.cluster)
     if args.share_ms is not None:
         cluster = cluster.with_costs(publish_interval_s=args.share_ms / 1e3)
@@ -282,6 +295,7 @@ def run(args: argparse.Namespace, out=None) -> int:
                     progress=progress,
                     load=actual_load,
                     routers=args.routers,
+                    sync_above_ms=args.sync_above_ms,
                 )
             )
         if not args.json:

@@ -40,6 +40,7 @@ from heapq import heappop, heappush
 
 import numpy as np
 
+from router.router import SYNC_ABOVE_MS
 from router.sim.cluster_model import SimCluster, capacity_rps
 from router.sim.pools import (
     EV_ADMIT,
@@ -118,12 +119,14 @@ def simulate(
     load: float | None = None,
     router_kwargs: dict | None = None,
     routers: int = 1,
+    sync_above_ms: float = SYNC_ABOVE_MS,
 ) -> SimResult:
     """Play `workload` through `cluster`, every request routed by a fresh
     `Router(cluster.worker_infos(), priors, policy, seed=seed)`; `priors` default to
     the cost model's own (`CostPriors()`), which the router then calibrates online.
     `routers` > 1: that many ingress replicas' routers take turns (router/sim/routers.py),
-    sharing what they booked only through the workers' reports.
+    sharing what they booked every publish interval, and at once around a request whose
+    prefill is estimated above `sync_above_ms` (0: never).
     Raises ClusterShapeError (before simulating) when no encoder hosts a modality the
     workload needs. Returns per-request TTFTs and pool statistics (`.summary()`)."""
     cluster.check_workload(workload.modalities())
@@ -136,7 +139,7 @@ def simulate(
             make_router(cluster, policy, seed=seed + i, priors=priors, **kwargs)
             for i in range(1, routers)
         ]
-        router = RouterGroup([router, *others])
+        router = RouterGroup([router, *others], sync_above_ms)
     if load is None:
         try:
             cap = capacity_rps(cluster, workload)

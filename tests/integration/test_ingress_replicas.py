@@ -34,7 +34,8 @@ def _messages(seed: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def pair(ray_session):
-    return deploy(cluster_config(server={"num_replicas": 2}))
+    # Every request routes on the other replica's bookings as of now (router.sync_above_ms).
+    return deploy(cluster_config(server={"num_replicas": 2}, router={"sync_above_ms": 1e-3}))
 
 
 def _verbose(app) -> dict:
@@ -92,6 +93,8 @@ def test_both_replicas_serve_exact_answers(pair):
     ]
     replicas = _replicas(pair)
     assert all(r["served_ok"] > 0 for r in replicas.values()), replicas  # both took part
+    # each request shared its bookings with the controller on its way (a few may time out)
+    assert _settled_scrapes(pair, 1)[0]["syncs_shared"] >= len(seeds) // 2
     assert (
         len({str(_verbose(pair)["fleet"]) for _ in range(6)}) == 1
     )  # one fleet, seen alike from both
@@ -106,6 +109,11 @@ def _scrape(app) -> dict[str, float]:
     found = {s.labels["status"]: s.value for s in samples if s.name == "epd:requests_total"}
     found["e2e_count"] = sum(
         s.value for s in samples if s.name == "epd:e2e_request_latency_seconds_count"
+    )
+    found["syncs_shared"] = sum(
+        s.value
+        for s in samples
+        if s.name == "epd:route_syncs_total" and s.labels["outcome"] == "shared"
     )
     found["in_progress"] = sum(
         s.value
