@@ -67,6 +67,12 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="ingress replicas (server.num_replicas), each routing with its own router",
+    )
+    p.add_argument(
         "--rounds",
         type=int,
         default=3,
@@ -108,5 +114,5 @@ def cluster_config(args, policy: str, trace: Path):
         prefill={"num_workers": args.prefill_workers, "slowdown": slowdowns(args)},
         decode={"num_workers": 1},
         router={"policy": policy},
-        server={"port": args.port, "trace_path": str(trace)},
+        server={"port": args.port, "trace_path": str(trace), "num_replicas": args.replicas},
     )
