@@ -135,3 +135,83 @@ def test_completions_accept_one_prompt_as_text_or_token_ids():
     assert parse_request(
         completion(prompt=[[5, 6]], echo=False, best_of=1, logprobs=2), CompletionRequest
     ).prompt == [5, 6]
+
+
+# -- big data URLs: lifted out before json parses the rest (request_body._lift) -------------
+
+PAYLOAD = "QUJD" * 40_000  # 160 kB of base64: long enough to lift
+
+
+def _image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _with_parts(*parts) -> bytes:
+    content = [*parts, {"type": "text", "text": "Describe"}]
+    return json.dumps({**OK, "messages": [{"role": "user", "content": content}]}).encode()
+
+
+def _plain(raw: bytes) -> object:
+    from cluster.request_body import _parse
+
+    return _parse(raw)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        _with_parts(_image(f"data:image/png;base64,{PAYLOAD}")),
+        _with_parts(*(_image(f"data:image/jpeg;base64,{PAYLOAD}{i}A==") for i in range(3))),
+        # escaped: json must read it, not the lift
+        _with_parts(_image(f"data:image/png;base64,{PAYLOAD}")).replace(b"/png", b"\\/png"),
+        _with_parts(
+            _image(f"data:image/png;base64,{PAYLOAD}"), _image("data:image/png;base64,QQ==")
+        ),
+        # a marker a client made up is its text, nothing else
+        _with_parts(_image(f"data:image/png;base64,{PAYLOAD}"), _image("\u0000beef:0")),
+        # a data URL as an object key is not lifted (an unknown field, refused by name later)
+        json.dumps({**OK, f"data:x;base64,{PAYLOAD}": 1}).encode(),
+    ],
+)
+def test_big_data_urls_parse_exactly_as_json_reads_them(raw):
+    from cluster.request_body import _load
+
+    assert _load(raw) == _plain(raw)
+
+
+def test_a_big_data_url_is_lifted_before_json_scans_it():
+    from cluster.request_body import _lift
+
+    raw = _with_parts(_image(f"data:image/png;base64,{PAYLOAD}"))
+    skeleton, texts = _lift(raw)
+    assert len(skeleton) < 500 and list(texts.values()) == [f"data:image/png;base64,{PAYLOAD}"]
+    request = parse_chat_request(raw)
+    assert request.messages[0].content[0].image_url.url == f"data:image/png;base64,{PAYLOAD}"
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        # a raw control character inside the string: invalid JSON, as without the lift
+        (
+            _with_parts(_image(f"data:image/png;base64,{PAYLOAD}")).replace(b"QUJD", b"QU\nJ", 1),
+            "Invalid control character",
+        ),
+        # the string never closes
+        (
+            _with_parts(_image(f"data:image/png;base64,{PAYLOAD}")).split(b'"}}')[0],
+            "not valid JSON",
+        ),
+        # a lone surrogate in a small part beside a big image: still found and named
+        (
+            _with_parts(
+                _image(f"data:image/png;base64,{PAYLOAD}"), {"type": "text", "text": "\ud800"}
+            ),
+            "surrogate",
+        ),
+    ],
+)
+def test_bodies_json_refuses_are_refused_the_same_with_big_data_urls(raw, words):
+    with pytest.raises(BodyError) as caught:
+        parse_chat_request(raw)
+    assert words in caught.value.message
