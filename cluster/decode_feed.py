@@ -20,8 +20,9 @@ Opener = Callable[[], AsyncIterator[DecodeBatch]]
 class DecodeFeed:
     """One decode worker's stream, read by one task while the worker lives."""
 
-    def __init__(self, open_stream: Opener):
+    def __init__(self, open_stream: Opener, on_step: Callable[[float], None] | None = None):
         self._open = open_stream
+        self._on_step = on_step  # told each step's ms once, not once per request in it
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self.failure: BaseException | None = None
@@ -52,9 +53,14 @@ class DecodeFeed:
     async def _read(self) -> None:
         try:
             async for batch in self._open():
+                steps_ms = set()
                 for out in batch.outputs:
+                    steps_ms.add(out.chunk.step_ms)
                     if (queue := self._queues.get(out.request_id)) is not None:
                         queue.put_nowait(out.chunk)
+                if self._on_step is not None:
+                    for step_ms in steps_ms - {0.0}:  # a message may carry several steps
+                        self._on_step(step_ms)
             raise rx.ActorUnavailableError("the decode worker's stream ended", None)
         except Exception as exc:  # noqa: BLE001 - every listener gets it, whatever it is
             self.failure = exc
@@ -63,14 +69,22 @@ class DecodeFeed:
 
 
 async def _gather(queue: asyncio.Queue, stream_interval: int) -> TokenChunk:
-    tokens, logprobs, last = [], [], None
-    while last is None or not (last.finished or (queue.empty() and len(tokens) >= stream_interval)):
-        last = queue.get_nowait() if not queue.empty() else await queue.get()
-        if isinstance(last, BaseException):
-            raise last
+    first = await _next(queue)
+    if queue.empty() and (first.finished or len(first.token_ids) >= stream_interval):
+        return first  # the usual case: one step's chunk, passed on as it came
+    tokens, logprobs, last = list(first.token_ids), list(first.logprobs), first
+    while not (last.finished or (queue.empty() and len(tokens) >= stream_interval)):
+        last = await _next(queue)
         tokens.extend(last.token_ids)
         logprobs.extend(last.logprobs)
     return TokenChunk(tuple(tokens), last.finish_reason, last.step_ms, tuple(logprobs))
+
+
+async def _next(queue: asyncio.Queue) -> TokenChunk:
+    item = queue.get_nowait() if not queue.empty() else await queue.get()
+    if isinstance(item, BaseException):
+        raise item
+    return item
 
 
 def ray_stream(worker, owner: str) -> Opener:
@@ -87,8 +101,8 @@ def ray_stream(worker, owner: str) -> Opener:
 class DecodeFeeds:
     """This replica's feeds, one per live decode actor (a restarted worker is a new actor)."""
 
-    def __init__(self, owner: str):
-        self.owner = owner
+    def __init__(self, owner: str, on_step: Callable[[float], None] | None = None):
+        self.owner, self._on_step = owner, on_step
         self._feeds: dict[str, DecodeFeed] = {}
 
     def of(self, worker) -> DecodeFeed:
@@ -96,5 +110,5 @@ class DecodeFeeds:
         feed = self._feeds.get(key)
         if feed is None or feed.failure is not None:
             self._feeds = {k: f for k, f in self._feeds.items() if f.failure is None}
-            feed = self._feeds[key] = DecodeFeed(ray_stream(worker, self.owner))
+            feed = self._feeds[key] = DecodeFeed(ray_stream(worker, self.owner), self._on_step)
         return feed

@@ -87,7 +87,8 @@ class RequestPath:
         # Decoded media goes into the object store in the admission thread: the encode call
         # then sends a reference, and the event loop never serializes pixels.
         self.intake = Intake(config, planner, store=ray.put)
-        self.feeds = DecodeFeeds(fleet.owner)
+        self._decode_step = metrics.stage.labels("decode_step")  # observed once per step
+        self.feeds = DecodeFeeds(fleet.owner, self._record_step)
         self.fleet_retired: str | None = None  # why, once a redeploy retired this fleet
 
     # -- 1. admit -------------------------------------------------------------------------
@@ -355,8 +356,6 @@ class RequestPath:
             if not await self._submit_decode(decoder, decision, request, kv_ref):
                 return  # aborted before it reached the worker: nobody is listening
             async for chunk in feed.chunks(job.job_id, self.config.decode.stream_interval):
-                if chunk.step_ms:
-                    self.metrics.stage.labels("decode_step").observe(chunk.step_ms / 1e3)
                 if chunk.finish_reason == FinishReason.ERROR:
                     raise RequestError(
                         500,
@@ -387,6 +386,9 @@ class RequestPath:
             self.config.transport.kv,
         )
         return await detached(decoder.submit.remote, request, None, owner)
+
+    def _record_step(self, step_ms: float) -> None:
+        self._decode_step.observe(step_ms / 1e3)
 
     def _record_prefill(self, result: PrefillResult, trace: RequestTimings) -> None:
         stage = self.metrics.stage
