@@ -20,12 +20,17 @@ from router.types import RouteDecision, WorkerKind
 RETRYABLE = (rx.RayActorError, rx.ActorUnavailableError, rx.ObjectLostError, rx.OwnerDiedError)
 
 
+# What Ray 2.60 raises for a call that moves tensors over a group destroyed after a hung transfer:
+# naming the receiving actor, or (a transfer from an actor of the old group) both.
+_GROUP_GONE = ("does not have tensor transport", "No communicators found for actors")
+
+
 def is_transport_failure(exc: BaseException) -> bool:
     """A tensor transfer between workers failed (Ray RDT over gloo/nccl): Ray aborts a hung
     transfer, kills both actors and destroys the collective group, so calls that move tensors
     raise until the group is formed again. The worker is gone, not the request."""
     if isinstance(exc, ValueError):  # a call made after the group was destroyed
-        return "does not have tensor transport" in str(exc)
+        return any(words in str(exc) for words in _GROUP_GONE)
     cause = getattr(exc, "cause", None) if isinstance(exc, rx.RayTaskError) else None
     return isinstance(cause, TimeoutError) and "RDT object store" in str(
         cause

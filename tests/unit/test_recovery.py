@@ -15,6 +15,12 @@ GROUP_GONE = (
     "communicator with `ray.experimental.collective.create_collective_group` before calling "
     "actor tasks with non-default tensor_transport."
 )
+NO_COMMUNICATORS = (
+    "No communicators found for actors Actor(EncoderWorker, 70de3a400503c8ec824840e101000000) "
+    "and Actor(PrefillWorker, bfdd708a6d86ecda6c469c9701000000). Create a communicator with "
+    "`ray.experimental.collective.create_collective_group` before calling actor tasks. with "
+    "non-default tensor_transport."
+)
 ABORTED = "ObjectRef(09b273cb) not found in RDT object store after 60.0s, transfer may have failed."
 
 
@@ -24,6 +30,7 @@ def _task_error(cause: BaseException) -> rx.RayTaskError:
 
 def test_a_destroyed_group_and_an_aborted_transfer_are_the_workers():
     assert is_transport_failure(ValueError(GROUP_GONE))
+    assert is_transport_failure(ValueError(NO_COMMUNICATORS))  # seen in the suite, 2026-11-27
     assert is_transport_failure(_task_error(TimeoutError(ABORTED)))
 
 
