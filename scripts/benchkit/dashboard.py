@@ -115,6 +115,11 @@ PANELS = [
         [("{{kind}}", f"sum by(kind) (epd:queue_depth{SEL})")],
     ),
     ("Retries after a worker failed", "reqps", [("{{kind}}", _rate("epd:retries_total", "kind"))]),
+    (
+        "Large requests routed on fresh shares (several replicas)",
+        "reqps",
+        [("{{outcome}}", _rate("epd:route_syncs_total", "outcome"))],
+    ),
     # Worker series: every replica exposes the same polled values, hence max over replicas first.
     (
         "Encoder cache bytes by state",
