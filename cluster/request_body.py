@@ -93,22 +93,20 @@ def _lift(body: bytes) -> tuple[bytes, dict[str, str]]:
     process can write, and the texts by marker. Only strings json would read as exactly their
     own bytes lift (_literal); the quotes stay where they were, so the skeleton is valid JSON
     exactly when the body is, and each text is made once, straight from the body's bytes."""
-    pieces, texts, start = [], {}, 0
+    view, pieces, texts, start = memoryview(body), [], {}, 0  # views: no copy unless lifting
     while (mark := body.find(_DATA_URL_MARK, start)) >= 0:
         opening = body.rfind(b'"', max(start, mark - _MAX_PREFIX_B), mark)
         end = body.find(b'"', mark)
         if end < 0:
             break
         if opening >= 0 and end - mark >= _LIFT_MIN_B and _literal(body, opening + 1, end):
-            marker = f"\\u0000{_NONCE}:{len(texts)}"
-            pieces += (body[start : opening + 1], marker.encode())
-            texts[marker.replace("\\u0000", "\x00")] = str(
-                memoryview(body)[opening + 1 : end], "ascii"
-            )
+            key = f"\x00{_NONCE}:{len(texts)}"  # what json makes of the marker
+            pieces += (view[start : opening + 1], key.replace("\x00", "\\u0000").encode())
+            texts[key] = str(view[opening + 1 : end], "ascii")
         else:
-            pieces.append(body[start:end])
+            pieces.append(view[start:end])
         start = end
-    return (b"".join([*pieces, body[start:]]) if texts else body), texts
+    return (b"".join([*pieces, view[start:]]) if texts else body), texts
 
 
 def _literal(body: bytes, begin: int, end: int) -> bool:
