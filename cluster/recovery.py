@@ -23,6 +23,9 @@ RETRYABLE = (rx.RayActorError, rx.ActorUnavailableError, rx.ObjectLostError, rx.
 # What Ray 2.60 raises for a call that moves tensors over a group destroyed after a hung transfer:
 # naming the receiving actor, or (a transfer from an actor of the old group) both.
 _GROUP_GONE = ("does not have tensor transport", "No communicators found for actors")
+# Gloo's TCP transport names its own source file in every error it raises (a peer that closed
+# its end as Ray destroyed the group under a hung transfer, a reset, a timeout).
+_GLOO_TRANSPORT = "gloo/transport/"
 
 
 def is_transport_failure(exc: BaseException) -> bool:
@@ -32,6 +35,8 @@ def is_transport_failure(exc: BaseException) -> bool:
     if isinstance(exc, ValueError):  # a call made after the group was destroyed
         return any(words in str(exc) for words in _GROUP_GONE)
     cause = getattr(exc, "cause", None) if isinstance(exc, rx.RayTaskError) else None
+    if isinstance(cause, RuntimeError) and _GLOO_TRANSPORT in str(cause):
+        return True  # a transfer cut off under the call
     return isinstance(cause, TimeoutError) and "RDT object store" in str(
         cause
     )  # a receive whose transfer was aborted

@@ -21,6 +21,11 @@ NO_COMMUNICATORS = (
     "`ray.experimental.collective.create_collective_group` before calling actor tasks. with "
     "non-default tensor_transport."
 )
+# Seen in the suite (CI, 2026-11-27): a request's transfer as Ray re-formed the group.
+PEER_CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by "
+    "peer [127.0.0.1]:16793. This is typically caused by a remote worker crashing."
+)
 ABORTED = "ObjectRef(09b273cb) not found in RDT object store after 60.0s, transfer may have failed."
 
 
@@ -32,6 +37,7 @@ def test_a_destroyed_group_and_an_aborted_transfer_are_the_workers():
     assert is_transport_failure(ValueError(GROUP_GONE))
     assert is_transport_failure(ValueError(NO_COMMUNICATORS))  # seen in the suite, 2026-11-27
     assert is_transport_failure(_task_error(TimeoutError(ABORTED)))
+    assert is_transport_failure(_task_error(RuntimeError(PEER_CLOSED)))
 
 
 def test_the_requests_own_errors_are_not():
@@ -39,6 +45,7 @@ def test_the_requests_own_errors_are_not():
     assert not is_transport_failure(_task_error(TimeoutError("the request timed out")))
     assert not is_transport_failure(_task_error(ZeroDivisionError("division by zero")))
     assert not is_transport_failure(RuntimeError(GROUP_GONE))
+    assert not is_transport_failure(_task_error(RuntimeError("gloo is not a model family")))
 
 
 def test_a_cancelled_worker_call_means_the_client_left_not_a_server_error():
