@@ -25,6 +25,23 @@ _KEEP = 256  # settled characters kept in one string behind its end; older ones 
 _WINDOW = 8
 
 
+def _plain_decode(tokenizer):
+    """`tokenizer.decode`, or the Rust tokenizer's own where transformers' adds nothing to it
+    (no clean-up of spaces, no family's own `_decode`): a token then costs no list
+    conversion and dispatch in Python."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    kind = type(tokenizer)
+    plain = (
+        isinstance(tokenizer, TokenizersBackend)
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    )
+    return tokenizer._tokenizer.decode if plain else tokenizer.decode
+
+
 class IncrementalText:
     """Feed token ids as they come; get back the text that is safe to show so far.
 
@@ -43,7 +60,7 @@ class IncrementalText:
         skip_special_tokens: bool = True,
         include_stop: bool = False,
     ):
-        self._tokenizer = tokenizer
+        self._decode_ids = _plain_decode(tokenizer)
         self._stop = stop
         self._skip_special = skip_special_tokens
         self._include_stop = include_stop
@@ -104,13 +121,13 @@ class IncrementalText:
         """Decode the window; settle its new text unless it may still change (it ends in
         "\ufffd"). The window's ids are then all context, or, past _WINDOW ids, only those
         that have just settled (decoded again, alone, for the context's own text)."""
-        text = self._tokenizer.decode(self._window, skip_special_tokens=self._skip_special)
+        text = self._decode_ids(self._window, skip_special_tokens=self._skip_special)
         if len(text) > len(self._context_text) and not text.endswith("\ufffd"):
             self._text += text[len(self._context_text) :]
             self._tail = ""
             if len(self._window) > _WINDOW and self._num_context:  # keep only the new ids
                 del self._window[: self._num_context]
-                text = self._tokenizer.decode(self._window, skip_special_tokens=self._skip_special)
+                text = self._decode_ids(self._window, skip_special_tokens=self._skip_special)
             self._num_context, self._context_text = len(self._window), text
         else:
             self._tail = text[len(self._context_text) :]

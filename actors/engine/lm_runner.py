@@ -147,7 +147,7 @@ class LMRunner:
                 1
             )
         position_ids = self.adapter.step_positions(position_ids)
-        mask = batch.step_mask()
+        mask = self.adapter.step_mask(batch.step_mask())
         hidden = self.adapter.forward(self.adapter.embed_tokens(ids), position_ids, cache, mask)
         batch.absorb(cache)
         logits = self.adapter.logits(hidden[:, -1])

@@ -97,6 +97,14 @@ class ModelAdapter(abc.ABC):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm_head(hidden)
 
+    def step_mask(self, valid: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention mask from its [B, L] valid slots. Where SDPA serves every
+        layer over the full window, the 4D boolean mask SDPA takes as is: from a 2D mask
+        transformers would build it again each step and sync the host to check it."""
+        if _full_window_sdpa(self._lm.config):
+            return valid.bool()[:, None, None, :]
+        return valid
+
     def prompt_positions(
         self, token_ids: torch.Tensor, ranges: tuple[PlaceholderRange, ...]
     ) -> tuple[torch.Tensor, int]:
@@ -190,4 +198,15 @@ def placeholder_spec(checkpoint: Path, processor, dtype: str = "float32") -> Pla
     spec = _family(config).build_spec(config, processor, DTYPE_BYTES[dtype])
     return dataclasses.replace(
         spec, kv_bytes_per_token=kv.bytes_per_token(config.get_text_config(), DTYPE_BYTES[dtype])
+    )
+
+
+def _full_window_sdpa(config) -> bool:
+    """SDPA attention (a boolean mask; eager adds a float one) and no sliding-window layer
+    (one mask then serves every layer)."""
+    layers = getattr(config, "layer_types", None) or ()
+    return (
+        config._attn_implementation == "sdpa"
+        and all(kind == "full_attention" for kind in layers)
+        and (bool(layers) or getattr(config, "sliding_window", None) is None)
     )
