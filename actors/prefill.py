@@ -15,7 +15,13 @@ import ray
 
 from actors.inbox import TensorInbox
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
-from actors.types import EncodeStats, PrefillRequest, PrefillResult, WorkerRequestError
+from actors.types import (
+    EncodeStats,
+    PrefillRequest,
+    PrefillResult,
+    WorkerRequestError,
+    hop_ms,
+)
 from router.worker_settings import PrefillSettings
 
 if TYPE_CHECKING:
@@ -76,6 +82,7 @@ class PrefillWorker(ModelWorker):
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """The request's first token, once its prompt is prefilled. Items not received yet
         follow through `receive`; the text before them is prefilled meanwhile."""
+        called_at_s = time.time()
         encoded = self.embeddings.take_all(request.request_id)
         done = asyncio.get_running_loop().create_future()
         self._waiters[request.request_id] = done
@@ -116,6 +123,8 @@ class PrefillWorker(ModelWorker):
             item_wait_ms=out.item_wait_ms,
             compute_ms=out.compute_ms
             * self.spec.slowdown,  # the emulated slower device sleeps after each step
+            call_in_ms=hop_ms(request.sent_at_s, called_at_s),
+            returned_at_s=time.time(),
         )
 
     def _publish(self, outputs: list[PrefillOutput]) -> None:

@@ -227,6 +227,7 @@ class PrefillRequest:
     # Content identifier per placeholder (the prefix cache's extra key); empty: media blocks are
     # not cached.
     media_identifiers: tuple[str, ...] = ()
+    sent_at_s: float = 0.0  # wall clock as the ingress made the call (the hop's timing)
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,10 @@ class PrefillResult:
     )
     # its own device time (prefill_ms, first chunk to done, also counts requests sharing its steps)
     compute_ms: float = 0.0
+    # The call's way in (the worker's start less the request's sent_at_s) and the wall clock as
+    # it returns (the ingress times the way out): Ray's hops, apart from the worker's own time.
+    call_in_ms: float = 0.0
+    returned_at_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -301,3 +306,9 @@ class DecodeBatch:
     since the last message (one decode step's, or several if the reader fell behind)."""
 
     outputs: tuple[DecodeOutput, ...]
+
+
+def hop_ms(sent_at_s: float, arrived_at_s: float) -> float:
+    """A hop between processes by the wall clock (`time.time()`): 0 when the sender gave no
+    time, and never below 0 (nodes' clocks may disagree by a little)."""
+    return max(0.0, (arrived_at_s - sent_at_s) * 1e3) if sent_at_s else 0.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ray
 
@@ -22,6 +22,7 @@ from actors.types import (
     PrefillRequest,
     PrefillResult,
     TokenChunk,
+    hop_ms,
 )
 from cluster.admitted import Admitted, Endpoint, Job
 from cluster.config import ClusterConfig
@@ -62,6 +63,8 @@ class RequestTimings:
     encode_compute_ms: float = 0.0
     transfer_ms: float = 0.0  # embeddings from the encoder to the prefill worker
     prefill_call_ms: float = 0.0  # the prefill call as the ingress saw it (hops included)
+    prefill_hop_in_ms: float = 0.0  # of prefill_call_ms: the call's way to the worker
+    prefill_hop_out_ms: float = 0.0  # and the result's way back
     prefill_ms: float = 0.0
     prefill_queue_ms: float = 0.0
     prefill_compute_ms: float = 0.0  # its own device time within prefill_ms
@@ -177,6 +180,8 @@ class RequestPath:
         try:
             encoded = self.encode(job, decision)
             result, transfer_ms = await self.prefill(job, decision, encoded)
+            trace.prefill_hop_in_ms = result.call_in_ms
+            trace.prefill_hop_out_ms = hop_ms(result.returned_at_s, time.time())
             prefilled = True
             job.adm.release_media()  # the embeddings are in: the pixels leave the object store
             trace.prefill_call_ms = (time.perf_counter() - routed_s) * 1e3
@@ -292,7 +297,7 @@ class RequestPath:
         the receive answers. The encoders' references go once the embeddings are delivered."""
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         if not encoded:
-            return await prefill.prefill.remote(request), None
+            return await _sent(prefill, request), None
         released = False
 
         def release() -> (
@@ -317,9 +322,9 @@ class RequestPath:
 
         try:
             if self.config.prefill.overlap_encode:
-                return await overlapped(prefill.prefill.remote(request), deliver())
+                return await overlapped(_sent(prefill, request), deliver())
             received = await deliver()
-            return await prefill.prefill.remote(request), received
+            return await _sent(prefill, request), received
         finally:
             release()  # a delivery cancelled before it ever started released nothing
 
@@ -417,3 +422,8 @@ class RequestPath:
         self.metrics.prompt_tokens.inc(result.num_prompt_tokens)
         self.metrics.prefix_cache_queries.inc(result.num_prompt_tokens)
         self.metrics.prefix_cache_hits.inc(result.num_cached_tokens)
+
+
+def _sent(prefill, request: PrefillRequest):
+    """The prefill call, stamped with when it left: the worker times the hop in."""
+    return prefill.prefill.remote(replace(request, sent_at_s=time.time()))

@@ -121,6 +121,8 @@ class Collector:
             "encode_compute_ms": t.encode_compute_ms,
             "transfer_ms": t.transfer_ms,
             "prefill_call_ms": t.prefill_call_ms,
+            "prefill_hop_in_ms": t.prefill_hop_in_ms,
+            "prefill_hop_out_ms": t.prefill_hop_out_ms,
             "prefill_ms": t.prefill_ms,
             "prefill_queue_ms": t.prefill_queue_ms,
             "prefill_compute_ms": t.prefill_compute_ms,

@@ -34,7 +34,7 @@ from cluster.prepare import ensure_model
 
 PHASES = (
     "admit body parse media plan route encode_queue encode_compute transfer prefill_call "
-    "prefill_queue prefill_compute first_token"
+    "prefill_hop_in prefill_queue prefill_compute prefill_hop_out first_token"
 ).split()
 
 

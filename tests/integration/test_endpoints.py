@@ -234,6 +234,8 @@ def test_estimated_ttft_is_reported_and_requests_are_traced(app):
     assert sum(timings[f"{p}_ms"] for p in parts) == pytest.approx(timings["ttft_ms"], abs=0.01)
     assert timings["parse_ms"] + timings["media_ms"] + timings["plan_ms"] <= timings["admit_ms"]
     assert timings["prefill_ms"] <= timings["prefill_call_ms"]
+    hops = timings["prefill_hop_in_ms"] + timings["prefill_hop_out_ms"]
+    assert 0 < hops < timings["prefill_call_ms"] - timings["prefill_ms"] + 0.5, timings
     assert _scrape(app)[("epd:estimated_ttft_seconds_count", ())] >= 1
     workload = load_trace(TRACE_PATH)  # the simulator's own loader reads what the cluster wrote
     assert len(workload) >= 1
