@@ -58,6 +58,7 @@ class EncoderWorker(ModelWorker):
                     f"item {job.item.identifier[:12]} gave {emb.shape[0]} embeddings, "
                     f"planned {job.num_embeddings}"
                 )
+        self.work_done += sum(job.num_embeddings for job in jobs)
         return [(emb, encode_ms) for emb in embeddings]
 
     async def encode(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats]:
@@ -85,6 +86,7 @@ class EncoderWorker(ModelWorker):
         identifier = job.item.identifier
         pending = asyncio.get_running_loop().create_future()
         self.cache.start(identifier, job.request_id, pending)
+        self.work_in += job.num_embeddings
         try:
             job = await _with_pixels(job)
             (embedding, encode_ms), queue_ms, batch_size = await self.batcher.submit(job)
@@ -127,6 +129,8 @@ class EncoderWorker(ModelWorker):
             "max_batch": self.batcher.max_batch_seen,
             "step_threads": self.step_threads,
             "busy_s": self.busy_s,
+            "work_in": self.work_in,
+            "work_done": self.work_done,
             **self.cache.stats().as_flat_dict(),
         }
 

@@ -83,6 +83,7 @@ class PrefillWorker(ModelWorker):
         """The request's first token, once its prompt is prefilled. Items not received yet
         follow through `receive`; the text before them is prefilled meanwhile."""
         called_at_s = time.time()
+        self.work_in += len(request.prompt_token_ids)
         encoded = self.embeddings.take_all(request.request_id)
         done = asyncio.get_running_loop().create_future()
         self._waiters[request.request_id] = done
@@ -110,6 +111,7 @@ class PrefillWorker(ModelWorker):
         self.kv.put(
             request.request_id, out.packed_kv
         )  # dropped at once if the request was closed meanwhile
+        self.work_done += len(request.prompt_token_ids)
         return PrefillResult(
             request_id=request.request_id,
             first_token_id=out.first.token_id,
@@ -199,6 +201,8 @@ class PrefillWorker(ModelWorker):
             "held_embeddings": len(self.embeddings),
             "step_threads": self.step_threads,
             "busy_s": self.busy_s,
+            "work_in": self.work_in,
+            "work_done": self.work_done,
         }
 
     def load(self) -> WorkerLoad:

@@ -84,6 +84,9 @@ class ModelWorker:
         )
         self._num_threads = spec.torch_threads
         self.busy_s = 0.0  # device time so far (slowdown included): autoscaling's measured load
+        # Units of work that reached this worker and that it finished (embeddings, prompt
+        # tokens): autoscaling prices what arrives at the device time a unit took.
+        self.work_in = self.work_done = 0
 
     def reconfigure(self, settings, slowdown: float) -> None:
         """Take a redeploy's live settings in place (cluster/config.py LIVE_FIELDS); the

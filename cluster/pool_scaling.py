@@ -7,9 +7,10 @@ Every PERIOD_S the controller calls `step`, which
 2. stops draining workers that hold nothing any more (after DRAIN_GRACE_S, by which time every
    replica has stopped routing to them);
 3. measures each pool's load, in workers' worth: encoders and prefill from the estimated ms the
-   replicas' routers booked on them (pushed with their metrics each second), or the device time
-   the workers measured where that is more; decode from the rows generating or waiting over
-   max_batch_size; and asks router/autoscale.py for a size;
+   replicas' routers booked on them (pushed with their metrics each second), or what the
+   workers measured where that is more (their device time, or the work that reached them at
+   its measured cost: router/autoscale.py MeasuredLoad); decode from the rows generating or
+   waiting over max_batch_size; and asks router/autoscale.py for a size;
 4. grows by taking a draining worker back, then by starting workers in empty slots; shrinks by
    cancelling a start, then by draining the highest-index live worker.
 
@@ -27,7 +28,7 @@ import ray
 
 from cluster.config import PoolConfig
 from cluster.snapshot import Scaling, Slot
-from router.autoscale import PoolScaler
+from router.autoscale import MeasuredLoad, PoolScaler
 from router.types import WorkerInfo, WorkerKind
 
 if TYPE_CHECKING:  # the fleet imports the actors (torch): the ingress imports this module
@@ -84,6 +85,7 @@ class _Pool:
     slots: range
     config: PoolConfig
     scaler: PoolScaler
+    measured: MeasuredLoad = dataclasses.field(default_factory=MeasuredLoad)
 
 
 class PoolScaling:
@@ -97,7 +99,6 @@ class PoolScaling:
         self.booked = BookedLoad()
         self._starting: dict[Slot, ray.ObjectRef] = {}
         self._draining: dict[Slot, float] = {}  # slot -> when it started draining
-        self._busy_seen: dict[Slot, float] = {}  # slot -> its worker's busy_s at the last period
         self._last_step_s = now_s
 
     def scaling(self) -> Scaling:
@@ -157,8 +158,8 @@ class PoolScaling:
 
     def _load(self, pool: _Pool, booked: dict[tuple[str, int], float], dt_s: float) -> float:
         """The pool's offered load, in workers' worth: for encoders and prefill the booked
-        estimate, or the device time the workers measured where that is more (an estimate
-        not yet calibrated, e.g. the first burst after a deploy, reads low)."""
+        estimate, or what the workers measured where that is more (an estimate not yet
+        calibrated, e.g. the first burst after a deploy, reads low)."""
         present = [  # workers still starting have nothing to say (and may not be placed yet)
             (pool.kind, i)
             for i in pool.slots
@@ -169,18 +170,8 @@ class PoolScaling:
             rows = sum(s.get("running", 0) + s.get("queued", 0) for s in stats if s)
             return rows / pool.config.max_batch_size
         ms = sum(booked.get((pool.kind.value, i), 0.0) for i in pool.slots)
-        return max(ms / 1e3 / dt_s, self._busy(present, stats, dt_s))
-
-    def _busy(self, slots: list[Slot], stats: list[dict | None], dt_s: float) -> float:
-        """Workers' worth of device time the pool's workers spent since the last period."""
-        busy = 0.0
-        for slot, s in zip(slots, stats):
-            if s is None or "busy_s" not in s:
-                continue
-            before, self._busy_seen[slot] = self._busy_seen.get(slot), s["busy_s"]
-            if before is not None and s["busy_s"] > before:  # a new worker in the slot restarts
-                busy += (s["busy_s"] - before) / dt_s
-        return busy
+        counters = {slot: s for slot, s in zip(present, stats) if s is not None}
+        return max(ms / 1e3 / dt_s, pool.measured.update(counters, dt_s))
 
     def _resize(self, pool: _Pool, load: float, now_s: float) -> bool:
         live = [i for i in pool.slots if self._is_live(pool.kind, i)]

@@ -11,7 +11,7 @@ from cluster.config import load_config
 from cluster.controller import sum_bookings
 from cluster.pool_scaling import BookedLoad
 from cluster.snapshot import FleetSnapshot, Scaling
-from router.autoscale import PoolScaler, ScalingRule
+from router.autoscale import MeasuredLoad, PoolScaler, ScalingRule
 from router.cost_model import CostPriors
 from router.router import Router
 from router.types import MediaJob, RequestProfile, WorkerInfo, WorkerKind
@@ -67,6 +67,30 @@ def test_load_back_before_the_down_delay_keeps_the_workers():
 def test_below_the_floor_returns_to_it_at_once():
     scaler = PoolScaler(ScalingRule(2, 4, 0.5, up_delay_s=30.0, down_delay_s=30.0))
     assert scaler.decide(0.0, 1, now_s=0.0) == 2
+
+
+def test_measured_load_prices_what_arrives_at_what_a_unit_cost_lately():
+    """One worker, busy all the time, while three workers' worth of work arrives: 3.0, not
+    the 1.0 its busy time alone says; no estimate to calibrate first."""
+    load = MeasuredLoad()
+    counters = lambda busy_s, work_in, done: {
+        "busy_s": busy_s,
+        "work_in": work_in,
+        "work_done": done,
+    }  # noqa: E731
+    assert load.update({(E, 0): counters(5.0, 100, 100)}, dt_s=1.0) == 0.0  # nothing to compare
+    # The next second: 1 s busy for 10 units (0.1 s each), and 30 arrived.
+    assert load.update({(E, 0): counters(6.0, 130, 110)}, dt_s=1.0) == pytest.approx(3.0)
+    # A second in which no unit finished (a long batch): the last unit cost prices arrivals.
+    assert load.update({(E, 0): counters(6.0, 145, 110)}, dt_s=0.5) == pytest.approx(3.0)
+    # Two workers: their time and work add up.
+    two = {(E, 0): counters(7.0, 150, 120), (E, 1): counters(0.5, 5, 5)}
+    assert load.update(two, dt_s=1.0) == pytest.approx(1.0)  # (E, 1) is new: counted next time
+    two = {(E, 0): counters(8.0, 160, 130), (E, 1): counters(1.5, 15, 15)}
+    assert load.update(two, dt_s=1.0) == pytest.approx(2.0)  # busy 2 s for 20 units, 20 came
+    # A restarted worker (its counters went back) counts from the next period; idle is 0.
+    two = {(E, 0): counters(0.0, 0, 0), (E, 1): counters(1.5, 15, 15)}
+    assert load.update(two, dt_s=1.0) == 0.0
 
 
 def test_booked_load_sums_replicas_and_counts_only_what_is_new():
