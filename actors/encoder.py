@@ -9,6 +9,7 @@ pixels come as an object-store reference (MediaItem.data_ref), fetched only on a
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import os
 import time
@@ -19,7 +20,7 @@ import ray
 from actors.engine.batching import MicroBatcher
 from actors.engine.encoder_cache import EncoderCache, EntryState
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
-from actors.types import EncodeJob, EncodeStats, WorkerRequestError
+from actors.types import Delivered, EncodeJob, EncodeStats, WorkerRequestError
 from router.worker_settings import EncoderSettings
 
 if TYPE_CHECKING:
@@ -61,7 +62,21 @@ class EncoderWorker(ModelWorker):
         self.work_done += sum(job.num_embeddings for job in jobs)
         return [(emb, encode_ms) for emb in embeddings]
 
-    async def encode(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats]:
+    async def encode(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats] | Delivered:
+        """The item's embeddings and how their encoding went; with `job.deliver_to`, handed to
+        that prefill worker from here (one hop, not two through the ingress): then only the
+        stats and when the embeddings arrived come back."""
+        encoded = await self._encoded(job)
+        if job.deliver_to is None:
+            return encoded
+        # In a context of its own: a client that leaves makes Ray cancel this call and its
+        # children, and a call cancelled while Ray resolves its (large, stored) argument kills
+        # the calling process (cluster/leftovers.py).
+        receive = job.deliver_to.receive.remote
+        received_at_s = await contextvars.Context().run(receive, job.request_id, job.slot, encoded)
+        return Delivered(encoded[1], received_at_s)
+
+    async def _encoded(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats]:
         identifier = job.item.identifier
         found = self.cache.lookup(identifier, job.request_id)
         if found is None:

@@ -134,6 +134,19 @@ class EncodeJob:
     request_id: str
     item: MediaItem
     num_embeddings: int
+    # A prefill worker's handle (over the object store): the encoder hands it the embeddings
+    # itself, as item `slot` of the request, and answers the ingress with a `Delivered`.
+    deliver_to: Any = None
+    slot: int = 0
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """An encode call's answer when its embeddings went to the prefill worker from the encoder:
+    how the encoding went and when the embeddings arrived there (wall clock)."""
+
+    stats: EncodeStats
+    received_at_s: float
 
 
 class GrammarKind(str, enum.Enum):

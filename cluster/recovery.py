@@ -37,6 +37,8 @@ def is_transport_failure(exc: BaseException) -> bool:
     cause = getattr(exc, "cause", None) if isinstance(exc, rx.RayTaskError) else None
     if isinstance(cause, RuntimeError) and _GLOO_TRANSPORT in str(cause):
         return True  # a transfer cut off under the call
+    if isinstance(cause, RETRYABLE):
+        return True  # a worker's own hand-over found the next one gone (an encoder's push)
     return isinstance(cause, TimeoutError) and "RDT object store" in str(
         cause
     )  # a receive whose transfer was aborted

@@ -25,7 +25,7 @@ from actors.types import (
     hop_ms,
 )
 from cluster.admitted import Admitted, Endpoint, Job
-from cluster.config import ClusterConfig
+from cluster.config import ClusterConfig, Transport
 from cluster.decode_feed import DecodeFeeds
 from cluster.errors import RequestError
 from cluster.fleet_client import FleetClient, with_options
@@ -229,16 +229,25 @@ class RequestPath:
 
     def encode(self, job: Job, decision: RouteDecision) -> list:
         """One encode call per item, on the encoder of its modality (pools may be split by
-        modality); each encoder batches them with other requests' items."""
+        modality); each encoder batches them with other requests' items. Over the object store
+        the encoder hands the embeddings to the prefill worker itself (`_pushes`)."""
         encoders = self.fleet.pools[WorkerKind.ENCODER]
         option = self.fleet.transport_option(self.config.transport.embeddings)
+        push = self.fleet.pools[WorkerKind.PREFILL][decision.prefill] if self._pushes else None
         plan = job.adm.plan
         return [
             with_options(encoders[decision.encoder_for(item.modality.value)].encode, option).remote(
-                EncodeJob(job.job_id, item, n)
+                EncodeJob(job.job_id, item, n, deliver_to=push, slot=slot)
             )
-            for item, n in zip(plan.items, plan.num_embeddings)
+            for slot, (item, n) in enumerate(zip(plan.items, plan.num_embeddings))
         ]
+
+    @property
+    def _pushes(self) -> bool:
+        """Whether encoders deliver embeddings themselves: over the object store, where nothing
+        orders transfers. Over gloo/nccl the ingress orders them; over CUDA IPC the receive
+        must take the encoder's returned reference."""
+        return self.config.transport.embeddings == Transport.OBJECT_STORE
 
     def _release_encoded(self, job: Job, decision: RouteDecision) -> None:
         """Let the encoders that served this attempt's items evict them again."""
@@ -310,6 +319,8 @@ class RequestPath:
 
         async def deliver() -> list:
             try:
+                if self._pushes:  # the encode calls end once their embeddings arrived there
+                    return [done.received_at_s for done in await asyncio.gather(*encoded)]
                 return await self.deliver(
                     WorkerKind.PREFILL,
                     decision.prefill,

@@ -5,6 +5,7 @@ a failed pass leaves nothing pinned."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from actors.encoder import EncoderWorker  # noqa: E402
 from actors.runtime import WorkerSpec  # noqa: E402
-from actors.types import EncodeJob, MediaItem  # noqa: E402
+from actors.types import Delivered, EncodeJob, MediaItem  # noqa: E402
 from router.types import Modality  # noqa: E402
 from router.worker_settings import EncoderSettings  # noqa: E402
 
@@ -73,4 +74,31 @@ def test_a_failed_pass_fails_every_waiter_and_pins_nothing(worker):
     results = asyncio.run(both())
     assert all(isinstance(r, ValueError) for r in results), results
     assert _held(worker) == before and "img-20" not in worker.cached_identifiers()
+    worker.cache.check_integrity()
+
+
+class _PrefillStandIn:
+    """What the encoder calls on a prefill worker: `receive.remote(...)`, answering the
+    arrival's wall clock."""
+
+    def __init__(self):
+        self.received: list[tuple] = []
+        self.receive = self  # `.receive.remote` as on an actor handle
+
+    async def remote(self, request_id: str, slot: int, encoded: tuple) -> float:
+        self.received.append((request_id, slot, encoded))
+        return 123.0
+
+
+def test_the_encoder_hands_the_embeddings_to_the_prefill_worker_itself(worker):
+    """Over the object store the encoder delivers (one hop, not two through the ingress) and
+    answers only how the encoding went and when the embeddings arrived."""
+    prefill = _PrefillStandIn()
+    job = dataclasses.replace(_job("r5", 30), deliver_to=prefill, slot=2)
+    done = asyncio.run(worker.encode(job))
+    assert isinstance(done, Delivered) and done.received_at_s == 123.0
+    [(request_id, slot, (embedding, stats))] = prefill.received
+    assert (request_id, slot) == ("r5", 2) and stats == done.stats
+    assert embedding.shape[0] == NUM_EMBEDDINGS and stats.identifier == "img-30"
+    worker.drop("r5")
     worker.cache.check_integrity()

@@ -38,6 +38,8 @@ def test_a_destroyed_group_and_an_aborted_transfer_are_the_workers():
     assert is_transport_failure(ValueError(NO_COMMUNICATORS))  # seen in the suite, 2026-11-27
     assert is_transport_failure(_task_error(TimeoutError(ABORTED)))
     assert is_transport_failure(_task_error(RuntimeError(PEER_CLOSED)))
+    # An encoder's push to a prefill worker that died under it.
+    assert is_transport_failure(_task_error(rx.ActorUnavailableError("gone", None)))
 
 
 def test_the_requests_own_errors_are_not():
