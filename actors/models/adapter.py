@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import importlib
 import json
 from dataclasses import dataclass, field
@@ -101,9 +102,12 @@ class ModelAdapter(abc.ABC):
         """A decode step's attention mask from its [B, L] valid slots. Where SDPA serves every
         layer over the full window, the 4D boolean mask SDPA takes as is: from a 2D mask
         transformers would build it again each step and sync the host to check it."""
-        if _full_window_sdpa(self._lm.config):
-            return valid.bool()[:, None, None, :]
-        return valid
+        return valid.bool()[:, None, None, :] if self._one_mask_serves_all else valid
+
+    @functools.cached_property
+    def _one_mask_serves_all(self) -> bool:
+        """Decided once per loaded model: the config does not change between steps."""
+        return _full_window_sdpa(self._lm.config)
 
     def prompt_positions(
         self, token_ids: torch.Tensor, ranges: tuple[PlaceholderRange, ...]

@@ -69,15 +69,15 @@ def test_below_the_floor_returns_to_it_at_once():
     assert scaler.decide(0.0, 1, now_s=0.0) == 2
 
 
+def counters(busy_s: float, work_in: int, work_done: int) -> dict[str, float]:
+    """A worker's stats as the controller reads them for MeasuredLoad."""
+    return {"busy_s": busy_s, "work_in": work_in, "work_done": work_done}
+
+
 def test_measured_load_prices_what_arrives_at_what_a_unit_cost_lately():
     """One worker, busy all the time, while three workers' worth of work arrives: 3.0, not
     the 1.0 its busy time alone says; no estimate to calibrate first."""
     load = MeasuredLoad()
-    counters = lambda busy_s, work_in, done: {
-        "busy_s": busy_s,
-        "work_in": work_in,
-        "work_done": done,
-    }  # noqa: E731
     assert load.update({(E, 0): counters(5.0, 100, 100)}, dt_s=1.0) == 0.0  # nothing to compare
     # The next second: 1 s busy for 10 units (0.1 s each), and 30 arrived.
     assert load.update({(E, 0): counters(6.0, 130, 110)}, dt_s=1.0) == pytest.approx(3.0)

@@ -4,12 +4,24 @@ the 2D padding mask transformers expands, and is used only where one mask serves
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaModel, MistralConfig, Qwen2Config
 
 from actors.models.adapter import ModelAdapter, _full_window_sdpa
+
+
+class _LanguageModelOnly(ModelAdapter):
+    """The adapter's language-model side over a bare decoder stack (no towers)."""
+
+    def __init__(self, lm):
+        self._lm = lm
+
+    def layout(self, item):
+        raise NotImplementedError
+
+    def encode(self, items):
+        raise NotImplementedError
 
 
 def _config(cls, **kw):
@@ -42,7 +54,7 @@ def test_the_4d_mask_attends_as_the_2d_one():
         attn_implementation="sdpa",
     )
     model = LlamaModel(config).eval()
-    adapter = SimpleNamespace(_lm=model)
+    adapter = _LanguageModelOnly(model)
     valid = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1]])
     ids = torch.randint(0, 64, (3, 6))
     positions = (valid.cumsum(-1) - 1).clamp(min=0)
@@ -66,7 +78,7 @@ def test_the_4d_mask_attends_as_the_2d_one():
                 ).last_hidden_state
             )
         )
-        given = ModelAdapter.step_mask(adapter, valid)
+        given = adapter.step_mask(valid)
         assert given.shape == (3, 1, 1, 6) and given.dtype == torch.bool
         assert torch.allclose(step(valid), step(given), atol=1e-6)
         assert not torch.allclose(step(valid), step(torch.ones_like(given)), atol=1e-3)
