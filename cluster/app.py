@@ -65,10 +65,19 @@ def _request_id() -> str:
 # Defined before the class: Serve pickles the deployment's class as it is decorated.
 def _ingress_report(serving: Serving) -> dict:
     """/health?verbose=1's view of this replica: its config, admission and media budget."""
+    model = {"model_name": serving.config.model.served_name}
     served = serving.metrics.registry.get_sample_value(
-        f"{PREFIX}requests_total",
-        {"model_name": serving.config.model.served_name, "status": "ok"},
+        f"{PREFIX}requests_total", {**model, "status": "ok"}
     )
+    syncs = {  # this replica's own: /metrics sums every replica's
+        outcome: int(
+            serving.metrics.registry.get_sample_value(
+                f"{PREFIX}route_syncs_total", {**model, "outcome": outcome}
+            )
+            or 0
+        )
+        for outcome in ("shared", "unanswered")
+    }
     admission = serving.admission
     return {
         "pid": os.getpid(),
@@ -79,6 +88,7 @@ def _ingress_report(serving: Serving) -> dict:
         "served_ok": int(served or 0),
         "media_bytes_in_flight": serving.media_budget.in_flight,
         "media_waiting": serving.media_budget.num_waiting,
+        "route_syncs": syncs,
     }
 
 

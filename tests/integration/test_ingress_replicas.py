@@ -93,11 +93,12 @@ def test_both_replicas_serve_exact_answers(pair):
     ]
     replicas = _replicas(pair)
     assert all(r["served_ok"] > 0 for r in replicas.values()), replicas  # both took part
-    # Each request asked the controller for the others' bookings on its way; on a busy host
-    # some answers miss the 50 ms wait (SHARE_TIMEOUT_S) and route on the last share instead.
-    syncs = _settled_scrapes(pair, 1)[0]
-    assert syncs["syncs_shared"] + syncs["syncs_unanswered"] == len(seeds), syncs
-    assert syncs["syncs_shared"] >= 1, syncs
+    # Each request asked the controller for the others' bookings on its way (each replica
+    # counts its own); on a busy host some answers miss the 50 ms wait (SHARE_TIMEOUT_S) and
+    # route on the last share instead.
+    syncs = [r["route_syncs"] for r in replicas.values()]
+    assert sum(s["shared"] + s["unanswered"] for s in syncs) == len(seeds), replicas
+    assert sum(s["shared"] for s in syncs) >= 1, replicas
     assert (
         len({str(_verbose(pair)["fleet"]) for _ in range(6)}) == 1
     )  # one fleet, seen alike from both
@@ -113,12 +114,6 @@ def _scrape(app) -> dict[str, float]:
     found["e2e_count"] = sum(
         s.value for s in samples if s.name == "epd:e2e_request_latency_seconds_count"
     )
-    for outcome in ("shared", "unanswered"):
-        found[f"syncs_{outcome}"] = sum(
-            s.value
-            for s in samples
-            if s.name == "epd:route_syncs_total" and s.labels["outcome"] == outcome
-        )
     found["in_progress"] = sum(
         s.value
         for s in samples
