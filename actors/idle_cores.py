@@ -82,10 +82,6 @@ class NodeBoard:
             os.pwrite(self._fd, BUSY if busy else IDLE, 0)
             self._busy = busy
 
-    def peer_pids(self) -> frozenset[int]:
-        """The fleet's other workers on this node, as of the last listing."""
-        return frozenset(self._peers)
-
     def others_busy(self) -> bool:
         self._rescan()
         for pid, fd in list(self._peers.items()):
@@ -166,11 +162,7 @@ class ThreadPolicy:
             return self.threads
         # The host's answer first: it is cached between reads, and the board's reads are
         # syscalls that hand this thread's GIL to the actor's event loop on a busy worker.
-        spare = (
-            self.idle_threads
-            if self.host is None
-            else self.host.spare_cores(self.board.peer_pids())
-        )
+        spare = self.idle_threads if self.host is None else self.host.spare_cores()
         threads = max(self.threads, min(self.idle_threads, int(spare + IDLE_CORE_SLACK)))
         if threads == self.threads or self.board.others_busy():
             return self.threads
