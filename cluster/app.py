@@ -85,6 +85,7 @@ def _ingress_report(serving: Serving) -> dict:
         "waiting_tokens": admission.waiting_tokens,
         "generating": admission.generating,
         "max_generating": admission.max_generating,  # its share of the budget
+        "num_replicas": serving.fleet.num_replicas,  # the count that share is taken for
         "served_ok": int(served or 0),
         "media_bytes_in_flight": serving.media_budget.in_flight,
         "media_waiting": serving.media_budget.num_waiting,

@@ -54,7 +54,11 @@ class FleetClient:
         self.snapshot: FleetSnapshot | None = None
         self.adopt(ray.get(self.controller.snapshot.remote()))
         _OPEN.add(self)
-        self._register()
+        ray.get(self._register())  # before anything counts the registered replicas
+
+    def registered_replicas(self) -> int:
+        """Blocking: how many replicas the controller holds registered now, this one included."""
+        return ray.get(self.controller.heartbeat.remote())[1]
 
     def _register(self):
         return self.controller.register.remote(self.owner, ray.get_runtime_context().current_actor)

@@ -125,9 +125,13 @@ class Serving:
         )
         limits = config.limits
         self.lanes = AdmitLanes(limits.max_admitting_text, limits.max_admitting_media)
+        # Serve's count lags a redeploy that changed it on a replica reconfigured in place (it
+        # still says 1 where 2 now run), so this replica would route its first requests alone,
+        # with the whole budget, until its first heartbeat: the controller's count as well.
+        num_replicas = max(num_replicas, self.fleet.registered_replicas())
         self.admission = Admission(*self._budget_share(num_replicas))
         # the count the budgets are shared by: the controller's count, once it differs, resizes
-        # them (Serve's may lag a redeploy that changed it)
+        # them
         self.fleet.num_replicas = num_replicas
         self.fleet.on_replicas = lambda n: self.admission.resize(*self._budget_share(n))
         self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
