@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 from collections import deque
 from collections.abc import AsyncIterator
@@ -159,10 +158,6 @@ class DecodeWorker(ModelWorker):
                 del self._owner_of[out.request_id]
             if (outbox := self._outboxes.get(owner)) is not None:
                 outbox.put(out)
-
-    def step_key(self) -> int:
-        """Batches of about the same rows (log2, rounded) time alike: one borrowing trial."""
-        return round(math.log2(max(1, self.engine.scheduler.num_active)))
 
     def load(self) -> WorkerLoad:
         stats = self.engine.stats()

@@ -19,7 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from actors.borrow_trial import BorrowTrial
 from actors.host_cpu import HostCpu
 
 BUSY, IDLE = b"\x01", b"\x00"
@@ -125,8 +124,7 @@ class NodeBoard:
 class ThreadPolicy:
     """How many torch threads the next device step uses: up to `idle_threads` while no peer
     on the board has work and the host's other processes leave cores idle (`host`), else
-    `threads`. Without a board (or nothing to borrow) always `threads`. A step that names its
-    size (`key`) borrows only while steps of that size proved faster borrowing (`trial`)."""
+    `threads`. Without a board (or nothing to borrow) always `threads`."""
 
     def __init__(
         self,
@@ -137,24 +135,8 @@ class ThreadPolicy:
     ):
         self.threads, self.board, self.host = threads, board, host
         self.idle_threads = idle_threads if board is not None and idle_threads else threads
-        self.trial = BorrowTrial()
-        self._trying: tuple[int, bool] | None = None  # the key and choice of a step on trial
 
-    def for_step(self, key: int | None = None) -> int:
-        self._trying = None
-        threads = self._idle_threads()
-        if key is None or threads == self.threads:
-            return threads
-        borrow = self.trial.allows(key)
-        self._trying = (key, borrow)
-        return threads if borrow else self.threads
-
-    def timed(self, seconds: float) -> None:
-        """How long the step that for_step() sized took (only a step on trial counts)."""
-        if self._trying is not None:
-            self.trial.timed(*self._trying, seconds)
-
-    def _idle_threads(self) -> int:
+    def for_step(self) -> int:
         if self.board is None:
             return self.threads
         self.board.set_busy(True)  # first: of two workers starting at once, neither borrows

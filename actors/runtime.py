@@ -134,14 +134,9 @@ class ModelWorker:
             publish(outputs)
             await asyncio.sleep(0)  # let callers add and leave between steps
 
-    def step_key(self) -> int | None:
-        """The size class of the next device step where a loop repeats steps of one size
-        (idle-core borrowing then keeps the thread count that proved faster); None: none."""
-        return None
-
     def _stretched(self, fn, *args):
         if (
-            threads := self.threads.for_step(self.step_key())
+            threads := self.threads.for_step()
         ) != self._num_threads:  # on the device thread: OpenMP's setting is per thread
             import torch
 
@@ -149,7 +144,6 @@ class ModelWorker:
             self._num_threads = threads
         started = time.perf_counter()
         result = fn(*args)
-        self.threads.timed(time.perf_counter() - started)
         if self.spec.slowdown > 1.0:  # sleep in the executor, so the worker really is slower
             time.sleep((self.spec.slowdown - 1.0) * (time.perf_counter() - started))
         self.busy_s += time.perf_counter() - started

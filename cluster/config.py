@@ -194,9 +194,8 @@ class PoolConfig(Strict):
         description="Idle-core borrowing: threads a device step may use while no other worker of "
         "the fleet on its node has work and the node's other processes leave cores idle "
         "(measured over the last 50 ms), so an idle cluster answers with every core; under load "
-        "each worker keeps torch_threads. At most the cores the node can spare; a decode loop "
-        "borrows only while its steps prove faster that way (actors/borrow_trial.py). Unset: "
-        "always torch_threads.",
+        "each worker keeps torch_threads. At most the cores the node can spare. Unset: always "
+        "torch_threads.",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
