@@ -69,17 +69,22 @@ class AdmitLanes:
         """Hold a place while a request's body is read and admitted; Overloaded at once when
         both lanes' worth of requests are already in: a burst is refused before its bodies
         are pulled through the proxy (which takes seconds under load)."""
-        limit = sum(self.limits.values())
-        if self.num_arriving >= limit:
-            raise Overloaded(
-                f"the ingress is admitting {self.num_arriving} requests (the limit is "
-                f"limits.max_admitting_text + limits.max_admitting_media = {limit}); retry later"
-            )
+        self.check_arriving()
         self.num_arriving += 1
         try:
             yield
         finally:
             self.num_arriving -= 1
+
+    def check_arriving(self, num_unreached: int = 0) -> None:
+        """Overloaded if both lanes' worth of requests are in, counting `num_unreached` more
+        that arrived (let through at the HTTP server's gate) and are on their way here."""
+        limit = sum(self.limits.values())
+        if (num := self.num_arriving + num_unreached) >= limit:
+            raise Overloaded(
+                f"the ingress is admitting {num} requests (the limit is "
+                f"limits.max_admitting_text + limits.max_admitting_media = {limit}); retry later"
+            )
 
     async def run(self, body: bytes, admit: Callable[..., T], *args) -> T:
         """`admit(body, *args)` on the body's lane; Overloaded at once if that lane is full."""

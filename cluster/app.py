@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from cluster import arrival_gate
 from cluster.admitted import Endpoint
 from cluster.api_key import ApiKeyMiddleware
 from cluster.backpressure import Overloaded
@@ -90,6 +91,7 @@ def _ingress_report(serving: Serving) -> dict:
         "media_bytes_in_flight": serving.media_budget.in_flight,
         "media_waiting": serving.media_budget.num_waiting,
         "route_syncs": syncs,
+        "refused_at_arrival": serving.gate.num_refused,  # by the HTTP server's gate
     }
 
 
@@ -117,6 +119,7 @@ class Ingress:
         replicas = serve_replicas(new, context._deployment_config)
         planner = old.planner if old is not None and same_model(old.config, new) else None
         self.serving = await asyncio.to_thread(Serving, new, context.app_name, replicas, planner)
+        arrival_gate.register(self.serving.gate)
         api.state.api_key = new.server.api_key
         if old is not None:
             log.info("reconfigured in place: %s -> %s", old.config_sha1, new.fingerprint())

@@ -32,6 +32,8 @@ DRAIN_S = 2.0
 # HAProxy's buffer cannot be replayed and fails as before). An answer that started is never
 # replayed: epd's own retries resume those on the workers' side.
 RETRY_ON = "conn-failure empty-response"
+# Serve's direct-ingress HTTP server wraps its app in the middlewares this returns.
+GATE_CALLBACK = "cluster.arrival_gate:middlewares"
 
 
 def serve_env(front_door: FrontDoor) -> dict[str, str]:
@@ -122,5 +124,8 @@ def _ephemeral_start() -> int:
 
 def replica_runtime_env(front_door: FrontDoor) -> dict:
     """The ingress deployment's runtime env: a replica decides on its own whether it serves
-    HTTP itself."""
-    return {"env_vars": serve_env(front_door)}
+    HTTP itself; one that does puts epd's arrival gate in front of Serve's handler."""
+    env = serve_env(front_door)
+    if front_door is FrontDoor.HAPROXY:
+        env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = GATE_CALLBACK
+    return {"env_vars": env}

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.exceptions import RayActorError, TaskCancelledError
 
 from actors.types import TokenChunk
-from cluster import controller, leftovers, responses
+from cluster import arrival_gate, controller, leftovers, responses
 from cluster.admit_lanes import AdmitLanes
 from cluster.admitted import Admitted, Endpoint
 from cluster.backpressure import Admission, Overloaded, Ticket
@@ -135,6 +135,10 @@ class Serving:
         self.fleet.num_replicas = num_replicas
         self.fleet.on_replicas = lambda n: self.admission.resize(*self._budget_share(n))
         self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
+        self.gate = arrival_gate.GateView(
+            self.admission, self.lanes, config.server.api_key, limits.retry_after_s
+        )
+        self.gate.on_refused = self._refused_at_arrival
         self.media_budget = self.path.intake.media_budget
         self.metrics.track_media(lambda: self.media_budget.in_flight)
 
@@ -213,6 +217,7 @@ class Serving:
         error (4xx), back-pressure (429), a failure of ours (500, logged with its traceback),
         or a client that left (counted as aborted)."""
         self.run_background()
+        arrival_gate.reached(request.scope)
         arrived_s = time.perf_counter()
         try:
             return await self._respond(request, endpoint, request_id, arrived_s)
@@ -290,6 +295,11 @@ class Serving:
                 ticket.release()
             raise self.overloaded(exc) from None
         return tickets
+
+    def _refused_at_arrival(self, request_id: str, x_request_id: str) -> None:
+        """Counted and logged as `_fail` counts a 429 (called from the HTTP server's thread)."""
+        self.metrics.requests.labels("429").inc()
+        self.request_log.write(RequestRecord(request_id, "429", x_request_id=x_request_id))
 
     def overloaded(self, exc: Overloaded) -> RequestError:
         return RequestError(

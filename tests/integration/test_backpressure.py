@@ -98,6 +98,56 @@ def test_a_burst_beyond_the_budget_gets_429_with_retry_after(tight):
         assert after.get(label, 0) - before.get(label, 0) == codes.count(status), (codes, after)
 
 
+def _refused_at_arrival(app) -> int:
+    return app.http.get("/health", params={"verbose": 1}).json()["ingress"]["refused_at_arrival"]
+
+
+async def _beside_a_waiting_request(app, attempt: int) -> tuple[httpx.Response, bool]:
+    """A request sent while another waits for its prefill, and whether that one was still
+    waiting (the budget full) once the answer had come."""
+    # a prompt no other test sends (no prefix-cache hit), about 800 tokens: its prefill, 60x
+    # slowed, takes about a second
+    words = " ".join(f"gate{attempt}x{i}" for i in range(200))
+    body = {
+        "model": app.config.model.served_name,
+        "messages": [{"role": "user", "content": words}],
+        "max_tokens": 4,
+    }
+
+    async def waiting_tokens(client) -> int:
+        health = await client.get("/health", params={"verbose": 1})
+        return health.json()["ingress"]["waiting_tokens"]
+
+    async with httpx.AsyncClient(base_url=app.root, timeout=60) as client:
+        first = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+        for _ in range(500):
+            if await waiting_tokens(client) > 0:
+                break
+            await asyncio.sleep(0.01)
+        second = await client.post("/v1/chat/completions", json=body | {"max_tokens": 2})
+        still = await waiting_tokens(client) > 0
+        assert (await first).status_code in (200, 504)  # admitted (504: a slow host, see above)
+        return second, still
+
+
+def test_a_request_arriving_at_a_full_budget_is_refused_by_the_http_servers_gate(tight):
+    """While one request waits for its (60x slowed) prefill, the token budget is full: the next
+    is refused at arrival by the gate in front of Serve's handler (cluster/arrival_gate.py),
+    in the handler's own shape, and counted as the handler counts a 429."""
+    for attempt in range(3):  # a hiccup of the host can end the first one's wait too soon
+        before, refused_before = _requests_total(tight), _refused_at_arrival(tight)
+        second, still_waiting = asyncio.run(_beside_a_waiting_request(tight, attempt))
+        if still_waiting:
+            break
+    assert still_waiting
+    assert second.status_code == 429, second.text
+    assert int(second.headers["retry-after"]) >= 1 and second.headers.get("x-request-id")
+    error = second.json()["error"]
+    assert error["type"] == "rate_limit_error" and "prompt tokens are waiting" in error["message"]
+    assert _refused_at_arrival(tight) == refused_before + 1
+    assert _requests_total(tight).get("429", 0) == before.get("429", 0) + 1
+
+
 def test_a_request_that_times_out_leaves_nothing_held(tight):
     long_prompt = (
         "tell me a long story " * 180

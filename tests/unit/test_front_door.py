@@ -16,6 +16,7 @@ from cluster.front_door import (
     controller_options,
     free_ports,
     missing_haproxy,
+    replica_runtime_env,
     serve_env,
 )
 
@@ -76,7 +77,9 @@ def test_each_controller_gets_haproxy_ports_of_its_own() -> None:
 def test_the_ingress_replicas_carry_the_same_front_door(door: FrontDoor) -> None:
     config = load_config().replace(server={"front_door": door})
     options = build_app(config)._bound_deployment.ray_actor_options
-    assert options["runtime_env"] == {"env_vars": serve_env(door)}
+    env = options["runtime_env"]["env_vars"]
+    assert env.items() >= serve_env(door).items()  # and the arrival gate where they serve HTTP
+    assert options["runtime_env"] == replica_runtime_env(door)
     assert options["num_cpus"] == 0
 
 

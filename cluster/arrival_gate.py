@@ -1,0 +1,152 @@
+"""Refusal at arrival, on the HTTP server's own event loop: a generation request that finds
+the replica's admission already full gets its 429 there, in OpenAI's shape with Retry-After,
+before Serve builds its request and hands it to the thread that runs epd's code. A refusal
+then costs the replica about a third of the CPU it did (docs/BENCHMARKS.md), and a burst's
+refusals do not queue behind the admitted requests' work in that thread. Everything else
+passes through untouched; the handler's own checks stay the authority, and the gate refuses
+only what they would refuse at arrival.
+
+Serve's direct-ingress HTTP server takes the gate as its middleware (`RAY_SERVE_HTTP_PROXY_
+CALLBACK_IMPORT_PATH`, set in the ingress replicas' runtime env only: cluster/front_door.py);
+the replica's live serving registers its `GateView`. Plain asyncio, no Ray, no torch."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import Callable
+
+from starlette.middleware import Middleware
+
+from cluster.admit_lanes import AdmitLanes
+from cluster.backpressure import Admission, Overloaded
+from cluster.request_log import bearer_ok
+from cluster.response_models import error_body
+
+_PREFIXES = {"/v1/chat/completions": "chatcmpl-", "/v1/completions": "cmpl-"}  # of the ids
+GENERATION_PATHS = frozenset(_PREFIXES)
+_ARRIVAL = "epd.arrival"  # the scope key of a request the gate let through
+_IDS = random.Random()
+
+
+class GateView:
+    """What the gate reads of one serving's admission. It is read from the HTTP server's
+    thread while the handler's thread changes it: a stale answer only lets a request through
+    to the handler's own check."""
+
+    def __init__(
+        self, admission: Admission, lanes: AdmitLanes, api_key: str | None, retry_after_s: int
+    ):
+        self.admission, self.lanes = admission, lanes
+        self.api_key, self.retry_after_s = api_key, retry_after_s
+        self.on_refused: Callable[[str, str], None] = lambda request_id, x_request_id: None
+        self.num_refused = 0
+
+    def refusal(self, num_unreached: int, authorization: str | None) -> str | None:
+        """Why a request arriving now would be refused at arrival, or None. A request without
+        the API key passes, to get its 401 from the app."""
+        if self.api_key and not bearer_ok(authorization, self.api_key):
+            return None
+        try:
+            self.admission.check_room()
+            self.lanes.check_arriving(num_unreached)
+        except Overloaded as exc:
+            return exc.message
+        return None
+
+
+class _Arrival:
+    __slots__ = ("reached",)
+
+    def __init__(self):
+        self.reached = False
+
+
+class _Counts:
+    """Requests the gate let through that the handler has not reached yet: each count has one
+    writer (the gate's loop, or the handler's thread), so no lock is needed."""
+
+    def __init__(self):
+        self.passed = self.reached = self.gone = 0
+
+    @property
+    def unreached(self) -> int:
+        return self.passed - self.reached - self.gone
+
+
+_view: GateView | None = None
+_counts = _Counts()
+
+
+def register(view: GateView | None) -> None:
+    """The serving the gate asks from now on (None: let everything through)."""
+    global _view
+    _view = view
+
+
+def reached(scope: dict) -> None:
+    """The handler has the request: it no longer counts as arriving."""
+    arrival = scope.get(_ARRIVAL)
+    if arrival is not None and not arrival.reached:
+        arrival.reached = True
+        _counts.reached += 1
+
+
+class ArrivalGate:
+    """Pure ASGI middleware: a response streams through it untouched."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        view = _view
+        if (
+            view is None
+            or scope["type"] != "http"
+            or scope.get("method") != "POST"
+            or scope["path"] not in GENERATION_PATHS
+        ):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        why = view.refusal(_counts.unreached, _text(headers.get(b"authorization")))
+        if why is not None:
+            # the client's x-request-id or a new one, as Serve's own middleware would give it
+            x_request_id = _text(headers.get(b"x-request-id")) or str(
+                uuid.UUID(int=_IDS.getrandbits(128), version=4)
+            )
+            view.num_refused += 1
+            view.on_refused(f"{_PREFIXES[scope['path']]}{_IDS.getrandbits(128):032x}", x_request_id)
+            await _refuse(send, why, view.retry_after_s, x_request_id)
+            return
+        arrival = scope[_ARRIVAL] = _Arrival()
+        _counts.passed += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if not arrival.reached:  # it never reached the handler (its client left first)
+                arrival.reached = True
+                _counts.gone += 1
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1")
+
+
+async def _refuse(send, message: str, retry_after_s: int, x_request_id: str) -> None:
+    error = error_body(message, type="rate_limit_error", code="server_overloaded")
+    body = json.dumps(error).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", str(retry_after_s).encode()),
+        (b"x-request-id", x_request_id.encode("latin-1")),
+    ]
+    await send({"type": "http.response.start", "status": 429, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def middlewares() -> list[Middleware]:
+    """Serve's HTTP-server callback (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH)."""
+    return [Middleware(ArrivalGate)]

@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""A burst of N chat requests at once, each on its own raw socket (no client library between),
+timed from the moment its bytes were written: how long a refused request waits for its 429
+after it arrived (issue #29: within 100 ms), how many were served, and that no answer is a 5xx.
+
+Run it beside a server (`./scripts/serve`):
+    .venv/bin/python scripts/bench_burst.py [--port 8000] [--burst 1500] [--rounds 1]
+A Python client on the server's own cores cannot issue 1,500 requests in 100 ms, so the time
+that counts is from each request's last byte sent, not from the burst's start (also printed).
+
+`--held N`: what one refusal costs the ingress replica. One stream holds the only generating
+slot of a server started with `--set limits.max_generating_per_decode_worker=1`, and N
+requests, `--concurrency` at a time, are all refused; the replica's CPU time over N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import psutil
+from tqdm import tqdm
+
+from benchkit.probe_client import chat_body, is_openai_error
+from benchkit.rss import ingress_pid
+from benchkit.stats import pct
+
+
+@dataclass
+class RawOutcome:
+    status: int = 0  # 0: no answer (connection reset or timed out)
+    sent_s: float = 0.0  # the request's last byte written, from the burst's start
+    first_byte_ms: float = 0.0  # from sent_s to the response's first byte
+    retry_after: bool = False
+    openai_error: bool = False
+
+
+def request_bytes(model: str, seed: int) -> bytes:
+    body = json.dumps(chat_body(model, max_tokens=16, seed=seed)).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: epd\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def one(port: int, payload: bytes, t0: float, timeout_s: float) -> RawOutcome:
+    out = RawOutcome()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return out
+    try:
+        writer.write(payload)
+        await writer.drain()
+        sent = time.perf_counter()
+        out.sent_s = sent - t0
+        line = await asyncio.wait_for(reader.readline(), timeout_s)
+        out.first_byte_ms = (time.perf_counter() - sent) * 1e3
+        out.status = int(line.split()[1]) if line.startswith(b"HTTP/") else 0
+        rest = await asyncio.wait_for(reader.read(), timeout_s)  # Connection: close
+        head, _, body = rest.partition(b"\r\n\r\n")
+        out.retry_after = b"\nretry-after:" in head.lower()
+        out.openai_error = out.status >= 400 and is_openai_error(_unchunked(head, body))
+    except (OSError, asyncio.TimeoutError, ValueError, IndexError):
+        pass
+    finally:
+        writer.close()
+    return out
+
+
+def _unchunked(head: bytes, body: bytes) -> str:
+    if b"transfer-encoding: chunked" not in head.lower():
+        return body.decode(errors="replace")
+    out, rest = b"", body
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.strip() or b"0", 16)
+        if size == 0:
+            break
+        out, rest = out + rest[:size], rest[size + 2 :]
+    return out.decode(errors="replace")
+
+
+async def burst(port: int, model: str, n: int, timeout_s: float) -> list[RawOutcome]:
+    payloads = [request_bytes(model, i) for i in range(n)]
+    t0 = time.perf_counter()
+    tasks = [asyncio.ensure_future(one(port, p, t0, timeout_s)) for p in payloads]
+    bar = tqdm(total=n, desc="burst", unit="req", leave=False)
+    for task in tasks:
+        task.add_done_callback(lambda _: bar.update())
+    outcomes = await asyncio.gather(*tasks)
+    bar.close()
+    return outcomes
+
+
+def report(outcomes: list[RawOutcome]) -> dict:
+    statuses = Counter(o.status for o in outcomes)
+    refused = [o for o in outcomes if o.status == 429]
+    ms = [o.first_byte_ms for o in refused]
+    return {
+        "served": statuses.get(200, 0),
+        "429": len(refused),
+        "5xx": sum(c for s, c in statuses.items() if s >= 500),
+        "no_answer": statuses.get(0, 0),
+        "other": {s: c for s, c in statuses.items() if s not in (0, 200, 429) and s < 500},
+        "429_with_retry_after": sum(o.retry_after for o in refused),
+        "429_openai_shaped": sum(o.openai_error for o in refused),
+        "429_ms_from_sent": {q: _r(pct(ms, q)) for q in (50, 90, 99, 100)},
+        "429_within_100ms": sum(m <= 100 for m in ms),
+        "last_sent_s": _r(max((o.sent_s for o in outcomes), default=0.0)),
+    }
+
+
+def _r(x: float | None) -> float | None:
+    return None if x is None else round(x, 2)
+
+
+async def held(port: int, model: str, n: int, concurrency: int, pid: int) -> dict:
+    proc = psutil.Process(pid)
+    body = json.dumps(
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "hold the slot"}],
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: epd\r\nConnection: close\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    assert (await reader.readline()).split()[1] == b"200", "the holding stream was not admitted"
+    slots, payloads = asyncio.Semaphore(concurrency), [request_bytes(model, i) for i in range(n)]
+
+    async def refused(payload: bytes) -> RawOutcome:
+        async with slots:
+            return await one(port, payload, 0.0, 60.0)
+
+    cpu_s = sum(proc.cpu_times()[:2])
+    outcomes = await asyncio.gather(*(refused(p) for p in payloads))
+    cpu_s = sum(proc.cpu_times()[:2]) - cpu_s
+    writer.close()
+    ms = [o.first_byte_ms for o in outcomes if o.status == 429]
+    return {
+        "429": len(ms),
+        "others": len(outcomes) - len(ms),
+        "replica_cpu_ms_per_refusal": round(cpu_s * 1e3 / n, 3),
+        "429_ms_from_sent": {q: _r(pct(ms, q)) for q in (50, 99)},
+    }
+
+
+def model_name(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
+        return json.load(resp)["data"][0]["id"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--burst", type=int, default=1500)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per read")
+    ap.add_argument("--pause", type=float, default=5.0, help="seconds between rounds")
+    ap.add_argument("--held", type=int, default=0, help="refusals at a held budget (see above)")
+    ap.add_argument("--concurrency", type=int, default=32, help="--held: requests at a time")
+    args = ap.parse_args()
+    model = model_name(args.port)
+    for i in range(args.rounds):
+        if i:
+            time.sleep(args.pause)
+        if args.held:
+            pid = ingress_pid(f"http://127.0.0.1:{args.port}")
+            print(json.dumps(asyncio.run(held(args.port, model, args.held, args.concurrency, pid))))
+        else:
+            outcomes = asyncio.run(burst(args.port, model, args.burst, args.timeout))
+            print(json.dumps(report(outcomes)))
+
+
+if __name__ == "__main__":
+    main()

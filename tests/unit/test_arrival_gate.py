@@ -1,0 +1,167 @@
+"""cluster/arrival_gate.py: a generation request that arrives at a full admission gets its 429
+from the HTTP server's gate, in OpenAI's shape with Retry-After, without reaching the app;
+everything else reaches the app; requests let through count against the arrival bound until
+the handler has them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from cluster import arrival_gate
+from cluster.admit_lanes import AdmitLanes
+from cluster.backpressure import Admission
+from cluster.front_door import GATE_CALLBACK, FrontDoor, replica_runtime_env
+
+
+class App:
+    """The app behind the gate: it reaches the handler once `go` is set (at once by default)."""
+
+    def __init__(self, reach: bool = True):
+        self.calls, self.reach = 0, reach
+        self.go = asyncio.Event()
+        self.go.set()
+
+    async def __call__(self, scope, receive, send):
+        self.calls += 1
+        await self.go.wait()
+        if self.reach:
+            arrival_gate.reached(scope)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def scope(path="/v1/chat/completions", method="POST", headers=()):
+    return {"type": "http", "method": method, "path": path, "headers": list(headers)}
+
+
+async def call(gate, scope_) -> list[dict]:
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    await gate(scope_, receive, send)
+    return sent
+
+
+@pytest.fixture
+def view():
+    lanes = AdmitLanes(max_text=2, max_media=1)
+    v = arrival_gate.GateView(Admission(100, 1), lanes, None, retry_after_s=3)
+    refused = v.refused = []
+    v.on_refused = lambda request_id, x_request_id: refused.append((request_id, x_request_id))
+    arrival_gate.register(v)
+    yield v
+    arrival_gate.register(None)
+    lanes.close()
+
+
+def fill_generating(view) -> None:
+    view.admission.admit(10).first_token()
+
+
+def test_a_request_at_a_full_budget_gets_an_openai_429_without_reaching_the_app(view):
+    fill_generating(view)
+    app = App()
+    headers = [(b"x-request-id", b"abc-1")]
+    sent = asyncio.run(call(arrival_gate.ArrivalGate(app), scope(headers=headers)))
+    assert app.calls == 0
+    start, body = sent
+    assert start["status"] == 429
+    head = dict(start["headers"])
+    assert head[b"retry-after"] == b"3" and head[b"x-request-id"] == b"abc-1"
+    error = json.loads(body["body"])["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "server_overloaded"
+    assert "1 requests are generating" in error["message"]
+    assert int(head[b"content-length"]) == len(body["body"])
+    assert view.num_refused == 1 and view.refused[0][1] == "abc-1"
+    assert view.refused[0][0].startswith("chatcmpl-")
+
+
+def test_a_refusal_without_a_request_id_gets_a_new_one_as_serve_would_give(view):
+    fill_generating(view)
+    sent = asyncio.run(call(arrival_gate.ArrivalGate(App()), scope("/v1/completions")))
+    given = dict(sent[0]["headers"])[b"x-request-id"].decode()
+    assert len(given) == 36 and view.refused == [(view.refused[0][0], given)]
+    assert view.refused[0][0].startswith("cmpl-")
+
+
+@pytest.mark.parametrize(
+    "path,method",
+    [("/v1/models", "GET"), ("/health", "GET"), ("/tokenize", "POST"), ("/metrics", "GET")],
+)
+def test_other_routes_reach_the_app_even_when_full(view, path, method):
+    fill_generating(view)
+    app = App()
+    sent = asyncio.run(call(arrival_gate.ArrivalGate(app), scope(path, method)))
+    assert app.calls == 1 and sent[0]["status"] == 200 and view.num_refused == 0
+
+
+def test_with_room_the_request_reaches_the_app_and_leaves_no_count(view):
+    app = App()
+    for path in arrival_gate.GENERATION_PATHS:
+        sent = asyncio.run(call(arrival_gate.ArrivalGate(app), scope(path)))
+        assert sent[0]["status"] == 200
+    assert app.calls == 2 and arrival_gate._counts.unreached == 0
+
+
+def test_without_the_api_key_a_request_reaches_the_app_for_its_401(view):
+    fill_generating(view)
+    view.api_key = "sesame"
+    app = App()
+    gate = arrival_gate.ArrivalGate(app)
+    asyncio.run(call(gate, scope(headers=[(b"authorization", b"Bearer wrong")])))
+    assert app.calls == 1
+    sent = asyncio.run(call(gate, scope(headers=[(b"authorization", b"Bearer sesame")])))
+    assert app.calls == 1 and sent[0]["status"] == 429
+
+
+def test_requests_on_their_way_to_the_handler_count_against_the_arrival_bound(view):
+    """The lanes' bound (2 + 1 here) counts requests the gate let through before the handler
+    counts them itself: a burst faster than the handler is refused at the gate beyond it."""
+    app = App()
+    app.go.clear()  # the handler's thread is busy: nothing reaches it yet
+
+    async def burst():
+        gate = arrival_gate.ArrivalGate(app)
+        held = [asyncio.create_task(call(gate, scope())) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert arrival_gate._counts.unreached == 3
+        refused = await call(gate, scope())
+        app.go.set()
+        return refused, await asyncio.gather(*held)
+
+    refused, held = asyncio.run(burst())
+    assert refused[0]["status"] == 429 and app.calls == 3
+    assert "admitting 3 requests" in json.loads(refused[1]["body"])["error"]["message"]
+    assert all(sent[0]["status"] == 200 for sent in held)
+    assert arrival_gate._counts.unreached == 0
+
+
+def test_a_request_that_never_reaches_the_handler_stops_counting(view):
+    app = App(reach=False)  # e.g. its client left while Serve still held it
+    asyncio.run(call(arrival_gate.ArrivalGate(app), scope()))
+    assert app.calls == 1 and arrival_gate._counts.unreached == 0
+
+
+def test_nothing_registered_lets_everything_through():
+    app = App()
+    sent = asyncio.run(call(arrival_gate.ArrivalGate(app), scope()))
+    assert app.calls == 1 and sent[0]["status"] == 200
+
+
+def test_only_replicas_that_serve_http_themselves_get_the_gate():
+    env = replica_runtime_env(FrontDoor.HAPROXY)["env_vars"]
+    assert env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] == GATE_CALLBACK
+    module, name = GATE_CALLBACK.split(":")
+    assert module == arrival_gate.__name__ and name == arrival_gate.middlewares.__name__
+    assert (
+        "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+        not in (replica_runtime_env(FrontDoor.SERVE_PROXY)["env_vars"])
+    )
