@@ -26,11 +26,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 from tqdm import tqdm
 
 from benchkit import probe_cases as pc
+from benchkit import raw_burst
 from benchkit.probe_client import chat_body, gather_bar, is_openai_error, run_chat
 from benchkit.probe_faults import phase_disconnect, phase_kill
 from benchkit.probe_report import BadRow, PhaseResult, count, print_phase, print_summary
@@ -100,32 +102,18 @@ async def send_case(ctx, case: pc.Case) -> BadRow:
 
 
 async def phase_burst(ctx) -> PhaseResult:
-    result = PhaseResult("burst")
-    bodies = [chat_body(ctx.model, seed=i) for i in range(ctx.args.burst)]
-    outcomes = await gather_bar(
-        [run_chat(ctx.client, ctx.url, b, ctx.timeout) for b in bodies], "burst"
+    """N requests at once, each on its own raw socket: times are from each request's last byte
+    sent (a client library on the server's cores would add its own seconds to a 429's)."""
+    result, where = PhaseResult("burst"), urlsplit(ctx.url)
+    outcomes = await raw_burst.burst(
+        where.port or 80, ctx.model, ctx.args.burst, ctx.timeout, where.hostname
     )
-    count(result, outcomes)
-    lat = sorted(o.latency_s for o in outcomes if o.ok)
-    by = lambda pred: sum(1 for o in outcomes if pred(o))  # noqa: E731
-    p50, p99 = (
-        (lat[len(lat) // 2], lat[min(len(lat) - 1, int(len(lat) * 0.99))]) if lat else (None, None)
-    )
-    refused_ms = [o.latency_s * 1e3 for o in outcomes if o.status == 429]
-    result.rows = [
-        {
-            "200": by(lambda o: o.status == 200),
-            "429": by(lambda o: o.status == 429),
-            "429_with_retry_after": by(lambda o: o.status == 429 and o.retry_after),
-            "503": by(lambda o: o.status == 503),
-            "other_5xx": by(lambda o: (o.status or 0) >= 500 and o.status != 503),
-            "hangs": by(lambda o: o.hang),
-            "p50_s": p50,
-            "p99_s": p99,
-            "429_p50_ms": pct(refused_ms, 50),
-            "429_max_ms": max(refused_ms, default=None),
-        }
-    ]
+    summary = raw_burst.report(outcomes)
+    served_s = [o.first_byte_ms / 1e3 for o in outcomes if o.status == 200]
+    result.cases, result.n2xx, result.n5xx = len(outcomes), summary["served"], summary["5xx"]
+    result.n4xx = sum(400 <= o.status < 500 for o in outcomes)
+    result.hangs = result.lost = summary["no_answer"]
+    result.rows = [summary | {"p50_s": pct(served_s, 50), "p99_s": pct(served_s, 99)}]
     result.note = " ".join(
         f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in result.rows[0].items()
     )
