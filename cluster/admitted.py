@@ -29,8 +29,11 @@ class Endpoint(str, enum.Enum):
 @dataclass(frozen=True)
 class AdmissionTimings:
     """Where admission's time went, in ms: the body read (from arrival), then parsed and
-    validated, its media decoded (and probed), its prompt templated, tokenized and planned."""
+    validated, its media decoded (and probed), its prompt templated, tokenized and planned.
+    `handover_ms` came before arrival: from the HTTP server's receipt (the arrival gate) to
+    epd's handler, Serve's request set-up and its hop to the thread that runs epd."""
 
+    handover_ms: float = 0.0
     body_ms: float = 0.0
     parse_ms: float = 0.0
     media_ms: float = 0.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import uuid
 from collections.abc import Callable
 
@@ -57,10 +58,11 @@ class GateView:
 
 
 class _Arrival:
-    __slots__ = ("reached",)
+    __slots__ = ("reached", "received_s")
 
     def __init__(self):
         self.reached = False
+        self.received_s = time.perf_counter()  # when the HTTP server handed the request on
 
 
 class _Counts:
@@ -85,12 +87,16 @@ def register(view: GateView | None) -> None:
     _view = view
 
 
-def reached(scope: dict) -> None:
-    """The handler has the request: it no longer counts as arriving."""
+def reached(scope: dict) -> float | None:
+    """The handler has the request: it no longer counts as arriving. When the HTTP server
+    handed it on (perf_counter seconds), or None if the gate did not see it."""
     arrival = scope.get(_ARRIVAL)
-    if arrival is not None and not arrival.reached:
+    if arrival is None:
+        return None
+    if not arrival.reached:
         arrival.reached = True
         _counts.reached += 1
+    return arrival.received_s
 
 
 class ArrivalGate:

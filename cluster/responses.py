@@ -111,6 +111,7 @@ class Collector:
             "ttft_ms": ttft_ms,
             "e2e_ms": (time.perf_counter() - self.adm.arrived_s) * 1e3,
             "admit_ms": t.admitted_ms,
+            "handover_ms": a.handover_ms,
             "body_ms": a.body_ms,
             "parse_ms": a.parse_ms,
             "media_ms": a.media_ms,

@@ -217,8 +217,9 @@ class Serving:
         error (4xx), back-pressure (429), a failure of ours (500, logged with its traceback),
         or a client that left (counted as aborted)."""
         self.run_background()
-        arrival_gate.reached(request.scope)
+        received_s = arrival_gate.reached(request.scope)
         arrived_s = time.perf_counter()
+        request.state.handover_ms = (arrived_s - received_s) * 1e3 if received_s else 0.0
         try:
             return await self._respond(request, endpoint, request_id, arrived_s)
         except RequestError as exc:
@@ -282,7 +283,10 @@ class Serving:
         check_size(body, self.config.limits.max_request_bytes)
         # Off the event loop, in a lane of its own: text never waits behind media decoding.
         adm = await self.lanes.run(body, self.path.admit, request_id, arrived_s, endpoint)
-        return dataclasses.replace(adm, timings=dataclasses.replace(adm.timings, body_ms=body_ms))
+        timings = dataclasses.replace(
+            adm.timings, handover_ms=request.state.handover_ms, body_ms=body_ms
+        )
+        return dataclasses.replace(adm, timings=timings)
 
     def _tickets(self, adm: Admitted, num_choices: int) -> list[Ticket]:
         """One admission ticket per choice (each is a sequence on the workers), all or none."""

@@ -33,7 +33,7 @@ from cluster.config import DEFAULT_CONFIG, load_config
 from cluster.prepare import ensure_model
 
 PHASES = (
-    "admit body parse media plan route encode_queue encode_compute transfer prefill_call "
+    "handover admit body parse media plan route encode_queue encode_compute transfer prefill_call "
     "prefill_hop_in prefill_queue prefill_compute prefill_hop_out first_token"
 ).split()
 

@@ -233,6 +233,7 @@ def test_estimated_ttft_is_reported_and_requests_are_traced(app):
     parts = ("admit", "route", "prefill_call", "first_token")
     assert sum(timings[f"{p}_ms"] for p in parts) == pytest.approx(timings["ttft_ms"], abs=0.01)
     assert timings["parse_ms"] + timings["media_ms"] + timings["plan_ms"] <= timings["admit_ms"]
+    assert 0 < timings["handover_ms"] < timings["e2e_ms"]  # the HTTP server to epd's handler
     assert timings["prefill_ms"] <= timings["prefill_call_ms"]
     hops = timings["prefill_hop_in_ms"] + timings["prefill_hop_out_ms"]
     assert 0 < hops < timings["prefill_call_ms"] - timings["prefill_ms"] + 0.5, timings

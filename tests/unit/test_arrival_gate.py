@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -142,6 +143,19 @@ def test_requests_on_their_way_to_the_handler_count_against_the_arrival_bound(vi
     assert "admitting 3 requests" in json.loads(refused[1]["body"])["error"]["message"]
     assert all(sent[0]["status"] == 200 for sent in held)
     assert arrival_gate._counts.unreached == 0
+
+
+def test_the_handler_learns_when_the_http_server_handed_the_request_on(view):
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append((time.perf_counter(), arrival_gate.reached(scope), arrival_gate.reached(scope)))
+
+    before = time.perf_counter()
+    asyncio.run(call(arrival_gate.ArrivalGate(app), scope()))
+    ((now, received, again),) = seen
+    assert before <= received <= now and again == received  # once counted, same stamp
+    assert arrival_gate._counts.unreached == 0 and arrival_gate.reached({}) is None
 
 
 def test_a_request_that_never_reaches_the_handler_stops_counting(view):
