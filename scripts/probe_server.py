@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from benchkit import probe_cases as pc
 from benchkit import raw_burst
-from benchkit.probe_client import chat_body, gather_bar, is_openai_error, run_chat
+from benchkit.probe_client import TextTiming, chat_body, gather_bar, is_openai_error, run_chat
 from benchkit.probe_faults import phase_disconnect, phase_kill
 from benchkit.probe_report import BadRow, PhaseResult, count, print_phase, print_summary
 from benchkit.rss import KINDS, RssSampler
@@ -120,17 +120,33 @@ async def phase_burst(ctx) -> PhaseResult:
     return result
 
 
-async def _text_ttfts(url: str, model: str, timeout: float, stop, count: int = 0) -> list[float]:
-    """One-token text requests' latencies in ms (with one token, each one's time to first
+async def _text_ttfts(url: str, model: str, timeout: float, stop, count: int = 0) -> list:
+    """One-token text requests (with one token, each one's latency is its time to first
     token): `count` one after another, or (0) one every 0.2 s until `stop` is set."""
-    out: list[float] = []
-    async with httpx.AsyncClient() as client:
+    out: list[TextTiming] = []
+    async with httpx.AsyncClient(timeout=timeout) as client:
         while len(out) < count if count else not stop.is_set():
             body = pc.chat(model, f"Say hi to number {len(out)}.", max_tokens=1)
-            out.append((await run_chat(client, url, body, timeout)).latency_s * 1e3)
+            t0 = time.perf_counter()
+            resp = await client.post(f"{url}/v1/chat/completions", json=body)
+            latency_ms = (time.perf_counter() - t0) * 1e3
+            timings = resp.json().get("timings", {}) if resp.status_code == 200 else {}
+            out.append(
+                TextTiming(latency_ms, timings.get("e2e_ms", 0.0), timings.get("handover_ms", 0.0))
+            )
             if not count:
                 await asyncio.sleep(0.2)
     return out
+
+
+def _tail(timings: list[TextTiming]) -> dict[str, float]:
+    """Where the slowest tenth of the text requests spent their time, medians in ms."""
+    slowest = sorted(timings, key=lambda t: t.latency_ms)[-max(1, len(timings) // 10) :]
+    return {
+        "tail_before_server_ms": pct([t.before_server_ms for t in slowest], 50),
+        "tail_handover_ms": pct([t.handover_ms for t in slowest], 50),
+        "tail_server_ms": pct([t.e2e_ms for t in slowest], 50),
+    }
 
 
 def _text_client(url: str, model: str, timeout: float, stop, results) -> None:
@@ -150,7 +166,8 @@ async def phase_media(ctx) -> PhaseResult:
         target=_text_client, args=(ctx.url, ctx.model, ctx.timeout, stop, results)
     )
     texter.start()
-    idle = await asyncio.to_thread(results.get)
+    idle_timings = await asyncio.to_thread(results.get)
+    idle = [t.latency_ms for t in idle_timings]
     images = [pc.photo_jpeg(a.media_megapixels, seed=i) for i in range(a.media_images)]
     bodies = [
         pc.chat(
@@ -167,7 +184,8 @@ async def phase_media(ctx) -> PhaseResult:
         [run_chat(ctx.client, ctx.url, b, ctx.timeout) for b in bodies], "media"
     )
     stop.set()
-    beside = await asyncio.to_thread(results.get)
+    beside_timings = await asyncio.to_thread(results.get)
+    beside = [t.latency_ms for t in beside_timings]
     texter.join()
     count(result, media)
     text = {"idle_p50_ms": pct(idle, 50), "beside_p50_ms": pct(beside, 50)}
@@ -175,7 +193,7 @@ async def phase_media(ctx) -> PhaseResult:
         "beside_p90_ms": pct(beside, 90),
         "beside_p99_ms": pct(beside, 99),
         "p99_over_idle": pct(beside, 99) / pct(idle, 50),
-    }
+    } | _tail(beside_timings)
     for status in (200, 429):  # when the uploads learned their answer, in s
         took = [o.latency_s for o in media if o.status == status]
         if took:

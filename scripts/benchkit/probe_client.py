@@ -33,6 +33,22 @@ class Outcome:
     latency_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class TextTiming:
+    """One text request beside others (the probe's media phase): the client's latency, the
+    server's own span (`e2e_ms`, from epd's handler) and `handover_ms` (the HTTP server to that
+    handler)."""
+
+    latency_ms: float
+    e2e_ms: float = 0.0
+    handover_ms: float = 0.0
+
+    @property
+    def before_server_ms(self) -> float:
+        """Client, HAProxy and the HTTP server before the arrival gate, and the way back."""
+        return self.latency_ms - self.e2e_ms - self.handover_ms
+
+
 def is_openai_error(text: str) -> bool:
     try:
         err = json.loads(text).get("error")
