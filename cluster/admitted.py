@@ -28,10 +28,10 @@ class Endpoint(str, enum.Enum):
 
 @dataclass(frozen=True)
 class AdmissionTimings:
-    """Where admission's time went, in ms: the body read (from arrival), then parsed and
-    validated, its media decoded (and probed), its prompt templated, tokenized and planned.
-    `handover_ms` came before arrival: from the HTTP server's receipt (the arrival gate) to
-    epd's handler, Serve's request set-up and its hop to the thread that runs epd."""
+    """Where admission's time went, in ms, from the HTTP server's receipt: Serve's hand-over
+    to the thread that runs epd (from the arrival gate, once it has the body), the body read
+    (the rest of the time until epd has it), then parsed and validated, its media decoded (and
+    probed), its prompt templated, tokenized and planned."""
 
     handover_ms: float = 0.0
     body_ms: float = 0.0

@@ -37,9 +37,15 @@ class GateView:
     to the handler's own check."""
 
     def __init__(
-        self, admission: Admission, lanes: AdmitLanes, api_key: str | None, retry_after_s: int
+        self,
+        admission: Admission,
+        lanes: AdmitLanes,
+        api_key: str | None,
+        retry_after_s: int,
+        max_request_bytes: int = 1 << 30,
     ):
         self.admission, self.lanes = admission, lanes
+        self.max_request_bytes = max_request_bytes
         self.api_key, self.retry_after_s = api_key, retry_after_s
         self.on_refused: Callable[[str, str], None] = lambda request_id, x_request_id: None
         self.num_refused = 0
@@ -58,11 +64,14 @@ class GateView:
 
 
 class _Arrival:
-    __slots__ = ("reached", "received_s")
+    """A request the gate let through: when the HTTP server had it, when the gate handed it
+    on with its body, and whether the handler has it yet."""
+
+    __slots__ = ("reached", "received_s", "handed_s")
 
     def __init__(self):
         self.reached = False
-        self.received_s = time.perf_counter()  # when the HTTP server handed the request on
+        self.received_s = self.handed_s = time.perf_counter()
 
 
 class _Counts:
@@ -87,16 +96,14 @@ def register(view: GateView | None) -> None:
     _view = view
 
 
-def reached(scope: dict) -> float | None:
-    """The handler has the request: it no longer counts as arriving. When the HTTP server
-    handed it on (perf_counter seconds), or None if the gate did not see it."""
+def reached(scope: dict) -> _Arrival | None:
+    """The handler has the request: it no longer counts as arriving. Its times at the gate,
+    or None if the gate did not see it."""
     arrival = scope.get(_ARRIVAL)
-    if arrival is None:
-        return None
-    if not arrival.reached:
+    if arrival is not None and not arrival.reached:
         arrival.reached = True
         _counts.reached += 1
-    return arrival.received_s
+    return arrival
 
 
 class ArrivalGate:
@@ -129,11 +136,42 @@ class ArrivalGate:
         arrival = scope[_ARRIVAL] = _Arrival()
         _counts.passed += 1
         try:
+            receive = await _whole_body(receive, view.max_request_bytes)
+            arrival.handed_s = time.perf_counter()
             await self.app(scope, receive, send)
         finally:
             if not arrival.reached:  # it never reached the handler (its client left first)
                 arrival.reached = True
                 _counts.gone += 1
+
+
+async def _whole_body(receive, limit: int):
+    """The body read here, on the HTTP server's loop, and handed on as one message: Serve
+    relays each message to epd's thread on its own, and a large upload's 64 kB reads were
+    hundreds of hand-overs, which text requests beside it queued behind (docs/BENCHMARKS.md).
+    Past `limit` bytes the rest streams on as it comes, for the handler to refuse."""
+    parts, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left: hand that on
+            first = message
+            break
+        parts.append(message.get("body", b""))
+        size += len(parts[-1])
+        more = message.get("more_body", False)
+        if not more or size > limit:
+            first = {"type": "http.request", "body": b"".join(parts), "more_body": more}
+            break
+    given = False
+
+    async def replay():
+        nonlocal given
+        if not given:
+            given = True
+            return first
+        return await receive()
+
+    return replay
 
 
 def _text(value: bytes | None) -> str | None:

@@ -136,7 +136,11 @@ class Serving:
         self.fleet.on_replicas = lambda n: self.admission.resize(*self._budget_share(n))
         self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
         self.gate = arrival_gate.GateView(
-            self.admission, self.lanes, config.server.api_key, limits.retry_after_s
+            self.admission,
+            self.lanes,
+            config.server.api_key,
+            limits.retry_after_s,
+            limits.max_request_bytes,
         )
         self.gate.on_refused = self._refused_at_arrival
         self.media_budget = self.path.intake.media_budget
@@ -217,9 +221,11 @@ class Serving:
         error (4xx), back-pressure (429), a failure of ours (500, logged with its traceback),
         or a client that left (counted as aborted)."""
         self.run_background()
-        received_s = arrival_gate.reached(request.scope)
-        arrived_s = time.perf_counter()
-        request.state.handover_ms = (arrived_s - received_s) * 1e3 if received_s else 0.0
+        # The server's clock starts where the HTTP server had the request (the gate's own
+        # time, which includes its body's upload and Serve's hand-over to this thread).
+        now_s, at_gate = time.perf_counter(), arrival_gate.reached(request.scope)
+        arrived_s = at_gate.received_s if at_gate else now_s
+        request.state.handover_ms = (now_s - at_gate.handed_s) * 1e3 if at_gate else 0.0
         try:
             return await self._respond(request, endpoint, request_id, arrived_s)
         except RequestError as exc:
@@ -279,7 +285,8 @@ class Serving:
         self, request: Request, endpoint: Endpoint, request_id: str, arrived_s: float
     ) -> Admitted:
         body = await request.body()
-        body_ms = (time.perf_counter() - arrived_s) * 1e3  # Serve pulls it from the proxy
+        # from arrival, less Serve's hand-over (a phase of its own in the timings)
+        body_ms = (time.perf_counter() - arrived_s) * 1e3 - request.state.handover_ms
         check_size(body, self.config.limits.max_request_bytes)
         # Off the event loop, in a lane of its own: text never waits behind media decoding.
         adm = await self.lanes.run(body, self.path.admit, request_id, arrived_s, endpoint)

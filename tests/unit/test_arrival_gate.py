@@ -145,7 +145,7 @@ def test_requests_on_their_way_to_the_handler_count_against_the_arrival_bound(vi
     assert arrival_gate._counts.unreached == 0
 
 
-def test_the_handler_learns_when_the_http_server_handed_the_request_on(view):
+def test_the_handler_learns_when_the_http_server_had_the_request_and_handed_it_on(view):
     seen = []
 
     async def app(scope, receive, send):
@@ -153,9 +153,55 @@ def test_the_handler_learns_when_the_http_server_handed_the_request_on(view):
 
     before = time.perf_counter()
     asyncio.run(call(arrival_gate.ArrivalGate(app), scope()))
-    ((now, received, again),) = seen
-    assert before <= received <= now and again == received  # once counted, same stamp
+    ((now, arrival, again),) = seen
+    assert before <= arrival.received_s <= arrival.handed_s <= now and again is arrival
     assert arrival_gate._counts.unreached == 0 and arrival_gate.reached({}) is None
+
+
+def body_app(got: list):
+    async def app(scope, receive, send):
+        while True:
+            message = await receive()
+            got.append(message)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                return
+
+    return app
+
+
+def run_with_messages(messages: list[dict], max_request_bytes: int = 1 << 20) -> list[dict]:
+    """What the app behind the gate receives of a request whose body came as `messages`."""
+    arrival_gate._view.max_request_bytes = max_request_bytes
+    queue, got = list(messages), []
+
+    async def receive():
+        return queue.pop(0)
+
+    async def send(message):
+        pass
+
+    asyncio.run(arrival_gate.ArrivalGate(body_app(got))(scope(), receive, send))
+    return got
+
+
+def piece(body: bytes, more: bool) -> dict:
+    return {"type": "http.request", "body": body, "more_body": more}
+
+
+def test_a_body_in_many_reads_reaches_the_app_as_one_message(view):
+    """Serve relays each message to epd's thread on its own: one, not hundreds, per upload."""
+    got = run_with_messages([piece(b"ab", True), piece(b"cd", True), piece(b"e", False)])
+    assert got == [piece(b"abcde", False)]
+
+
+def test_a_body_past_the_limit_streams_on_for_the_handler_to_refuse(view):
+    got = run_with_messages([piece(b"abc", True), piece(b"def", True), piece(b"g", False)], 2)
+    assert got == [piece(b"abc", True), piece(b"def", True), piece(b"g", False)]
+
+
+def test_a_client_that_leaves_mid_upload_is_handed_on_as_gone(view):
+    got = run_with_messages([piece(b"abc", True), {"type": "http.disconnect"}])
+    assert got == [{"type": "http.disconnect"}]
 
 
 def test_a_request_that_never_reaches_the_handler_stops_counting(view):
