@@ -3,8 +3,10 @@ the replica's admission already full gets its 429 there, in OpenAI's shape with 
 before Serve builds its request and hands it to the thread that runs epd's code. A refusal
 then costs the replica about a third of the CPU it did (docs/BENCHMARKS.md), and a burst's
 refusals do not queue behind the admitted requests' work in that thread. Everything else
-passes through untouched; the handler's own checks stay the authority, and the gate refuses
-only what they would refuse at arrival.
+passes through, its response untouched; the handler's own checks stay the authority, and the
+gate refuses only what they would refuse at arrival. A request it lets through gets its body
+read here and handed on in one message, and the gate's times (receipt, hand-on) for the
+handler's clock and `timings.handover_ms`.
 
 Serve's direct-ingress HTTP server takes the gate as its middleware (`RAY_SERVE_HTTP_PROXY_
 CALLBACK_IMPORT_PATH`, set in the ingress replicas' runtime env only: cluster/front_door.py);
