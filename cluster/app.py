@@ -27,14 +27,14 @@ from cluster.admitted import Endpoint
 from cluster.api_key import ApiKeyMiddleware
 from cluster.backpressure import Overloaded
 from cluster.config import REPO_ROOT, ClusterConfig, load_config
-from cluster.errors import RequestError
+from cluster.errors import RequestError, error_response
 from cluster.front_door import replica_runtime_env
 from cluster.metrics import PREFIX
 from cluster.prepare import prepare
 from cluster.request_path import RETRY_AFTER_S
 from cluster.response_models import ModelCard, ModelList
 from cluster.serve_replicas import serve_replicas
-from cluster.serving import Serving, check_size, error_response, same_model
+from cluster.serving import Serving, check_size, same_model
 from router.types import WorkerKind
 
 log = logging.getLogger(__name__)

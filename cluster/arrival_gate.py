@@ -14,7 +14,6 @@ the replica's live serving registers its `GateView`. Plain asyncio, no Ray, no t
 
 from __future__ import annotations
 
-import json
 import random
 import time
 import uuid
@@ -24,8 +23,8 @@ from starlette.middleware import Middleware
 
 from cluster.admit_lanes import AdmitLanes
 from cluster.backpressure import Admission, Overloaded
+from cluster.errors import error_response, overloaded
 from cluster.request_log import bearer_ok
-from cluster.response_models import error_body
 
 _PREFIXES = {"/v1/chat/completions": "chatcmpl-", "/v1/completions": "cmpl-"}  # of the ids
 GENERATION_PATHS = frozenset(_PREFIXES)
@@ -44,7 +43,7 @@ class GateView:
         lanes: AdmitLanes,
         api_key: str | None,
         retry_after_s: int,
-        max_request_bytes: int = 1 << 30,
+        max_request_bytes: int,
     ):
         self.admission, self.lanes = admission, lanes
         self.max_request_bytes = max_request_bytes
@@ -52,7 +51,7 @@ class GateView:
         self.on_refused: Callable[[str, str], None] = lambda request_id, x_request_id: None
         self.num_refused = 0
 
-    def refusal(self, num_unreached: int, authorization: str | None) -> str | None:
+    def refusal(self, num_unreached: int, authorization: str | None) -> Overloaded | None:
         """Why a request arriving now would be refused at arrival, or None. A request without
         the API key passes, to get its 401 from the app."""
         if self.api_key and not bearer_ok(authorization, self.api_key):
@@ -61,7 +60,7 @@ class GateView:
             self.admission.check_room()
             self.lanes.check_arriving(num_unreached)
         except Overloaded as exc:
-            return exc.message
+            return exc
         return None
 
 
@@ -133,7 +132,8 @@ class ArrivalGate:
             )
             view.num_refused += 1
             view.on_refused(f"{_PREFIXES[scope['path']]}{_IDS.getrandbits(128):032x}", x_request_id)
-            await _refuse(send, why, view.retry_after_s, x_request_id)
+            refused = overloaded(why, view.retry_after_s)
+            await error_response(refused, {"x-request-id": x_request_id})(scope, receive, send)
             return
         arrival = scope[_ARRIVAL] = _Arrival()
         _counts.passed += 1
@@ -178,19 +178,6 @@ async def _whole_body(receive, limit: int):
 
 def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode("latin-1")
-
-
-async def _refuse(send, message: str, retry_after_s: int, x_request_id: str) -> None:
-    error = error_body(message, type="rate_limit_error", code="server_overloaded")
-    body = json.dumps(error).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"retry-after", str(retry_after_s).encode()),
-        (b"x-request-id", x_request_id.encode("latin-1")),
-    ]
-    await send({"type": "http.response.start", "status": 429, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def middlewares() -> list[Middleware]:

@@ -27,7 +27,7 @@ from cluster.admit_lanes import AdmitLanes
 from cluster.admitted import Admitted, Endpoint
 from cluster.backpressure import Admission, Overloaded, Ticket
 from cluster.config import ClusterConfig
-from cluster.errors import RequestError
+from cluster.errors import RequestError, error_response, overloaded
 from cluster.fleet_client import FleetClient
 from cluster.metrics import Metrics
 from cluster.metrics_share import MetricsShare
@@ -46,15 +46,6 @@ log = logging.getLogger(__name__)
 # Ray's own TaskCancelledError instead of asyncio's (epd never cancels Ray tasks itself).
 CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError)
 RETIRE_POLL_S = 0.2
-
-
-def error_response(exc: RequestError) -> JSONResponse:
-    # Serve adds the x-request-id; the request log line pairs it with `request_id`
-    headers = {}
-    if exc.retry_after_s is not None:
-        headers["Retry-After"] = str(exc.retry_after_s)
-    body = error_body(exc.message, type=exc.type, param=exc.param, code=exc.code)
-    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
 def check_size(body: bytes, limit: int) -> None:
@@ -313,13 +304,7 @@ class Serving:
         self.request_log.write(RequestRecord(request_id, "429", x_request_id=x_request_id))
 
     def overloaded(self, exc: Overloaded) -> RequestError:
-        return RequestError(
-            429,
-            exc.message,
-            type="rate_limit_error",
-            code="server_overloaded",
-            retry_after_s=self.config.limits.retry_after_s,
-        )
+        return overloaded(exc, self.config.limits.retry_after_s)
 
     async def _firsts(self, chunks: list[AsyncIterator[TokenChunk]]) -> list[TokenChunk]:
         """Each choice's first token, all prefilled at once; a failure is raised once every

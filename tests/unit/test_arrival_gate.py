@@ -54,7 +54,7 @@ async def call(gate, scope_) -> list[dict]:
 @pytest.fixture
 def view():
     lanes = AdmitLanes(max_text=2, max_media=1)
-    v = arrival_gate.GateView(Admission(100, 1), lanes, None, retry_after_s=3)
+    v = arrival_gate.GateView(Admission(100, 1), lanes, None, 3, max_request_bytes=1 << 20)
     refused = v.refused = []
     v.on_refused = lambda request_id, x_request_id: refused.append((request_id, x_request_id))
     arrival_gate.register(v)

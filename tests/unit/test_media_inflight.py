@@ -379,7 +379,8 @@ def test_a_failed_admission_gives_its_charges_back(where):
 
 
 def test_an_overfull_budget_is_a_429_with_retry_after_and_an_oversize_item_a_400():
-    from cluster.serving import Serving, error_response
+    from cluster.errors import error_response
+    from cluster.serving import Serving
 
     ingress = intake(
         max_decoded_media_mb=1, max_image_pixels=300_000, max_waiting_for_decoded_media=0
