@@ -1,61 +1,109 @@
-"""What the rest of the host leaves idle: the cores that processes other than this one kept
-busy over the latest window, from /proc (Linux). Idle-core borrowing asks this as well as its
-fleet's board, since the board knows only the fleet's workers: an ingress streaming tokens, a
-client on the same host or another fleet need cores too, and a step that borrows them then
-waits on its own descheduled threads.
+"""What the rest of the host leaves idle: the cores that processes other than this worker and
+its fleet's peers on the node kept busy over the last ~150 ms, from /proc (Linux).
+Idle-core borrowing asks this as well as its fleet's board, since the board knows only the
+fleet's workers: an ingress streaming tokens, a client on the same host or another fleet need
+cores too, and a step that borrows them then waits on its own descheduled threads.
+- The peers' own CPU is left out: the board says whether they are busy now, and a window that
+  saw the previous request's other stage at work (an encoder before this prefill) says nothing
+  about now.
+- A sampler thread keeps the window recent: a reading taken only at each step spans the whole
+  gap since the last one, so at idle it held the request's own earlier hops.
 No Ray and no torch here.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NamedTuple
 
-WINDOW_S = 0.05  # the shortest window measured; a step within it reuses the last answer
+TICK_S = 0.05  # how often the sampler reads /proc; a step within a tick reuses the last answer
+NUM_MARKS = 4  # the window spans the last 3 ticks: /proc counts in 10 ms ticks per process
 BUSY_FIELDS = (0, 1, 2, 5, 6)  # /proc/stat cpu line: user nice system irq softirq
 
-Sample = tuple[float, float]  # (CPU seconds of the whole host, of this process) since boot
+Sample = tuple[float, float]  # CPU seconds since boot: the whole host's; this process's and peers'
 
 
-def read_proc() -> Sample | None:
-    """Busy CPU seconds of the host and of this process; None without /proc."""
+def _process_s(stat: str, tick: int) -> float:
+    fields = stat.rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / tick  # utime, stime: every thread
+
+
+def read_proc(peers: Iterable[int] = ()) -> Sample | None:
+    """Busy CPU seconds of the host and of this process plus `peers` (pids; one that is gone
+    counts nothing); None without /proc."""
     tick = os.sysconf("SC_CLK_TCK")
     try:
         host = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-        own = Path("/proc/self/stat").read_text().rsplit(") ", 1)[1].split()
+        own_s = _process_s(Path("/proc/self/stat").read_text(), tick)
     except (OSError, IndexError):
         return None
-    host_s = sum(int(host[i]) for i in BUSY_FIELDS) / tick
-    return host_s, (int(own[11]) + int(own[12])) / tick  # utime, stime: every thread
+    for pid in peers:
+        try:
+            own_s += _process_s(Path(f"/proc/{pid}/stat").read_text(), tick)
+        except (OSError, IndexError):
+            pass
+    return sum(int(host[i]) for i in BUSY_FIELDS) / tick, own_s
+
+
+class Mark(NamedTuple):
+    at_s: float
+    peers: frozenset[int]
+    host_s: float
+    own_s: float
 
 
 class HostCpu:
-    """Cores of this host that other processes left idle over the latest window."""
+    """Cores of this host that processes other than this one and its peers (`peers()`: the
+    fleet's other workers here) left idle over the latest window."""
 
     def __init__(
         self,
         num_cores: int | None = None,
-        read: Callable[[], Sample | None] = read_proc,
+        peers: Callable[[], frozenset[int]] = frozenset,
+        read: Callable[[frozenset[int]], Sample | None] = read_proc,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.num_cores = num_cores or len(os.sched_getaffinity(0))
-        self._read, self._clock = read, clock
-        sample = read()
-        self._last = None if sample is None else (clock(), *sample)
+        self._peers, self._read, self._clock = peers, read, clock
+        self._marks: deque[Mark] = deque(maxlen=NUM_MARKS)
+        self._lock = threading.Lock()  # the sampler and a step may read at once
         self._spare = float(self.num_cores)
+        self.tick()
+
+    def start(self) -> HostCpu:
+        """Read every tick on a daemon thread from now on, so the window ends when it is asked."""
+        threading.Thread(target=self._sample, name="host-cpu", daemon=True).start()
+        return self
 
     def spare_cores(self) -> float:
         """The host's cores less those others kept busy; all of them if /proc can't tell."""
-        now = self._clock()
-        if self._last is None or now - self._last[0] < WINDOW_S:
-            return self._spare
-        sample = self._read()
-        if sample is None:
-            return self._spare
-        then_s, host_s, own_s = self._last
-        others_s = max(0.0, (sample[0] - host_s) - (sample[1] - own_s))
-        self._spare = max(0.0, self.num_cores - others_s / (now - then_s))
-        self._last = (now, *sample)
+        if not self._marks or self._clock() - self._marks[-1].at_s >= TICK_S:
+            self.tick()  # no sampler, or it fell behind
         return self._spare
+
+    def tick(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            return  # the other thread is reading: its answer will do
+        try:
+            peers, now = self._peers(), self._clock()
+            sample = self._read(peers)
+            if sample is None:
+                return
+            if self._marks and self._marks[-1].peers != peers:
+                self._marks.clear()  # a peer came or went: its counter has no baseline yet
+            if self._marks and now > (then := self._marks[0]).at_s:
+                others_s = max(0.0, (sample[0] - then.host_s) - (sample[1] - then.own_s))
+                self._spare = max(0.0, self.num_cores - others_s / (now - then.at_s))
+            self._marks.append(Mark(now, peers, *sample))
+        finally:
+            self._lock.release()
+
+    def _sample(self) -> None:
+        while True:
+            time.sleep(TICK_S)
+            self.tick()

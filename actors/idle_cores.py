@@ -81,8 +81,12 @@ class NodeBoard:
             os.pwrite(self._fd, BUSY if busy else IDLE, 0)
             self._busy = busy
 
+    def peer_pids(self) -> frozenset[int]:
+        """The fleet's other workers on this node, as of the last listing (`rescan`)."""
+        return frozenset(self._peers)
+
     def others_busy(self) -> bool:
-        self._rescan()
+        self.rescan()
         for pid, fd in list(self._peers.items()):
             if os.pread(fd, 1, 0) == BUSY:
                 if _alive(pid):
@@ -90,7 +94,8 @@ class NodeBoard:
                 self._forget(pid, unlink=True)  # died in a step: its flag says busy forever
         return False
 
-    def _rescan(self) -> None:
+    def rescan(self) -> None:
+        """List the fleet's workers again if the last listing is older than RESCAN_S."""
         now = time.monotonic()
         if now - self._scanned_s < RESCAN_S:
             return
@@ -136,14 +141,18 @@ class ThreadPolicy:
         self.threads, self.board, self.host = threads, board, host
         self.idle_threads = idle_threads if board is not None and idle_threads else threads
 
-    def for_step(self) -> int:
+    def for_step(self, pays: bool = True) -> int:
+        """`pays`: the step is big enough to gain from more threads (a small one loses what
+        waking them costs)."""
         if self.board is None:
             return self.threads
         self.board.set_busy(True)  # first: of two workers starting at once, neither borrows
-        if self.idle_threads <= self.threads:  # posts its work for the others, borrows nothing
+        if self.idle_threads <= self.threads or not pays:  # posts its work, borrows nothing
             return self.threads
         # The host's answer first: it is cached between reads, and the board's reads are
         # syscalls that hand this thread's GIL to the actor's event loop on a busy worker.
+        # The listing is kept current either way: the host's reading leaves the peers out.
+        self.board.rescan()
         spare = self.idle_threads if self.host is None else self.host.spare_cores()
         threads = max(self.threads, min(self.idle_threads, int(spare + IDLE_CORE_SLACK)))
         if threads == self.threads or self.board.others_busy():

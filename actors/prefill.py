@@ -30,6 +30,12 @@ if TYPE_CHECKING:
     from actors.engine.prefill import PrefillOutput
 
 
+# A prefill step borrows idle cores only from this many prompt tokens: live on the 2-core CPU
+# host a 30-token step took 43-62 ms on two threads against 38-40 on one, a 219-token step
+# 108-129 against 145-150 (docs/BENCHMARKS.md, 2026-11-28).
+MIN_BORROW_TOKENS = 128
+
+
 @dataclass
 class _InFlight:
     """A request in the engine: its items' encode stats so far, and its output if the prompt
@@ -57,6 +63,9 @@ class PrefillWorker(ModelWorker):
         self.kv = TensorInbox()  # for the decode worker, until it pulls it
         self._waiters: dict[str, asyncio.Future] = {}
         self._in_flight: dict[str, _InFlight] = {}  # requests with a prefill call, until it returns
+
+    def borrow_pays(self) -> bool:
+        return self.engine.next_step_tokens >= MIN_BORROW_TOKENS
 
     def take_settings(self, settings: PrefillSettings) -> None:
         self.engine.reconfigure(settings)

@@ -79,9 +79,8 @@ class ModelWorker:
         # see it.
         board = NodeBoard(spec.board) if spec.board else None
         borrows = board is not None and (spec.idle_torch_threads or 0) > spec.torch_threads
-        self.threads = ThreadPolicy(
-            spec.torch_threads, spec.idle_torch_threads, board, HostCpu() if borrows else None
-        )
+        host = HostCpu(peers=board.peer_pids).start() if borrows else None
+        self.threads = ThreadPolicy(spec.torch_threads, spec.idle_torch_threads, board, host)
         self._num_threads = spec.torch_threads
         self.busy_s = 0.0  # device time so far (slowdown included): autoscaling's measured load
         # Units of work that reached this worker and that it finished (embeddings, prompt
@@ -102,6 +101,10 @@ class ModelWorker:
         """Whether work is left after a device step (the idle-core board's busy flag)."""
         engine = getattr(self, "engine", None)  # prefill and decode workers step an engine
         return bool(engine is not None and engine.has_work)
+
+    def borrow_pays(self) -> bool:
+        """Whether the next device step is big enough to gain from borrowed threads."""
+        return True
 
     @property
     def step_threads(self) -> int:
@@ -136,7 +139,7 @@ class ModelWorker:
 
     def _stretched(self, fn, *args):
         if (
-            threads := self.threads.for_step()
+            threads := self.threads.for_step(self.borrow_pays())
         ) != self._num_threads:  # on the device thread: OpenMP's setting is per thread
             import torch
 

@@ -193,9 +193,9 @@ class PoolConfig(Strict):
         ge=1,
         description="Idle-core borrowing: threads a device step may use while no other worker of "
         "the fleet on its node has work and the node's other processes leave cores idle "
-        "(measured over the last 50 ms), so an idle cluster answers with every core; under load "
-        "each worker keeps torch_threads. At most the cores the node can spare. Unset: always "
-        "torch_threads.",
+        "(measured over the last 150 ms), so an idle cluster answers with every core; under load "
+        "each worker keeps torch_threads. At most the cores the node can spare; a prefill step "
+        "of fewer than 128 prompt tokens keeps torch_threads. Unset: always torch_threads.",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,

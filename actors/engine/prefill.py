@@ -209,6 +209,14 @@ class PrefillEngine:
         `add_item` refills the intake."""
         return bool(self._intake) or self._num_runnable > 0
 
+    @property
+    def next_step_tokens(self) -> int:
+        """About how many prompt tokens the next step computes (before any prefix cache hit of
+        the requests not started yet)."""
+        jobs = [*self.jobs.values(), *(e for e in self._intake if isinstance(e, _Job))]
+        remaining = sum(len(j.request.prompt_token_ids) - j.num_computed for j in jobs)
+        return min(self.settings.max_chunk_tokens, remaining)
+
     def step(self) -> list[PrefillOutput]:
         try:
             return self._step()

@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
 
 from actors import idle_cores
-from actors.host_cpu import HostCpu
+from actors.host_cpu import NUM_MARKS, TICK_S, HostCpu
 from actors.idle_cores import NodeBoard, ThreadPolicy
 
 
@@ -133,20 +134,95 @@ class FakeHost:
 
 def test_a_worker_borrows_only_the_cores_the_rest_of_the_host_leaves_idle(tmp_path):
     fake = FakeHost()
-    host = HostCpu(4, read=lambda: (fake.host_s, fake.own_s), clock=lambda: fake.now_s)
+    host = HostCpu(4, read=lambda peers: (fake.host_s, fake.own_s), clock=lambda: fake.now_s)
     policy = ThreadPolicy(1, 4, NodeBoard("fleet", tmp_path), host)
     fake.spend(1.0, others_cores=0.2, own_cores=0.0)  # Ray's daemons on an idle host
     assert policy.for_step() == 4, "an idle host: every core"
-    fake.spend(0.1, others_cores=1.8, own_cores=4.0)  # an ingress streaming beside the step
+    for _ in range(NUM_MARKS):  # the sampler's ticks: the idle second leaves the window
+        fake.spend(TICK_S, others_cores=1.8, own_cores=4.0)  # an ingress streaming beside
+        host.tick()
     assert policy.for_step() == 2, "its own 4 threads do not count against it; the others' 2 do"
-    fake.spend(0.01, others_cores=4.0, own_cores=0.0)
-    assert policy.for_step() == 2, "within the 50 ms window the last answer stands"
-    fake.spend(0.1, others_cores=3.9, own_cores=0.1)
+    fake.spend(TICK_S / 5, others_cores=4.0, own_cores=0.0)
+    assert policy.for_step() == 2, "within a tick the last answer stands"
+    for _ in range(NUM_MARKS):
+        fake.spend(TICK_S, others_cores=3.9, own_cores=0.1)
+        host.tick()
     assert policy.for_step() == 1, "a saturated host: own threads only, never fewer"
 
 
+def test_the_window_is_the_last_ticks_not_the_gap_since_the_last_step():
+    """At idle a worker steps once a request; a reading over the whole gap held the request's
+    own earlier work (the client, the ingress). The sampler's window ends at the step."""
+    fake = FakeHost()
+    host = HostCpu(2, read=lambda peers: (fake.host_s, fake.own_s), clock=lambda: fake.now_s)
+    for _ in range(4):  # a busy second, read once a tick
+        fake.spend(0.25, others_cores=1.5, own_cores=0.0)
+        host.tick()
+    assert host.spare_cores() == pytest.approx(0.5)
+    for _ in range(NUM_MARKS):  # then quiet ticks
+        fake.spend(TICK_S, others_cores=0.1, own_cores=0.0)
+        host.tick()
+    assert host.spare_cores() == pytest.approx(1.9), "only the last ticks count"
+
+
+def test_a_peer_that_was_busy_in_the_window_does_not_count_against_borrowing():
+    """One request after another: the encoder's work of the last request is in the prefill
+    worker's window, but the board says the encoder is idle now; only the rest counts."""
+    fake, peer_s, peers = FakeHost(), [0.0], [frozenset({4242})]
+    host = HostCpu(
+        2,
+        peers=lambda: peers[0],
+        read=lambda pids: (fake.host_s, fake.own_s + (peer_s[0] if 4242 in pids else 0.0)),
+        clock=lambda: fake.now_s,
+    )
+    fake.spend(0.4, others_cores=1.3, own_cores=0.0)  # the peer 1.0 of it, Ray's daemons 0.3
+    peer_s[0] += 0.4 * 1.0
+    assert host.spare_cores() == pytest.approx(1.7), "only the daemons' 0.3 core counts"
+    peers[0] = frozenset()
+    fake.spend(0.4, others_cores=1.3, own_cores=0.0)
+    assert host.spare_cores() == pytest.approx(1.7), "the peer left: a new baseline"
+    fake.spend(0.4, others_cores=1.3, own_cores=0.0)
+    assert host.spare_cores() == pytest.approx(0.7), "a process not a peer counts"
+
+
+def test_a_worker_that_does_not_borrow_still_lists_its_peers_for_the_host_reading(
+    tmp_path, live_pid
+):
+    """The host reading leaves out the peers the board lists; a worker whose reading said
+    "no spare core" must still list them, or their CPU keeps its reading low for ever."""
+    board = NodeBoard("fleet", tmp_path)
+    host = HostCpu(2, peers=board.peer_pids, read=lambda pids: None)
+    host._spare = 0.4  # a reading that says no core is spare
+    peer = live_pid()
+    NodeBoard("fleet", tmp_path, pid=peer)
+    assert ThreadPolicy(1, 2, board, host).for_step() == 1
+    assert board.peer_pids() == {peer}, "listed although the step did not borrow"
+
+
+def test_the_sampler_thread_keeps_the_reading_fresh():
+    reads = []
+    host = HostCpu(2, read=lambda peers: reads.append(peers) or (0.0, 0.0)).start()
+    time.sleep(TICK_S * 6)
+    assert len(reads) >= 3, "it reads on its own, once a tick"
+    assert host.spare_cores() == 2.0
+
+
+def test_read_proc_adds_the_peers_cpu_and_skips_one_that_is_gone():
+    from actors.host_cpu import read_proc
+
+    busy = "import time; sum(range(20_000_000)); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        time.sleep(1.5)  # past its busy part
+        alone, with_peer = read_proc()[1], read_proc([child.pid, 2**22 + 1])[1]
+        assert with_peer - alone > 0.1, "the peer's CPU seconds are in the second reading"
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_a_host_without_proc_lends_what_the_board_allows(tmp_path):
-    host = HostCpu(2, read=lambda: None)
+    host = HostCpu(2, read=lambda peers: None)
     assert host.spare_cores() == 2.0
     assert ThreadPolicy(1, 2, NodeBoard("fleet", tmp_path), host).for_step() == 2
 
@@ -162,30 +238,37 @@ def test_this_host_reports_its_own_counters():
     assert second[0] >= second[1], "the host's busy time includes this process's"
 
 
-def test_the_prefill_worker_steps_with_borrowed_threads_only_while_its_peer_is_idle(
+def test_the_prefill_worker_borrows_for_a_big_step_only_while_its_peer_is_idle(
     ckpt, tmp_path, monkeypatch, live_pid
 ):
     torch = pytest.importorskip("torch")
     from actors import runtime
-    from actors.prefill import PrefillWorker
+    from actors.prefill import MIN_BORROW_TOKENS, PrefillWorker
     from actors.runtime import WorkerSpec
     from actors.types import PrefillRequest, SamplingParams
     from router.worker_settings import PrefillSettings
 
     monkeypatch.setattr(idle_cores, "default_root", lambda: tmp_path)
     # the suite's other processes must not decide it: a host they leave idle
-    monkeypatch.setattr(runtime, "HostCpu", lambda: HostCpu(2, read=lambda: (0.0, 0.0)))
+    monkeypatch.setattr(
+        runtime, "HostCpu", lambda peers: HostCpu(2, peers, read=lambda pids: (0.0, 0.0))
+    )
     board = f"epd-cores-{uuid.uuid4().hex[:8]}"
     spec = WorkerSpec(str(ckpt), "float32", "cpu", 1, 256, idle_torch_threads=2, board=board)
-    worker = PrefillWorker(spec, PrefillSettings(max_chunk_tokens=64))
+    worker = PrefillWorker(spec, PrefillSettings(max_chunk_tokens=MIN_BORROW_TOKENS + 16))
     peer = NodeBoard(board, tmp_path, pid=live_pid())
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def prefill(request_id: str, num_tokens: int) -> int:
+        prompt = tuple(range(10, 10 + num_tokens))
+        asyncio.run(worker.prefill(PrefillRequest(request_id, prompt, (), greedy)))
+        return worker.stats()["step_threads"]
+
     try:
-        asyncio.run(worker.prefill(PrefillRequest("a", tuple(range(10, 40)), (), greedy)))
-        assert worker.stats()["step_threads"] == 2, "an idle node: the step borrowed the idle core"
+        assert prefill("a", MIN_BORROW_TOKENS) == 2, "an idle node: the step borrowed the core"
+        assert prefill("b", 30) == 1, "a small step: waking a second thread costs more"
         peer.set_busy(True)
-        asyncio.run(worker.prefill(PrefillRequest("b", tuple(range(10, 40)), (), greedy)))
-        assert worker.stats()["step_threads"] == 1, "a busy peer: own thread only"
+        assert prefill("c", MIN_BORROW_TOKENS + 8) == 1, "a busy peer: own thread only"
         assert (tmp_path / board / str(worker.pid())).read_bytes() == idle_cores.IDLE, (
             "nothing left to do: marked idle"
         )
