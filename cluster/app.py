@@ -35,6 +35,7 @@ from cluster.request_path import RETRY_AFTER_S
 from cluster.response_models import ModelCard, ModelList
 from cluster.serve_replicas import serve_replicas
 from cluster.serving import Serving, check_size, same_model
+from cluster.stream_relay import RELAY
 from router.types import WorkerKind
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def _ingress_report(serving: Serving) -> dict:
         "media_waiting": serving.media_budget.num_waiting,
         "route_syncs": syncs,
         "refused_at_arrival": serving.gate.num_refused,  # by the HTTP server's gate
+        **RELAY.stats(),  # relayed streams still open (zero when idle)
     }
 
 

@@ -6,7 +6,8 @@ refusals do not queue behind the admitted requests' work in that thread. Everyth
 passes through, its response untouched; the handler's own checks stay the authority, and the
 gate refuses only what they would refuse at arrival. A request it lets through gets its body
 read here and handed on in one message, and the gate's times (receipt, hand-on) for the
-handler's clock and `timings.handover_ms`.
+handler's clock and `timings.handover_ms`; a streamed answer the handler marks for the relay
+is written from here (cluster/stream_relay.py).
 
 Serve's direct-ingress HTTP server takes the gate as its middleware (`RAY_SERVE_HTTP_PROXY_
 CALLBACK_IMPORT_PATH`, set in the ingress replicas' runtime env only: cluster/front_door.py);
@@ -14,6 +15,7 @@ the replica's live serving registers its `GateView`. Plain asyncio, no Ray, no t
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import uuid
@@ -21,6 +23,7 @@ from collections.abc import Callable
 
 from starlette.middleware import Middleware
 
+from cluster import stream_relay
 from cluster.admit_lanes import AdmitLanes
 from cluster.backpressure import Admission, Overloaded
 from cluster.errors import error_response, overloaded
@@ -140,11 +143,33 @@ class ArrivalGate:
         try:
             receive = await _whole_body(receive, view.max_request_bytes)
             arrival.handed_s = time.perf_counter()
-            await self.app(scope, receive, send)
+            await _with_relay(self.app, scope, receive, send)
         finally:
             if not arrival.reached:  # it never reached the handler (its client left first)
                 arrival.reached = True
                 _counts.gone += 1
+
+
+async def _with_relay(app, scope, receive, send) -> None:
+    """Run the app; if its answer names a relay pipe, stream that pipe from this loop while
+    the app waits for it to end (cluster/stream_relay.py)."""
+    relayed: asyncio.Future | None = None
+
+    async def unless_marked(message: dict) -> None:
+        nonlocal relayed
+        if relayed is None and message["type"] == "http.response.start":
+            if (key := stream_relay.marked_key(message)) is not None:
+                await send(stream_relay.unmarked(message))
+                relayed = asyncio.ensure_future(stream_relay.relay_response(key, send, receive))
+                return
+        if relayed is None:
+            await send(message)  # else the marker response's own empty body: the pipe's ends it
+
+    try:
+        await app(scope, receive, unless_marked)
+    finally:
+        if relayed is not None:
+            await relayed
 
 
 async def _whole_body(receive, limit: int):

@@ -37,6 +37,7 @@ from cluster.request_log import RequestLog, RequestRecord
 from cluster.request_path import RequestPath
 from cluster.response_models import SSE_DONE, error_body, sse_event
 from cluster.routing import LiveRouting
+from cluster.stream_relay import MARKER, RELAY
 from cluster.supervisor import Supervisor
 from cluster.token_endpoints import TokenEndpoints
 from router.router import Router
@@ -217,6 +218,7 @@ class Serving:
         now_s, at_gate = time.perf_counter(), arrival_gate.reached(request.scope)
         arrived_s = at_gate.received_s if at_gate else now_s
         request.state.handover_ms = (now_s - at_gate.handed_s) * 1e3 if at_gate else 0.0
+        request.state.relay = at_gate is not None  # the gate can stream a relayed answer
         try:
             return await self._respond(request, endpoint, request_id, arrived_s)
         except RequestError as exc:
@@ -264,10 +266,14 @@ class Serving:
         streams = [self._guarded(first, rest) for first, rest in zip(firsts, chunks)]
         shape = responses.Shape(adm, self.planner.tokenizer)
         if adm.request.stream:
-            return ClosingStreamingResponse(
-                self._sse(collectors, responses.stream(shape, collectors, streams, self.metrics)),
-                media_type="text/event-stream",
+            events = sse = self._sse(
+                collectors, responses.stream(shape, collectors, streams, self.metrics)
             )
+            headers = None
+            if request.state.relay:  # written by the HTTP server's loop (cluster/stream_relay.py)
+                events = RELAY.pump(adm.request_id, sse, lambda: leftovers.close_soon(sse))
+                headers = {MARKER.decode(): adm.request_id}
+            return ClosingStreamingResponse(events, media_type="text/event-stream", headers=headers)
         answer = await responses.complete(shape, collectors, streams, self.metrics)
         self._log_done(collectors, "ok")
         return JSONResponse(answer.model_dump())

@@ -47,6 +47,21 @@ def wait_until_idle(app, within_s: float) -> dict[str, int]:
         time.sleep(0.2)
 
 
+def _ingress(app) -> dict:
+    return app.http.get("/health", params={"verbose": 1}).json()["ingress"]
+
+
+def _open_streams(app, within_s: float) -> tuple[int, int]:
+    """The ingress's relayed streams still open (cluster/stream_relay.py): pumps, outlets."""
+    deadline = time.monotonic() + within_s
+    while True:
+        ingress = _ingress(app)
+        now = ingress["relay_pumps"], ingress["relay_outlets"]
+        if now == (0, 0) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
+
+
 def _requests_total(app) -> dict[str, float]:
     families = text_string_to_metric_families(app.http.get("/metrics").text)
     return {
@@ -90,9 +105,11 @@ def test_clients_that_leave_mid_stream_leave_nothing_behind(app):
         async with httpx.AsyncClient(base_url=app.root, timeout=60) as client:
             await asyncio.gather(*[leave_after_first_chunk(client, 400 + i) for i in range(12)])
 
-    before = _requests_total(app)
+    before, relayed_before = _requests_total(app), _ingress(app)["relayed_streams"]
     asyncio.run(storm())
     assert not any(wait_until_idle(app, within_s=10).values()), held(app)
+    assert _open_streams(app, within_s=3) == (0, 0), "the replica let go of every stream"
+    assert _ingress(app)["relayed_streams"] == relayed_before + 12, "HAProxy: the gate relays"
     after = _requests_total(app)
     aborted, ok = (after.get(s, 0) - before.get(s, 0) for s in ("aborted", "ok"))
     # Every outcome is counted. On a loaded host a stream may end before its client's leaving is
