@@ -15,9 +15,11 @@ Plain asyncio and threading, no Ray, no torch.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+log = logging.getLogger(__name__)
 MARKER = b"x-epd-relay"  # response header naming the pipe of a relayed answer
 _DROPPED = frozenset({MARKER, b"content-length"})
 _END = None  # a pipe's last item
@@ -32,6 +34,7 @@ class Outlet:
         self.send = send
         self.queued: list[bytes | None] = []
         self.finished = asyncio.Event()
+        self.broken = False  # a write failed: the client is gone
         self._writer: asyncio.Task | None = None
 
     def take(self, items: list[bytes | None]) -> None:
@@ -49,8 +52,15 @@ class Outlet:
                 if last:
                     self.finished.set()
                     return
-        except OSError:  # the client is gone: nothing more to write
-            self.finished.set()
+        except OSError:  # the client is gone
+            self._break()
+        except Exception:  # noqa: BLE001 - whatever it is, the pump must not run on for nobody
+            log.exception("a relayed stream could not be written")
+            self._break()
+
+    def _break(self) -> None:
+        self.broken = True
+        self.finished.set()
 
 
 class Relay:
@@ -180,7 +190,7 @@ async def relay_response(key: str, send: Send, receive) -> None:
     try:
         await asyncio.wait((finished, left), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        client_left = left.done() and not finished.done()
+        client_left = outlet.broken or (left.done() and not finished.done())
         for waiter in (finished, left):
             waiter.cancel()
         RELAY.close(key, client_left)

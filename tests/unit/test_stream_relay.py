@@ -171,6 +171,39 @@ def test_a_client_that_leaves_cancels_the_pump_and_nothing_stays_held(user):
     assert open_streams() == (0, 0)
 
 
+def test_a_write_that_fails_cancels_the_pump_though_no_disconnect_came():
+    async def go():
+        cancelled = []
+
+        async def events():
+            try:
+                while True:
+                    await asyncio.sleep(0.002)
+                    yield b"x"
+            except asyncio.CancelledError:
+                cancelled.append(True)
+                raise
+
+        async def send(message):
+            raise OSError("connection reset")
+
+        async def never():
+            await asyncio.Event().wait()
+
+        done = asyncio.Event()
+        body = RELAY.pump("broken", events(), done.set)
+        relay = asyncio.ensure_future(
+            arrival_gate.stream_relay.relay_response("broken", send, never)
+        )
+        await asyncio.wait_for(relay, 2)
+        await asyncio.wait_for(done.wait(), 2)  # the pump ended, not run on for nobody
+        await body.aclose()
+        return cancelled
+
+    assert asyncio.run(go()) == [True]
+    assert open_streams() == (0, 0)
+
+
 def test_an_ordinary_response_passes_the_gate_untouched(user):
     async def plain(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"a", b"1")]})
