@@ -160,7 +160,8 @@ async def _with_relay(app, scope, receive, send) -> None:
         if relayed is None and message["type"] == "http.response.start":
             if (key := stream_relay.marked_key(message)) is not None:
                 await send(stream_relay.unmarked(message))
-                relayed = asyncio.ensure_future(stream_relay.relay_response(key, send, receive))
+                outlet = await stream_relay.opened(key, send)
+                relayed = asyncio.ensure_future(stream_relay.follow(key, outlet, receive))
                 return
         if relayed is None:
             await send(message)  # else the marker response's own empty body: the pipe's ends it

@@ -35,12 +35,20 @@ class Outlet:
         self.queued: list[bytes | None] = []
         self.finished = asyncio.Event()
         self.broken = False  # a write failed: the client is gone
+        self._writing = False  # one writer at a time keeps the order
         self._writer: asyncio.Task | None = None
 
     def take(self, items: list[bytes | None]) -> None:
         self.queued.extend(items)
-        if self._writer is None or self._writer.done():
+        if not self._writing:
+            self._writing = True
             self._writer = asyncio.get_running_loop().create_task(self._write())
+
+    async def write_now(self) -> None:
+        """Write what is queued from the caller's own task (no loop turn before it goes)."""
+        if self.queued and not self._writing:
+            self._writing = True
+            await self._write()
 
     async def _write(self) -> None:
         try:
@@ -57,6 +65,8 @@ class Outlet:
         except Exception:  # noqa: BLE001 - whatever it is, the pump must not run on for nobody
             log.exception("a relayed stream could not be written")
             self._break()
+        finally:
+            self._writing = False
 
     def _break(self) -> None:
         self.broken = True
@@ -115,9 +125,7 @@ class Relay:
             self._loop = asyncio.get_running_loop()
             kick = bool(self._pending)
         outlet = self._outlets[key] = Outlet(send)
-        early = self._early.pop(key, None)
-        if early:
-            outlet.take(early)
+        outlet.queued.extend(self._early.pop(key, ()))  # for the opener's write_now
         if kick:
             self._drain()
         return outlet
@@ -184,7 +192,19 @@ def unmarked(message: dict) -> dict:
 async def relay_response(key: str, send: Send, receive) -> None:
     """Stream pipe `key` to the client with `send` (its start already sent) until the pipe
     closes or the client leaves."""
+    await follow(key, await opened(key, send), receive)
+
+
+async def opened(key: str, send: Send) -> Outlet:
+    """Pipe `key`'s outlet, with what the pipe wrote before it opened (the first token,
+    usually) written at once, right behind the start."""
     outlet = RELAY.open(key, send)
+    await outlet.write_now()
+    return outlet
+
+
+async def follow(key: str, outlet: Outlet, receive) -> None:
+    """Until the pipe closes or the client leaves; then the outlet is forgotten."""
     finished = asyncio.ensure_future(outlet.finished.wait())
     left = asyncio.ensure_future(_disconnect(receive))
     try:
