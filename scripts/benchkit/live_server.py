@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,6 +27,8 @@ def served(cfg) -> Iterator[str]:
         sys.exit(
             "a Ray cluster is already running on this host; wait for it to stop before benchmarking"
         )
+    # the last run's HAProxy may hold the port for a second or two after its Ray stopped
+    wait_for_free_port(cfg.server.port, within_s=15.0)
     base = start(cfg)
     try:
         yield base
@@ -49,11 +52,22 @@ def with_front_door(cfg, door: str | None):
     return cfg.replace(server={"front_door": door}) if door else cfg
 
 
-def require_free_port(port: int) -> None:
+def _port_taken(port: int) -> bool:
     with socket.socket() as sock:
-        port_taken = sock.connect_ex(("127.0.0.1", port)) == 0
-    if port_taken:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def require_free_port(port: int) -> None:
+    if _port_taken(port):
         sys.exit(f"port {port} is in use (another engineer's Serve?); pass --port")
+
+
+def wait_for_free_port(port: int, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while _port_taken(port):
+        if time.monotonic() > deadline:
+            sys.exit(f"port {port} is still in use after {within_s:.0f} s; stop what holds it")
+        time.sleep(0.2)
 
 
 @contextmanager
