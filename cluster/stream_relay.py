@@ -4,10 +4,10 @@ Serve hands each ASGI message of a streaming response from the thread that runs 
 the HTTP server's loop on its own: a wake-up of that loop, Serve's queue and middleware, and
 Starlette's, per token per request. At 32 streams that was most of the ingress's CPU a token
 (docs/BENCHMARKS.md). Behind the arrival gate (cluster/arrival_gate.py) a streaming handler
-instead answers with a marker response and pumps its SSE events into a `Pipe`; events from
-every request gather here, and one call hands them all to the HTTP server's loop, where each
-request's `Outlet` writes them with the server's own `send`. The gate strips the marker,
-keeps the request open until its pipe closes, and cancels the pump if the client leaves.
+instead answers with a marker response and pumps its SSE events into the relay (`pump`);
+events from every request gather here, and one call hands them all to the HTTP server's loop,
+where each request's `Outlet` writes them with the server's own `send`. The gate strips the
+marker, keeps the request open until its pump ends, and cancels the pump if the client leaves.
 
 Plain asyncio and threading, no Ray, no torch.
 """
@@ -36,7 +36,7 @@ class Outlet:
         self.finished = asyncio.Event()
         self.broken = False  # a write failed: the client is gone
         self._writing = False  # one writer at a time keeps the order
-        self._writer: asyncio.Task | None = None
+        self._writer: asyncio.Task | None = None  # held: the loop keeps tasks only weakly
 
     def take(self, items: list[bytes | None]) -> None:
         self.queued.extend(items)
@@ -187,12 +187,6 @@ def unmarked(message: dict) -> dict:
     """The response start as the client gets it: no marker, no length (it streams)."""
     headers = [(n, v) for n, v in message.get("headers", ()) if n.lower() not in _DROPPED]
     return {**message, "headers": headers}
-
-
-async def relay_response(key: str, send: Send, receive) -> None:
-    """Stream pipe `key` to the client with `send` (its start already sent) until the pipe
-    closes or the client leaves."""
-    await follow(key, await opened(key, send), receive)
 
 
 async def opened(key: str, send: Send) -> Outlet:

@@ -15,7 +15,12 @@ from starlette.responses import StreamingResponse
 from cluster import arrival_gate
 from cluster.admit_lanes import AdmitLanes
 from cluster.backpressure import Admission
-from cluster.stream_relay import MARKER, RELAY, marked_key, unmarked
+from cluster.stream_relay import MARKER, RELAY, follow, marked_key, opened, unmarked
+
+
+async def relayed(key: str, send, receive) -> None:
+    """What the gate does for a marked answer: open the outlet, then follow it to the end."""
+    await follow(key, await opened(key, send), receive)
 
 
 def open_streams() -> tuple[int, int]:
@@ -149,9 +154,7 @@ def test_events_written_before_the_gate_opens_the_outlet_are_kept():
         async def never():
             await asyncio.Event().wait()
 
-        relay = asyncio.ensure_future(
-            arrival_gate.stream_relay.relay_response("early", send, never)
-        )
+        relay = asyncio.ensure_future(relayed("early", send, never))
         async for _ in body:
             pass
         await asyncio.wait_for(relay, 2)
@@ -192,9 +195,7 @@ def test_a_write_that_fails_cancels_the_pump_though_no_disconnect_came():
 
         done = asyncio.Event()
         body = RELAY.pump("broken", events(), done.set)
-        relay = asyncio.ensure_future(
-            arrival_gate.stream_relay.relay_response("broken", send, never)
-        )
+        relay = asyncio.ensure_future(relayed("broken", send, never))
         await asyncio.wait_for(relay, 2)
         await asyncio.wait_for(done.wait(), 2)  # the pump ended, not run on for nobody
         await body.aclose()
