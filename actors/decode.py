@@ -84,7 +84,8 @@ class DecodeWorker(ModelWorker):
 
     async def stream(self, owner: str) -> AsyncIterator[DecodeBatch]:
         """`owner`'s messages, one per step that produced any of its chunks (or fewer, each
-        holding more, when the reader fell behind), until the reader goes away."""
+        holding more, when the reader fell behind), until the reader goes away. Read as a
+        Ray streaming call, or over a direct link (`link_stream`)."""
         outbox = self._outbox(owner)
         outbox.reader += 1
         me = outbox.reader
@@ -93,6 +94,9 @@ class DecodeWorker(ModelWorker):
             if outbox.reader == me and (outputs := outbox.take()):
                 self.num_messages += 1
                 yield DecodeBatch(outputs)
+
+    def link_stream(self, owner: str) -> AsyncIterator[DecodeBatch]:
+        return self.stream(owner)
 
     def _outbox(self, owner: str) -> _Outbox:
         if owner not in self._outboxes:

@@ -51,6 +51,8 @@ class _InFlight:
 
 
 class PrefillWorker(ModelWorker):
+    LINKED_CALLS = frozenset({"prefill"})
+
     def __init__(self, spec: WorkerSpec, settings: PrefillSettings):
         from actors.engine.lm_runner import LMRunner  # in the worker only (runtime.py)
         from actors.engine.prefill import PrefillEngine

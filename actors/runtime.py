@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from actors.host_cpu import HostCpu
 from actors.idle_cores import NodeBoard, ThreadPolicy
 from actors.models.source import resolve_checkpoint
+from actors.wire import LinkAddress, LinkServer
 
 if TYPE_CHECKING:
     from actors.models.adapter import ModelAdapter
@@ -55,6 +56,8 @@ class ModelWorker:
     """Base of the Ray actor classes: one torch thread pool, one model part, one executor
     thread so device work never blocks the actor's event loop."""
 
+    LINKED_CALLS: frozenset[str] = frozenset()  # async methods an ingress may call over a link
+
     def __init__(self, spec: WorkerSpec, part: str):
         import torch
 
@@ -86,6 +89,25 @@ class ModelWorker:
         # Units of work that reached this worker and that it finished (embeddings, prompt
         # tokens): autoscaling prices what arrives at the device time a unit took.
         self.work_in = self.work_done = 0
+        self._link: LinkServer | None = None
+
+    async def link_address(self) -> LinkAddress:
+        """Where an ingress replica reaches this worker over a direct link (actors/wire.py):
+        its `link_stream` and its LINKED_CALLS, at a fraction of a Ray call's cost."""
+        if self._link is None:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+            self._link = LinkServer(host, streamer=self.link_stream, caller=self._linked_call)
+        return await self._link.address()
+
+    def link_stream(self, argument):
+        raise ValueError(f"{type(self).__name__} streams nothing over a link")
+
+    async def _linked_call(self, method: str, args: tuple):
+        if method not in self.LINKED_CALLS:
+            raise ValueError(f"{method!r} cannot be called over a link")
+        return await getattr(self, method)(*args)
 
     def reconfigure(self, settings, slowdown: float) -> None:
         """Take a redeploy's live settings in place (cluster/config.py LIVE_FIELDS); the

@@ -375,6 +375,14 @@ class TransportConfig(Strict):
         Transport.OBJECT_STORE,
         description="How KV caches travel prefill -> decode (the same choices).",
     )
+    direct_links: bool = Field(
+        True,
+        description="Control messages (decode steps' tokens, prefill calls and answers) between "
+        "ingress replicas and workers over direct TCP links to each worker's node address (an "
+        "ephemeral port; actors/wire.py) instead of Ray calls: tens of microseconds a message, "
+        "not a millisecond. False where the cluster's network allows only Ray's own ports; a "
+        "link that cannot connect falls back to Ray by itself.",
+    )
 
 
 class RemoteMediaConfig(Strict):

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 from collections.abc import AsyncIterator, Callable
 
 import ray.exceptions as rx
 
+from actors import wire
 from actors.types import DecodeBatch, TokenChunk
 from cluster.leftovers import detached
+from cluster.worker_links import link_lost
+
+log = logging.getLogger(__name__)
 
 Opener = Callable[[], AsyncIterator[DecodeBatch]]
 
@@ -98,11 +103,36 @@ def ray_stream(worker, owner: str) -> Opener:
     return batches
 
 
+def link_stream(worker, owner: str) -> Opener:
+    """The opener of `worker`'s stream over a direct link (actors/wire.py); over Ray when the
+    link cannot connect. A link that breaks reads as the actor gone, naming it."""
+
+    async def batches() -> AsyncIterator[DecodeBatch]:
+        try:
+            address = await detached(worker.link_address.remote)
+            messages = await wire.open_stream(address, owner)
+        except wire.LinkClosed as exc:
+            log.warning("decode worker's link unreachable (%s): its stream goes over Ray", exc)
+            messages = ray_stream(worker, owner)()
+        try:
+            async for batch in messages:
+                yield batch
+        except wire.LinkClosed as exc:
+            raise link_lost(worker, exc) from None
+        finally:
+            await messages.aclose()
+
+    return batches
+
+
 class DecodeFeeds:
     """This replica's feeds, one per live decode actor (a restarted worker is a new actor)."""
 
-    def __init__(self, owner: str, on_step: Callable[[float], None] | None = None):
+    def __init__(
+        self, owner: str, on_step: Callable[[float], None] | None = None, direct: bool = True
+    ):
         self.owner, self._on_step = owner, on_step
+        self._open = link_stream if direct else ray_stream
         self._feeds: dict[str, DecodeFeed] = {}
 
     def of(self, worker) -> DecodeFeed:
@@ -110,5 +140,5 @@ class DecodeFeeds:
         feed = self._feeds.get(key)
         if feed is None or feed.failure is not None:
             self._feeds = {k: f for k, f in self._feeds.items() if f.failure is None}
-            feed = self._feeds[key] = DecodeFeed(ray_stream(worker, self.owner), self._on_step)
+            feed = self._feeds[key] = DecodeFeed(self._open(worker, self.owner), self._on_step)
         return feed

@@ -43,6 +43,7 @@ from cluster.recovery import (
 )
 from cluster.routing import LiveRouting, RoutingUnavailable
 from cluster.trace import TraceWriter
+from cluster.worker_links import WorkerLinks
 from router.types import RequestProfile, RouteDecision, WorkerKind
 
 ROUTE_RETRY_S = 0.1  # how often a request waiting for a healthy worker tries again
@@ -91,7 +92,10 @@ class RequestPath:
         # then sends a reference, and the event loop never serializes pixels.
         self.intake = Intake(config, planner, store=ray.put)
         self._decode_step = metrics.stage.labels("decode_step")  # observed once per step
-        self.feeds = DecodeFeeds(fleet.owner, self._record_step)
+        self.feeds = DecodeFeeds(
+            fleet.owner, self._record_step, direct=config.transport.direct_links
+        )
+        self.links = WorkerLinks(direct=config.transport.direct_links)  # prefill calls
         self.fleet_retired: str | None = None  # why, once a redeploy retired this fleet
 
     # -- 1. admit -------------------------------------------------------------------------
@@ -306,7 +310,7 @@ class RequestPath:
         the receive answers. The encoders' references go once the embeddings are delivered."""
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         if not encoded:
-            return await _sent(prefill, request), None
+            return await self._sent(prefill, request), None
         released = False
 
         def release() -> (
@@ -333,9 +337,9 @@ class RequestPath:
 
         try:
             if self.config.prefill.overlap_encode:
-                return await overlapped(_sent(prefill, request), deliver())
+                return await overlapped(self._sent(prefill, request), deliver())
             received = await deliver()
-            return await _sent(prefill, request), received
+            return await self._sent(prefill, request), received
         finally:
             release()  # a delivery cancelled before it ever started released nothing
 
@@ -434,7 +438,6 @@ class RequestPath:
         self.metrics.prefix_cache_queries.inc(result.num_prompt_tokens)
         self.metrics.prefix_cache_hits.inc(result.num_cached_tokens)
 
-
-def _sent(prefill, request: PrefillRequest):
-    """The prefill call, stamped with when it left: the worker times the hop in."""
-    return prefill.prefill.remote(replace(request, sent_at_s=time.time()))
+    def _sent(self, prefill, request: PrefillRequest) -> Awaitable[PrefillResult]:
+        """The prefill call, stamped with when it left: the worker times the hop in."""
+        return self.links.call(prefill, "prefill", replace(request, sent_at_s=time.time()))

@@ -202,6 +202,7 @@ class Serving:
         self.supervisor.stop()
         self.shared_metrics.stop()
         self.lanes.close()
+        self.path.links.close()
         self.fleet.close()
         try:
             await self.fleet.controller.unregister.remote(self.fleet.owner)

@@ -1,0 +1,240 @@
+"""Direct TCP links for control messages between an ingress replica and a worker.
+
+A Ray actor call or streaming item costs about a millisecond of latency and a few hundred
+microseconds of CPU on each side (its RPCs, its threads, cloudpickle); a decode step's
+message or a prefill call's answer is a few kB of plain data. Over a link of its own it is a
+length-prefixed pickle on an asyncio stream: tens of microseconds. Tensors never travel
+here (they stay on the object store or RDT), and Ray still starts, places and watches the
+actors: a link is only a faster road between two live ones.
+
+The worker listens on its node's address (`LinkServer`); the ingress learns the address and
+a one-time token through a Ray call, connects, and names what it wants in its first frame:
+a stream of a worker's messages (`STREAM`) or calls (`CALL`, several in flight on one link).
+A link that breaks ends its stream and fails its calls with `LinkClosed`, as a dead actor's
+would; callers treat both alike.
+
+Plain asyncio and pickle: no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import pickle
+import secrets
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from enum import Enum
+
+_HEADER = struct.Struct("!I")  # a frame: its length, then a pickle
+TOKEN_CHARS = 32
+MAX_FRAME_BYTES = 64 << 20  # a control message is kB; anything near this is a broken peer
+
+
+class LinkKind(str, Enum):
+    STREAM = "stream"  # the worker writes messages until the ingress goes away
+    CALL = "call"  # the ingress sends (call id, method, args); the worker answers each
+
+
+CANCEL = ""  # a call frame with this method: the caller stopped waiting for that call id
+
+
+class LinkClosed(ConnectionError):
+    """The link broke: its worker died, or its connection was cut."""
+
+
+@dataclass(frozen=True)
+class LinkAddress:
+    host: str
+    port: int
+    token: str  # proves the peer learnt the address from the worker (through Ray)
+
+
+def write_frame(writer: asyncio.StreamWriter, message) -> None:
+    data = pickle.dumps(message, protocol=5)
+    writer.write(_HEADER.pack(len(data)) + data)
+
+
+async def read_frame(reader: asyncio.StreamReader):
+    try:
+        (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+        if size > MAX_FRAME_BYTES:
+            raise LinkClosed(f"a frame of {size} bytes: not a link peer")
+        return pickle.loads(await reader.readexactly(size))
+    except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+        raise LinkClosed(str(exc) or type(exc).__name__) from None
+
+
+Streamer = Callable[[object], AsyncIterator]  # (hello argument) -> messages to write
+Caller = Callable[[str, tuple], Awaitable]  # (method, args) -> its answer
+
+
+class LinkServer:
+    """A worker's end: accepts links on its node's address, serving streams and calls."""
+
+    def __init__(self, host: str, streamer: Streamer | None = None, caller: Caller | None = None):
+        self._host, self._streamer, self._caller = host, streamer, caller
+        self._token = secrets.token_hex(TOKEN_CHARS // 2)
+        self._server: asyncio.Server | None = None
+        self._calls: dict[tuple[int, int], asyncio.Task] = {}  # (link, call id) -> its task
+
+    async def address(self) -> LinkAddress:
+        """Listen (once) and say where."""
+        if self._server is None:
+            self._server = await asyncio.start_server(self._accept, self._host, 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return LinkAddress(self._host, port, self._token)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            # The token comes first and raw: nothing from a peer is unpickled before it proves
+            # it learnt the address from the worker.
+            token = await asyncio.wait_for(reader.readexactly(TOKEN_CHARS), timeout=10)
+            if not secrets.compare_digest(token, self._token.encode()):
+                return
+            kind, argument = await read_frame(reader)
+            if kind == LinkKind.STREAM and self._streamer is not None:
+                await _serve_stream(self._streamer(argument), reader, writer)
+            elif kind == LinkKind.CALL and self._caller is not None:
+                await self._serve_calls(reader, writer)
+        except Exception:  # noqa: BLE001 - a peer that is gone or is not one: nothing to answer
+            pass
+        finally:
+            writer.close()
+
+    async def _serve_calls(self, reader, writer) -> None:
+        """Each call in a task of its own; a cancel frame cancels its call, as a cancelled Ray
+        call would be; calls still running when the link breaks are cancelled too."""
+        link = id(writer)
+        try:
+            while True:
+                call_id, method, args = await read_frame(reader)
+                if method == CANCEL:
+                    if (task := self._calls.get((link, call_id))) is not None:
+                        task.cancel()
+                    continue
+                task = asyncio.create_task(self._answer(writer, call_id, method, args))
+                self._calls[(link, call_id)] = task
+                task.add_done_callback(lambda _, key=(link, call_id): self._calls.pop(key, None))
+        finally:
+            for (owner, _), task in list(self._calls.items()):
+                if owner == link:
+                    task.cancel()
+
+    async def _answer(self, writer, call_id: int, method: str, args: tuple) -> None:
+        try:
+            answer = (call_id, True, await self._caller(method, args))
+        except Exception as exc:  # noqa: BLE001 - the caller's to raise, as Ray would
+            answer = (call_id, False, _portable(exc))
+        if not writer.is_closing():
+            write_frame(writer, answer)
+
+
+async def _serve_stream(messages: AsyncIterator, reader, writer) -> None:
+    """Write `messages` until the peer leaves (its end reads as EOF), however idle."""
+    gone = asyncio.ensure_future(reader.read(1))
+    try:
+        while True:
+            following = asyncio.ensure_future(anext(messages))
+            await asyncio.wait((following, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not following.done():
+                following.cancel()
+                return
+            write_frame(writer, following.result())  # StopAsyncIteration ends it
+            await writer.drain()  # a reader that fell behind holds the worker's next message
+    except StopAsyncIteration:
+        return
+    finally:
+        gone.cancel()
+
+
+def _portable(exc: Exception) -> Exception:
+    """`exc` if it pickles, else a RuntimeError that names it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:  # noqa: BLE001 - whatever failed, the name still travels
+        return RuntimeError(repr(exc))
+
+
+async def _connect(address: LinkAddress, kind: LinkKind, argument=None):
+    try:
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+    except OSError as exc:
+        raise LinkClosed(f"cannot reach {address.host}:{address.port}: {exc}") from None
+    writer.write(address.token.encode())
+    write_frame(writer, (kind, argument))
+    return reader, writer
+
+
+async def open_stream(address: LinkAddress, argument) -> AsyncIterator:
+    """The worker's messages for `argument`, until the link breaks (`LinkClosed`); connected
+    before it returns, so an unreachable worker raises here."""
+    reader, writer = await _connect(address, LinkKind.STREAM, argument)
+    return _frames(reader, writer)
+
+
+async def _frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> AsyncIterator:
+    try:
+        while True:
+            yield await read_frame(reader)
+    finally:
+        writer.close()
+
+
+class CallLink:
+    """The ingress's end of a link for calls: several in flight, answered in any order."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self._writer = writer
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future] = {}
+        self.failure: LinkClosed | None = None
+        self._reader = asyncio.create_task(self._read(reader))
+
+    @classmethod
+    async def open(cls, address: LinkAddress) -> CallLink:
+        return cls(*await _connect(address, LinkKind.CALL))
+
+    async def call(self, method: str, *args):
+        """The worker's answer; its exception raised here; `LinkClosed` if the link broke."""
+        if self.failure is not None:
+            raise self.failure
+        call_id = next(self._ids)
+        future = self._waiting[call_id] = asyncio.get_running_loop().create_future()
+        write_frame(self._writer, (call_id, method, args))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if not self._writer.is_closing():
+                write_frame(self._writer, (call_id, CANCEL, ()))
+            raise
+        finally:
+            self._waiting.pop(call_id, None)  # answered, or its caller stopped waiting
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                call_id, ok, value = await read_frame(reader)
+                future = self._waiting.get(call_id)
+                if future is None or future.done():
+                    continue  # its caller left
+                future.set_result(value) if ok else future.set_exception(value)
+        except LinkClosed as exc:
+            self.failure = exc
+        except Exception as exc:  # noqa: BLE001 - a frame that is not an answer breaks the link
+            self.failure = LinkClosed(f"a broken answer: {exc!r}")
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(self.failure)
+        self._writer.close()
+
+    def close(self) -> None:
+        """Fail what waits and hang up (a replica retiring its fleet)."""
+        self._reader.cancel()
+        self.failure = self.failure or LinkClosed("closed by this end")
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(self.failure)
+        self._writer.close()

@@ -1,0 +1,71 @@
+"""A replica's call links to its workers (actors/wire.py): one per live actor, opened on first
+use, reopened for a restarted worker (a new actor). What comes back looks as it would over a
+Ray call: the worker's own exception as a `RayTaskError` (the request's failure), a broken
+link as `ActorUnavailableError` naming the actor (the worker's, retried elsewhere). A worker
+whose link cannot connect is called over Ray, with a warning, from then on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray.exceptions as rx
+
+from actors import wire
+from cluster.leftovers import detached
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLinks:
+    def __init__(self, direct: bool = True):
+        self.direct = direct
+        self._links: dict[str, asyncio.Future] = {}  # actor id -> its CallLink, or None: Ray
+
+    async def call(self, worker, method: str, *args):
+        """`worker.method(*args)`, over the worker's link where there is one."""
+        link = await self._link(worker) if self.direct else None
+        if link is None:
+            return await getattr(worker, method).remote(*args)
+        try:
+            return await link.call(method, *args)
+        except wire.LinkClosed as exc:
+            raise link_lost(worker, exc) from None
+        except Exception as exc:  # noqa: BLE001 - raised by the worker's code
+            raise rx.RayTaskError(method, f"{type(exc).__name__}: {exc}", exc) from None
+
+    async def _link(self, worker) -> wire.CallLink | None:
+        key = worker._actor_id.hex()
+        opening = self._links.get(key)
+        if opening is not None and opening.done() and _broken(opening):
+            opening = None  # its worker restarted or its connection was cut: a new link
+        if opening is None:  # shared: calls that come while it opens wait for the same one
+            opening = self._links[key] = asyncio.ensure_future(_open(worker))
+        return await asyncio.shield(opening)
+
+    def close(self) -> None:
+        for opening in self._links.values():
+            if opening.done() and not opening.cancelled() and opening.result() is not None:
+                opening.result().close()
+        self._links.clear()
+
+
+def link_lost(worker, exc: wire.LinkClosed) -> rx.ActorUnavailableError:
+    """A broken link as Ray reports an actor it cannot reach: naming it, so it is retried."""
+    return rx.ActorUnavailableError(f"its link broke: {exc}", worker._actor_id.binary())
+
+
+def _broken(opening: asyncio.Future) -> bool:
+    if opening.cancelled() or opening.exception() is not None:
+        return True
+    link = opening.result()
+    return link is not None and link.failure is not None
+
+
+async def _open(worker) -> wire.CallLink | None:
+    address = await detached(worker.link_address.remote)
+    try:
+        return await wire.CallLink.open(address)
+    except wire.LinkClosed as exc:
+        log.warning("worker's link unreachable (%s): its calls go over Ray", exc)
+        return None
