@@ -178,6 +178,7 @@ class DecodeWorker(ModelWorker):
             "held_kv": len(self.inbox),
             "open_streams": len(self._owner_of),
             "messages": self.num_messages,
+            "link_messages": self.link_messages,
             "step_threads": self.step_threads,
         }
 

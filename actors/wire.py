@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import pickle
 import secrets
 import struct
@@ -27,6 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
 
+log = logging.getLogger(__name__)
 _HEADER = struct.Struct("!I")  # a frame: its length, then a pickle
 TOKEN_CHARS = 32
 MAX_FRAME_BYTES = 64 << 20  # a control message is kB; anything near this is a broken peer
@@ -78,6 +80,7 @@ class LinkServer:
         self._token = secrets.token_hex(TOKEN_CHARS // 2)
         self._server: asyncio.Server | None = None
         self._calls: dict[tuple[int, int], asyncio.Task] = {}  # (link, call id) -> its task
+        self.num_sent = 0  # stream messages and call answers written, for the worker's stats
 
     async def address(self) -> LinkAddress:
         """Listen (once) and say where."""
@@ -95,11 +98,13 @@ class LinkServer:
                 return
             kind, argument = await read_frame(reader)
             if kind == LinkKind.STREAM and self._streamer is not None:
-                await _serve_stream(self._streamer(argument), reader, writer)
+                await self._serve_stream(self._streamer(argument), reader, writer)
             elif kind == LinkKind.CALL and self._caller is not None:
                 await self._serve_calls(reader, writer)
-        except Exception:  # noqa: BLE001 - a peer that is gone or is not one: nothing to answer
-            pass
+        except (LinkClosed, ConnectionError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            pass  # a peer that is gone, or one that never sent its token: nothing to answer
+        except Exception:  # noqa: BLE001 - a peer with the token: ours to find out about
+            log.exception("a link to this worker failed")
         finally:
             writer.close()
 
@@ -129,24 +134,25 @@ class LinkServer:
             answer = (call_id, False, _portable(exc))
         if not writer.is_closing():
             write_frame(writer, answer)
+            self.num_sent += 1
 
-
-async def _serve_stream(messages: AsyncIterator, reader, writer) -> None:
-    """Write `messages` until the peer leaves (its end reads as EOF), however idle."""
-    gone = asyncio.ensure_future(reader.read(1))
-    try:
-        while True:
-            following = asyncio.ensure_future(anext(messages))
-            await asyncio.wait((following, gone), return_when=asyncio.FIRST_COMPLETED)
-            if not following.done():
-                following.cancel()
-                return
-            write_frame(writer, following.result())  # StopAsyncIteration ends it
-            await writer.drain()  # a reader that fell behind holds the worker's next message
-    except StopAsyncIteration:
-        return
-    finally:
-        gone.cancel()
+    async def _serve_stream(self, messages: AsyncIterator, reader, writer) -> None:
+        """Write `messages` until the peer leaves (its end reads as EOF), however idle."""
+        gone = asyncio.ensure_future(reader.read(1))
+        try:
+            while True:
+                following = asyncio.ensure_future(anext(messages))
+                await asyncio.wait((following, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not following.done():
+                    following.cancel()
+                    return
+                write_frame(writer, following.result())  # StopAsyncIteration ends it
+                self.num_sent += 1
+                await writer.drain()  # a reader that fell behind holds the next message
+        except StopAsyncIteration:
+            return
+        finally:
+            gone.cancel()
 
 
 def _portable(exc: Exception) -> Exception:
@@ -222,18 +228,17 @@ class CallLink:
                     continue  # its caller left
                 future.set_result(value) if ok else future.set_exception(value)
         except LinkClosed as exc:
-            self.failure = exc
+            self._fail(exc)
         except Exception as exc:  # noqa: BLE001 - a frame that is not an answer breaks the link
-            self.failure = LinkClosed(f"a broken answer: {exc!r}")
-        for future in self._waiting.values():
-            if not future.done():
-                future.set_exception(self.failure)
-        self._writer.close()
+            self._fail(LinkClosed(f"a broken answer: {exc!r}"))
 
     def close(self) -> None:
         """Fail what waits and hang up (a replica retiring its fleet)."""
         self._reader.cancel()
-        self.failure = self.failure or LinkClosed("closed by this end")
+        self._fail(LinkClosed("closed by this end"))
+
+    def _fail(self, failure: LinkClosed) -> None:
+        self.failure = self.failure or failure
         for future in self._waiting.values():
             if not future.done():
                 future.set_exception(self.failure)

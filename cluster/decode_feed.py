@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import logging
 from collections.abc import AsyncIterator, Callable
 
 import ray.exceptions as rx
@@ -15,9 +14,7 @@ import ray.exceptions as rx
 from actors import wire
 from actors.types import DecodeBatch, TokenChunk
 from cluster.leftovers import detached
-from cluster.worker_links import link_lost
-
-log = logging.getLogger(__name__)
+from cluster.worker_links import link_lost, open_link
 
 Opener = Callable[[], AsyncIterator[DecodeBatch]]
 
@@ -108,12 +105,8 @@ def link_stream(worker, owner: str) -> Opener:
     link cannot connect. A link that breaks reads as the actor gone, naming it."""
 
     async def batches() -> AsyncIterator[DecodeBatch]:
-        try:
-            address = await detached(worker.link_address.remote)
-            messages = await wire.open_stream(address, owner)
-        except wire.LinkClosed as exc:
-            log.warning("decode worker's link unreachable (%s): its stream goes over Ray", exc)
-            messages = ray_stream(worker, owner)()
+        messages = await open_link(worker, lambda address: wire.open_stream(address, owner))
+        messages = messages or ray_stream(worker, owner)()
         try:
             async for batch in messages:
                 yield batch

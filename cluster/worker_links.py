@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import ray.exceptions as rx
 
@@ -15,6 +17,7 @@ from actors import wire
 from cluster.leftovers import detached
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class WorkerLinks:
@@ -62,10 +65,16 @@ def _broken(opening: asyncio.Future) -> bool:
     return link is not None and link.failure is not None
 
 
-async def _open(worker) -> wire.CallLink | None:
+async def open_link(worker, connect: Callable[[wire.LinkAddress], Awaitable[T]]) -> T | None:
+    """`connect` to `worker`'s link address; None (with a warning) if it cannot be reached,
+    and the caller goes over Ray instead."""
     address = await detached(worker.link_address.remote)
     try:
-        return await wire.CallLink.open(address)
+        return await connect(address)
     except wire.LinkClosed as exc:
-        log.warning("worker's link unreachable (%s): its calls go over Ray", exc)
+        log.warning("worker's link unreachable (%s): it is used over Ray", exc)
         return None
+
+
+def _open(worker) -> Awaitable[wire.CallLink | None]:
+    return open_link(worker, wire.CallLink.open)

@@ -237,6 +237,8 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport, 
     )  # idle: nothing pinned
     assert max(w["max_batch"] for w in workers["encoder"]) > 1, workers  # batching really happened
     assert max(w["max_batch"] for w in workers["decode"]) > 1, workers
+    for kind in ("prefill", "decode"):  # the default config's direct links carried them
+        assert sum(w["link_messages"] for w in workers[kind]) > 0, workers
     assert all(w["rows"] == 0 for w in workers["decode"]) and all(
         w["held_kv"] == 0 for w in workers["prefill"]
     ), workers
