@@ -20,7 +20,8 @@ import ray
 from actors.engine.batching import MicroBatcher
 from actors.engine.encoder_cache import EncoderCache, EntryState
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
-from actors.types import Delivered, EncodeJob, EncodeStats, WorkerRequestError
+from actors.types import Delivered, EncodeJob, EncodeStats, WorkerRequestError, hop_ms
+from actors.worker_links import WorkerLinks
 from router.worker_settings import EncoderSettings
 
 if TYPE_CHECKING:
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
 
 
 class EncoderWorker(ModelWorker):
+    # An item small enough to ride inside its call comes over the ingress's link, and its
+    # release follows it there (so it never overtakes the call).
+    LINKED_CALLS = frozenset({"encode", "drop"})
+
     def __init__(self, spec: WorkerSpec, settings: EncoderSettings):
         from actors.models.adapter import Part  # in the worker only (runtime.py)
 
@@ -41,6 +46,7 @@ class EncoderWorker(ModelWorker):
             key=lambda job: job.item.modality,
         )
         self._running = 0
+        self.links = WorkerLinks()  # to prefill workers, for embeddings small enough to inline
 
     def take_settings(self, settings: EncoderSettings) -> None:
         self.batcher.max_wait_s = settings.max_wait_ms / 1e3
@@ -66,15 +72,23 @@ class EncoderWorker(ModelWorker):
         """The item's embeddings and how their encoding went; with `job.deliver_to`, handed to
         that prefill worker from here (one hop, not two through the ingress): then only the
         stats and when the embeddings arrived come back."""
-        encoded = await self._encoded(job)
+        arrived_s = time.time()
+        embedding, stats = await self._encoded(job)
+        encoded = embedding, dataclasses.replace(stats, hop_in_ms=hop_ms(job.sent_at_s, arrived_s))
         if job.deliver_to is None:
             return encoded
+        return Delivered(encoded[1], await self._deliver(job, encoded))
+
+    async def _deliver(self, job: EncodeJob, encoded: tuple[torch.Tensor, EncodeStats]) -> float:
+        """Hand the embeddings to the prefill worker: small ones inside a call on its link,
+        others through the object store. Returns when they arrived (its wall clock)."""
+        args = job.request_id, job.slot, encoded
+        if encoded[0].numel() * encoded[0].element_size() <= job.inline_max_bytes:
+            return await self.links.call(job.deliver_to, "receive", *args)
         # In a context of its own: a client that leaves makes Ray cancel this call and its
         # children, and a call cancelled while Ray resolves its (large, stored) argument kills
         # the calling process (cluster/leftovers.py).
-        receive = job.deliver_to.receive.remote
-        received_at_s = await contextvars.Context().run(receive, job.request_id, job.slot, encoded)
-        return Delivered(encoded[1], received_at_s)
+        return await contextvars.Context().run(job.deliver_to.receive.remote, *args)
 
     async def _encoded(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats]:
         identifier = job.item.identifier
@@ -103,7 +117,9 @@ class EncoderWorker(ModelWorker):
         self.cache.start(identifier, job.request_id, pending)
         self.work_in += job.num_embeddings
         try:
+            fetching_s = time.perf_counter()
             job = await _with_pixels(job)
+            fetch_ms = (time.perf_counter() - fetching_s) * 1e3
             (embedding, encode_ms), queue_ms, batch_size = await self.batcher.submit(job)
         except BaseException as exc:
             self.cache.fail(identifier)
@@ -116,7 +132,12 @@ class EncoderWorker(ModelWorker):
         self.cache.fill(identifier, embedding, embedding.numel() * embedding.element_size())
         pending.set_result(embedding)
         return embedding, EncodeStats(
-            identifier, queue_ms, encode_ms, batch_size, finished_at_s=time.time()
+            identifier,
+            queue_ms,
+            encode_ms,
+            batch_size,
+            finished_at_s=time.time(),
+            fetch_ms=fetch_ms,
         )
 
     def drop(self, request_id: str) -> int:
@@ -144,6 +165,7 @@ class EncoderWorker(ModelWorker):
             "max_batch": self.batcher.max_batch_seen,
             "step_threads": self.step_threads,
             "busy_s": self.busy_s,
+            "link_messages": self.link_messages,
             "work_in": self.work_in,
             "work_done": self.work_done,
             **self.cache.stats().as_flat_dict(),

@@ -51,7 +51,7 @@ class _InFlight:
 
 
 class PrefillWorker(ModelWorker):
-    LINKED_CALLS = frozenset({"prefill"})
+    LINKED_CALLS = frozenset({"prefill", "receive"})
 
     def __init__(self, spec: WorkerSpec, settings: PrefillSettings):
         from actors.engine.lm_runner import LMRunner  # in the worker only (runtime.py)

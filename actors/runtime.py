@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import os
 import time
 import warnings
@@ -56,7 +57,7 @@ class ModelWorker:
     """Base of the Ray actor classes: one torch thread pool, one model part, one executor
     thread so device work never blocks the actor's event loop."""
 
-    LINKED_CALLS: frozenset[str] = frozenset()  # async methods an ingress may call over a link
+    LINKED_CALLS: frozenset[str] = frozenset()  # methods a peer may call over a link
 
     def __init__(self, spec: WorkerSpec, part: str):
         import torch
@@ -112,7 +113,8 @@ class ModelWorker:
     async def _linked_call(self, method: str, args: tuple):
         if method not in self.LINKED_CALLS:
             raise ValueError(f"{method!r} cannot be called over a link")
-        return await getattr(self, method)(*args)
+        answer = getattr(self, method)(*args)
+        return await answer if inspect.isawaitable(answer) else answer
 
     def reconfigure(self, settings, slowdown: float) -> None:
         """Take a redeploy's live settings in place (cluster/config.py LIVE_FIELDS); the

@@ -138,6 +138,10 @@ class EncodeJob:
     # itself, as item `slot` of the request, and answers the ingress with a `Delivered`.
     deliver_to: Any = None
     slot: int = 0
+    sent_at_s: float = 0.0  # wall clock as the ingress sent the call: the encoder times the hop
+    # Embeddings of at most this many bytes go to `deliver_to` inside a direct link's call
+    # (transport.inline_max_bytes); larger ones, or 0, through the object store.
+    inline_max_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -253,6 +257,8 @@ class EncodeStats:
     batch_size: int
     cache_hit: bool = False
     finished_at_s: float = 0.0  # wall clock when the embeddings were ready (transfer timing)
+    hop_in_ms: float = 0.0  # the encode call's way from the ingress to the encoder
+    fetch_ms: float = 0.0  # the item's pixels fetched from the object store (a cache miss)
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@
 A Ray actor call or streaming item costs about a millisecond of latency and a few hundred
 microseconds of CPU on each side (its RPCs, its threads, cloudpickle); a decode step's
 message or a prefill call's answer is a few kB of plain data. Over a link of its own it is a
-length-prefixed pickle on an asyncio stream: tens of microseconds. Tensors never travel
-here (they stay on the object store or RDT), and Ray still starts, places and watches the
-actors: a link is only a faster road between two live ones.
+length-prefixed pickle on an asyncio stream: tens of microseconds. Tensors travel here only
+when small enough to inline (transport.inline_max_bytes: a small image's pixels in its encode
+call, its embeddings in the encoder's push); the rest stay on the object store or RDT. Ray
+still starts, places and watches the actors: a link is only a faster road between two live
+ones.
 
 The worker listens on its node's address (`LinkServer`); the ingress learns the address and
 a one-time token through a Ray call, connects, and names what it wants in its first frame:

@@ -383,6 +383,22 @@ class TransportConfig(Strict):
         "not a millisecond. False where the cluster's network allows only Ray's own ports; a "
         "link that cannot connect falls back to Ray by itself.",
     )
+    inline_max_bytes: int = Field(
+        1 << 20,
+        ge=0,
+        description="With direct_links and embeddings over object_store: an item's decoded "
+        "pixels (ingress -> encoder) and its embeddings (encoder -> prefill) of at most this "
+        "many bytes travel inside the link's call, as Ray inlines small arguments, instead of "
+        "a put and a fetch through the object store (each about a millisecond on a CPU host). "
+        "Larger ones still go through the object store; 0: always. Inline pixels stay in the "
+        "ingress until their request ends (at most this much per item).",
+    )
+
+    @property
+    def inline_bytes(self) -> int:
+        """The inline bound in force: 0 where links are off or embeddings move otherwise."""
+        use = self.direct_links and self.embeddings == Transport.OBJECT_STORE
+        return self.inline_max_bytes if use else 0
 
 
 class RemoteMediaConfig(Strict):

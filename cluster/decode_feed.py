@@ -13,8 +13,8 @@ import ray.exceptions as rx
 
 from actors import wire
 from actors.types import DecodeBatch, TokenChunk
+from actors.worker_links import link_lost, open_link
 from cluster.leftovers import detached
-from cluster.worker_links import link_lost, open_link
 
 Opener = Callable[[], AsyncIterator[DecodeBatch]]
 

@@ -201,8 +201,8 @@ class Intake:
                 )
             item = self._load(part, budget)
             # Audio waits for the plan, which cuts it into windows that read its samples.
-            if self.store is not None and item.modality != Modality.AUDIO:
-                item = item.stored(self.store(item.data))
+            if item.modality != Modality.AUDIO:
+                item = self._stored_item(item)
             items.append(item)
         return items
 
@@ -232,14 +232,19 @@ class Intake:
         return item
 
     def _stored(self, plan: PromptPlan) -> PromptPlan:
-        """The plan with every item's data in the object store (audio windows go now)."""
+        """The plan with every item's data in the object store (audio windows go now), but
+        for those small enough to travel inline."""
         if self.store is None or all(item.data_ref is not None for item in plan.items):
             return plan
-        items = tuple(
-            item if item.data_ref is not None else item.stored(self.store(item.data))
-            for item in plan.items
-        )
-        return dataclasses.replace(plan, items=items)
+        return dataclasses.replace(plan, items=tuple(map(self._stored_item, plan.items)))
+
+    def _stored_item(self, item: MediaItem) -> MediaItem:
+        """`item` with its data in the object store, unless it is there already or small
+        enough to ride inside its encode call (`transport.inline_max_bytes`)."""
+        inline = item.data.nbytes <= self.config.transport.inline_bytes
+        if self.store is None or item.data_ref is not None or inline:
+            return item
+        return item.stored(self.store(item.data))
 
     def _low_detail(self, item: MediaItem) -> MediaItem:
         """image_url.detail "low": the shrunk image, under its own content identifier."""

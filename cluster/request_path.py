@@ -24,6 +24,7 @@ from actors.types import (
     TokenChunk,
     hop_ms,
 )
+from actors.worker_links import WorkerLinks
 from cluster.admitted import Admitted, Endpoint, Job
 from cluster.config import ClusterConfig, Transport
 from cluster.decode_feed import DecodeFeeds
@@ -43,7 +44,6 @@ from cluster.recovery import (
 )
 from cluster.routing import LiveRouting, RoutingUnavailable
 from cluster.trace import TraceWriter
-from cluster.worker_links import WorkerLinks
 from router.types import RequestProfile, RouteDecision, WorkerKind
 
 ROUTE_RETRY_S = 0.1  # how often a request waiting for a healthy worker tries again
@@ -62,6 +62,9 @@ class RequestTimings:
     encode_ms: float = 0.0  # the slowest item's encode queue + compute
     encode_queue_ms: float = 0.0  # that item's wait for the encoder's batch
     encode_compute_ms: float = 0.0
+    encode_hop_in_ms: float = 0.0  # that item's encode call, ingress to encoder
+    pixels_fetch_ms: float = 0.0  # and its pixels' fetch from the object store
+    item_wait_ms: float = 0.0  # the prefill's wait for embeddings (encode/prefill overlap)
     transfer_ms: float = 0.0  # embeddings from the encoder to the prefill worker
     prefill_call_ms: float = 0.0  # the prefill call as the ingress saw it (hops included)
     prefill_hop_in_ms: float = 0.0  # of prefill_call_ms: the call's way to the worker
@@ -238,13 +241,28 @@ class RequestPath:
         encoders = self.fleet.pools[WorkerKind.ENCODER]
         option = self.fleet.transport_option(self.config.transport.embeddings)
         push = self.fleet.pools[WorkerKind.PREFILL][decision.prefill] if self._pushes else None
-        plan = job.adm.plan
-        return [
-            with_options(encoders[decision.encoder_for(item.modality.value)].encode, option).remote(
-                EncodeJob(job.job_id, item, n, deliver_to=push, slot=slot)
+        inline_bytes, plan, calls = self.config.transport.inline_bytes, job.adm.plan, []
+        for slot, (item, n) in enumerate(zip(plan.items, plan.num_embeddings)):
+            encoder = encoders[decision.encoder_for(item.modality.value)]
+            encode = EncodeJob(
+                job.job_id,
+                item,
+                n,
+                push,
+                slot,
+                sent_at_s=time.time(),
+                inline_max_bytes=inline_bytes,
             )
-            for slot, (item, n) in enumerate(zip(plan.items, plan.num_embeddings))
-        ]
+            if self._linked(item):  # its pixels ride in the call
+                calls.append(asyncio.ensure_future(self.links.call(encoder, "encode", encode)))
+            else:
+                calls.append(with_options(encoder.encode, option).remote(encode))
+        return calls
+
+    def _linked(self, item) -> bool:
+        """Whether the item's encode call goes over the encoder's link: its pixels are inline
+        (Intake kept them), and the encoder pushes the embeddings on (over the object store)."""
+        return self._pushes and item.data_ref is None
 
     @property
     def _pushes(self) -> bool:
@@ -254,10 +272,17 @@ class RequestPath:
         return self.config.transport.embeddings == Transport.OBJECT_STORE
 
     def _release_encoded(self, job: Job, decision: RouteDecision) -> None:
-        """Let the encoders that served this attempt's items evict them again."""
+        """Let the encoders that served this attempt's items evict them again, the way each
+        call went (a link or Ray): a release never overtakes the call it releases."""
         encoders = self.fleet.pools[WorkerKind.ENCODER]
-        for index in {decision.encoder_for(item.modality.value) for item in job.adm.plan.items}:
-            detached(encoders[index].drop.remote, job.job_id)
+        items = job.adm.plan.items
+        for index, linked in {
+            (decision.encoder_for(i.modality.value), self._linked(i)) for i in items
+        }:
+            if linked:
+                self.links.send(encoders[index], "drop", job.job_id)
+            else:
+                detached(encoders[index].drop.remote, job.job_id)
 
     async def deliver(
         self, kind: WorkerKind, index: int, request_id: str, refs: list, transport
@@ -430,6 +455,8 @@ class RequestPath:
         if slowest is not None:
             trace.encode_queue_ms, trace.encode_compute_ms = slowest.queue_ms, slowest.encode_ms
             trace.encode_ms = slowest.queue_ms + slowest.encode_ms
+            trace.encode_hop_in_ms, trace.pixels_fetch_ms = slowest.hop_in_ms, slowest.fetch_ms
+        trace.item_wait_ms = result.item_wait_ms
         trace.prefill_ms, trace.prefill_queue_ms = result.prefill_ms, result.queue_ms
         trace.prefill_compute_ms = result.compute_ms
         if trace.num_cached_tokens is None:  # a resumed attempt also finds its own output cached

@@ -120,6 +120,8 @@ class Collector:
             "encode_ms": t.encode_ms,
             "encode_queue_ms": t.encode_queue_ms,
             "encode_compute_ms": t.encode_compute_ms,
+            "encode_hop_in_ms": t.encode_hop_in_ms,
+            "pixels_fetch_ms": t.pixels_fetch_ms,
             "transfer_ms": t.transfer_ms,
             "prefill_call_ms": t.prefill_call_ms,
             "prefill_hop_in_ms": t.prefill_hop_in_ms,
@@ -127,6 +129,7 @@ class Collector:
             "prefill_ms": t.prefill_ms,
             "prefill_queue_ms": t.prefill_queue_ms,
             "prefill_compute_ms": t.prefill_compute_ms,
+            "item_wait_ms": t.item_wait_ms,
             "first_token_ms": max(0.0, ttft_ms - t.admitted_ms - t.route_ms - t.prefill_call_ms),
             "estimated_ttft_ms": t.route.estimated_ttft_ms if t.route else 0.0,
         }

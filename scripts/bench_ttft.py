@@ -33,8 +33,9 @@ from cluster.config import DEFAULT_CONFIG, load_config
 from cluster.prepare import ensure_model
 
 PHASES = (
-    "handover admit body parse media plan route encode_queue encode_compute transfer prefill_call "
-    "prefill_hop_in prefill_queue prefill_compute prefill_hop_out first_token"
+    "handover admit body parse media plan route encode_hop_in pixels_fetch encode_queue "
+    "encode_compute transfer prefill_call prefill_hop_in prefill_queue item_wait prefill_compute "
+    "prefill_hop_out first_token"
 ).split()
 
 

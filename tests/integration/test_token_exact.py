@@ -205,6 +205,8 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport, 
     not move)."""
     prefill = {"overlap_encode": overlap, "aging_tokens_per_s": aging}
     transports = {"embeddings": transport, "kv": transport}
+    if not overlap:  # and pixels and embeddings through the object store, however small
+        transports["inline_max_bytes"] = 0
     config = cluster_config(transport=transports, prefill=prefill, limits=LIMITS)
     with ThreadPoolExecutor(1) as pool:
         old = deployed_now()  # a new fleet config: a stream in flight on the old one must end
@@ -239,6 +241,10 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport, 
     assert max(w["max_batch"] for w in workers["decode"]) > 1, workers
     for kind in ("prefill", "decode"):  # the default config's direct links carried them
         assert sum(w["link_messages"] for w in workers[kind]) > 0, workers
+    # small images and their embeddings rode inside link calls, where they may
+    inlined = sum(w["link_messages"] for w in workers["encoder"])
+    assert inlined > 0 if config.transport.inline_bytes else inlined == 0, workers
+    assert all(w["cache_referenced_entries"] == 0 for w in workers["encoder"]), workers
     assert all(w["rows"] == 0 for w in workers["decode"]) and all(
         w["held_kv"] == 0 for w in workers["prefill"]
     ), workers

@@ -248,9 +248,13 @@ def test_audio_is_charged_its_samples_at_the_model_rate():
 # -- the ingress's admission ---------------------------------------------------------------------
 
 
-def intake(store=None, **limits) -> Intake:
+def intake(store=None, transport=None, **limits) -> Intake:
     config = ClusterConfig.model_validate(
-        {"model": {"checkpoint": "/tmp/x", "served_name": "m"}, "limits": limits}
+        {
+            "model": {"checkpoint": "/tmp/x", "served_name": "m"},
+            "limits": limits,
+            "transport": transport or {"inline_max_bytes": 0},  # every item stored
+        }
     )
     planner = SimpleNamespace(
         spec=SimpleNamespace(
@@ -288,6 +292,27 @@ def test_images_go_to_the_store_as_they_decode_and_audio_after_the_plan():
     assert ingress.media_budget.in_flight == 0
 
 
+@pytest.mark.parametrize(
+    "transport, stored_sizes",
+    [
+        ({"inline_max_bytes": 3600}, [(30, 41, 3)]),  # the one above the bound is stored
+        ({"inline_max_bytes": 3690}, []),  # both ride inside their encode calls
+        ({"inline_max_bytes": 3600, "direct_links": False}, [(30, 40, 3), (30, 41, 3)]),
+        ({"inline_max_bytes": 3600, "embeddings": "gloo"}, [(30, 40, 3), (30, 41, 3)]),
+    ],
+)
+def test_items_small_enough_to_ride_in_their_call_skip_the_store(transport, stored_sizes):
+    stored: list[np.ndarray] = []
+    ingress = intake(lambda array: stored.append(array) or "ref", transport)
+    with Ledger(ingress.media_budget) as ledger:
+        small, large = ingress._decode_media([image(40, 30), image(41, 30)], ledger)
+        assert ledger.held == 3600 + 3690  # inline or stored, charged alike until prefill
+    assert [array.shape for array in stored] == stored_sizes
+    for item in (small, large):
+        if item.data_ref is None:  # the pixels stay in the item, whole
+            assert item.data.shape[:2] == (30, item.data.shape[1]) and item.data.any()
+
+
 def test_stored_media_stays_charged_until_every_choice_released_then_lets_its_pixels_go():
     budget = InFlightBudget(100, 0, 1.0)
     refs = [PixelRef("a"), PixelRef("b")]
@@ -319,6 +344,7 @@ def test_a_retry_after_the_release_decodes_and_stores_the_media_again(ckpt):
     stored: list[np.ndarray] = []
     store = lambda array: stored.append(array) or f"ref-{len(stored)}"  # noqa: E731
     config = {"model": {"checkpoint": str(ckpt), "served_name": "m"}}
+    config["transport"] = {"inline_max_bytes": 0}  # stored, however small
     ingress = Intake(ensure_model(ClusterConfig.model_validate(config)), PromptPlanner(ckpt), store)
     content = [{"type": "image_url", "image_url": {"url": png(40, 30)}}]
     content.append({"type": "text", "text": "what?"})

@@ -1,4 +1,4 @@
-"""Direct links (actors/wire.py, cluster/worker_links.py) on a real loopback socket, no Ray
+"""Direct links (actors/wire.py, actors/worker_links.py) on a real loopback socket, no Ray
 cluster: streams end with their reader, calls answer out of order, a cancelled call is
 cancelled in the worker, a broken link fails what waits on it, a stranger is refused."""
 
@@ -14,7 +14,7 @@ import ray.exceptions as rx
 
 from actors import wire
 from actors.runtime import ModelWorker
-from cluster.worker_links import WorkerLinks
+from actors.worker_links import WorkerLinks
 
 
 def run(coro):

@@ -1,5 +1,6 @@
-"""A replica's call links to its workers (actors/wire.py): one per live actor, opened on first
-use, reopened for a restarted worker (a new actor). What comes back looks as it would over a
+"""Call links to workers (actors/wire.py), from an ingress replica or from an encoder pushing
+embeddings to a prefill worker: one per live actor, opened on first use, reopened for a
+restarted worker (a new actor). What comes back looks as it would over a
 Ray call: the worker's own exception as a `RayTaskError` (the request's failure), a broken
 link as `ActorUnavailableError` naming the actor (the worker's, retried elsewhere). A worker
 whose link cannot connect is called over Ray, with a warning, from then on."""
@@ -7,6 +8,7 @@ whose link cannot connect is called over Ray, with a warning, from then on."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -14,7 +16,6 @@ from typing import TypeVar
 import ray.exceptions as rx
 
 from actors import wire
-from cluster.leftovers import detached
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,7 +36,16 @@ class WorkerLinks:
         except wire.LinkClosed as exc:
             raise link_lost(worker, exc) from None
         except Exception as exc:  # noqa: BLE001 - raised by the worker's code
-            raise rx.RayTaskError(method, f"{type(exc).__name__}: {exc}", exc) from None
+            # As ray.get raises it: also an instance of the worker's exception's class, so a
+            # worker that lost a peer (ActorUnavailableError) reads as that here too.
+            failure = rx.RayTaskError(method, f"{type(exc).__name__}: {exc}", exc)
+            raise failure.as_instanceof_cause() from None
+
+    def send(self, worker, method: str, *args) -> None:
+        """`worker.method(*args)` with nobody waiting for it (a release): in a context of its
+        own, so the request's cancellation does not cancel it; a failure is only logged."""
+        sending = contextvars.Context().run(asyncio.ensure_future, self.call(worker, method, *args))
+        sending.add_done_callback(_log_failure)
 
     async def _link(self, worker) -> wire.CallLink | None:
         key = worker._actor_id.hex()
@@ -53,6 +63,11 @@ class WorkerLinks:
         self._links.clear()
 
 
+def _log_failure(sent: asyncio.Future) -> None:
+    if not sent.cancelled() and (exc := sent.exception()) is not None:
+        log.debug("a call nobody waited for failed: %r", exc)  # its worker's loss is seen elsewhere
+
+
 def link_lost(worker, exc: wire.LinkClosed) -> rx.ActorUnavailableError:
     """A broken link as Ray reports an actor it cannot reach: naming it, so it is retried."""
     return rx.ActorUnavailableError(f"its link broke: {exc}", worker._actor_id.binary())
@@ -68,7 +83,9 @@ def _broken(opening: asyncio.Future) -> bool:
 async def open_link(worker, connect: Callable[[wire.LinkAddress], Awaitable[T]]) -> T | None:
     """`connect` to `worker`'s link address; None (with a warning) if it cannot be reached,
     and the caller goes over Ray instead."""
-    address = await detached(worker.link_address.remote)
+    # In a context of its own, as cluster/leftovers.py's `detached`: a request cancelled while
+    # the link opens does not cancel the call every later request shares.
+    address = await contextvars.Context().run(worker.link_address.remote)
     try:
         return await connect(address)
     except wire.LinkClosed as exc:
