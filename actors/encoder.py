@@ -83,11 +83,13 @@ class EncoderWorker(ModelWorker):
         """Hand the embeddings to the prefill worker: small ones inside a call on its link,
         others through the object store. Returns when they arrived (its wall clock)."""
         args = job.request_id, job.slot, encoded
-        if encoded[0].numel() * encoded[0].element_size() <= job.inline_max_bytes:
-            return await self.links.call(job.deliver_to, "receive", *args)
         # In a context of its own: a client that leaves makes Ray cancel this call and its
         # children, and a call cancelled while Ray resolves its (large, stored) argument kills
-        # the calling process (cluster/leftovers.py).
+        # the calling process (cluster/leftovers.py). A link's call (or its fallback to Ray,
+        # should the link not connect) runs in a task of its own for the same reason.
+        if encoded[0].numel() * encoded[0].element_size() <= job.inline_max_bytes:
+            call = self.links.call(job.deliver_to, "receive", *args)
+            return await contextvars.Context().run(asyncio.ensure_future, call)
         return await contextvars.Context().run(job.deliver_to.receive.remote, *args)
 
     async def _encoded(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats]:

@@ -366,6 +366,9 @@ class RequestPath:
             received = await deliver()
             return await self._sent(prefill, request), received
         finally:
+            for call in encoded:  # a link's encode call nobody awaits any more (the prefill
+                if isinstance(call, asyncio.Future):  # call failed first): cancelled there too
+                    call.cancel()
             release()  # a delivery cancelled before it ever started released nothing
 
     def _first_chunk(self, job: Job, result: PrefillResult) -> TokenChunk:
