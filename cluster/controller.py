@@ -42,6 +42,7 @@ NAMESPACE = "epd"
 ORPHAN_AFTER_S = 60.0  # well above a replica's restart, and its heartbeat (every supervisor check)
 _REAP_PERIOD_S = 5.0
 _WATCH_PERIOD_S = 1.0  # how soon a dead replica's leftovers are freed
+_MIN_STEP_S = 0.05  # autoscaling steps at least this far apart
 _PING_TIMEOUT_S = 10.0  # a replica slower than this is busy, not dead: only Ray's word counts
 
 
@@ -181,7 +182,7 @@ class FleetController:
 
     def _autoscale(self) -> None:
         while True:
-            time.sleep(PERIOD_S)
+            self._wait_period()
             try:
                 with self._lock:
                     infos = self._scaling.step(time.monotonic(), self._infos)
@@ -189,6 +190,16 @@ class FleetController:
                         self._infos, self._generation = infos, self._generation + 1
             except Exception:  # scaling must outlive any one failure; the next period retries
                 log.exception("autoscaling step failed")
+
+    def _wait_period(self) -> None:
+        """One period, or less once a starting worker is ready (it is routed to at once)."""
+        with self._lock:
+            starting = self._scaling.starting_refs()
+        if not starting:
+            time.sleep(PERIOD_S)
+            return
+        time.sleep(_MIN_STEP_S)  # a ready ref whose step failed must not spin this thread
+        ray.wait(starting, num_returns=1, timeout=PERIOD_S - _MIN_STEP_S)
 
     def _free_owner(self, owner: str, why: str = "died") -> None:
         if self._replicas.pop(owner, None) is None:

@@ -104,6 +104,11 @@ class PoolScaling:
     def scaling(self) -> Scaling:
         return Scaling(frozenset(self._starting), frozenset(self._draining))
 
+    def starting_refs(self) -> list[ray.ObjectRef]:
+        """The `ready` refs of workers still starting: the controller wakes when one resolves,
+        so a new worker is routed to as soon as it is up, not at the next period."""
+        return list(self._starting.values())
+
     def step(self, now_s: float, infos: tuple[WorkerInfo, ...]) -> tuple[WorkerInfo, ...] | None:
         """One period's decisions; returns the new worker infos when the snapshot changed."""
         dt_s, self._last_step_s = max(now_s - self._last_step_s, 1e-3), now_s
