@@ -9,7 +9,6 @@ pixels come as an object-store reference (MediaItem.data_ref), fetched only on a
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import os
 import time
@@ -21,7 +20,7 @@ from actors.engine.batching import MicroBatcher
 from actors.engine.encoder_cache import EncoderCache, EntryState
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
 from actors.types import Delivered, EncodeJob, EncodeStats, WorkerRequestError, hop_ms
-from actors.worker_links import WorkerLinks
+from actors.worker_links import WorkerLinks, detached
 from router.worker_settings import EncoderSettings
 
 if TYPE_CHECKING:
@@ -89,8 +88,8 @@ class EncoderWorker(ModelWorker):
         # should the link not connect) runs in a task of its own for the same reason.
         if encoded[0].numel() * encoded[0].element_size() <= job.inline_max_bytes:
             call = self.links.call(job.deliver_to, "receive", *args)
-            return await contextvars.Context().run(asyncio.ensure_future, call)
-        return await contextvars.Context().run(job.deliver_to.receive.remote, *args)
+            return await detached(asyncio.ensure_future, call)
+        return await detached(job.deliver_to.receive.remote, *args)
 
     async def _encoded(self, job: EncodeJob) -> tuple[torch.Tensor, EncodeStats]:
         identifier = job.item.identifier

@@ -21,6 +21,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def detached(submit: Callable[..., T], *args) -> T:
+    """`submit(*args)` (an actor method's `.remote`, or a task's creation), as a call the
+    request's cancellation does not cancel: Ray finds a call's parent task in a context variable,
+    and in an empty context it has none (why that matters: cluster/leftovers.py). Only the
+    request path's own clean-up ends such a call: an abort the worker honours."""
+    return contextvars.Context().run(submit, *args)
+
+
 class WorkerLinks:
     def __init__(self, direct: bool = True):
         self.direct = direct
@@ -44,7 +52,7 @@ class WorkerLinks:
     def send(self, worker, method: str, *args) -> None:
         """`worker.method(*args)` with nobody waiting for it (a release): in a context of its
         own, so the request's cancellation does not cancel it; a failure is only logged."""
-        sending = contextvars.Context().run(asyncio.ensure_future, self.call(worker, method, *args))
+        sending = detached(asyncio.ensure_future, self.call(worker, method, *args))
         sending.add_done_callback(_log_failure)
 
     async def _link(self, worker) -> wire.CallLink | None:
@@ -83,9 +91,8 @@ def _broken(opening: asyncio.Future) -> bool:
 async def open_link(worker, connect: Callable[[wire.LinkAddress], Awaitable[T]]) -> T | None:
     """`connect` to `worker`'s link address; None (with a warning) if it cannot be reached,
     and the caller goes over Ray instead."""
-    # In a context of its own, as cluster/leftovers.py's `detached`: a request cancelled while
-    # the link opens does not cancel the call every later request shares.
-    address = await contextvars.Context().run(worker.link_address.remote)
+    # A request cancelled while the link opens must not cancel the call later ones share.
+    address = await detached(worker.link_address.remote)
     try:
         return await connect(address)
     except wire.LinkClosed as exc:

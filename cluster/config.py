@@ -394,6 +394,17 @@ class TransportConfig(Strict):
         "ingress until their request ends (at most this much per item).",
     )
 
+    @model_validator(mode="after")
+    def _inline_only_where_it_applies(self) -> TransportConfig:
+        default = type(self).model_fields["inline_max_bytes"].default
+        if self.inline_max_bytes not in (0, default) and not self.inline_bytes:
+            raise ValueError(
+                f"inline_max_bytes ({self.inline_max_bytes}) applies only with direct_links "
+                f"and embeddings: object_store (here direct_links {self.direct_links}, "
+                f"embeddings {self.embeddings.value}); leave it unset or 0"
+            )
+        return self
+
     @property
     def inline_bytes(self) -> int:
         """The inline bound in force: 0 where links are off or embeddings move otherwise."""

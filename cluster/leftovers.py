@@ -15,16 +15,14 @@ calls, are submitted `detached`.
 from __future__ import annotations
 
 import asyncio
-import contextvars
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import TypeVar
+from collections.abc import AsyncIterator, Coroutine
+
+from actors.worker_links import detached  # noqa: F401 - the request path's, defined with the links
 
 CLOSE_RETRY_S, CLOSE_RETRY_FOR_S = (
     0.02,
     30.0,
 )  # close_soon: a running stream is closed once its step ends
-
-T = TypeVar("T")
 
 _running: set[asyncio.Task] = set()  # strong references until each clean-up finishes
 
@@ -33,13 +31,6 @@ def _in_background(coro: Coroutine) -> None:
     task = asyncio.get_running_loop().create_task(coro)
     _running.add(task)
     task.add_done_callback(_running.discard)
-
-
-def detached(submit: Callable[..., T], *args) -> T:
-    """`submit(*args)` (an actor method's `.remote`), as a call the request's cancellation does not
-    cancel: Ray finds a call's parent task in a context variable, and in an empty context it has
-    none. Only the request path's own clean-up ends such a call: an abort the worker honours."""
-    return contextvars.Context().run(submit, *args)
 
 
 def close_soon(stream: AsyncIterator) -> None:

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from PIL import Image
+from pydantic import ValidationError
 
 from actors.types import PixelRef
 from cluster.admit_lanes import AdmitLanes, request_ended
@@ -297,8 +298,8 @@ def test_images_go_to_the_store_as_they_decode_and_audio_after_the_plan():
     [
         ({"inline_max_bytes": 3600}, [(30, 41, 3)]),  # the one above the bound is stored
         ({"inline_max_bytes": 3690}, []),  # both ride inside their encode calls
-        ({"inline_max_bytes": 3600, "direct_links": False}, [(30, 40, 3), (30, 41, 3)]),
-        ({"inline_max_bytes": 3600, "embeddings": "gloo"}, [(30, 40, 3), (30, 41, 3)]),
+        ({"direct_links": False}, [(30, 40, 3), (30, 41, 3)]),  # the default bound, not in force
+        ({"embeddings": "gloo"}, [(30, 40, 3), (30, 41, 3)]),
     ],
 )
 def test_items_small_enough_to_ride_in_their_call_skip_the_store(transport, stored_sizes):
@@ -309,8 +310,15 @@ def test_items_small_enough_to_ride_in_their_call_skip_the_store(transport, stor
         assert ledger.held == 3600 + 3690  # inline or stored, charged alike until prefill
     assert [array.shape for array in stored] == stored_sizes
     for item in (small, large):
-        if item.data_ref is None:  # the pixels stay in the item, whole
-            assert item.data.shape[:2] == (30, item.data.shape[1]) and item.data.any()
+        if item.data_ref is None:  # the pixels stay in the item, whole (not a stand-in)
+            assert item.data.strides[0] > 0 and item.data.any(), item.data.strides
+
+
+@pytest.mark.parametrize("transport", [{"direct_links": False}, {"embeddings": "gloo"}])
+def test_an_inline_bound_where_nothing_inlines_is_refused_by_name(transport):
+    with pytest.raises(ValidationError, match="inline_max_bytes"):
+        intake(transport={**transport, "inline_max_bytes": 4096})
+    intake(transport={**transport, "inline_max_bytes": 0})  # never inline: says what happens
 
 
 def test_stored_media_stays_charged_until_every_choice_released_then_lets_its_pixels_go():
