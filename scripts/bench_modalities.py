@@ -34,7 +34,7 @@ from benchkit.http_client import stream_one
 from benchkit.live_server import served
 from benchkit.media import VIDEO_FPS, audio_part, image_part, video_part
 from benchkit.modality_mix import replay, workload
-from benchkit.stats import pct
+from benchkit.stats import pct, tail_phases
 from cluster.config import REPO_ROOT, load_config
 from router.sim.workload import DEFAULT_MIX
 
@@ -75,11 +75,13 @@ def text_vs_video(url: str, model: str, args) -> dict:
                 f"round {r}: text only",
             )
         )
+        mixed_timings: dict[str, list[dict]] = {}
         with_video = asyncio.run(
             replay(
                 url,
                 workload(mixed, text_rate * 1.25, 100 + r, model, args.max_tokens),
                 f"round {r}: text + 20% video",
+                mixed_timings,
             )
         )
         rounds.append(
@@ -87,6 +89,7 @@ def text_vs_video(url: str, model: str, args) -> dict:
                 "text_alone_ms": alone["text"],
                 "text_with_video_ms": with_video["text"],
                 "video_ms": with_video.get("video", []),
+                "text_tail_phases": tail_phases(with_video["text"], mixed_timings["text"]),
             }
         )
     stat = lambda key, q: float(np.median([pct(rd[key], q) for rd in rounds]))
@@ -103,7 +106,10 @@ def text_vs_video(url: str, model: str, args) -> dict:
     }
     out["ratio_p50"] = out["text_with_video_ms_p50"] / out["text_alone_ms_p50"]
     out["ratio_p99"] = out["text_with_video_ms_p99"] / out["text_alone_ms_p99"]
-    out["rounds"] = [{k: [round(x, 1) for x in v] for k, v in rd.items()} for rd in rounds]
+    out["rounds"] = [
+        {k: v if isinstance(v, dict) else [round(x, 1) for x in v] for k, v in rd.items()}
+        for rd in rounds
+    ]
     return out
 
 

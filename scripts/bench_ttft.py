@@ -28,15 +28,10 @@ import httpx
 
 from benchkit.http_client import Result, chat_body, stream_one
 from benchkit.live_server import add_front_door_flag, served, with_front_door
+from benchkit.stats import TTFT_PHASES
 from benchkit.workload import Req, make_png
 from cluster.config import DEFAULT_CONFIG, load_config
 from cluster.prepare import ensure_model
-
-PHASES = (
-    "handover admit body parse media plan route encode_hop_in pixels_fetch encode_queue "
-    "encode_compute transfer prefill_call prefill_hop_in prefill_queue item_wait prefill_compute "
-    "prefill_hop_out first_token"
-).split()
 
 
 def requests(kind: str, repeats: int, seed: int) -> list[Req]:
@@ -65,7 +60,7 @@ def breakdown(results: list[Result]) -> dict:
     timings = [r.timings for r in results]
     out = {"client_ttft_ms": med([r.ttft_s * 1e3 for r in results])}
     out["server_ttft_ms"] = med([t["ttft_ms"] for t in timings])
-    out |= {f"{p}_ms": med([t.get(f"{p}_ms", 0.0) for t in timings]) for p in PHASES}
+    out |= {f"{p}_ms": med([t.get(f"{p}_ms", 0.0) for t in timings]) for p in TTFT_PHASES}
     framework = [t["ttft_ms"] - t["encode_compute_ms"] - t["prefill_compute_ms"] for t in timings]
     out["framework_ms"] = med(framework)
     out["client_minus_server_ms"] = med(

@@ -36,6 +36,7 @@ class DecodeEngine:
             deque()
         )  # new sequences and aborted ids, in the order they came
         self.max_batch_seen = 0
+        self.num_steps = 0  # forwards run: a stream's messages are at most one a step
         self.grammars = ModelGrammars(runner.adapter)  # loads nothing until a grammar comes
 
     def add(self, request: DecodeRequest, packed_kv: torch.Tensor) -> None:
@@ -90,6 +91,7 @@ class DecodeEngine:
         )
         step_ms = (time.perf_counter() - started) * 1e3
         self.max_batch_seen = max(self.max_batch_seen, len(sampled))
+        self.num_steps += 1
         for seq, s in zip(running, sampled):
             if s is not None:  # a failed row ends alone, with ERROR, in _release
                 logprobs = (s.logprob,) if s.logprob is not None else ()
@@ -150,6 +152,7 @@ class DecodeEngine:
             "running": len(self.scheduler.running),
             "rows": self.batch.num_rows,
             "max_batch": self.max_batch_seen,
+            "steps": self.num_steps,
             "kv_reserved_bytes": self.scheduler.kv_reserved_bytes,
             "kv_budget_bytes": self.scheduler.kv_budget_bytes or 0,
             "waited_for_kv": self.scheduler.num_waited_for_kv,

@@ -4,8 +4,10 @@ worker runs.
 
 Each `step()` starts newly added requests (splice the embeddings that are here, take the
 longest cached prefix), lets `plan_step` share the step's token budget among them, runs each
-chunk on top of its request's cache and returns the requests that finished: their first
-token and packed KV. Finished prompts leave their full blocks in the prefix cache.
+chunk on top of its request's cache and returns the request that finished: its first token
+and packed KV. A step ends with the chunk that finishes a prompt (the chunks planned after it
+are planned again next step), so a first token never waits for other requests' forwards.
+Finished prompts leave their full blocks in the prefix cache.
 
 Encode/prefill overlap: a request may be added before its items' embeddings; the text
 before its first missing item is prefilled meanwhile, and `add_item` splices each item in
@@ -237,7 +239,7 @@ class PrefillEngine:
             self.order,
             s.aging_tokens_per_s,
         )
-        now = time.perf_counter()
+        now, done = time.perf_counter(), []
         for chunk in chunks:
             job = self.jobs[chunk.request_id]
             job.started_s = job.started_s or now
@@ -247,13 +249,13 @@ class PrefillEngine:
             job.num_computed = chunk.end
             job.compute_s += time.perf_counter() - now
             now = time.perf_counter()
+            if chunk.end == len(job.request.prompt_token_ids):
+                # Its first token leaves now, not after the chunks planned behind it (a short
+                # prompt would wait for a video's chunk); the next step plans those again.
+                done.append(job)
+                break
         for job in self.jobs.values():
             job.note_wait(now)
-        done = [
-            job
-            for job in self.jobs.values()
-            if job.num_computed == len(job.request.prompt_token_ids)
-        ]
         return failed + [self._finish(job) for job in done]
 
     def fail_all(self) -> list[str]:

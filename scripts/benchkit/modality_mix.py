@@ -42,9 +42,13 @@ def workload(
 
 
 async def replay(
-    url: str, reqs: list[tuple[str, float, bytes]], desc: str
+    url: str,
+    reqs: list[tuple[str, float, bytes]],
+    desc: str,
+    timings_out: dict[str, list[dict]] | None = None,
 ) -> dict[str, list[float]]:
-    """TTFT in ms per request kind."""
+    """TTFT in ms per request kind; with `timings_out`, each request's server `timings` too,
+    in the same order as its TTFT."""
     bar = tqdm(total=len(reqs), desc=desc, unit="req")
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
         t0 = time.perf_counter()
@@ -53,11 +57,13 @@ async def replay(
             await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
             result = await stream_one(client, url, body, arrival, t0)
             bar.update()
-            return kind, result.ttft_s * 1e3
+            return kind, result.ttft_s * 1e3, result.timings
 
         done = await asyncio.gather(*(one(*r) for r in reqs))
     bar.close()
     out: dict[str, list[float]] = {}
-    for kind, ttft in done:
+    for kind, ttft, timings in done:
         out.setdefault(kind, []).append(ttft)
+        if timings_out is not None:
+            timings_out.setdefault(kind, []).append(timings or {})
     return out

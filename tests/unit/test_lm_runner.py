@@ -196,6 +196,25 @@ def test_compute_ms_is_a_requests_own_forwards_not_those_sharing_its_steps(lm):
     assert out["long"].compute_ms + out["short"].compute_ms <= wall_ms
 
 
+def test_a_prompt_that_finishes_leaves_before_the_chunks_planned_behind_it(lm):
+    """A short prompt sharing a step with a long one: its first token leaves after its own
+    forward, not after the long prompt's chunk (on a 2-core host that chunk doubled text TTFT
+    beside video); the long one gets the whole budget from the next step on."""
+    engine = PrefillEngine(LMRunner(lm), PrefillSettings(max_chunk_tokens=16))
+    engine.add(PrefillRequest("long", tuple(range(10, 74)), (), GREEDY))  # 64 tokens
+    engine.add(PrefillRequest("short", tuple(range(10, 22)), (), GREEDY))  # 12: planned first
+    first = engine.step()
+    assert [o.request_id for o in first] == ["short"]
+    assert engine.jobs["long"].num_computed == 0, "the long prompt's chunk ran before it left"
+    computed = []
+    while engine.has_work:
+        outs = engine.step()
+        computed.append(engine.jobs["long"].num_computed if "long" in engine.jobs else 64)
+    assert computed == [16, 32, 48, 64] and [o.request_id for o in outs] == ["long"]
+    alone, _, _ = LMRunner(lm, max_chunk_tokens=16).prefill(tuple(range(10, 74)), (), [], GREEDY)
+    assert outs[0].first.token_id == alone.token_id
+
+
 @pytest.mark.parametrize("aging", [0.0, 100.0])
 def test_aging_puts_a_prompt_that_waited_ahead_of_a_shorter_newcomer(lm, aging):
     """The engine orders by remaining tokens less aging x seconds waited: a 64-token prompt

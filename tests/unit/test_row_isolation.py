@@ -200,5 +200,7 @@ def test_one_message_per_step_carries_every_request_of_an_ingress(ckpt):
     results = asyncio.run(main())
     assert all(len(tokens) == GREEDY.max_tokens for tokens, _ in results)
     tokens_out = sum(len(tokens) - 1 for tokens, _ in results)  # the first came from prefill
-    assert decode.stats()["messages"] <= GREEDY.max_tokens + 8 < tokens_out, decode.stats()
+    stats = decode.stats()  # requests join as each one's prefill ends, so steps vary
+    assert stats["messages"] <= stats["steps"] < tokens_out, stats
+    assert stats["max_batch"] > 1, "the requests never decoded together"
     assert decode.stats()["open_streams"] == 0 and decode.stats()["rows"] == 0
