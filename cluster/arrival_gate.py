@@ -154,9 +154,10 @@ async def _with_relay(app, scope, receive, send) -> None:
     """Run the app; if its answer names a relay pipe, stream that pipe from this loop while
     the app waits for it to end (cluster/stream_relay.py)."""
     relayed: asyncio.Future | None = None
+    outlet: stream_relay.Outlet | None = None
 
     async def unless_marked(message: dict) -> None:
-        nonlocal relayed
+        nonlocal relayed, outlet
         if relayed is None and message["type"] == "http.response.start":
             if (key := stream_relay.marked_key(message)) is not None:
                 await send(stream_relay.unmarked(message))
@@ -166,8 +167,17 @@ async def _with_relay(app, scope, receive, send) -> None:
         if relayed is None:
             await send(message)  # else the marker response's own empty body: the pipe's ends it
 
+    async def unless_written() -> dict:
+        # The server reports a disconnect once a response is complete; Serve, still waiting
+        # for the marker response to end, took the relay's own last write for a client that
+        # left and logged a served stream as 499. A client that left mid-stream still does.
+        message = await receive()
+        if message["type"] == "http.disconnect" and outlet is not None and outlet.written:
+            await asyncio.Event().wait()  # until Serve, the app done, cancels its read
+        return message
+
     try:
-        await app(scope, receive, unless_marked)
+        await app(scope, unless_written, unless_marked)
     finally:
         if relayed is not None:
             await relayed

@@ -35,6 +35,7 @@ class Outlet:
         self.queued: list[bytes | None] = []
         self.finished = asyncio.Event()
         self.broken = False  # a write failed: the client is gone
+        self.written = False  # the whole answer went out
         self._writing = False  # one writer at a time keeps the order
         self._writer: asyncio.Task | None = None  # held: the loop keeps tasks only weakly
 
@@ -58,6 +59,7 @@ class Outlet:
                 body = b"".join(item for item in items if item is not _END)
                 await self.send({"type": "http.response.body", "body": body, "more_body": not last})
                 if last:
+                    self.written = True
                     self.finished.set()
                     return
         except OSError:  # the client is gone
