@@ -148,6 +148,7 @@ class Serving:
             staleness_s=rc.staleness_s,
             dead_after_s=rc.dead_after_s,
             calibration=rc.build_calibration(),
+            prefill_chunk_tokens=self.config.prefill.max_chunk_tokens,
         )
 
     def _routing(self) -> LiveRouting:

@@ -4,7 +4,8 @@ Estimated TTFT of a request on (encoder e, prefill p) =
     queue of e (only if some item misses e's cache: hits skip the encoder's queue)
   + encode time on e of the items e does not hold
   + transfer of all embeddings over the e->p placement
-  + queue of p (its booked work, less what the job it is serving has done: prefill_queue_ms)
+  + queue of p (its booked work, less what the job it is serving has done: prefill_queue_ms;
+    with chunked prefill at most what goes first by shortest remaining: router/prefill_wait.py)
   + prefill of the prompt tokens p's prefix cache does not cover.
 
 With CalibrationConfig.max_busy > 0 (off by default), ranking prefill workers (prefill_costs)
@@ -32,6 +33,7 @@ from typing import Any
 from router.busy import BusyRates
 from router.calibration import CalibrationConfig, LinearCost, OnlineLinear, PoolFit, RelativeTimes
 from router.holder_index import bits
+from router.prefill_wait import shortest_first_wait_ms
 from router.types import MediaJob, Modality, Placement, RequestProfile, TTFTEstimate, WorkerKind
 from router.view import ClusterView, unique_items
 
@@ -124,8 +126,12 @@ class CostModel:
         num_encoders: int = 0,
         num_prefill: int = 0,
         calibration: CalibrationConfig | None = None,
+        prefill_chunk_tokens: int = 0,
     ):
         self.priors = priors or CostPriors()
+        # The workers' prefill chunk (0: a prompt in one go): with chunks, a prompt waits only
+        # for shorter ones and one chunk of a longer one (router/prefill_wait.py).
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.calibration = calibration or CalibrationConfig()
         self.num_encoders = num_encoders
         # per modality: a pool fit over the encoders, all sharing the encoders' relative times
@@ -163,12 +169,14 @@ class CostModel:
         priors: CostPriors | None,
         view: ClusterView,
         calibration: CalibrationConfig | None = None,
+        prefill_chunk_tokens: int = 0,
     ) -> CostModel:
         return cls(
             priors,
             num_encoders=len(view.workers[_E]),
             num_prefill=len(view.workers[_P]),
             calibration=calibration,
+            prefill_chunk_tokens=prefill_chunk_tokens,
         )
 
     def _modality(self, modality: str) -> tuple[PoolFit, list[float], list[float]]:
@@ -329,6 +337,9 @@ class CostModel:
             uncached = 0
         prefill_queue = self.prefill_queue_ms(view, prefill)
         prefill_ms = self.prefill_a[prefill] + self.prefill_b[prefill] * uncached
+        if self.prefill_chunk_tokens and (jobs := view.prefill_jobs_ms[prefill]):
+            chunk_ms = self._chunk_in_service_ms(view, prefill)
+            prefill_queue = min(prefill_queue, shortest_first_wait_ms(jobs, prefill_ms, chunk_ms))
         if encoder is None:
             return TTFTEstimate.of(0.0, 0.0, 0.0, prefill_queue, prefill_ms), (), uncached
         if len(items) == 1:  # the usual case, without the comprehension and the loop
@@ -370,6 +381,25 @@ class CostModel:
         return (
             queued if queued > 0.0 else 0.0
         )  # never below 0 while service_ms <= outstanding_ms (see ClusterView)
+
+    def _shortest_first(
+        self, view: ClusterView, queues: list[float], tokens: list[int] | None, n: int
+    ) -> None:
+        """Each worker's queue, at most the wait by shortest first (router/prefill_wait.py) of a
+        prompt of its `tokens` (None: `n` everywhere)."""
+        for p, jobs in enumerate(view.prefill_jobs_ms):
+            if jobs:
+                own = self.prefill_a[p] + self.prefill_b[p] * (n if tokens is None else tokens[p])
+                wait = shortest_first_wait_ms(jobs, own, self._chunk_in_service_ms(view, p))
+                if wait < queues[p]:
+                    queues[p] = wait
+
+    def _chunk_in_service_ms(self, view: ClusterView, prefill: int) -> float:
+        """A chunk's cost at `prefill` if its job has started; 0 while it waits for its
+        embeddings (no chunk runs yet: what comes now goes first)."""
+        if view.service_started_ms[prefill] > view.now_s * 1e3:
+            return 0.0
+        return self.prefill_a[prefill] + self.prefill_b[prefill] * self.prefill_chunk_tokens
 
     @staticmethod
     def uncached_tokens(profile: RequestProfile, cached_blocks: int) -> int:
@@ -437,23 +467,20 @@ class CostModel:
         # prefill_queue_ms() of each worker, inlined (this runs for every worker on every decision)
         # and without its clamp at 0, which the view's invariant service_ms <= outstanding_ms makes
         # moot; times what shorter arrivals add to the wait (router/busy.py)
-        costs = [
-            (
-                queued - (done if done < now_ms - started else now_ms - started)
-                if now_ms > started
-                else queued
+        queues = [
+            queued - (done if done < now_ms - started else now_ms - started)
+            if now_ms > started
+            else queued
+            for queued, started, done in zip(
+                view.outstanding_ms[_P], view.service_started_ms, view.service_ms
             )
-            * g
-            + a
-            + b * t
-            for queued, started, done, g, a, b, t in zip(
-                view.outstanding_ms[_P],
-                view.service_started_ms,
-                view.service_ms,
-                self.busy.factors(view.now_s),
-                self.prefill_a,
-                self.prefill_b,
-                tokens,
+        ]
+        if self.prefill_chunk_tokens:
+            self._shortest_first(view, queues, tokens if isinstance(tokens, list) else None, n)
+        costs = [
+            q * g + a + b * t
+            for q, g, a, b, t in zip(
+                queues, self.busy.factors(view.now_s), self.prefill_a, self.prefill_b, tokens
             )
         ]
         if (shared := view.foreign_queue_ms(_P)) is not None:  # other replicas' booked ms there

@@ -39,9 +39,10 @@ class Router:
         staleness_s: float = 5.0,
         dead_after_s: float = 10.0,
         calibration: CalibrationConfig | None = None,
+        prefill_chunk_tokens: int = 0,  # the prefill workers' chunk (0: a prompt in one go)
     ):
         self.view = ClusterView(workers, staleness_s=staleness_s, dead_after_s=dead_after_s)
-        self.cost = CostModel.for_view(priors, self.view, calibration)
+        self.cost = CostModel.for_view(priors, self.view, calibration, prefill_chunk_tokens)
         self.policy = make_policy(policy, seed) if isinstance(policy, str) else policy
 
     def route(self, profile: RequestProfile, now_s: float) -> RouteDecision:

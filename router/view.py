@@ -120,6 +120,9 @@ class ClusterView:
         # still be encoding). Either way service_ms <= outstanding_ms.
         self.service_started_ms = [math.inf] * sizes[_P]
         self.service_ms = [0.0] * sizes[_P]
+        # The booked ms of each job on each prefill worker, for a wait by shortest first
+        # (router/prefill_wait.py); outstanding_ms[_P] is their sum.
+        self.prefill_jobs_ms: list[list[float]] = [[] for _ in range(sizes[_P])]
         # decode_loads(), kept up to date on every change instead of rebuilt per decision:
         self._loads = [0] * sizes[_D]  # max(own running, reported running) per decode worker
         self._reported_running = [0] * sizes[
@@ -441,6 +444,8 @@ class ClusterView:
             self.outstanding_ms[kind][index] += ms
             if kind is _D:
                 self._set_load(index)
+            elif kind is _P and amount > 0:
+                self.prefill_jobs_ms[index] += [ms / amount] * amount
 
     def end(
         self, kind: WorkerKind, index: int | None, amount: int = 1, ms: float | None = None
@@ -465,6 +470,13 @@ class ClusterView:
         elif kind is _P:  # the next job, if any, starts now (see __init__)
             self.service_started_ms[index] = self.now_s * 1e3 if left else math.inf
             self.service_ms[index] = booked[index] / left if left else 0.0
+            jobs = self.prefill_jobs_ms[index]
+            if not left:
+                jobs.clear()
+            elif amount == 1 and ms in jobs:  # the finished job's own booking (the router's)
+                jobs.remove(ms)
+            else:  # unknown which: the latest booked
+                del jobs[max(0, len(jobs) - amount) :]
 
     def begin_route(self, decision: RouteDecision, num_items: int) -> None:
         """begin() for each stage of the decision (encoder: its items and their estimated ms)."""
@@ -492,6 +504,7 @@ class ClusterView:
             self.service_ms[prefill] = estimate.prefill_ms
         jobs[prefill] += 1
         booked[_P][prefill] += estimate.prefill_ms
+        self.prefill_jobs_ms[prefill].append(estimate.prefill_ms)
         totals[_P][prefill] += estimate.prefill_ms
         running = counts[_D]
         own = running[decode] = running[decode] + 1

@@ -97,6 +97,7 @@ def default_priors(cluster: SimCluster):
 def make_router(cluster: SimCluster, policy: str, *, seed: int, priors=None, **kwargs):
     from router.router import Router
 
+    kwargs.setdefault("prefill_chunk_tokens", cluster.costs.prefill.max_chunk_tokens)
     return Router(
         cluster.worker_infos(),
         priors if priors is not None else default_priors(cluster),

@@ -10,6 +10,7 @@ import pytest
 
 from router.calibration import CalibrationConfig, LinearCost, OnlineLinear
 from router.cost_model import CostModel, CostPriors
+from router.prefill_wait import shortest_first_wait_ms
 from router.types import MediaJob, Placement, RequestProfile, WorkerInfo, WorkerKind
 from router.view import ClusterView
 
@@ -415,6 +416,40 @@ def test_prefill_queue_credits_the_job_in_service():
     assert cost.prefill_queue_ms(view, 1) == pytest.approx(media.prefill_ms)  # not started yet
     view.refresh(1.0 + (ahead + 5.0) / 1e3)
     assert cost.prefill_queue_ms(view, 1) == pytest.approx(media.prefill_ms - 5.0)
+
+
+def test_shortest_first_wait_counts_shorter_prompts_and_one_chunk_of_a_longer():
+    assert shortest_first_wait_ms([], 50.0, 30.0) == 0.0
+    assert shortest_first_wait_ms([20.0, 50.0], 50.0, 30.0) == 70.0  # ties came first
+    assert shortest_first_wait_ms([20.0, 2000.0], 50.0, 30.0) == 50.0
+    assert shortest_first_wait_ms([2000.0, 3000.0], 50.0, 0.0) == 0.0  # none in service
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 128])
+def test_a_text_prompt_goes_to_the_worker_whose_video_is_still_encoding(chunk_tokens):
+    """Worker 0 serves a video's prefill (started 0.5 s ago, 1.5 s left), worker 1 holds one
+    still being encoded. First come first served, worker 0 had less left; by shortest first
+    (chunked) a text prompt waits one chunk at worker 0 and nothing at worker 1."""
+    view, _ = setup()
+    cost = CostModel.for_view(PRIORS, view, prefill_chunk_tokens=chunk_tokens)
+    from router.types import RouteDecision, TTFTEstimate
+
+    video = TTFTEstimate.of(0.0, 500.0, 1.0, 0.0, 2000.0)
+    view.begin_route(RouteDecision(0, 0, 0, video), 1)  # embeddings in at 0.501 s
+    view.refresh(1.0)
+    view.begin_route(RouteDecision(1, 1, 0, video), 1)  # embeddings in at 1.501 s
+    text = RequestProfile(100)  # 1 + 100/10 = 11 ms of prefill
+    costs = cost.prefill_costs(text, view)
+    if not chunk_tokens:
+        assert costs == pytest.approx([2000.0 - 499.0 + 11.0, 2000.0 + 11.0])
+        return
+    chunk_ms = 1.0 + 128 / 10
+    assert costs == pytest.approx([chunk_ms + 11.0, 11.0])
+    for p in range(2):  # the decision's own estimate says the same
+        est = cost.evaluate(text, view, None, p)[0]
+        assert est.prefill_queue_ms + est.prefill_ms == pytest.approx(costs[p])
+    view.end(P, 1, 1, 2000.0)
+    assert view.prefill_jobs_ms == [[2000.0], []]
 
 
 def test_a_rarely_probed_slow_worker_keeps_its_estimate():
