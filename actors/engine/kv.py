@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from actors.engine.prompt_kv import PromptKV
+
 SPARE_SLOTS = 64  # decode steps the batch's buffers absorb before they must grow (and copy)
 
 
@@ -113,6 +115,8 @@ def sequence_bytes(
 
 def pack(cache: DynamicCache) -> torch.Tensor:
     """One request's cache (batch 1) as a single contiguous tensor."""
+    if isinstance(cache, PromptKV):
+        return cache.packed()
     layers = [torch.stack((layer.keys[0], layer.values[0])) for layer in cache.layers]
     return torch.stack(layers).contiguous()
 

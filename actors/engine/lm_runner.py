@@ -10,6 +10,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from actors.engine import kv
+from actors.engine.prompt_kv import PromptKV
 from actors.engine.sampling import Sampled, on_device, sample_rows
 from actors.models.adapter import ModelAdapter
 from actors.types import PlaceholderRange, SamplingParams, TokenHistory
@@ -58,13 +59,24 @@ class LMRunner:
         prompt, and the rope delta decode adds to cache lengths (0 for 1-D positions);
         `matcher`: the request's grammar matcher (see first_token)."""
         embeds, positions, rope_delta = self.prompt_inputs(token_ids, ranges, items)
-        cache = DynamicCache()
+        cache = self.prompt_cache(len(token_ids))
         for start in range(0, embeds.shape[1], self.max_chunk_tokens):
             hidden = self.forward_chunk(
                 embeds, positions, cache, start, start + self.max_chunk_tokens
             )
         first = self.first_token(hidden, params, len(token_ids), history, matcher)
         return first, kv.pack(cache), rope_delta
+
+    def prompt_cache(
+        self, num_tokens: int, prefix: list[torch.Tensor] | None = None
+    ) -> DynamicCache:
+        """An empty cache for a prompt of `num_tokens`, or one holding the packed `prefix`
+        blocks: one buffer where the model allows it (prompt_kv.py), else HF's own."""
+        if num_layers := self.adapter.full_window_layers:
+            cache = PromptKV(num_layers, num_tokens)
+            cache.extend([block.to(self.device) for block in prefix or ()])
+            return cache
+        return kv.cache_of(torch.cat(prefix, dim=3).to(self.device)) if prefix else DynamicCache()
 
     @torch.inference_mode()
     def prompt_inputs(

@@ -290,6 +290,7 @@ class PrefillEngine:
         items, job.items = job.items, {}  # spliced: the embeddings are not needed any more
         for slot, embeddings in items.items():
             self._splice(_Item(req.request_id, slot, embeddings))
+        job.cache = self.runner.prompt_cache(len(req.prompt_token_ids))
         self._reuse_prefix(job)
         job.note_wait(time.perf_counter())
 
@@ -354,7 +355,7 @@ class PrefillEngine:
         payloads = self.pool.acquire(usable)
         job.held = usable[: len(payloads)]
         if payloads:
-            job.cache = kv.cache_of(torch.cat(payloads, dim=3).to(self.runner.device))
+            job.cache = self.runner.prompt_cache(len(req.prompt_token_ids), payloads)
             job.num_cached = job.num_computed = len(payloads) * bs
 
     def _finish(self, job: _Job) -> PrefillOutput:

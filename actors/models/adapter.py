@@ -109,6 +109,12 @@ class ModelAdapter(abc.ABC):
         """Decided once per loaded model: the config does not change between steps."""
         return _full_window_sdpa(self._lm.config)
 
+    @property
+    def full_window_layers(self) -> int:
+        """The language model's layer count where every layer attends the whole window with
+        SDPA (a prompt's cache may then be one buffer: prompt_kv.py); else 0."""
+        return self._lm.config.num_hidden_layers if self._one_mask_serves_all else 0
+
     def prompt_positions(
         self, token_ids: torch.Tensor, ranges: tuple[PlaceholderRange, ...]
     ) -> tuple[torch.Tensor, int]:
