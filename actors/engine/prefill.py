@@ -7,7 +7,8 @@ longest cached prefix), lets `plan_step` share the step's token budget among the
 chunk on top of its request's cache and returns the request that finished: its first token
 and packed KV. A step ends with the chunk that finishes a prompt (the chunks planned after it
 are planned again next step), so a first token never waits for other requests' forwards.
-Finished prompts leave their full blocks in the prefix cache.
+Finished prompts leave their full blocks in the prefix cache at the start of the next step,
+after their first tokens have left (a finished prompt keeps the worker's loop stepping).
 
 Encode/prefill overlap: a request may be added before its items' embeddings; the text
 before its first missing item is prefilled meanwhile, and `add_item` splices each item in
@@ -148,6 +149,9 @@ class PrefillEngine:
         self.pool = BlockPool(settings.prefix_cache_bytes)
         self.jobs: dict[str, _Job] = {}
         self._failed: list[PrefillOutput] = []  # requests that failed alone since the last step
+        # Finished prompts' packed KV and block hashes, for the prefix cache at the next step:
+        # their first tokens leave first.
+        self._unkept: list[tuple[list[str], torch.Tensor]] = []
         self._intake: deque[_Job | _Item | str] = (
             deque()
         )  # new jobs, late items and aborted ids, in the order they came
@@ -209,7 +213,7 @@ class PrefillEngine:
     def has_work(self) -> bool:
         """Something a step would do. Requests that all wait for items are no work: their
         `add_item` refills the intake."""
-        return bool(self._intake) or self._num_runnable > 0
+        return bool(self._intake) or self._num_runnable > 0 or bool(self._unkept)
 
     @property
     def next_step_tokens(self) -> int:
@@ -226,6 +230,9 @@ class PrefillEngine:
             self._snapshot()
 
     def _step(self) -> list[PrefillOutput]:
+        unkept, self._unkept = self._unkept, []
+        for hashes, packed in unkept:  # before any new request looks for its prefix
+            self._keep_blocks(hashes, packed)
         self._apply_intake()
         failed, self._failed = self._failed, []
         if not self.jobs:
@@ -364,7 +371,8 @@ class PrefillEngine:
             job.hidden, req.sampling, len(req.prompt_token_ids), history_of(req), job.matcher
         )
         packed = kv.pack(job.cache)
-        self._keep_blocks(job, packed)
+        if job.hashes:
+            self._unkept.append((job.hashes, packed))
         self._drop(req.request_id)
         done = time.perf_counter()
         waited_before_s = (
@@ -386,16 +394,16 @@ class PrefillEngine:
             finished_s=done,
         )
 
-    def _keep_blocks(self, job: _Job, packed: torch.Tensor) -> None:
+    def _keep_blocks(self, hashes: list[str], packed: torch.Tensor) -> None:
         bs = self.settings.prefix_block_tokens
-        for i, block_hash in enumerate(job.hashes):
+        for i, block_hash in enumerate(hashes):
             if block_hash not in self.pool.blocks:
                 block = packed[
                     :, :, :, i * bs : (i + 1) * bs
                 ].clone()  # its own storage: the packed KV leaves
                 if not self.pool.insert(block_hash, block, block.numel() * block.element_size()):
                     break  # no room even after evicting: the later blocks would be orphans
-        self.pool.touch(job.hashes)
+        self.pool.touch(hashes)
 
     def _drop(self, request_id: str) -> None:
         job = self.jobs.pop(request_id, None)

@@ -215,6 +215,24 @@ def test_a_prompt_that_finishes_leaves_before_the_chunks_planned_behind_it(lm):
     assert outs[0].first.token_id == alone.token_id
 
 
+def test_a_first_token_leaves_before_its_prompt_enters_the_prefix_cache(lm):
+    """Inserting a finished prompt's blocks (a clone each) follows its first token: the step
+    that finishes it returns with the cache unchanged, and the next step, which the engine asks
+    for at once, puts them in before any new request looks for its prefix."""
+    settings = PrefillSettings(16, prefix_block_tokens=4, prefix_cache_mb=64)
+    engine = PrefillEngine(LMRunner(lm), settings)
+    prompt = tuple(range(10, 22))  # 12 tokens: 3 blocks
+    engine.add(PrefillRequest("first", prompt, (), GREEDY))
+    assert [o.request_id for o in engine.step()] == ["first"]
+    assert not engine.pool.blocks and engine.has_work
+    engine.add(PrefillRequest("again", prompt + (30, 31), (), GREEDY))
+    (out,) = engine.step()  # the blocks go in first, so the repeat hits them
+    assert out.request_id == "again" and out.num_cached_tokens == 12
+    assert len(engine.pool.blocks) == 3 and engine.has_work  # and its own wait for the next step
+    assert engine.step() == [] and not engine.has_work
+    engine.pool.check_integrity()
+
+
 @pytest.mark.parametrize("aging", [0.0, 100.0])
 def test_aging_puts_a_prompt_that_waited_ahead_of_a_shorter_newcomer(lm, aging):
     """The engine orders by remaining tokens less aging x seconds waited: a 64-token prompt
