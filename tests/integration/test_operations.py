@@ -174,23 +174,24 @@ def test_serve_logs_a_streamed_answer_as_200(keyed):
         headers = {"authorization": f"Bearer {KEY}", "x-request-id": rid}
         with keyed.http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
             assert r.status_code == 200 and "[DONE]" in r.read().decode()
-    lines = _log_lines_naming(*ids, marker=" -- POST ")
+    lines = _log_lines_naming(*ids, line="{} -- POST ")  # Serve's access line
     assert all(" /v1/chat/completions 200 " in ln for ln in lines), lines
 
 
-def _log_lines_naming(*request_ids: str, within_s: float = 20, marker: str = " ") -> list[str]:
+def _log_lines_naming(
+    *request_ids: str, within_s: float = 20, line: str = "x_request_id={} "
+) -> list[str]:
     """The replica log line of each request id (Serve writes the ingress's log to its session
-    dir): epd's request line, or with `marker` " -- POST " Serve's access line."""
+    dir) that holds `line` with the id in it: by default epd's request line."""
     logs = ray._private.worker._global_node.get_logs_dir_path()
     deadline = time.monotonic() + within_s
-    needle = "x_request_id={}" if marker == " " else "{}"
     while True:
         text = "".join(
             open(p, errors="replace").read()
             for p in glob.glob(os.path.join(logs, "serve", "replica_*Ingress*.log"))
         )
         found = [
-            next((ln for ln in text.splitlines() if needle.format(rid) + marker in ln), None)
+            next((ln for ln in text.splitlines() if line.format(rid) in ln), None)
             for rid in request_ids
         ]
         if all(found) or time.monotonic() > deadline:
