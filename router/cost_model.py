@@ -25,6 +25,7 @@ brought up to date before each read (_sync, _modality).
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -382,17 +383,19 @@ class CostModel:
             queued if queued > 0.0 else 0.0
         )  # never below 0 while service_ms <= outstanding_ms (see ClusterView)
 
-    def _shortest_first(
-        self, view: ClusterView, queues: list[float], tokens: list[int] | None, n: int
-    ) -> None:
-        """Each worker's queue, at most the wait by shortest first (router/prefill_wait.py) of a
-        prompt of its `tokens` (None: `n` everywhere)."""
-        for p, jobs in enumerate(view.prefill_jobs_ms):
-            if jobs:
-                own = self.prefill_a[p] + self.prefill_b[p] * (n if tokens is None else tokens[p])
-                wait = shortest_first_wait_ms(jobs, own, self._chunk_in_service_ms(view, p))
-                if wait < queues[p]:
-                    queues[p] = wait
+    def _shortest_first(self, view: ClusterView, queues: list[float], owns: list[float]) -> None:
+        """Each worker's queue, at most the wait by shortest first of a prompt costing `owns`
+        there: shortest_first_wait_ms (router/prefill_wait.py) inlined, as this runs for every
+        worker on every decision. Only a booked prompt longer than this one can make the wait
+        shorter than the booked work: without one, every prompt there goes first anyway."""
+        booked, started, now_ms = view.prefill_jobs_ms, view.service_started_ms, view.now_s * 1e3
+        a, b, chunk = self.prefill_a, self.prefill_b, self.prefill_chunk_tokens
+        for p in [p for p, (jobs, own) in enumerate(zip(booked, owns)) if jobs and jobs[-1] > own]:
+            jobs = booked[p]
+            wait = sum(jobs[: bisect_right(jobs, owns[p])])  # a longer one is there: one chunk
+            wait += a[p] + b[p] * chunk if started[p] <= now_ms else 0.0
+            if wait < queues[p]:
+                queues[p] = wait
 
     def _chunk_in_service_ms(self, view: ClusterView, prefill: int) -> float:
         """A chunk's cost at `prefill` if its job has started; 0 while it waits for its
@@ -475,14 +478,10 @@ class CostModel:
                 view.outstanding_ms[_P], view.service_started_ms, view.service_ms
             )
         ]
+        owns = [a + b * t for a, b, t in zip(self.prefill_a, self.prefill_b, tokens)]
         if self.prefill_chunk_tokens:
-            self._shortest_first(view, queues, tokens if isinstance(tokens, list) else None, n)
-        costs = [
-            q * g + a + b * t
-            for q, g, a, b, t in zip(
-                queues, self.busy.factors(view.now_s), self.prefill_a, self.prefill_b, tokens
-            )
-        ]
+            self._shortest_first(view, queues, owns)
+        costs = [q * g + own for q, g, own in zip(queues, self.busy.factors(view.now_s), owns)]
         if (shared := view.foreign_queue_ms(_P)) is not None:  # other replicas' booked ms there
             costs = [c + f for c, f in zip(costs, shared)]
         elif view.num_foreign[_P]:  # other replicas' jobs queued there, priced as this request

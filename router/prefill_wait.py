@@ -11,14 +11,13 @@ started, so less of it looked left), where it really waited for the video's chun
 
 from __future__ import annotations
 
+from bisect import bisect_right
+
 
 def shortest_first_wait_ms(booked_ms: list[float], own_ms: float, chunk_ms: float) -> float:
-    """The wait of a prompt of `own_ms` at a worker holding prompts of `booked_ms` each: those
-    no longer than it (they came first, or are shorter), and one chunk of a longer one."""
-    ahead, longer = 0.0, False
-    for ms in booked_ms:
-        if ms <= own_ms:
-            ahead += ms
-        else:
-            longer = True
-    return ahead + chunk_ms if longer else ahead
+    """The wait of a prompt of `own_ms` at a worker holding prompts of `booked_ms` each, in
+    ascending order: those no longer than it (they came first, or are shorter), and one chunk
+    of a longer one."""
+    shorter = bisect_right(booked_ms, own_ms)
+    ahead = sum(booked_ms[:shorter])
+    return ahead + chunk_ms if shorter < len(booked_ms) else ahead

@@ -19,6 +19,7 @@ code. Cache contents are kept by router/holder_index.py.
 from __future__ import annotations
 
 import math
+from bisect import insort
 from collections.abc import Iterable, Mapping
 
 from router.holder_index import HolderIndex
@@ -120,8 +121,8 @@ class ClusterView:
         # still be encoding). Either way service_ms <= outstanding_ms.
         self.service_started_ms = [math.inf] * sizes[_P]
         self.service_ms = [0.0] * sizes[_P]
-        # The booked ms of each job on each prefill worker, for a wait by shortest first
-        # (router/prefill_wait.py); outstanding_ms[_P] is their sum.
+        # The booked ms of each job on each prefill worker, ascending, for a wait by shortest
+        # first (router/prefill_wait.py); outstanding_ms[_P] is their sum.
         self.prefill_jobs_ms: list[list[float]] = [[] for _ in range(sizes[_P])]
         # decode_loads(), kept up to date on every change instead of rebuilt per decision:
         self._loads = [0] * sizes[_D]  # max(own running, reported running) per decode worker
@@ -444,8 +445,9 @@ class ClusterView:
             self.outstanding_ms[kind][index] += ms
             if kind is _D:
                 self._set_load(index)
-            elif kind is _P and amount > 0:
-                self.prefill_jobs_ms[index] += [ms / amount] * amount
+            elif kind is _P:
+                for _ in range(amount):
+                    insort(self.prefill_jobs_ms[index], ms / amount)
 
     def end(
         self, kind: WorkerKind, index: int | None, amount: int = 1, ms: float | None = None
@@ -475,7 +477,7 @@ class ClusterView:
                 jobs.clear()
             elif amount == 1 and ms in jobs:  # the finished job's own booking (the router's)
                 jobs.remove(ms)
-            else:  # unknown which: the latest booked
+            else:  # unknown which: the longest
                 del jobs[max(0, len(jobs) - amount) :]
 
     def begin_route(self, decision: RouteDecision, num_items: int) -> None:
@@ -504,7 +506,7 @@ class ClusterView:
             self.service_ms[prefill] = estimate.prefill_ms
         jobs[prefill] += 1
         booked[_P][prefill] += estimate.prefill_ms
-        self.prefill_jobs_ms[prefill].append(estimate.prefill_ms)
+        insort(self.prefill_jobs_ms[prefill], estimate.prefill_ms)
         totals[_P][prefill] += estimate.prefill_ms
         running = counts[_D]
         own = running[decode] = running[decode] + 1

@@ -127,10 +127,19 @@ def complete(router: Router, decision: RouteDecision, now_s: float, rng: random.
 
 
 def bench(
-    n: int, policy: str, decisions: int, warmup: int, seed: int, bar: tqdm, split: bool = False
+    n: int,
+    policy: str,
+    decisions: int,
+    warmup: int,
+    seed: int,
+    bar: tqdm,
+    split: bool = False,
+    chunk_tokens: int = 0,
 ) -> tuple[list[float], list[float]]:
     """Wall-clock and this thread's CPU time of each timed route() call, in microseconds."""
-    router = Router(fleet(n, split), CostPriors(), policy, seed=seed)
+    router = Router(
+        fleet(n, split), CostPriors(), policy, seed=seed, prefill_chunk_tokens=chunk_tokens
+    )
     work, rng = Workload(seed, SPLIT_MIX if split else MIX), random.Random(seed)
     in_flight: collections.deque = collections.deque()
     sent: dict[int, set[str]] = collections.defaultdict(set)
@@ -188,6 +197,13 @@ def main() -> None:
             "and 10%% image + audio requests"
         ),
     )
+    parser.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=0,
+        help="the prefill workers' chunk, as the live router gets it (0: a prompt in one go; "
+        "with chunks, queues are priced by shortest first: router/prefill_wait.py)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     rows = []
@@ -196,7 +212,14 @@ def main() -> None:
         for n in args.shapes:
             for policy in args.policies:
                 wall, cpu = bench(
-                    n, policy, args.decisions, args.warmup, args.seed, bar, args.split
+                    n,
+                    policy,
+                    args.decisions,
+                    args.warmup,
+                    args.seed,
+                    bar,
+                    args.split,
+                    args.prefill_chunk_tokens,
                 )
                 rows.append(
                     {
