@@ -18,7 +18,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import NamedTuple
 
 TICK_S = 0.05  # how often the sampler reads /proc; a step within a tick reuses the last answer
@@ -28,26 +27,62 @@ BUSY_FIELDS = (0, 1, 2, 5, 6)  # /proc/stat cpu line: user nice system irq softi
 Sample = tuple[float, float]  # CPU seconds since boot: the whole host's; this process's and peers'
 
 
-def _process_s(stat: str, tick: int) -> float:
-    fields = stat.rsplit(") ", 1)[1].split()
+def _process_s(stat: bytes, tick: int) -> float:
+    fields = stat.rsplit(b") ", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / tick  # utime, stime: every thread
 
 
-def read_proc(peers: Iterable[int] = ()) -> Sample | None:
-    """Busy CPU seconds of the host and of this process plus `peers` (pids; one that is gone
-    counts nothing); None without /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    try:
-        host = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-        own_s = _process_s(Path("/proc/self/stat").read_text(), tick)
-    except (OSError, IndexError):
-        return None
-    for pid in peers:
+class ProcReader:
+    """Reads the counters from /proc files it keeps open. A /proc file read again from offset
+    0 is generated anew, and a kept file skips the path walk and the open: a tick at 20 Hz
+    took 1.0% of a core opening its files and 0.27% reading kept ones (a 2-core VM). A
+    process's stat file kept open reads as gone once that process is, even if its pid is
+    reused."""
+
+    def __init__(self):
+        self._fds: dict[str, int] = {}
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def __call__(self, peers: Iterable[int] = ()) -> Sample | None:
+        """Busy CPU seconds of the host and of this process plus `peers` (pids; one that is
+        gone counts nothing); None without /proc."""
         try:
-            own_s += _process_s(Path(f"/proc/{pid}/stat").read_text(), tick)
+            host = self._read("/proc/stat").split(b"\n", 1)[0].split()[1:]
+            own_s = _process_s(self._read("/proc/self/stat"), self._tick)
         except (OSError, IndexError):
-            pass
-    return sum(int(host[i]) for i in BUSY_FIELDS) / tick, own_s
+            return None
+        wanted = {"/proc/stat", "/proc/self/stat"}
+        for pid in peers:
+            wanted.add(path := f"/proc/{pid}/stat")
+            try:
+                own_s += _process_s(self._read(path), self._tick)
+            except (OSError, IndexError):
+                self._forget(path)
+        for path in self._fds.keys() - wanted:
+            self._forget(path)  # a peer that left the fleet
+        return sum(int(host[i]) for i in BUSY_FIELDS) / self._tick, own_s
+
+    def close(self) -> None:
+        for path in list(self._fds):
+            self._forget(path)
+
+    def _read(self, path: str) -> bytes:
+        if (fd := self._fds.get(path)) is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return os.pread(fd, 4096, 0)
+
+    def _forget(self, path: str) -> None:
+        if (fd := self._fds.pop(path, None)) is not None:
+            os.close(fd)
+
+
+def read_proc(peers: Iterable[int] = ()) -> Sample | None:
+    """One reading from files opened for it (a HostCpu keeps its own ProcReader)."""
+    reader = ProcReader()
+    try:
+        return reader(peers)
+    finally:
+        reader.close()
 
 
 class Mark(NamedTuple):
@@ -65,11 +100,11 @@ class HostCpu:
         self,
         num_cores: int | None = None,
         peers: Callable[[], frozenset[int]] = frozenset,
-        read: Callable[[frozenset[int]], Sample | None] = read_proc,
+        read: Callable[[frozenset[int]], Sample | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.num_cores = num_cores or len(os.sched_getaffinity(0))
-        self._peers, self._read, self._clock = peers, read, clock
+        self._peers, self._read, self._clock = peers, read or ProcReader(), clock
         self._marks: deque[Mark] = deque(maxlen=NUM_MARKS)
         self._lock = threading.Lock()  # the sampler and a step may read at once
         self._spare = float(self.num_cores)

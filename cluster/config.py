@@ -673,7 +673,8 @@ class RouterConfig(Strict):
         description="With several ingress replicas: a request whose prefill is estimated above "
         "this many ms (on the fastest prefill worker) routes on the other replicas' bookings as "
         "of now and shares its own at once, one round trip to the fleet controller; smaller "
-        "ones route on the shares of the last heartbeat (every 0.2 s). 0: never.",
+        "ones route on the shares of the last heartbeat (every 0.2 s while the cluster has work). "
+        "0: never.",
     )
 
     @model_validator(mode="after")

@@ -1,6 +1,7 @@
 """Keeps the fleet whole and the router's view fresh: polls every worker's stats (its
 load, which counts every replica's requests, and, for encoders, the media it holds) every
-CHECK_PERIOD_S, publishes them to the router, takes a dead worker out of routing and has
+CHECK_PERIOD_S (IDLE_CHECK_PERIOD_S while the last check found the cluster quiet), publishes
+them to the router, takes a dead worker out of routing and has
 the fleet controller replace it (re-forming the collective group when tensors travel over
 one). Each check also adopts the controller's newer snapshot, so a worker another replica
 had replaced comes back into routing here too.
@@ -32,6 +33,11 @@ log = logging.getLogger(__name__)
 
 CHECK_PERIOD_S = 0.2  # also how fresh other replicas' load is in this one's routing view (their
 # bookings travel with each check's controller heartbeat; workers' reports with its polls)
+# While nothing is booked, queued or running anywhere, a check finds nothing to publish; its
+# polls (a Ray call per worker) kept a fifth of a core busy on an idle 2-core host, slowing the
+# next request's two-thread forward. A request that arrives routes on this replica's own
+# bookings, and the next check (within this) sees it and checks at CHECK_PERIOD_S again.
+IDLE_CHECK_PERIOD_S = 1.0  # below pool_scaling.DRAIN_GRACE_S: a drain is seen in time
 PING_TIMEOUT_S = 5.0
 CONFIRM_TIMEOUT_S = (
     2.0  # a suspect named by a failed request answers within this, or is presumed busy
@@ -60,6 +66,7 @@ class Supervisor:
         ] = {}  # worker kind -> the last check's stats (for /metrics)
         self._followed: tuple[int, tuple] | None = None  # generation and infos routed with
         self._draining: set[tuple[WorkerKind, int]] = set()  # out of routing while they drain
+        self.quiet = False  # the last check found nothing booked, queued, running or changing
 
     def ensure_running(self) -> None:
         if not self._stopped and (self._task is None or self._task.done()):
@@ -73,11 +80,15 @@ class Supervisor:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(CHECK_PERIOD_S)
+            await asyncio.sleep(IDLE_CHECK_PERIOD_S if self.quiet else CHECK_PERIOD_S)
             try:
-                self.follow(await self.fleet.sync(self.router.outstanding_ms()))
+                booked = self.router.outstanding_ms()
+                self.follow(await self.fleet.sync(booked))
                 self.router.share_foreign(self.fleet.others_booked, self.fleet.num_replicas - 1)
-                await self.check()
+                stats = await self.check()
+                self.quiet = _nothing_booked(booked, self.fleet.others_booked) and self._settled(
+                    stats
+                )
             except Exception:  # supervision must outlive any one failure
                 log.exception("supervisor check failed")
 
@@ -114,6 +125,19 @@ class Supervisor:
             )
         self.latest_stats = {kind.value: workers for kind, workers in stats.items()}
         return stats
+
+    def _settled(self, stats: dict[WorkerKind, list[dict]]) -> bool:
+        """Every worker answered with nothing queued or running, and no worker is being
+        restarted, drained or started."""
+        scaling = self.fleet.snapshot.scaling
+        if self._restarting or self._draining or scaling.starting or scaling.draining:
+            return False
+        return all(
+            report.get("queued", 1) == 0 and report.get("running", 1) == 0
+            for reports in stats.values()
+            for report in reports
+            if report.get("slot") != "empty"
+        )
 
     def _judge(self, kind: WorkerKind, index: int, outcome: Poll, report) -> None:
         now = time.monotonic()
@@ -239,3 +263,8 @@ class Supervisor:
     @property
     def restarting(self) -> list[tuple[WorkerKind, int]]:
         return list(self._restarting)
+
+
+def _nothing_booked(*bookings: dict[str, list[float]] | None) -> bool:
+    """No ms booked on any worker in these shares (outstanding_ms() or others_booked)."""
+    return not any(ms for booked in bookings if booked for row in booked.values() for ms in row)

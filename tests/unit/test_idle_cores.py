@@ -278,3 +278,26 @@ def test_the_prefill_worker_borrows_for_a_big_step_only_while_its_peer_is_idle(
         )
     finally:
         torch.set_num_threads(1)
+
+
+def test_a_kept_reader_reads_fresh_counters_and_lets_go_of_peers_that_leave():
+    from actors.host_cpu import ProcReader
+
+    reader = ProcReader()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        first = reader([child.pid])
+        assert len(reader._fds) == 3, "the host's, this process's and the peer's files, kept"
+        sum(range(5_000_000))  # some CPU of this process's own
+        second = reader([child.pid])
+        assert second[1] > first[1], "a kept file read again is generated anew"
+        reader([])
+        assert len(reader._fds) == 2, "a peer that left the list is let go"
+        child.kill()
+        child.wait()
+        assert reader([child.pid]) is not None, "a peer that is gone counts nothing"
+        assert len(reader._fds) == 2, "nor is its file kept"
+    finally:
+        child.kill()
+        reader.close()
+    assert reader._fds == {}

@@ -44,6 +44,13 @@ class _Fleet:
     def __init__(self):
         self.pools = {E: [_Actor()], P: [_Actor()], D: [_Actor()]}
         self.replaced: list[tuple[WorkerKind, int]] = []
+        self.booked: list[dict | None] = []  # what each heartbeat shared
+        self.others_booked: dict | None = None
+        self.num_replicas = 1
+
+    async def sync(self, booked: dict | None = None) -> list[tuple[WorkerKind, int]]:
+        self.booked.append(booked)
+        return []
 
     @property
     def snapshot(self) -> FleetSnapshot:
@@ -121,3 +128,30 @@ def test_a_worker_silent_past_the_hung_limit_is_restarted(monkeypatch):
 
     asyncio.run(run())
     assert fleet.replaced == [(E, 0)]
+
+
+def test_checks_slow_down_while_the_cluster_is_quiet_and_speed_up_with_work(monkeypatch):
+    fleet, router, supervisor = _setup(monkeypatch)
+    monkeypatch.setattr(sup, "CHECK_PERIOD_S", 0.01)
+    monkeypatch.setattr(sup, "IDLE_CHECK_PERIOD_S", 0.4)
+    decode = fleet.pools[D][0]
+
+    async def run() -> tuple[int, int]:
+        supervisor.ensure_running()
+        await asyncio.sleep(0.3)  # one check, then a quiet period
+        num_quiet = len(fleet.booked)
+        decode.stats = _Method(decode, {"queued": 0, "running": 1})  # a row decoding
+        await asyncio.sleep(0.9)  # the next check sees it; the ones after come quickly
+        supervisor.stop()
+        return num_quiet, len(fleet.booked) - num_quiet
+
+    num_quiet, num_busy = asyncio.run(run())
+    assert supervisor.quiet is False
+    assert num_quiet == 1
+    assert num_busy >= 5
+
+
+def test_booked_work_anywhere_keeps_checks_at_the_busy_period():
+    assert sup._nothing_booked({"encoder": [0.0], "prefill": [0.0, 0.0]}, None)
+    assert not sup._nothing_booked({"encoder": [0.0], "prefill": [0.0, 12.5]}, None)
+    assert not sup._nothing_booked({"encoder": [0.0]}, {"prefill": [3.0]})  # another replica's
