@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 CHECK_PERIOD_S = 0.2  # also how fresh other replicas' load is in this one's routing view (their
 # bookings travel with each check's controller heartbeat; workers' reports with its polls)
 # While nothing is booked, queued or running anywhere, a check finds nothing to publish; its
-# polls (a Ray call per worker, answered there) kept about 0.08 cores busy on an idle 2-core
+# polls (a Ray call per worker, answered there) kept 0.05-0.07 cores busy on an idle 2-core
 # host, which slows the next request's two-thread forward. A request that arrives routes on
 # this replica's own bookings, and the next check (within this) sees it and checks at
 # CHECK_PERIOD_S again.
