@@ -76,15 +76,6 @@ class ProcReader:
             os.close(fd)
 
 
-def read_proc(peers: Iterable[int] = ()) -> Sample | None:
-    """One reading from files opened for it (a HostCpu keeps its own ProcReader)."""
-    reader = ProcReader()
-    try:
-        return reader(peers)
-    finally:
-        reader.close()
-
-
 class Mark(NamedTuple):
     at_s: float
     peers: frozenset[int]

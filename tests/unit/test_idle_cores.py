@@ -207,15 +207,16 @@ def test_the_sampler_thread_keeps_the_reading_fresh():
     assert host.spare_cores() == 2.0
 
 
-def test_read_proc_adds_the_peers_cpu_and_skips_one_that_is_gone():
-    from actors.host_cpu import read_proc
+def test_the_reader_adds_the_peers_cpu_and_skips_one_that_is_gone():
+    from actors.host_cpu import ProcReader
 
+    reader = ProcReader()
     busy = "import time; sum(range(20_000_000)); time.sleep(60)"
     child = subprocess.Popen([sys.executable, "-c", busy])
     try:
         deadline = time.monotonic() + 20  # its busy part, however long a loaded host takes
         while True:
-            alone, with_peer = read_proc()[1], read_proc([child.pid, 2**22 + 1])[1]
+            alone, with_peer = reader()[1], reader([child.pid, 2**22 + 1])[1]
             if with_peer - alone > 0.1 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -223,6 +224,7 @@ def test_read_proc_adds_the_peers_cpu_and_skips_one_that_is_gone():
     finally:
         child.kill()
         child.wait()
+        reader.close()
 
 
 def test_a_host_without_proc_lends_what_the_board_allows(tmp_path):
@@ -232,12 +234,13 @@ def test_a_host_without_proc_lends_what_the_board_allows(tmp_path):
 
 
 def test_this_host_reports_its_own_counters():
-    from actors.host_cpu import read_proc
+    from actors.host_cpu import ProcReader
 
-    first = read_proc()
+    reader = ProcReader()
+    first = reader()
     assert first is not None, "Linux: /proc is there"
     sum(range(3_000_000))  # some CPU of this process's own
-    second = read_proc()
+    second = reader()
     assert second[1] > first[1] or second[0] > first[0], "the counters move"
     assert second[0] >= second[1], "the host's busy time includes this process's"
 
