@@ -94,6 +94,9 @@ class PrefillWorker(ModelWorker):
         """The request's first token, once its prompt is prefilled. Items not received yet
         follow through `receive`; the text before them is prefilled meanwhile."""
         called_at_s = time.time()
+        if self.engine.on_early is None:  # prompts run between a chunk's layers: from that thread
+            loop = asyncio.get_running_loop()
+            self.engine.on_early = lambda outs: loop.call_soon_threadsafe(self._publish, outs)
         self.work_in += len(request.prompt_token_ids)
         encoded = self.embeddings.take_all(request.request_id)
         done = asyncio.get_running_loop().create_future()

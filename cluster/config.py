@@ -333,6 +333,14 @@ class PrefillPoolConfig(PoolConfig):
         "by block hash and evicted least recently used when unreferenced. 0 turns prefix caching "
         "off.",
     )
+    preempt_at_layers: bool = Field(
+        True,
+        description="Layer-boundary preemption: a prompt that fits one step, has all its "
+        "items' embeddings and goes before the chunk in service (shortest remaining first) runs "
+        "whole between two of that chunk's decoder layers, and its first token leaves at once, "
+        "instead of waiting for the chunk. Outputs are unchanged. False: a chunk once begun runs "
+        "to its end first.",
+    )
 
     def settings(self) -> PrefillSettings:
         """What this pool's workers and their engines read (router/worker_settings.py)."""
@@ -762,6 +770,7 @@ LIVE_FIELDS = {
         "max_media_tokens_per_step",
         "overlap_min_tokens",
         "aging_tokens_per_s",
+        "preempt_at_layers",
         "slowdown",
     },
     "decode": {"kv_cache_mb", "slowdown"},

@@ -44,6 +44,7 @@ class PrefillSettings:
     aging_tokens_per_s: float = 0.0  # shortest remaining first, less this per second waited
     prefix_block_tokens: int = 16  # tokens per prefix-cache block
     prefix_cache_mb: float = 0.0  # prefix cache budget; 0: no prefix caching
+    preempt_at_layers: bool = False  # short prompts run between a longer chunk's layers
 
     @property
     def prefix_cache_bytes(self) -> int:

@@ -9,6 +9,8 @@ and packed KV. A step ends with the chunk that finishes a prompt (the chunks pla
 are planned again next step), so a first token never waits for other requests' forwards.
 Finished prompts leave their full blocks in the prefix cache at the start of the next step,
 after their first tokens have left (a finished prompt keeps the worker's loop stepping).
+A prompt that arrives during a chunk's forward and goes before it runs whole between two of
+the chunk's decoder layers, its output out at once (`on_early`; preempt.py).
 
 Encode/prefill overlap: a request may be added before its items' embeddings; the text
 before its first missing item is prefilled meanwhile, and `add_item` splices each item in
@@ -22,7 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +33,7 @@ from transformers.cache_utils import DynamicCache
 from actors.engine import kv
 from actors.engine.grammar import GrammarError, ModelGrammars
 from actors.engine.lm_runner import LMRunner
+from actors.engine.preempt import LayerGate, jumpers, order_of
 from actors.engine.prefix_cache import BlockPool, MediaKey, block_hashes
 from actors.engine.sampling import Sampled
 from actors.types import PrefillRequest, TokenHistory
@@ -90,6 +93,7 @@ class _Job:
     waited_running_s: float = 0.0  # of which after its first chunk
     compute_s: float = 0.0  # in its own forwards
     matcher: object | None = None  # the first token's grammar matcher (a constrained request)
+    taken: bool = False  # run between another chunk's layers while in the intake (preempt.py)
 
     def state(self) -> PrefillState:
         here = self.ready | self.items.keys()  # spliced, or given and not started yet
@@ -162,6 +166,15 @@ class PrefillEngine:
         self._arrivals = itertools.count()
         self._held_version = -1
         self.grammars = ModelGrammars(runner.adapter)  # loads nothing until a grammar comes
+        # Layer-boundary preemption (preempt.py): outputs of prompts run between a chunk's
+        # layers go to `on_early` at once (from the stepping thread), or with the step's own.
+        self.on_early: Callable[[list[PrefillOutput]], None] | None = None
+        self._early: list[PrefillOutput] = []
+        self._in_service: _Job | None = None  # the job whose chunk may be preempted now
+        self._intake_seen = 0  # intake entries judged for preemption in this chunk
+        self._nested_s = 0.0  # time spent in preempting prompts during this chunk
+        self._num_between_layers = 0  # prompts run so, since the worker started
+        self._gate = LayerGate(runner.adapter.decoder_layers(), self)
         self._snapshot()
 
     def reconfigure(self, settings: PrefillSettings) -> None:
@@ -219,7 +232,8 @@ class PrefillEngine:
     def next_step_tokens(self) -> int:
         """About how many prompt tokens the next step computes (before any prefix cache hit of
         the requests not started yet)."""
-        jobs = [*self.jobs.values(), *(e for e in self._intake if isinstance(e, _Job))]
+        waiting = (e for e in list(self._intake) if isinstance(e, _Job) and not e.taken)
+        jobs = [*self.jobs.values(), *waiting]
         remaining = sum(len(j.request.prompt_token_ids) - j.num_computed for j in jobs)
         return min(self.settings.max_chunk_tokens, remaining)
 
@@ -250,11 +264,9 @@ class PrefillEngine:
         for chunk in chunks:
             job = self.jobs[chunk.request_id]
             job.started_s = job.started_s or now
-            job.hidden = self.runner.forward_chunk(
-                job.embeds, job.positions, job.cache, chunk.start, chunk.end
-            )
+            job.hidden = self._forward(job, chunk.start, chunk.end)
             job.num_computed = chunk.end
-            job.compute_s += time.perf_counter() - now
+            job.compute_s += time.perf_counter() - now - self._nested_s
             now = time.perf_counter()
             if chunk.end == len(job.request.prompt_token_ids):
                 # Its first token leaves now, not after the chunks planned behind it (a short
@@ -263,7 +275,60 @@ class PrefillEngine:
                 break
         for job in self.jobs.values():
             job.note_wait(now)
-        return failed + [self._finish(job) for job in done]
+        early, self._early = self._early, []
+        return failed + early + [self._finish(job) for job in done]
+
+    def _forward(self, job: _Job, start: int, end: int) -> torch.Tensor:
+        """One chunk of `job`; prompts that arrive meanwhile may run between its layers."""
+        self._in_service = job if self.settings.preempt_at_layers else None
+        self._intake_seen, self._nested_s = 0, 0.0
+        try:
+            return self.runner.forward_chunk(job.embeds, job.positions, job.cache, start, end)
+        finally:
+            self._in_service = None
+
+    def between_layers(self) -> None:
+        """Before each decoder layer (LayerGate): run whole, here, the prompts new to the intake
+        that go before the chunk in service. One level deep: they are not preempted in turn."""
+        outer = self._in_service
+        if outer is None or len(self._intake) == self._intake_seen:
+            return
+        entries = list(self._intake)  # appended to from the caller's thread; a copy to judge
+        self._intake_seen, self._in_service = len(entries), None
+        began = time.perf_counter()
+        try:
+            s = self.settings
+            new = [e for e in entries if isinstance(e, _Job)]
+            aborted = {e for e in entries if isinstance(e, str)}
+            key = order_of(self.order, s.aging_tokens_per_s)
+            args = (s.max_chunk_tokens, s.max_media_tokens_per_step, key)
+            for job in jumpers(new, aborted, outer.state(), *args):
+                self._run_whole(job)
+        finally:
+            self._in_service = outer
+            self._nested_s += time.perf_counter() - began
+
+    def _run_whole(self, job: _Job) -> None:
+        """A prompt from the intake, started, computed in one forward and finished now."""
+        job.taken = True
+        self._num_between_layers += 1
+        self.jobs[job.request.request_id] = job
+        self._start(job)
+        finished = []
+        if job.request.request_id in self.jobs:  # else it failed alone as it started
+            now = job.started_s = time.perf_counter()
+            end = len(job.request.prompt_token_ids)
+            job.hidden = self.runner.forward_chunk(
+                job.embeds, job.positions, job.cache, job.num_computed, end
+            )
+            job.num_computed = end
+            job.compute_s += time.perf_counter() - now
+            finished.append(self._finish(job))
+        outputs, self._failed = [*self._failed, *finished], []
+        if self.on_early is None:
+            self._early.extend(outputs)
+        else:
+            self.on_early(outputs)
 
     def fail_all(self) -> list[str]:
         """After a step raised: every request in the worker is dropped; their ids."""
@@ -281,7 +346,7 @@ class PrefillEngine:
                 self._drop(entry)
             elif isinstance(entry, _Item):
                 self._splice(entry)
-            else:
+            elif not entry.taken:
                 self.jobs[entry.request.request_id] = entry
                 self._start(entry)
 
@@ -423,7 +488,7 @@ class PrefillEngine:
         queued = (
             self._stats["queued"]
             + parked
-            + sum(1 for j in list(self._intake) if isinstance(j, _Job))
+            + sum(1 for j in list(self._intake) if isinstance(j, _Job) and not j.taken)
         )
         return {
             **self._stats,
@@ -448,4 +513,5 @@ class PrefillEngine:
             "prefix_bytes": self.pool.num_bytes,
             "prefix_blocks": len(self.pool.blocks),
             "prefix_referenced_blocks": self.pool.num_referenced(),
+            "prompts_between_layers": self._num_between_layers,
         }

@@ -109,6 +109,10 @@ class ModelAdapter(abc.ABC):
         """Decided once per loaded model: the config does not change between steps."""
         return _full_window_sdpa(self._lm.config)
 
+    def decoder_layers(self) -> list:
+        """The language model's decoder layers, in order (prefill preempts between them)."""
+        return list(self._lm.layers)
+
     @property
     def full_window_layers(self) -> int:
         """The language model's layer count where every layer attends the whole window with

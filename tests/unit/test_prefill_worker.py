@@ -135,3 +135,52 @@ def test_a_slowed_workers_timings_count_its_emulated_slowness(ckpt):
     assert 0.6 * wall_ms <= result.prefill_ms <= wall_ms, (
         f"one step and its sleep: most of the {wall_ms:.1f} ms call"
     )
+
+
+def test_a_prompt_run_between_a_chunks_layers_answers_before_the_chunk_ends(ckpt):
+    """Layer-boundary preemption on the worker: a text prompt called while a long prompt's
+    chunk is in its forward is answered from the device thread's hand-off while that chunk
+    still runs, and both answers are what each gives alone."""
+    spec = WorkerSpec(
+        checkpoint=str(ckpt), dtype="float32", device="cpu", torch_threads=1, max_model_len=4096
+    )
+    worker = PrefillWorker(spec, PrefillSettings(max_chunk_tokens=256, preempt_at_layers=True))
+    layers = worker.adapter.decoder_layers()
+    long = PrefillRequest("long", tuple(range(10, 250)), (), GREEDY)
+    short = PrefillRequest("short", tuple(range(40, 52)), (), GREEDY)
+
+    def wait_for(condition) -> None:  # on the device thread: the event loop runs meanwhile
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.005)
+
+    async def scenario():
+        loop, answered_mid_chunk = asyncio.get_running_loop(), []
+        calls = {}
+
+        def call_short(_module, _args):  # before the long chunk's first layer, once
+            first_layer.remove()
+            calls["short"] = asyncio.run_coroutine_threadsafe(worker.prefill(short), loop)
+            wait_for(lambda: len(worker.engine._intake) > 0)  # added: the next layer takes it
+
+        def after_last_layer(_module, _args, _output):  # the short forward's, then the chunk's
+            calls["last_layers"] = calls.get("last_layers", 0) + 1
+            if calls["last_layers"] == 2:
+                last_layer.remove()
+                wait_for(calls["short"].done)
+                answered_mid_chunk.append(True)
+
+        first_layer = layers[0].register_forward_pre_hook(call_short)
+        last_layer = layers[-1].register_forward_hook(after_last_layer)
+        long_result = await worker.prefill(long)
+        short_result = await asyncio.wrap_future(calls["short"])
+        return long_result, short_result, answered_mid_chunk
+
+    long_result, short_result, answered_mid_chunk = asyncio.run(scenario())
+    assert answered_mid_chunk == [True], "the short prompt waited for the chunk"
+    assert short_result.queue_ms < long_result.prefill_ms
+    for result, req in ((long_result, long), (short_result, short)):
+        alone = PrefillWorker(spec, PrefillSettings(max_chunk_tokens=256))
+        assert asyncio.run(alone.prefill(req)).first_token_id == result.first_token_id
+        assert torch.equal(worker.kv.take(req.request_id), alone.kv.take(req.request_id))

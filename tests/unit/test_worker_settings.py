@@ -24,6 +24,7 @@ CONFIG = ClusterConfig.model_validate(
             "aging_tokens_per_s": 25.0,
             "prefix_block_tokens": 8,
             "prefix_cache_mb": 3.0,
+            "preempt_at_layers": False,
         },
         "decode": {"max_batch_size": 5, "kv_cache_mb": 2.5},
     }
