@@ -149,6 +149,7 @@ class Serving:
             dead_after_s=rc.dead_after_s,
             calibration=rc.build_calibration(),
             prefill_chunk_tokens=self.config.prefill.max_chunk_tokens,
+            prefill_preempts=self.config.prefill.preempt_at_layers,
         )
 
     def _routing(self) -> LiveRouting:

@@ -128,11 +128,14 @@ class CostModel:
         num_prefill: int = 0,
         calibration: CalibrationConfig | None = None,
         prefill_chunk_tokens: int = 0,
+        prefill_preempts: bool = False,
     ):
         self.priors = priors or CostPriors()
         # The workers' prefill chunk (0: a prompt in one go): with chunks, a prompt waits only
-        # for shorter ones and one chunk of a longer one (router/prefill_wait.py).
+        # for shorter ones and one chunk of a longer one (router/prefill_wait.py); where the
+        # workers preempt at layer boundaries, a prompt that fits one chunk not even for that.
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefill_preempts = prefill_preempts
         self.calibration = calibration or CalibrationConfig()
         self.num_encoders = num_encoders
         # per modality: a pool fit over the encoders, all sharing the encoders' relative times
@@ -171,6 +174,7 @@ class CostModel:
         view: ClusterView,
         calibration: CalibrationConfig | None = None,
         prefill_chunk_tokens: int = 0,
+        prefill_preempts: bool = False,
     ) -> CostModel:
         return cls(
             priors,
@@ -178,6 +182,7 @@ class CostModel:
             num_prefill=len(view.workers[_P]),
             calibration=calibration,
             prefill_chunk_tokens=prefill_chunk_tokens,
+            prefill_preempts=prefill_preempts,
         )
 
     def _modality(self, modality: str) -> tuple[PoolFit, list[float], list[float]]:
@@ -339,7 +344,7 @@ class CostModel:
         prefill_queue = self.prefill_queue_ms(view, prefill)
         prefill_ms = self.prefill_a[prefill] + self.prefill_b[prefill] * uncached
         if self.prefill_chunk_tokens and (jobs := view.prefill_jobs_ms[prefill]):
-            chunk_ms = self._chunk_in_service_ms(view, prefill)
+            chunk_ms = self._chunk_in_service_ms(view, prefill, prefill_ms)
             prefill_queue = min(prefill_queue, shortest_first_wait_ms(jobs, prefill_ms, chunk_ms))
         if encoder is None:
             return TTFTEstimate.of(0.0, 0.0, 0.0, prefill_queue, prefill_ms), (), uncached
@@ -393,16 +398,20 @@ class CostModel:
         for p in [p for p, (jobs, own) in enumerate(zip(booked, owns)) if jobs and jobs[-1] > own]:
             jobs = booked[p]
             wait = sum(jobs[: bisect_right(jobs, owns[p])])  # a longer one is there: one chunk
-            wait += a[p] + b[p] * chunk if started[p] <= now_ms else 0.0
+            if started[p] <= now_ms:  # unless this prompt fits one and goes between its layers
+                chunk_ms = a[p] + b[p] * chunk
+                wait += 0.0 if self.prefill_preempts and owns[p] <= chunk_ms else chunk_ms
             if wait < queues[p]:
                 queues[p] = wait
 
-    def _chunk_in_service_ms(self, view: ClusterView, prefill: int) -> float:
-        """A chunk's cost at `prefill` if its job has started; 0 while it waits for its
-        embeddings (no chunk runs yet: what comes now goes first)."""
+    def _chunk_in_service_ms(self, view: ClusterView, prefill: int, own_ms: float) -> float:
+        """What a prompt of `own_ms` waits of the chunk in service at `prefill`: all of it if
+        its job has started; 0 while it waits for its embeddings (no chunk runs yet: what comes
+        now goes first), or where the prompt fits one chunk and the worker preempts."""
         if view.service_started_ms[prefill] > view.now_s * 1e3:
             return 0.0
-        return self.prefill_a[prefill] + self.prefill_b[prefill] * self.prefill_chunk_tokens
+        chunk_ms = self.prefill_a[prefill] + self.prefill_b[prefill] * self.prefill_chunk_tokens
+        return 0.0 if self.prefill_preempts and own_ms <= chunk_ms else chunk_ms
 
     @staticmethod
     def uncached_tokens(profile: RequestProfile, cached_blocks: int) -> int:

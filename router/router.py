@@ -40,9 +40,12 @@ class Router:
         dead_after_s: float = 10.0,
         calibration: CalibrationConfig | None = None,
         prefill_chunk_tokens: int = 0,  # the prefill workers' chunk (0: a prompt in one go)
+        prefill_preempts: bool = False,  # they run short prompts between a chunk's layers
     ):
         self.view = ClusterView(workers, staleness_s=staleness_s, dead_after_s=dead_after_s)
-        self.cost = CostModel.for_view(priors, self.view, calibration, prefill_chunk_tokens)
+        self.cost = CostModel.for_view(
+            priors, self.view, calibration, prefill_chunk_tokens, prefill_preempts
+        )
         self.policy = make_policy(policy, seed) if isinstance(policy, str) else policy
 
     def route(self, profile: RequestProfile, now_s: float) -> RouteDecision:

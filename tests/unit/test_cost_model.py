@@ -462,3 +462,23 @@ def test_a_rarely_probed_slow_worker_keeps_its_estimate():
         _drive(cost, rng, [1, 2, 3], slowness, rounds=60, sigma=0.1)
         _drive(cost, rng, [0], slowness, rounds=1, sigma=0.1)
     assert cost.relative_times(P)[0] / cost.relative_times(P)[1] > 3.2
+
+
+@pytest.mark.parametrize("num_tokens", [100, 300])
+def test_where_workers_preempt_a_prompt_that_fits_a_chunk_skips_the_one_in_service(num_tokens):
+    """Workers that run a short prompt between a chunk's layers (actors/engine/preempt.py): a
+    100-token prompt (one 128-token chunk) waits nothing at the worker serving a video; a
+    300-token one still waits a chunk there (it does not jump)."""
+    view, _ = setup()
+    cost = CostModel.for_view(PRIORS, view, prefill_chunk_tokens=128, prefill_preempts=True)
+    from router.types import RouteDecision, TTFTEstimate
+
+    video = TTFTEstimate.of(0.0, 500.0, 1.0, 0.0, 2000.0)
+    view.begin_route(RouteDecision(0, 0, 0, video), 1)  # its chunks run from 0.501 s
+    view.refresh(1.0)
+    prompt = RequestProfile(num_tokens)
+    own_ms, chunk_ms = 1.0 + num_tokens / 10, 1.0 + 128 / 10
+    wait_ms = 0.0 if num_tokens <= 128 else chunk_ms
+    assert cost.prefill_costs(prompt, view)[0] == pytest.approx(wait_ms + own_ms)
+    est = cost.evaluate(prompt, view, None, 0)[0]
+    assert est.prefill_queue_ms == pytest.approx(wait_ms)
