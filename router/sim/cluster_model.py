@@ -38,7 +38,7 @@ both is split across them, see router/split.py; combines with -hetero), or a YAM
     decode: 16
     costs:                           # optional overrides of SimCosts
       prefill_tokens_per_ms: 40
-      prefill: {max_chunk_tokens: 512, aging_tokens_per_s: 100}   # the engine's settings
+      prefill: {max_chunk_tokens: 512, preempt_at_layers: true}   # the engine's settings
       encode: {image: {fixed_ms: 1.5, per_unit_ms: 30.0, batch_exponent: 0.8}}
       bandwidth_bytes_per_ms: {cross_node: 12.5e6}
 
@@ -102,6 +102,7 @@ PREFILL_SHORTEST_FIRST, PREFILL_FIFO = "shortest_first", "fifo"  # SimCosts.pref
 PREFILL_ORDERS = {PREFILL_SHORTEST_FIRST: Order.SHORTEST_REMAINING, PREFILL_FIFO: Order.ARRIVAL}
 # The engine's prefill settings the simulator models; max_chunk_tokens 0: a prompt in one go.
 SIM_PREFILL_FIELDS = ("max_chunk_tokens", "aging_tokens_per_s")
+SIM_PREFILL_SWITCHES = ("preempt_at_layers",)  # and these, true or false
 
 
 def _whole_prompts() -> PrefillSettings:
@@ -124,7 +125,9 @@ class SimCosts:
     # The prefill workers' settings (the config's `prefill` section), of which SIM_PREFILL_FIELDS
     # count: max_chunk_tokens, the tokens a prefill runs before its worker looks at its queue again
     # (shortest first then means shortest remaining first, chunk by chunk; 0: a prompt in one go),
-    # and aging_tokens_per_s (each second a prompt has waited counts as that many tokens fewer).
+    # and aging_tokens_per_s (each second a prompt has waited counts as that many tokens fewer);
+    # of SIM_PREFILL_SWITCHES, preempt_at_layers (a prompt that fits one chunk and goes first
+    # runs at once, inside the job in service, which ends that much later).
     prefill: PrefillSettings = field(default_factory=_whole_prompts)
     decode_step_ms: float = 12.0
     decode_step_per_seq_ms: float = 0.15
@@ -503,12 +506,16 @@ def _costs_from_dict(raw: dict, path) -> SimCosts:
 
 def _prefill_from_dict(raw, base: PrefillSettings, path) -> PrefillSettings:
     """costs.prefill: those of the engine's settings that the simulator models."""
-    if not isinstance(raw, dict) or not set(raw) <= set(SIM_PREFILL_FIELDS):
+    if not isinstance(raw, dict) or not set(raw) <= {*SIM_PREFILL_FIELDS, *SIM_PREFILL_SWITCHES}:
         raise ClusterShapeError(
-            f"{path}: costs.prefill must map some of {list(SIM_PREFILL_FIELDS)} to numbers"
+            f"{path}: costs.prefill must map some of {list(SIM_PREFILL_FIELDS)} to numbers "
+            f"and of {list(SIM_PREFILL_SWITCHES)} to true or false"
         )
     for key, value in raw.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        if key in SIM_PREFILL_SWITCHES:
+            if not isinstance(value, bool):
+                raise ClusterShapeError(f"{path}: costs.prefill.{key} must be true or false")
+        elif not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ClusterShapeError(f"{path}: costs.prefill.{key} must be a number >= 0")
     return replace(base, **{key: type(getattr(base, key))(value) for key, value in raw.items()})
 

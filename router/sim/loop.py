@@ -98,6 +98,7 @@ def make_router(cluster: SimCluster, policy: str, *, seed: int, priors=None, **k
     from router.router import Router
 
     kwargs.setdefault("prefill_chunk_tokens", cluster.costs.prefill.max_chunk_tokens)
+    kwargs.setdefault("prefill_preempts", cluster.costs.prefill.preempt_at_layers)
     return Router(
         cluster.worker_infos(),
         priors if priors is not None else default_priors(cluster),
@@ -360,7 +361,7 @@ class Engine:
     def _prefill_done(self, now: float, p: int, r: int) -> None:
         """First token out: TTFT ends; the KV cache leaves for decode; the next job starts.
         (Only a chunk of r's prompt, with SimCosts.prefill.max_chunk_tokens: the worker went on.)"""
-        done = self.prefill.finish(p, now)
+        done = self.prefill.finish(p, r, now)
         if done is None:
             return
         self.inflight -= 1

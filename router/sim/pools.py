@@ -245,7 +245,19 @@ class EncoderPool:
 
 
 class Prefill:
-    __slots__ = ("speed", "node", "queue", "current", "busy_ms", "prefix", "snap")
+    __slots__ = (
+        "speed",
+        "node",
+        "queue",
+        "current",
+        "busy_ms",
+        "prefix",
+        "snap",
+        "left",
+        "nested",
+        "nested_until",
+        "delay_ms",
+    )
 
     def __init__(self, worker: SimWorker, node: int):
         self.speed, self.node = worker.speed, node
@@ -253,6 +265,12 @@ class Prefill:
         self.current: tuple | None = (
             None  # in service: (r, ms, uncached tokens), ms of the whole prefill
         )
+        self.left = 0  # the job in service's tokens left, the part in service included
+        # Layer-boundary preemption: prompts run inside the job in service (r -> (ms, uncached)),
+        # when the last of them ends, and what they add to the part in service
+        self.nested: dict[int, tuple[float, int]] = {}
+        self.nested_until = 0.0
+        self.delay_ms = 0.0
         self.busy_ms = 0.0
         self.prefix: OrderedDict[str, None] = OrderedDict()  # block hashes, LRU
         self.snap = KeySnapshots()
@@ -266,7 +284,10 @@ class PrefillPool:
     for each second at the worker, or arrival order (`SimCosts.prefill_order`).
     With `max_chunk_tokens` a prompt runs in chunks and goes back to the queue, keyed by the tokens
     it has left, after each one, so a shorter prompt that arrived meanwhile goes next (the engine's
-    chunk-wise preemption); the service drawn at its start is spread over its chunks by tokens."""
+    chunk-wise preemption); the service drawn at its start is spread over its chunks by tokens.
+    With `preempt_at_layers` a prompt that fits one chunk and goes before the job in service runs
+    at once, and the part in service ends that much later (the engine runs it between the
+    part's layers)."""
 
     def __init__(
         self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine
@@ -277,6 +298,7 @@ class PrefillPool:
         self.order = PREFILL_ORDERS[costs.prefill_order]
         self.chunk_tokens = costs.prefill.max_chunk_tokens
         self.aging = costs.prefill.aging_tokens_per_s
+        self.preempts = costs.prefill.preempt_at_layers
         self.arrived: dict[int, tuple[float, int]] = {}  # r -> (when, order) it reached its worker
         self.parts: dict[
             int, list
@@ -290,17 +312,33 @@ class PrefillPool:
         self.arrived[r] = (now, next(self.arrivals))
         if self.workers[p].current is None:
             self.start(p, r, now)
-        else:
+        elif not (self.preempts and self._jump(p, r, now)):
             self._queue(p, r, self.engine.requests[r].profile.num_prompt_tokens)
+
+    def _key(self, r: int, num_tokens_left: int) -> tuple[float, int]:
+        added_s, arrival = self.arrived[r]
+        return order_key(num_tokens_left, added_s, arrival, self.order, self.aging)
+
+    def _jump(self, p: int, r: int, now: float) -> bool:
+        """Run r inside the job in service if it fits one chunk and goes before that job."""
+        worker = self.workers[p]
+        uncached = self._uncached(worker, self.engine.requests[r].profile)
+        fits = uncached <= self.chunk_tokens if self.chunk_tokens else True
+        if not fits or self._key(r, uncached) >= self._key(worker.current[0], worker.left):
+            return False
+        ms = self._service_ms(worker, uncached, now)
+        worker.nested[r] = (ms, uncached)
+        worker.nested_until = max(worker.nested_until, now) + ms * 1e-3
+        worker.delay_ms += ms
+        heappush(self.engine.heap, (worker.nested_until, EV_PF_DONE, p, r))
+        return True
 
     def _queue(self, p: int, r: int, num_tokens_left: int) -> None:
         """r waits at p, at its place in the engine's order."""
-        added_s, arrival = self.arrived[r]
-        key = order_key(num_tokens_left, added_s, arrival, self.order, self.aging)
-        heappush(self.workers[p].queue, (key, r))
+        heappush(self.workers[p].queue, (self._key(r, num_tokens_left), r))
 
-    def start(self, p: int, r: int, now: float) -> None:
-        worker, prof = self.workers[p], self.engine.requests[r].profile
+    @staticmethod
+    def _uncached(worker: Prefill, prof) -> int:
         uncached = prof.num_prompt_tokens
         if prof.prefix_hashes:
             hit = 0
@@ -309,10 +347,18 @@ class PrefillPool:
                     break
                 hit += 1
             uncached = max(1, uncached - hit * prof.block_size)
-        ms = (self.fixed_ms + uncached / self.tokens_per_ms) / worker.speed
-        ms = self.engine.scaled(ms, now)
-        worker.current = (r, ms, uncached)
+        return uncached
+
+    def _service_ms(self, worker: Prefill, uncached: int, now: float) -> float:
+        ms = self.engine.scaled((self.fixed_ms + uncached / self.tokens_per_ms) / worker.speed, now)
         worker.busy_ms += ms
+        return ms
+
+    def start(self, p: int, r: int, now: float) -> None:
+        worker = self.workers[p]
+        uncached = self._uncached(worker, self.engine.requests[r].profile)
+        ms = self._service_ms(worker, uncached, now)
+        worker.current, worker.left = (r, ms, uncached), uncached
         if 0 < self.chunk_tokens < uncached:
             self.parts[r] = [uncached, worker.current]
             self._run_chunk(p, r, now)
@@ -323,15 +369,24 @@ class PrefillPool:
         """The next chunk of r's prompt, r in service on p: its share of the service, by tokens."""
         part = self.parts[r]
         tokens = part[0] if part[0] < self.chunk_tokens else self.chunk_tokens
+        self.workers[p].left = part[0]
         part[0] -= tokens
         _, ms, uncached = part[1]
         heappush(self.engine.heap, (now + ms * tokens / uncached * 1e-3, EV_PF_DONE, p, r))
 
-    def finish(self, p: int, now: float) -> tuple[float, int] | None:
-        """The job in service is done: (its ms, its uncached tokens); call start_next() after. None
-        when only a chunk of it is: it went back to the queue and the worker went on."""
+    def finish(self, p: int, r: int, now: float) -> tuple[float, int] | None:
+        """r is done at p: (its ms, its uncached tokens); call start_next() after. None when
+        only a chunk of it is (it went back to the queue and the worker went on), or when
+        prompts ran inside its part in service (which then ends that much later)."""
         worker = self.workers[p]
-        r, ms, uncached = worker.current
+        if r in worker.nested:
+            del self.arrived[r]
+            return worker.nested.pop(r)
+        if worker.delay_ms > 0.0:
+            heappush(self.engine.heap, (now + worker.delay_ms * 1e-3, EV_PF_DONE, p, r))
+            worker.delay_ms = 0.0
+            return None
+        _, ms, uncached = worker.current
         worker.current = None
         part = self.parts.get(r) if self.parts else None
         if part is not None:
@@ -359,7 +414,7 @@ class PrefillPool:
 
     def start_next(self, p: int, now: float) -> None:
         worker = self.workers[p]
-        if worker.queue:
+        if worker.queue and worker.current is None:  # (a prompt run inside one leaves it busy)
             r = heappop(worker.queue)[1]
             part = self.parts.get(r) if self.parts else None
             if part is None:

@@ -459,3 +459,27 @@ def test_router_sim_imports_neither_torch_nor_ray():
         assert "import torch" not in text and "import ray" not in text and "from ray" not in text, (
             path
         )
+
+
+@pytest.mark.parametrize("chunk", [0, 100])
+def test_with_preemption_a_short_prompt_runs_inside_the_long_ones_chunk(chunk):
+    # As above, with prefill.preempt_at_layers: the 20-token prompt (7 ms) that arrives at 1 ms
+    # runs at once (TTFT 7), inside the long one's part in service (its whole prompt, or its
+    # first 100-token chunk), which ends 7 ms later: the long one ends at 42 either way.
+    profiles = [RequestProfile(300), RequestProfile(20)]
+    cluster = _hand_cluster().with_prefill(max_chunk_tokens=chunk, preempt_at_layers=True)
+    r = simulate(cluster, Workload("preempt", profiles, np.array([0.0, 0.001])), "joint", slo_ms=50)
+    assert r.ttft_ms == pytest.approx([42.0, 7.0], abs=1e-6)
+    assert r.service_ms == pytest.approx([35.0, 7.0], abs=1e-6)
+
+
+def test_with_preemption_prompts_that_do_not_go_first_or_fit_a_chunk_wait():
+    # A 150-token prompt (10 ms) does not fit a 100-token chunk, and a second 300-token prompt
+    # is not shorter than the one in service: both queue; the 20-token one jumps both, and a
+    # second 20-token one that arrives while the first runs waits for it (7 + 7 ms).
+    profiles = [RequestProfile(n) for n in (300, 150, 300, 20, 20)]
+    arrivals = np.array([0.0, 0.001, 0.002, 0.003, 0.004])
+    cluster = _hand_cluster().with_prefill(max_chunk_tokens=100, preempt_at_layers=True)
+    r = simulate(cluster, Workload("preempt", profiles, arrivals), "joint", slo_ms=50)
+    assert r.ttft_ms[3:] == pytest.approx([7.0, 13.0], abs=1e-6)
+    assert r.ttft_ms[1] > 35 / 3 + 14 - 1 and r.completed == 5
