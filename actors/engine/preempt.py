@@ -11,7 +11,7 @@ video's encode, and that chunk was the whole queue of the slowest text requests
 Python stack, so another prompt's whole forward can run there, on its own cache, and the chunk
 continues as if nothing had happened: both results are those of running them apart.
 
-`LayerGate` calls a function before every decoder layer; `jumpers` picks which of the newly
+`gate_layers` calls the engine before every decoder layer; `jumpers` picks which of the newly
 arrived prompts may go ahead of the chunk in service. Plain logic; the engine runs them.
 """
 
@@ -30,21 +30,18 @@ class Waiting(Protocol):
     def state(self) -> PrefillState: ...
 
 
-class LayerGate:
-    """Calls `owner.between_layers()` before each of `layers`' forwards. The hooks hold the
+def gate_layers(layers: Iterable, owner: object) -> None:
+    """Call `owner.between_layers()` before each of `layers`' forwards. The hooks hold the
     owner weakly and go with it, so engines built on one loaded model (tests) leave none
     behind."""
+    ref = weakref.ref(owner)
 
-    def __init__(self, layers: Iterable, owner: object, method: str = "between_layers"):
-        ref = weakref.ref(owner)
+    def hook(_module, _args) -> None:
+        if (alive := ref()) is not None:
+            alive.between_layers()
 
-        def hook(_module, _args) -> None:
-            if (alive := ref()) is not None:
-                getattr(alive, method)()
-
-        handles = [layer.register_forward_pre_hook(hook) for layer in layers]
-        weakref.finalize(owner, _remove_all, handles)
-        self.num_layers = len(handles)
+    handles = [layer.register_forward_pre_hook(hook) for layer in layers]
+    weakref.finalize(owner, _remove_all, handles)
 
 
 def _remove_all(handles: list) -> None:

@@ -33,7 +33,7 @@ from transformers.cache_utils import DynamicCache
 from actors.engine import kv
 from actors.engine.grammar import GrammarError, ModelGrammars
 from actors.engine.lm_runner import LMRunner
-from actors.engine.preempt import LayerGate, jumpers, order_of
+from actors.engine.preempt import gate_layers, jumpers, order_of
 from actors.engine.prefix_cache import BlockPool, MediaKey, block_hashes
 from actors.engine.sampling import Sampled
 from actors.types import PrefillRequest, TokenHistory
@@ -174,7 +174,7 @@ class PrefillEngine:
         self._intake_seen = 0  # intake entries judged for preemption in this chunk
         self._nested_s = 0.0  # time spent in preempting prompts during this chunk
         self._num_between_layers = 0  # prompts run so, since the worker started
-        self._gate = LayerGate(runner.adapter.decoder_layers(), self)
+        gate_layers(runner.adapter.decoder_layers(), self)
         self._snapshot()
 
     def reconfigure(self, settings: PrefillSettings) -> None:
@@ -288,7 +288,7 @@ class PrefillEngine:
             self._in_service = None
 
     def between_layers(self) -> None:
-        """Before each decoder layer (LayerGate): run whole, here, the prompts new to the intake
+        """Before each decoder layer (gate_layers): run whole, here, the prompts new to the intake
         that go before the chunk in service. One level deep: they are not preempted in turn."""
         outer = self._in_service
         if outer is None or len(self._intake) == self._intake_seen:

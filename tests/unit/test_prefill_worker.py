@@ -162,7 +162,7 @@ def test_a_prompt_run_between_a_chunks_layers_answers_before_the_chunk_ends(ckpt
         def call_short(_module, _args):  # before the long chunk's first layer, once
             first_layer.remove()
             calls["short"] = asyncio.run_coroutine_threadsafe(worker.prefill(short), loop)
-            wait_for(lambda: len(worker.engine._intake) > 0)  # added: the next layer takes it
+            wait_for(lambda: worker.engine.stats()["queued"] > 0)  # added: the next layer takes it
 
         def after_last_layer(_module, _args, _output):  # the short forward's, then the chunk's
             calls["last_layers"] = calls.get("last_layers", 0) + 1
