@@ -33,9 +33,12 @@ class EncoderWorker(ModelWorker):
     LINKED_CALLS = frozenset({"encode", "drop"})
 
     def __init__(self, spec: WorkerSpec, settings: EncoderSettings):
-        from actors.models.adapter import Part  # in the worker only (runtime.py)
+        from actors.engine.preempt import gate_layers  # in the worker only (runtime.py)
+        from actors.models.adapter import Part
 
         super().__init__(spec, Part.ENCODER)
+        # A tower's forward makes way between its layers for a short prompt on the node.
+        gate_layers(self.adapter.tower_linears(), self)
         self.settings = settings
         self.cache = EncoderCache(settings.cache_bytes)
         self.batcher = MicroBatcher(
@@ -47,6 +50,15 @@ class EncoderWorker(ModelWorker):
         self._running = 0
         self.links = WorkerLinks()  # to prefill workers, for embeddings small enough to inline
 
+    def _encode(self, items: list) -> tuple[list[torch.Tensor], float]:
+        """On the device thread: the items' embeddings, and the seconds the tower paused for
+        a short prompt elsewhere on the node (not compute: the router's costs leave it out)."""
+        with self.priority.yielding() as paused_s:
+            return self.adapter.encode(items), paused_s()
+
+    def between_layers(self) -> None:
+        self.priority.pause()
+
     def take_settings(self, settings: EncoderSettings) -> None:
         self.batcher.max_wait_s = settings.max_wait_ms / 1e3
 
@@ -54,8 +66,8 @@ class EncoderWorker(ModelWorker):
         self._running += len(jobs)
         try:
             started = time.perf_counter()
-            embeddings = await self.run_device(self.adapter.encode, [job.item for job in jobs])
-            encode_ms = (time.perf_counter() - started) * 1e3
+            embeddings, paused_s = await self.run_device(self._encode, [job.item for job in jobs])
+            encode_ms = (time.perf_counter() - started - paused_s) * 1e3
         finally:
             self._running -= len(jobs)
         for job, emb in zip(jobs, embeddings, strict=True):
@@ -169,6 +181,7 @@ class EncoderWorker(ModelWorker):
             "link_messages": self.link_messages,
             "work_in": self.work_in,
             "work_done": self.work_done,
+            **self.priority_stats(),
             **self.cache.stats().as_flat_dict(),
         }
 

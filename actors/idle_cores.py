@@ -4,8 +4,9 @@ every core, as a single process would; under load each worker keeps `torch_threa
 oversubscribed threads collapse on small hosts.
 
 The workers of one fleet on one node share a directory (under /dev/shm) of one-byte files,
-one per worker process: 1 while that worker has work, 0 when it has none. A worker marks
-itself busy before it looks at the others, so of two that start at once neither borrows.
+one per worker process: 1 while that worker has work, 0 when it has none, 2 while it computes
+a short prompt that the node's long forwards make way for (actors/engine/node_priority.py). A worker
+marks itself busy before it looks at the others, so of two that start at once neither borrows.
 The board knows only the fleet's workers; the cores the rest of the host keeps busy (an
 ingress streaming tokens, clients, other fleets) come from /proc (actors/host_cpu.py).
 No Ray and no torch here: tests drive several boards as several workers.
@@ -14,6 +15,7 @@ No Ray and no torch here: tests drive several boards as several workers.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import tempfile
 import time
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from actors.host_cpu import HostCpu
 
-BUSY, IDLE = b"\x01", b"\x00"
+BUSY, IDLE, URGENT = b"\x01", b"\x00", b"\x02"
 RESCAN_S = 0.5  # how often the directory is listed again (new or restarted workers)
 BOARD_PREFIX = "epd-cores-"  # board directories are named this plus the fleet's id
 # A core counts as idle while other processes keep less than half of it busy: Ray's own
@@ -62,7 +64,7 @@ def sweep_dead_boards(root: Path, keep: str) -> None:
 
 
 class NodeBoard:
-    """This process's busy flag and a view of its peers' (the files of dead processes go)."""
+    """This process's flag and a view of its peers' (the files of dead processes go)."""
 
     def __init__(self, name: str, root: Path | None = None, pid: int | None = None):
         root = root or default_root()
@@ -71,15 +73,29 @@ class NodeBoard:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.pid = pid if pid is not None else os.getpid()
         self._fd = os.open(self.dir / str(self.pid), os.O_RDWR | os.O_CREAT, 0o644)
-        self._busy: bool | None = None
+        self._flag: bytes | None = None  # as last written
+        self._busy = self._urgent = False
         self._peers: dict[int, int] = {}  # pid -> open file
+        # pid -> the file mapped: read between layers without a syscall, which would hand the
+        # GIL to the actor's event loop.
+        self._views: dict[int, mmap.mmap] = {}
         self._scanned_s = float("-inf")
-        self.set_busy(False)
+        self._post()
 
     def set_busy(self, busy: bool) -> None:
-        if busy != self._busy:
-            os.pwrite(self._fd, BUSY if busy else IDLE, 0)
-            self._busy = busy
+        self._busy = busy
+        self._post()
+
+    def set_urgent(self, urgent: bool) -> None:
+        """While set, the flag says URGENT (and busy): peers' long forwards make way."""
+        self._urgent = urgent
+        self._post()
+
+    def _post(self) -> None:
+        flag = URGENT if self._urgent else BUSY if self._busy else IDLE
+        if flag != self._flag:
+            os.pwrite(self._fd, flag, 0)
+            self._flag = flag
 
     def peer_pids(self) -> frozenset[int]:
         """The fleet's other workers on this node, as of the last listing (`rescan`)."""
@@ -88,11 +104,20 @@ class NodeBoard:
     def others_busy(self) -> bool:
         self.rescan()
         for pid, fd in list(self._peers.items()):
-            if os.pread(fd, 1, 0) == BUSY:
+            if os.pread(fd, 1, 0) in (BUSY, URGENT):
                 if _alive(pid):
                     return True
                 self._forget(pid, unlink=True)  # died in a step: its flag says busy forever
         return False
+
+    def others_urgent(self) -> bool:
+        """Whether a peer computes a short prompt now (its flag URGENT)."""
+        self.rescan()
+        return any(view[:1] == URGENT for view in list(self._views.values()))
+
+    def num_others_busy(self) -> int:
+        """Peers with work now (urgent ones included), as of the last listing."""
+        return sum(view[:1] != IDLE for view in list(self._views.values()))
 
     def rescan(self) -> None:
         """List the fleet's workers again if the last listing is older than RESCAN_S."""
@@ -108,10 +133,23 @@ class NodeBoard:
         for pid in set(self._peers) - listed:
             self._forget(pid)
         for pid in listed - set(self._peers):
-            with contextlib.suppress(OSError):  # gone between the listing and the open
-                self._peers[pid] = os.open(self.dir / str(pid), os.O_RDONLY)
+            self._watch(pid)
+
+    def _watch(self, pid: int) -> None:
+        try:
+            fd = os.open(self.dir / str(pid), os.O_RDONLY)
+        except OSError:  # gone between the listing and the open
+            return
+        try:
+            view = mmap.mmap(fd, 1, prot=mmap.PROT_READ)
+        except ValueError:  # created, not written yet: the next listing tries again
+            os.close(fd)
+            return
+        self._peers[pid], self._views[pid] = fd, view
 
     def _forget(self, pid: int, unlink: bool = False) -> None:
+        if (view := self._views.pop(pid, None)) is not None:
+            view.close()
         os.close(self._peers.pop(pid))
         if unlink:
             with contextlib.suppress(OSError):

@@ -61,6 +61,7 @@ class PrefillWorker(ModelWorker):
         super().__init__(spec, Part.LANGUAGE_MODEL)
         self.settings = settings
         self.engine = PrefillEngine(LMRunner(self.adapter, settings.max_chunk_tokens), settings)
+        self.engine.priority = self.priority
         self.embeddings = TensorInbox()  # from encoders, until the prefill call
         self.kv = TensorInbox()  # for the decode worker, until it pulls it
         self._waiters: dict[str, asyncio.Future] = {}
@@ -218,6 +219,7 @@ class PrefillWorker(ModelWorker):
             "work_in": self.work_in,
             "work_done": self.work_done,
             "link_messages": self.link_messages,
+            **self.priority_stats(),
         }
 
     def load(self) -> WorkerLoad:

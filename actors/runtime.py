@@ -62,6 +62,7 @@ class ModelWorker:
     def __init__(self, spec: WorkerSpec, part: str):
         import torch
 
+        from actors.engine.node_priority import NodePriority
         from actors.models.adapter import load_adapter
 
         torch.set_num_threads(spec.torch_threads)  # oversubscribed threads collapse on small hosts
@@ -85,6 +86,7 @@ class ModelWorker:
         borrows = board is not None and (spec.idle_torch_threads or 0) > spec.torch_threads
         host = HostCpu(peers=board.peer_pids).start() if borrows else None
         self.threads = ThreadPolicy(spec.torch_threads, spec.idle_torch_threads, board, host)
+        self.priority = NodePriority(board)  # short prompts first on the node (node_priority.py)
         self._num_threads = spec.torch_threads
         self.busy_s = 0.0  # device time so far (slowdown included): autoscaling's measured load
         # Units of work that reached this worker and that it finished (embeddings, prompt
@@ -134,6 +136,13 @@ class ModelWorker:
     def borrow_pays(self) -> bool:
         """Whether the next device step is big enough to gain from borrowed threads."""
         return True
+
+    def priority_stats(self) -> dict[str, float]:
+        """Long forwards of this worker paused for a peer's short prompts, and for how long."""
+        return {
+            "pauses_for_short": self.priority.num_pauses,
+            "paused_for_short_ms": round(self.priority.total_paused_s * 1e3, 3),
+        }
 
     @property
     def step_threads(self) -> int:

@@ -341,6 +341,14 @@ class PrefillPoolConfig(PoolConfig):
         "instead of waiting for the chunk. Outputs are unchanged. False: a chunk once begun runs "
         "to its end first.",
     )
+    node_priority: bool = Field(
+        True,
+        description="Node-wide priority for short prompts: while a prefill worker computes "
+        "prompts that each fit one forward, the long forwards of the other workers on its node "
+        "(encoder towers, other prefill workers' chunks of long prompts) pause between layers, "
+        "each for at most as long as it has computed. Decode never pauses. False: the stages "
+        "share the node's cores as the OS schedules them.",
+    )
 
     def settings(self) -> PrefillSettings:
         """What this pool's workers and their engines read (router/worker_settings.py)."""
@@ -771,6 +779,7 @@ LIVE_FIELDS = {
         "overlap_min_tokens",
         "aging_tokens_per_s",
         "preempt_at_layers",
+        "node_priority",
         "slowdown",
     },
     "decode": {"kv_cache_mb", "slowdown"},

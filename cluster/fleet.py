@@ -71,9 +71,9 @@ class Fleet:
             m.max_model_len,
             revision=m.revision,
             hub_cache_dir=m.hub_cache_dir,
-            board=f"{BOARD_PREFIX}{uuid.uuid4().hex[:12]}"
-            if self._borrows(config)
-            else None,  # idle-core board on each node
+            # On each node, the board where workers post their work: idle-core borrowing and
+            # node priority for short prompts (a live setting) read it.
+            board=f"{BOARD_PREFIX}{uuid.uuid4().hex[:12]}",
         )
         # Per kind, one entry per worker index (slot); None where an autoscaled pool runs
         # fewer than its max_workers.
@@ -86,14 +86,6 @@ class Fleet:
         ray.get([a.ready.remote() for a in self.all_actors()])
         self._group_name: str | None = None
         self._form_group()
-
-    @staticmethod
-    def _borrows(config: ClusterConfig) -> bool:
-        """Whether any pool borrows idle cores (then every worker posts its work on the board)."""
-        return any(
-            pool.idle_torch_threads
-            for pool in [*config.encoder_pools, config.prefill, config.decode]
-        )
 
     def _kind_pools(self, kind: WorkerKind) -> list[PoolConfig]:
         if kind == WorkerKind.ENCODER:

@@ -2,7 +2,8 @@
 
 Owns the prefill engine (scheduled chunks, prefix cache, KV out), the decode engine
 (continuous batching, its bookkeeping, the sampler), the one place that runs the language
-model (`lm_runner`), the KV layout, and the encoder's batching and embedding cache.
+model (`lm_runner`), the KV layout, the encoder's batching and embedding cache, and when a
+long forward makes way for a short prompt elsewhere on the node (`node_priority`).
 The prefill order itself is torch-free and lives in `router.prefill_schedule`, so that the
 simulator runs the same order.
 

@@ -11,8 +11,10 @@ video's encode, and that chunk was the whole queue of the slowest text requests
 Python stack, so another prompt's whole forward can run there, on its own cache, and the chunk
 continues as if nothing had happened: both results are those of running them apart.
 
-`gate_layers` calls the engine before every decoder layer; `jumpers` picks which of the newly
-arrived prompts may go ahead of the chunk in service. Plain logic; the engine runs them.
+`gate_layers` calls the engine before every decoder layer (and the encoder worker before its
+towers' linear layers, where a forward pauses for a short prompt elsewhere on the node:
+actors/engine/node_priority.py); `jumpers` picks which of the newly arrived prompts may go ahead of
+the chunk in service. Plain logic; the engine runs them.
 """
 
 from __future__ import annotations

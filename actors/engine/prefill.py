@@ -10,7 +10,9 @@ are planned again next step), so a first token never waits for other requests' f
 Finished prompts leave their full blocks in the prefix cache at the start of the next step,
 after their first tokens have left (a finished prompt keeps the worker's loop stepping).
 A prompt that arrives during a chunk's forward and goes before it runs whole between two of
-the chunk's decoder layers, its output out at once (`on_early`; preempt.py).
+the chunk's decoder layers, its output out at once (`on_early`; preempt.py). A forward that
+computes whole prompts marks the node urgent, and one that does not pauses between layers
+while another worker's is (`priority`; actors/engine/node_priority.py).
 
 Encode/prefill overlap: a request may be added before its items' embeddings; the text
 before its first missing item is prefilled meanwhile, and `add_item` splices each item in
@@ -25,6 +27,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +36,7 @@ from transformers.cache_utils import DynamicCache
 from actors.engine import kv
 from actors.engine.grammar import GrammarError, ModelGrammars
 from actors.engine.lm_runner import LMRunner
+from actors.engine.node_priority import NodePriority
 from actors.engine.preempt import gate_layers, jumpers, order_of
 from actors.engine.prefix_cache import BlockPool, MediaKey, block_hashes
 from actors.engine.sampling import Sampled
@@ -172,8 +176,9 @@ class PrefillEngine:
         self._early: list[PrefillOutput] = []
         self._in_service: _Job | None = None  # the job whose chunk may be preempted now
         self._intake_seen = 0  # intake entries judged for preemption in this chunk
-        self._nested_s = 0.0  # time spent in preempting prompts during this chunk
+        self._nested_s = 0.0  # in preempting prompts or paused for a peer's, during this chunk
         self._num_between_layers = 0  # prompts run so, since the worker started
+        self.priority = NodePriority(None)  # the worker's, on its node's board
         gate_layers(runner.adapter.decoder_layers(), self)
         self._snapshot()
 
@@ -282,14 +287,26 @@ class PrefillEngine:
         """One chunk of `job`; prompts that arrive meanwhile may run between its layers."""
         self._in_service = job if self.settings.preempt_at_layers else None
         self._intake_seen, self._nested_s = 0, 0.0
+        args = job.embeds, job.positions, job.cache, start, end
         try:
-            return self.runner.forward_chunk(job.embeds, job.positions, job.cache, start, end)
+            if start == job.num_cached and end == len(job.request.prompt_token_ids):
+                with self._urgent():  # the whole prompt in this one forward
+                    return self.runner.forward_chunk(*args)
+            with self.priority.yielding() as paused_s:
+                try:
+                    return self.runner.forward_chunk(*args)
+                finally:
+                    self._nested_s += paused_s()  # not this chunk's compute
         finally:
             self._in_service = None
+
+    def _urgent(self):
+        return self.priority.urgent() if self.settings.node_priority else nullcontext()
 
     def between_layers(self) -> None:
         """Before each decoder layer (gate_layers): run whole, here, the prompts new to the intake
         that go before the chunk in service. One level deep: they are not preempted in turn."""
+        self.priority.pause()  # a no-op unless in a long forward and a peer is urgent
         outer = self._in_service
         if outer is None or len(self._intake) == self._intake_seen:
             return
@@ -318,9 +335,10 @@ class PrefillEngine:
         if job.request.request_id in self.jobs:  # else it failed alone as it started
             now = job.started_s = time.perf_counter()
             end = len(job.request.prompt_token_ids)
-            job.hidden = self.runner.forward_chunk(
-                job.embeds, job.positions, job.cache, job.num_computed, end
-            )
+            with self._urgent():
+                job.hidden = self.runner.forward_chunk(
+                    job.embeds, job.positions, job.cache, job.num_computed, end
+                )
             job.num_computed = end
             job.compute_s += time.perf_counter() - now
             finished.append(self._finish(job))

@@ -79,6 +79,15 @@ class ModelAdapter(abc.ABC):
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
         """Embeddings, one [num_embeddings, hidden] tensor per item; items share a modality."""
 
+    def tower_linears(self) -> list[torch.nn.Module]:
+        """The linear layers of the modules this adapter holds (for the encoder part: its
+        towers and projectors). A tower's forward pauses before them for a short prompt on the
+        node (actors/engine/node_priority.py): a block is too coarse, as a 30-frame video's
+        tower has 4 blocks of a few hundred ms each on the CPU host."""
+        roots = [v for v in vars(self).values() if isinstance(v, torch.nn.Module)]
+        found = {id(m): m for r in roots for m in r.modules() if isinstance(m, torch.nn.Linear)}
+        return list(found.values())
+
     # The language-model side: families set self._lm (the decoder stack, with embed_tokens)
     # and self._lm_head when part == LANGUAGE_MODEL.
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ CONFIG = ClusterConfig.model_validate(
             "prefix_block_tokens": 8,
             "prefix_cache_mb": 3.0,
             "preempt_at_layers": False,
+            "node_priority": False,
         },
         "decode": {"max_batch_size": 5, "kv_cache_mb": 2.5},
     }

@@ -1,0 +1,216 @@
+"""Node priority for short prompts (actors/engine/node_priority.py): boards in a temporary directory
+stand for the workers of one node. The plain logic with a clock driven by the test; then the
+real prefill engine (tiny checkpoint, no Ray) marks a whole prompt's forward urgent and pauses
+a long chunk for a peer's, and the encoder worker's tower pauses between its linear layers."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from actors import idle_cores
+from actors.engine.node_priority import NodePriority
+from actors.idle_cores import BUSY, IDLE, URGENT, NodeBoard
+from tests.unit.test_idle_cores import live_pid  # noqa: F401 (a fixture)
+from tests.unit.test_lm_runner import lm  # noqa: F401 (a fixture)
+
+
+@pytest.fixture(autouse=True)
+def rescan_every_time(monkeypatch):
+    monkeypatch.setattr(idle_cores, "RESCAN_S", 0.0)
+
+
+@pytest.fixture
+def boards(tmp_path, live_pid):  # noqa: F811
+    """This process's board and a peer's, on one node."""
+    name = f"epd-cores-{uuid.uuid4().hex[:8]}"
+    mine, peer = NodeBoard(name, tmp_path), NodeBoard(name, tmp_path, pid=live_pid())
+    yield mine, peer
+    mine.close()
+    peer.close()
+
+
+class FakeTime:
+    """A clock that moves only when told: `work(s)` as compute, `sleep(s)` as a pause."""
+
+    def __init__(self):
+        self.now, self.sleeps = 0.0, 0
+        self.on_sleep = lambda: None
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+        self.sleeps += 1
+        self.on_sleep()
+
+
+def test_an_urgent_flag_is_busy_to_borrowers_and_restores_what_was_there(boards, tmp_path):
+    mine, peer = boards
+    flag = lambda: (mine.dir / str(peer.pid)).read_bytes()  # noqa: E731
+    peer.set_busy(True)
+    peer.set_urgent(True)
+    assert flag() == URGENT and mine.others_busy() and mine.others_urgent()
+    peer.set_busy(False)  # a step's end inside an urgent forward does not clear it
+    assert flag() == URGENT
+    peer.set_urgent(False)
+    assert flag() == IDLE and not mine.others_busy() and not mine.others_urgent()
+    peer.set_busy(True)
+    with NodePriority(peer).urgent():
+        assert mine.others_urgent()
+    assert flag() == BUSY, "back to busy: the step goes on"
+
+
+def test_a_long_forward_pauses_while_a_peer_is_urgent_and_resumes_when_it_ends(boards):
+    mine, peer = boards
+    t = FakeTime()
+    priority = NodePriority(mine, clock=t.clock, sleep=t.sleep, num_cores=1)
+    priority.pause()
+    assert t.sleeps == 0, "outside a long forward: never"
+    peer.set_urgent(True)
+    t.on_sleep = lambda: t.sleeps == 3 and peer.set_urgent(False)
+    with priority.yielding() as paused_s:
+        t.now += 1.0  # a second of compute, then a layer boundary
+        priority.pause()
+        assert t.sleeps == 3, "it waited until the peer's short prompt was done"
+        assert paused_s() == pytest.approx(3 * 0.0005)
+        priority.pause()
+        assert t.sleeps == 3, "nobody urgent: no wait"
+    assert priority.num_pauses == 1 and priority.total_paused_s == pytest.approx(paused_s())
+
+
+def test_a_forward_pauses_at_most_as_long_as_it_has_computed(boards):
+    mine, peer = boards
+    t = FakeTime()
+    priority = NodePriority(mine, clock=t.clock, sleep=t.sleep, num_cores=1)
+    peer.set_urgent(True)  # and it stays so: a stream of short prompts
+    with priority.yielding() as paused_s:
+        t.now += 0.2
+        priority.pause()
+        assert paused_s() == pytest.approx(0.2), "as long as its compute so far"
+        priority.pause()
+        assert paused_s() == pytest.approx(0.2), "then not again before it computes more"
+        t.now += 0.05
+        priority.pause()
+        assert paused_s() == pytest.approx(0.25)
+    with priority.urgent():  # a short prompt of this process's own runs: it never pauses
+        priority.pause()
+    assert paused_s() == pytest.approx(0.25)
+
+
+def test_a_forward_pauses_only_while_the_busy_workers_outnumber_the_cores(
+    tmp_path,
+    boards,
+    live_pid,  # noqa: F811
+):
+    mine, peer = boards
+    t = FakeTime()
+    priority = NodePriority(mine, clock=t.clock, sleep=t.sleep, num_cores=2)
+    peer.set_urgent(True)
+    with priority.yielding() as paused_s:
+        t.now += 1.0
+        priority.pause()
+        assert paused_s() == 0.0, "two workers on two cores: each has one"
+        third = NodeBoard(mine.dir.name, tmp_path, pid=live_pid())
+        third.set_busy(True)
+        t.on_sleep = lambda: t.sleeps == 2 and third.set_busy(False)
+        priority.pause()
+        assert t.sleeps == 2, "three on two: it made way until a core was free again"
+    third.close()
+
+
+def test_a_peer_that_died_urgent_is_forgotten_at_the_next_listing(tmp_path):
+    import subprocess
+    import sys
+
+    name = f"epd-cores-{uuid.uuid4().hex[:8]}"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    mine, peer = NodeBoard(name, tmp_path), NodeBoard(name, tmp_path, pid=child.pid)
+    peer.set_urgent(True)
+    assert mine.others_urgent()
+    child.kill()
+    child.wait()  # reaped, as Ray's raylet reaps its workers
+    assert not mine.others_urgent(), "a dead worker's flag stops no one"
+    mine.close()
+
+
+def test_no_board_no_priority():
+    priority = NodePriority(None)
+    with priority.urgent(), priority.yielding():
+        priority.pause()
+    assert priority.num_pauses == 0
+
+
+def test_the_prefill_engine_marks_whole_prompts_urgent_and_pauses_long_chunks(lm, boards):  # noqa: F811
+    pytest.importorskip("torch")
+    from actors.engine.lm_runner import LMRunner
+    from actors.engine.prefill import PrefillEngine
+    from router.worker_settings import PrefillSettings
+    from tests.unit.test_engine_preempt import LONG, SHORT, alone, same
+
+    mine, peer = boards
+    engine = PrefillEngine(LMRunner(lm, 64), PrefillSettings(64, node_priority=True))
+    engine.priority = NodePriority(mine, num_cores=1)
+    seen: list[bool] = []
+    layers = lm.decoder_layers()
+    spy = layers[0].register_forward_pre_hook(lambda *_: seen.append(peer.others_urgent()))
+    try:
+        engine.add(SHORT)
+        [short] = engine.step()
+        assert seen == [True], "a whole prompt in one forward: the node makes way"
+        assert same(short, alone(lm, SHORT, 64))
+        seen.clear()
+        engine.add(LONG)
+        engine.step()
+        assert seen == [False], "a chunk of a longer prompt is not urgent"
+    finally:
+        spy.remove()
+    slow = layers[0].register_forward_pre_hook(lambda *_: time.sleep(0.3))  # as compute
+    peer.set_urgent(True)  # and stays so: the chunk pauses as long as it computed
+    try:
+        outs = []
+        while engine.has_work:
+            outs += engine.step()
+    finally:
+        slow.remove()
+    paused_s = engine.priority.total_paused_s
+    assert 0.5 <= paused_s <= 0.8, "each of the two chunks left paused about as long as it ran"
+    [long] = outs
+    assert same(long, alone(lm, LONG, 64)), "the output is as if it never paused"
+    assert 600 <= long.compute_ms < 600 + 250, "pauses are not compute"
+
+
+def test_the_encoder_tower_pauses_between_its_linear_layers_for_an_urgent_peer(
+    ckpt,
+    tmp_path,
+    monkeypatch,
+    live_pid,  # noqa: F811
+):
+    np = pytest.importorskip("numpy")
+    from actors.encoder import EncoderWorker
+    from actors.runtime import WorkerSpec
+    from actors.types import MediaItem
+    from router.types import Modality
+    from router.worker_settings import EncoderSettings
+
+    monkeypatch.setattr(idle_cores, "default_root", lambda: tmp_path)
+    board = f"epd-cores-{uuid.uuid4().hex[:8]}"
+    worker = EncoderWorker(
+        WorkerSpec(str(ckpt), "float32", "cpu", 1, 256, board=board), EncoderSettings(1)
+    )
+    peer = NodeBoard(board, tmp_path, pid=live_pid())
+    worker.priority.num_cores = 1  # the two of them oversubscribe it
+    pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    item = MediaItem(Modality.IMAGE, "a" * 64, data=pixels)
+    [alone], paused_s = worker._encode([item])
+    assert paused_s == 0.0, "nobody urgent: no pause"
+    peer.set_urgent(True)
+    [beside], paused_s = worker._encode([item])
+    stats = worker.stats()
+    assert stats["pauses_for_short"] >= 1 and paused_s > 0, "the tower made way"
+    assert stats["paused_for_short_ms"] == pytest.approx(paused_s * 1e3, abs=1e-3)
+    assert (beside == alone).all(), "and its output is the same"
+    peer.close()
