@@ -34,6 +34,7 @@ from benchkit.http_client import stream_one
 from benchkit.live_server import served
 from benchkit.media import VIDEO_FPS, audio_part, image_part, video_part
 from benchkit.modality_mix import replay, workload
+from benchkit.server_metrics import pauses_for_short
 from benchkit.stats import pct, tail_phases
 from cluster.config import REPO_ROOT, load_config
 from router.sim.workload import DEFAULT_MIX
@@ -110,6 +111,7 @@ def text_vs_video(url: str, model: str, args) -> dict:
         {k: v if isinstance(v, dict) else [round(x, 1) for x in v] for k, v in rd.items()}
         for rd in rounds
     ]
+    out["node_priority"] = pauses_for_short(url.rsplit("/v1", 1)[0])  # since the server started
     return out
 
 

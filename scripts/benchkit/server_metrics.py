@@ -20,3 +20,15 @@ def stage_mean_ms(before: dict, after: dict, stage: str) -> float | None:
     key = "epd:stage_latency_seconds_{}" + f'{{{{stage="{stage}"}}}}'
     n = after.get(key.format("count"), 0) - before.get(key.format("count"), 0)
     return (after[key.format("sum")] - before.get(key.format("sum"), 0)) / n * 1e3 if n else None
+
+
+def pauses_for_short(root: str) -> dict[str, float]:
+    """Per worker kind, the long forwards that paused for a short prompt elsewhere on the
+    node (actors/engine/node_priority.py) and their ms, summed over the kind's workers."""
+    body = httpx.get(f"{root}/health", params={"verbose": 1}, timeout=30).json()
+    out: dict[str, float] = {}
+    for kind, workers in (body.get("workers") or {}).items():
+        stats = [w for w in workers if isinstance(w, dict)]
+        out[f"{kind}_pauses"] = sum(w.get("pauses_for_short", 0) for w in stats)
+        out[f"{kind}_paused_ms"] = round(sum(w.get("paused_for_short_ms", 0.0) for w in stats))
+    return out
