@@ -83,6 +83,33 @@ class Mark(NamedTuple):
     own_s: float
 
 
+def usable_cores(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup CPU quota
+    (a container's CPU limit, as in a Kubernetes pod: v2 `cpu.max`, or v1's CFS quota)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    cores = len(affinity(0)) if affinity else os.cpu_count() or 1
+    quota = _cgroup_quota(cgroup_root)
+    return max(1, min(cores, int(quota + 0.5))) if quota else cores
+
+
+def _cgroup_quota(root: str) -> float | None:
+    """Cores' worth of CPU time the cgroup allows, or None when unlimited or unknown."""
+    pair = _read_words(f"{root}/cpu.max") or (
+        _read_words(f"{root}/cpu/cpu.cfs_quota_us") + _read_words(f"{root}/cpu/cpu.cfs_period_us")
+    )
+    if len(pair) < 2 or not pair[0].isdigit() or not pair[1].isdigit() or int(pair[1]) == 0:
+        return None  # "max" or -1: no limit
+    return int(pair[0]) / int(pair[1])
+
+
+def _read_words(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
 class HostCpu:
     """Cores of this host that processes other than this one and its peers (`peers()`: the
     fleet's other workers here) left idle over the latest window."""
@@ -94,7 +121,7 @@ class HostCpu:
         read: Callable[[frozenset[int]], Sample | None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.num_cores = num_cores or len(os.sched_getaffinity(0))
+        self.num_cores = num_cores or usable_cores()
         self._peers, self._read, self._clock = peers, read or ProcReader(), clock
         self._marks: deque[Mark] = deque(maxlen=NUM_MARKS)
         self._lock = threading.Lock()  # the sampler and a step may read at once

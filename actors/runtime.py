@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from actors.host_cpu import HostCpu
+from actors.host_cpu import HostCpu, usable_cores
 from actors.idle_cores import NodeBoard, ThreadPolicy
 from actors.models.source import resolve_checkpoint
 from actors.wire import LinkAddress, LinkServer
@@ -86,7 +86,7 @@ class ModelWorker:
         borrows = board is not None and (spec.idle_torch_threads or 0) > spec.torch_threads
         host = HostCpu(peers=board.peer_pids).start() if borrows else None
         self.threads = ThreadPolicy(spec.torch_threads, spec.idle_torch_threads, board, host)
-        self.priority = NodePriority(board)  # short prompts first on the node (node_priority.py)
+        self.priority = NodePriority(board, usable_cores())  # short prompts first on the node
         self._num_threads = spec.torch_threads
         self.busy_s = 0.0  # device time so far (slowdown included): autoscaling's measured load
         # Units of work that reached this worker and that it finished (embeddings, prompt

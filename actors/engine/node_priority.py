@@ -23,7 +23,6 @@ several boards as several workers.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
@@ -45,12 +44,11 @@ class NodePriority:
     def __init__(
         self,
         board: Board | None,
+        num_cores: int,  # the node's cores this process may use (host_cpu.usable_cores)
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
-        num_cores: int | None = None,
     ):
-        self.board, self._clock, self._sleep = board, clock, sleep
-        self.num_cores = num_cores or len(os.sched_getaffinity(0))
+        self.board, self.num_cores, self._clock, self._sleep = board, num_cores, clock, sleep
         self._began_s: float | None = None  # start of the long forward in progress
         self._paused_s = 0.0  # within it
         self.total_paused_s = 0.0  # since the worker started

@@ -178,7 +178,7 @@ class PrefillEngine:
         self._intake_seen = 0  # intake entries judged for preemption in this chunk
         self._nested_s = 0.0  # in preempting prompts or paused for a peer's, during this chunk
         self._num_between_layers = 0  # prompts run so, since the worker started
-        self.priority = NodePriority(None)  # the worker's, on its node's board
+        self.priority = NodePriority(None, 1)  # the worker's, on its node's board
         gate_layers(runner.adapter.decoder_layers(), self)
         self._snapshot()
 

@@ -59,7 +59,7 @@ def test_an_urgent_flag_is_busy_to_borrowers_and_restores_what_was_there(boards,
     peer.set_urgent(False)
     assert flag() == IDLE and not mine.others_busy() and not mine.others_urgent()
     peer.set_busy(True)
-    with NodePriority(peer).urgent():
+    with NodePriority(peer, 1).urgent():
         assert mine.others_urgent()
     assert flag() == BUSY, "back to busy: the step goes on"
 
@@ -67,7 +67,7 @@ def test_an_urgent_flag_is_busy_to_borrowers_and_restores_what_was_there(boards,
 def test_a_long_forward_pauses_while_a_peer_is_urgent_and_resumes_when_it_ends(boards):
     mine, peer = boards
     t = FakeTime()
-    priority = NodePriority(mine, clock=t.clock, sleep=t.sleep, num_cores=1)
+    priority = NodePriority(mine, 1, clock=t.clock, sleep=t.sleep)
     priority.pause()
     assert t.sleeps == 0, "outside a long forward: never"
     peer.set_urgent(True)
@@ -85,7 +85,7 @@ def test_a_long_forward_pauses_while_a_peer_is_urgent_and_resumes_when_it_ends(b
 def test_a_forward_pauses_at_most_as_long_as_it_has_computed(boards):
     mine, peer = boards
     t = FakeTime()
-    priority = NodePriority(mine, clock=t.clock, sleep=t.sleep, num_cores=1)
+    priority = NodePriority(mine, 1, clock=t.clock, sleep=t.sleep)
     peer.set_urgent(True)  # and it stays so: a stream of short prompts
     with priority.yielding() as paused_s:
         t.now += 0.2
@@ -108,7 +108,7 @@ def test_a_forward_pauses_only_while_the_busy_workers_outnumber_the_cores(
 ):
     mine, peer = boards
     t = FakeTime()
-    priority = NodePriority(mine, clock=t.clock, sleep=t.sleep, num_cores=2)
+    priority = NodePriority(mine, 2, clock=t.clock, sleep=t.sleep)
     peer.set_urgent(True)
     with priority.yielding() as paused_s:
         t.now += 1.0
@@ -138,7 +138,7 @@ def test_a_peer_that_died_urgent_is_forgotten_at_the_next_listing(tmp_path):
 
 
 def test_no_board_no_priority():
-    priority = NodePriority(None)
+    priority = NodePriority(None, 1)
     with priority.urgent(), priority.yielding():
         priority.pause()
     assert priority.num_pauses == 0
@@ -153,7 +153,7 @@ def test_the_prefill_engine_marks_whole_prompts_urgent_and_pauses_long_chunks(lm
 
     mine, peer = boards
     engine = PrefillEngine(LMRunner(lm, 64), PrefillSettings(64, node_priority=True))
-    engine.priority = NodePriority(mine, num_cores=1)
+    engine.priority = NodePriority(mine, 1)
     seen: list[bool] = []
     layers = lm.decoder_layers()
     spy = layers[0].register_forward_pre_hook(lambda *_: seen.append(peer.others_urgent()))
@@ -214,3 +214,21 @@ def test_the_encoder_tower_pauses_between_its_linear_layers_for_an_urgent_peer(
     assert stats["paused_for_short_ms"] == pytest.approx(paused_s * 1e3, abs=1e-3)
     assert (beside == alone).all(), "and its output is the same"
     peer.close()
+
+
+def test_a_nodes_cores_are_capped_by_a_containers_cpu_limit(tmp_path):
+    from actors.host_cpu import usable_cores
+
+    host = usable_cores(str(tmp_path / "none"))  # no cgroup files: the affinity alone
+    assert host >= 1
+    (tmp_path / "cpu.max").write_text("100000 100000\n")  # v2: one core's worth
+    assert usable_cores(str(tmp_path)) == 1
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cores(str(tmp_path)) == host, "no limit"
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")  # v1: half a core
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cores(str(tmp_path)) == 1, "at least one"
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert usable_cores(str(tmp_path)) == host
