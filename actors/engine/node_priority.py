@@ -12,9 +12,9 @@ Only while the node is oversubscribed: a forward pauses while a peer is urgent a
 workers with work outnumber the cores (itself included), since a pause on a node with a core
 to spare would leave that core idle. Bounded: a forward pauses at most as long as it has
 computed so far, so it keeps at least half of the wall clock and a stream of short prompts
-slows long work, never stops it. Decode
-steps never pause (they are short, and every stream's next token waits for them). A worker
-that dies while urgent is forgotten at the board's next listing (actors/idle_cores.py).
+slows long work, never stops it. Decode steps never pause (they are short, and every
+stream's next token waits for them). A worker that dies while urgent is forgotten at the
+board's next listing (actors/idle_cores.py).
 
 No torch, no Ray: the engines call `urgent()`, `yielding()` and `pause()`; tests drive it with
 several boards as several workers.
