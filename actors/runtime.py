@@ -183,11 +183,13 @@ class ModelWorker:
 
             torch.set_num_threads(threads)
             self._num_threads = threads
-        started = time.perf_counter()
+        started, paused_s = time.perf_counter(), self.priority.total_paused_s
         result = fn(*args)
+        # Pauses for a short prompt elsewhere on the node are neither stretched nor load.
+        compute_s = time.perf_counter() - started - (self.priority.total_paused_s - paused_s)
         if self.spec.slowdown > 1.0:  # sleep in the executor, so the worker really is slower
-            time.sleep((self.spec.slowdown - 1.0) * (time.perf_counter() - started))
-        self.busy_s += time.perf_counter() - started
+            time.sleep((self.spec.slowdown - 1.0) * compute_s)
+        self.busy_s += compute_s * max(self.spec.slowdown, 1.0)
         return result
 
     def ready(self) -> bool:

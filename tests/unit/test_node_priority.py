@@ -207,8 +207,12 @@ def test_the_encoder_tower_pauses_between_its_linear_layers_for_an_urgent_peer(
     item = MediaItem(Modality.IMAGE, "a" * 64, data=pixels)
     [alone], paused_s = worker._encode([item])
     assert paused_s == 0.0, "nobody urgent: no pause"
+    busy_before_s = worker.busy_s
     peer.set_urgent(True)
-    [beside], paused_s = worker._encode([item])
+    started = time.perf_counter()
+    [beside], paused_s = worker._stretched(worker._encode, [item])  # as on the device thread
+    wall_s = time.perf_counter() - started
+    assert worker.busy_s <= busy_before_s + wall_s - paused_s + 1e-6, "a pause is not load"
     stats = worker.stats()
     assert stats["pauses_for_short"] >= 1 and paused_s > 0, "the tower made way"
     assert stats["paused_for_short_ms"] == pytest.approx(paused_s * 1e3, abs=1e-3)
