@@ -57,6 +57,7 @@ class EncoderWorker(ModelWorker):
             return self.adapter.encode(items), paused_s()
 
     def between_layers(self) -> None:
+        """Before each of the towers' linear layers (gate_layers)."""
         self.priority.pause()
 
     def take_settings(self, settings: EncoderSettings) -> None:

@@ -345,9 +345,10 @@ class PrefillPoolConfig(PoolConfig):
         True,
         description="Node-wide priority for short prompts: while a prefill worker computes "
         "prompts that each fit one forward, the long forwards of the other workers on its node "
-        "(encoder towers, other prefill workers' chunks of long prompts) pause between layers, "
-        "each for at most as long as it has computed. Decode never pauses. False: the stages "
-        "share the node's cores as the OS schedules them.",
+        "(encoder towers, other prefill workers' chunks of long prompts) pause between layers "
+        "while the workers with work outnumber the node's cores, each for at most as long as it "
+        "has computed. Decode never pauses. False: the stages share the node's cores as the OS "
+        "schedules them.",
     )
 
     def settings(self) -> PrefillSettings:
