@@ -75,9 +75,8 @@ class NodeBoard:
         self._fd = os.open(self.dir / str(self.pid), os.O_RDWR | os.O_CREAT, 0o644)
         self._flag: bytes | None = None  # as last written
         self._busy = self._urgent = False
-        self._peers: dict[int, int] = {}  # pid -> open file
-        # pid -> the file mapped: read between layers without a syscall, which would hand the
-        # GIL to the actor's event loop.
+        # pid -> its file mapped: read without a syscall, which would hand the GIL to the
+        # actor's event loop (a step asks between layers).
         self._views: dict[int, mmap.mmap] = {}
         self._scanned_s = float("-inf")
         self._post()
@@ -99,12 +98,12 @@ class NodeBoard:
 
     def peer_pids(self) -> frozenset[int]:
         """The fleet's other workers on this node, as of the last listing (`rescan`)."""
-        return frozenset(self._peers)
+        return frozenset(self._views)
 
     def others_busy(self) -> bool:
         self.rescan()
-        for pid, fd in list(self._peers.items()):
-            if os.pread(fd, 1, 0) in (BUSY, URGENT):
+        for pid, view in list(self._views.items()):
+            if view[:1] != IDLE:
                 if _alive(pid):
                     return True
                 self._forget(pid, unlink=True)  # died in a step: its flag says busy forever
@@ -130,9 +129,9 @@ class NodeBoard:
             listed.discard(pid)
             with contextlib.suppress(OSError):
                 os.unlink(self.dir / str(pid))
-        for pid in set(self._peers) - listed:
+        for pid in set(self._views) - listed:
             self._forget(pid)
-        for pid in listed - set(self._peers):
+        for pid in listed - set(self._views):
             self._watch(pid)
 
     def _watch(self, pid: int) -> None:
@@ -141,22 +140,20 @@ class NodeBoard:
         except OSError:  # gone between the listing and the open
             return
         try:
-            view = mmap.mmap(fd, 1, prot=mmap.PROT_READ)
+            self._views[pid] = mmap.mmap(fd, 1, prot=mmap.PROT_READ)
         except ValueError:  # created, not written yet: the next listing tries again
-            os.close(fd)
-            return
-        self._peers[pid], self._views[pid] = fd, view
+            pass
+        finally:
+            os.close(fd)  # the mapping outlives it
 
     def _forget(self, pid: int, unlink: bool = False) -> None:
-        if (view := self._views.pop(pid, None)) is not None:
-            view.close()
-        os.close(self._peers.pop(pid))
+        self._views.pop(pid).close()
         if unlink:
             with contextlib.suppress(OSError):
                 os.unlink(self.dir / str(pid))
 
     def close(self) -> None:
-        for pid in list(self._peers):
+        for pid in list(self._views):
             self._forget(pid)
         os.close(self._fd)
         with contextlib.suppress(OSError):
@@ -187,7 +184,7 @@ class ThreadPolicy:
         self.board.set_busy(True)  # first: of two workers starting at once, neither borrows
         if self.idle_threads <= self.threads or not pays:  # posts its work, borrows nothing
             return self.threads
-        # The host's answer first: it is cached between reads, and the board's reads are
+        # The host's answer first: it is cached between reads, and the board's listing is
         # syscalls that hand this thread's GIL to the actor's event loop on a busy worker.
         # The listing is kept current either way: the host's reading leaves the peers out.
         self.board.rescan()

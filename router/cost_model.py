@@ -393,14 +393,10 @@ class CostModel:
         there: shortest_first_wait_ms (router/prefill_wait.py) inlined, as this runs for every
         worker on every decision. Only a booked prompt longer than this one can make the wait
         shorter than the booked work: without one, every prompt there goes first anyway."""
-        booked, started, now_ms = view.prefill_jobs_ms, view.service_started_ms, view.now_s * 1e3
-        a, b, chunk = self.prefill_a, self.prefill_b, self.prefill_chunk_tokens
+        booked = view.prefill_jobs_ms
         for p in [p for p, (jobs, own) in enumerate(zip(booked, owns)) if jobs and jobs[-1] > own]:
-            jobs = booked[p]
-            wait = sum(jobs[: bisect_right(jobs, owns[p])])  # a longer one is there: one chunk
-            if started[p] <= now_ms:  # unless this prompt fits one and goes between its layers
-                chunk_ms = a[p] + b[p] * chunk
-                wait += 0.0 if self.prefill_preempts and owns[p] <= chunk_ms else chunk_ms
+            wait = sum(booked[p][: bisect_right(booked[p], owns[p])])
+            wait += self._chunk_in_service_ms(view, p, owns[p])  # a longer one is there
             if wait < queues[p]:
                 queues[p] = wait
 
