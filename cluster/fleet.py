@@ -26,11 +26,12 @@ from router.types import Modality, WorkerInfo, WorkerKind
 log = logging.getLogger(__name__)
 
 _BACKEND = {Transport.GLOO: "torch_gloo", Transport.NCCL: "nccl"}
-# OpenMP threads that finish a parallel region spin before they sleep; libgomp's default
-# spin is long enough that a worker's idle threads take cores from the worker that runs next
-# (measured: a 2-thread encoder at idle took 160 ms instead of 26). A short spin keeps the
-# within-forward hand-offs fast. An operator's own setting wins.
-_OPENMP_ENV = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000")}
+# OpenMP threads that finish a parallel region spin this many times before they sleep. A
+# worker that borrows a core starts its 2-thread forward after waiting for work: at 10,000 the
+# second thread fell asleep between the forward's regions and bench-llava's encode took longer
+# on two threads than on one; at 100,000 it keeps pace, and the spin that outlives a forward
+# costs a core a few ms (scripts/bench_omp_spin.py). An operator's own setting wins.
+_OPENMP_ENV = {"GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "100000")}
 _WORKER_ENV = {
     "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
     "TOKENIZERS_PARALLELISM": "false",

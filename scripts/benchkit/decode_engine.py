@@ -41,10 +41,7 @@ def engine_step_ms(
     runner: LMRunner, packed: torch.Tensor, first: int, batch: int, steps: int
 ) -> tuple[list[float], float]:
     """Wall ms of each of `steps` engine steps at `batch` rows, and host syncs per step."""
-    engine = DecodeEngine(runner, DecodeSettings(max_batch_size=batch), max_model_len=1 << 20)
-    greedy = SamplingParams(temperature=0.0, max_tokens=WARMUP_STEPS + steps + 8)
-    for i in range(batch):
-        engine.add(DecodeRequest(f"r{i}", packed.shape[-2], first, greedy), packed)
+    engine = _engine(runner, packed, first, batch, WARMUP_STEPS + steps + 8)
     for _ in range(WARMUP_STEPS):
         engine.step()
     with counting_syncs() as counts:
@@ -57,6 +54,25 @@ def engine_step_ms(
         _sync(runner.device)
         times.append((time.perf_counter() - started) * 1e3)
     return times, float(sum(counts.values()))
+
+
+def _engine(
+    runner: LMRunner, packed: torch.Tensor, first: int, batch: int, max_tokens: int
+) -> DecodeEngine:
+    engine = DecodeEngine(runner, DecodeSettings(max_batch_size=batch), max_model_len=1 << 20)
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    for i in range(batch):
+        engine.add(DecodeRequest(f"r{i}", packed.shape[-2], first, greedy), packed)
+    return engine
+
+
+def batched_engine(
+    runner: LMRunner, batch: int, prompt_tokens: int, max_tokens: int
+) -> DecodeEngine:
+    """An engine holding `batch` rows of one `prompt_tokens` text prompt, each to decode
+    `max_tokens` greedy tokens."""
+    packed, first = _prompt_kv(runner, prompt_tokens)
+    return _engine(runner, packed, first, batch, max_tokens)
 
 
 @torch.inference_mode()
