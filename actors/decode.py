@@ -179,7 +179,7 @@ class DecodeWorker(ModelWorker):
             "open_streams": len(self._owner_of),
             "messages": self.num_messages,
             "link_messages": self.link_messages,
-            "step_threads": self.step_threads,
+            **self.device_thread_stats(),
         }
 
 

@@ -177,7 +177,7 @@ class EncoderWorker(ModelWorker):
             "running": self._running,
             "num_batches": self.batcher.num_batches,
             "max_batch": self.batcher.max_batch_seen,
-            "step_threads": self.step_threads,
+            **self.device_thread_stats(),
             "busy_s": self.busy_s,
             "link_messages": self.link_messages,
             "work_in": self.work_in,

@@ -214,7 +214,7 @@ class PrefillWorker(ModelWorker):
             **self.engine.stats(),
             "held_kv": len(self.kv),
             "held_embeddings": len(self.embeddings),
-            "step_threads": self.step_threads,
+            **self.device_thread_stats(),
             "busy_s": self.busy_s,
             "work_in": self.work_in,
             "work_done": self.work_done,

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from actors.host_cpu import HostCpu, usable_cores
 from actors.idle_cores import NodeBoard, ThreadPolicy
 from actors.models.source import resolve_checkpoint
+from actors.thread_priority import set_process_niceness, thread_niceness
 from actors.wire import LinkAddress, LinkServer
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class WorkerSpec:
         None  # threads a step may borrow while the node's other workers are idle
     )
     board: str | None = None  # the fleet's name for its idle-core board (actors/idle_cores.py)
+    niceness: int | None = None  # of the worker's threads (actors/thread_priority.py); None: Ray's
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,9 @@ class ModelWorker:
         self.adapter: ModelAdapter = load_adapter(
             checkpoint, part=part, dtype=spec.dtype, device=spec.device
         )
-        self._executor = ThreadPoolExecutor(max_workers=1)
+        set_process_niceness(spec.niceness)  # before the device thread, which inherits it
+        self.step_niceness: int | None = None  # the device thread's, once it has started
+        self._executor = ThreadPoolExecutor(max_workers=1, initializer=self._device_thread_starts)
         self._loop_task: asyncio.Task | None = None
         # Every worker posts whether it has work, also one that never borrows: the others must
         # see it.
@@ -144,10 +148,13 @@ class ModelWorker:
             "paused_for_short_ms": round(self.priority.total_paused_s * 1e3, 3),
         }
 
-    @property
-    def step_threads(self) -> int:
-        """Torch threads of the latest device step (above torch_threads: borrowed idle cores)."""
-        return self._num_threads
+    def _device_thread_starts(self) -> None:
+        self.step_niceness = thread_niceness()
+
+    def device_thread_stats(self) -> dict[str, int | None]:
+        """Torch threads of the latest device step (above torch_threads: borrowed idle cores)
+        and the device thread's niceness (None before its first step)."""
+        return {"step_threads": self._num_threads, "step_niceness": self.step_niceness}
 
     async def run_device(self, fn, *args):
         try:

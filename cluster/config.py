@@ -197,6 +197,15 @@ class PoolConfig(Strict):
         "each worker keeps torch_threads. At most the cores the node can spare; a prefill step "
         "of fewer than 128 prompt tokens keeps torch_threads. Unset: always torch_threads.",
     )
+    niceness: int | None = Field(
+        None,
+        ge=-20,
+        le=19,
+        description="Niceness of each worker's threads (Linux). Unset: Ray's, 15 for a worker "
+        "process, whose own gRPC threads and the node's other processes run at 0 and preempt "
+        "it. Lowering it needs CAP_SYS_NICE (root, or a raised RLIMIT_NICE); without that the "
+        "threads keep Ray's and the worker's log says so.",
+    )
     resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources each actor reserves, e.g. {encoder_node: 1}: pins the "
@@ -357,6 +366,16 @@ class PrefillPoolConfig(PoolConfig):
 
 
 class DecodePoolConfig(PoolConfig):
+    niceness: int | None = Field(
+        0,
+        ge=-20,
+        le=19,
+        description="Niceness of each decode worker's threads (Linux; None: Ray's 15). At 0 a "
+        "step, and the thread that hands its tokens on, are not preempted by the other stages' "
+        "workers, which stay at 15, nor by Ray's threads: each stream's next token waits less "
+        "(docs/BENCHMARKS.md). Needs CAP_SYS_NICE (root, or a raised RLIMIT_NICE); without it "
+        "they keep Ray's and the worker's log says so.",
+    )
     max_batch_size: int = Field(
         32, ge=1, description="Most requests in one decode step (continuous batching)."
     )

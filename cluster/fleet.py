@@ -125,6 +125,7 @@ class Fleet:
             self.spec,
             torch_threads=pool.torch_threads,
             idle_torch_threads=pool.idle_torch_threads,
+            niceness=pool.niceness,
             slowdown=pool.slowdown_of(in_pool),
         )
         options = dict(

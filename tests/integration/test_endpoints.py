@@ -4,6 +4,9 @@ health, a real Prometheus scrape, and recovery from a worker that dies."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import openai
@@ -145,6 +148,24 @@ def test_health(app):
         body["status"] == "ok"
         and body["healthy_workers"]["encoder"] == app.config.encoder.num_workers
     )
+
+
+def _may_lower_niceness() -> bool:
+    """Whether a process here may lower its niceness (root with CAP_SYS_NICE, or RLIMIT_NICE)."""
+    code = "import os; os.nice(1); os.setpriority(os.PRIO_PROCESS, 0, 0)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def test_decode_workers_run_at_their_niceness_and_the_other_stages_at_rays(app, client):
+    client.chat.completions.create(
+        model=app.config.model.served_name, messages=MESSAGES, temperature=0, max_tokens=3
+    )
+    workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]
+    rays = int(os.environ.get("RAY_worker_niceness", "15"))
+    decode = {w["step_niceness"] for w in workers["decode"]} - {None}
+    others = {w["step_niceness"] for w in workers["encoder"] + workers["prefill"]} - {None}
+    assert decode == {app.config.decode.niceness if _may_lower_niceness() else rays}, workers
+    assert others == {rays}, "encoder and prefill keep Ray's"
 
 
 def test_the_port_is_haproxys_and_it_hands_connections_to_the_replica(app):
