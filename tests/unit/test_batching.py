@@ -99,7 +99,8 @@ def test_partial_batch_leaves_after_max_wait():
 
 def test_late_job_joins_waiting_partial_batch():
     async def main():
-        run = Recorder(delay_s=0.05)
+        # "busy" runs long enough that a loaded host's stall cannot end it before "a" comes
+        run = Recorder(delay_s=0.3)
         mb = MicroBatcher(run, max_batch_size=8, max_wait_s=0.4, key=_key_of)
         busy = asyncio.create_task(mb.submit("busy"))  # a lone job on an idle batcher: runs at once
         await asyncio.sleep(0.005)
