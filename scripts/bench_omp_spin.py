@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -108,8 +109,6 @@ def main(argv=None) -> int:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), flush=True)
-    from pathlib import Path
-
     Path(args.out).write_text(json.dumps({"config": args.config, "rows": rows}, indent=2))
     return 0
 
