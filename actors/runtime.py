@@ -92,6 +92,7 @@ class ModelWorker:
         self.threads = ThreadPolicy(spec.torch_threads, spec.idle_torch_threads, board, host)
         self.priority = NodePriority(board, usable_cores())  # short prompts first on the node
         self._num_threads = spec.torch_threads
+        self.num_steps = self.num_borrowed_steps = 0  # device steps, those on borrowed cores
         self.busy_s = 0.0  # device time so far (slowdown included): autoscaling's measured load
         # Units of work that reached this worker and that it finished (embeddings, prompt
         # tokens): autoscaling prices what arrives at the device time a unit took.
@@ -152,9 +153,15 @@ class ModelWorker:
         self.step_niceness = thread_niceness()
 
     def device_thread_stats(self) -> dict[str, int | None]:
-        """Torch threads of the latest device step (above torch_threads: borrowed idle cores)
-        and the device thread's niceness (None before its first step)."""
-        return {"step_threads": self._num_threads, "step_niceness": self.step_niceness}
+        """Torch threads of the latest device step (above torch_threads: borrowed idle cores),
+        how many steps borrowed of how many, and the device thread's niceness (None before its
+        first step)."""
+        return {
+            "step_threads": self._num_threads,
+            "steps": self.num_steps,
+            "borrowed_steps": self.num_borrowed_steps,
+            "step_niceness": self.step_niceness,
+        }
 
     async def run_device(self, fn, *args):
         try:
@@ -190,6 +197,8 @@ class ModelWorker:
 
             torch.set_num_threads(threads)
             self._num_threads = threads
+        self.num_steps += 1
+        self.num_borrowed_steps += threads > self.spec.torch_threads
         started, paused_s = time.perf_counter(), self.priority.total_paused_s
         result = fn(*args)
         # Pauses for a short prompt elsewhere on the node are neither stretched nor load.

@@ -15,7 +15,7 @@ import psutil
 
 from benchkit.cpu import CpuWatch
 from benchkit.http_client import Result, streaming_chat_body
-from benchkit.rss import ingress_pid
+from benchkit.rss import decode_steps, ingress_pid
 from benchkit.stats import pct
 
 PROMPT = "Describe the picture of a red circle next to a blue square in a few sentences."
@@ -130,17 +130,25 @@ def cluster_tpot(base: str, model: str, streams: int, max_tokens: int, rounds: i
     asyncio.run(_streams(url, model, streams, max_tokens))
     procs = {name: psutil.Process(pid) for name, pid in _serve_pids(base).items()}
     cpu = lambda: {n: sum(p.cpu_times()[:2]) for n, p in procs.items()}
-    before, results = cpu(), []
+    before, steps_before, results = cpu(), decode_steps(base.removesuffix("/v1")), []
     with CpuWatch() as watch:
         for _ in range(rounds):
             results += asyncio.run(_streams(url, model, streams, max_tokens))
     used = {n: s - before[n] for n, s in cpu().items()}
+    steps, borrowed = (
+        a - b for a, b in zip(decode_steps(base.removesuffix("/v1")), steps_before, strict=True)
+    )
     tokens = sum(r.tokens for r in results)
     tpots = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
+    ttfts = [r.ttft_s * 1e3 for r in results]  # all streams sent at once: a burst's first tokens
     return {
         "tpot_ms_p50": round(pct(tpots, 50), 3),
         "tpot_ms_p90": round(pct(tpots, 90), 3),
+        "burst_ttft_ms_p50": round(pct(ttfts, 50), 1),
+        "burst_ttft_ms_p99": round(pct(ttfts, 99), 1),
         "tokens": tokens,
+        "decode_steps": steps,
+        "decode_borrowed_share": round(borrowed / steps, 3) if steps else None,
         **{f"{n}_cpu_ms_per_token": round(s * 1e3 / tokens, 4) for n, s in used.items()},
         "cpu_ms_per_token_by_process": {
             n: round(s * 1e3 / tokens, 4) for n, s in watch.by_process.items() if s > 0

@@ -37,6 +37,14 @@ def worker_pids(url: str) -> dict[str, list[int]]:
     }
 
 
+def decode_steps(url: str) -> tuple[int, int]:
+    """Device steps the decode workers have run so far, and how many of them on borrowed
+    cores."""
+    workers = (_health(url).get("workers") or {}).get("decode") or []
+    stats = [w for w in workers if isinstance(w, dict)]
+    return sum(w.get("steps", 0) for w in stats), sum(w.get("borrowed_steps", 0) for w in stats)
+
+
 def ingress_pid(url: str, known_workers: list[int] | None = None) -> int | None:
     try:
         body = _health(url)

@@ -279,6 +279,8 @@ def test_the_prefill_worker_borrows_for_a_big_step_only_while_its_peer_is_idle(
         assert (tmp_path / board / str(worker.pid())).read_bytes() == idle_cores.IDLE, (
             "nothing left to do: marked idle"
         )
+        stats = worker.stats()
+        assert (stats["steps"], stats["borrowed_steps"]) == (3, 1), "one step of three borrowed"
     finally:
         torch.set_num_threads(1)
 
