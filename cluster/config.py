@@ -359,6 +359,14 @@ class PrefillPoolConfig(PoolConfig):
         "has computed. Decode never pauses. False: the stages share the node's cores as the OS "
         "schedules them.",
     )
+    pack_prompts: bool = Field(
+        True,
+        description="Whole prompts that a step plans together (within max_chunk_tokens, none "
+        "with a cached prefix) run as one forward, each attending only to its own tokens: a "
+        "burst of short prompts pays a forward's fixed cost once, not once a prompt, and their "
+        "first tokens leave together. Needs a model whose every layer attends the whole window "
+        "with SDPA; others run one prompt a forward. False: always one prompt a forward.",
+    )
 
     def settings(self) -> PrefillSettings:
         """What this pool's workers and their engines read (router/worker_settings.py)."""
@@ -800,6 +808,7 @@ LIVE_FIELDS = {
         "aging_tokens_per_s",
         "preempt_at_layers",
         "node_priority",
+        "pack_prompts",
         "slowdown",
     },
     "decode": {"kv_cache_mb", "slowdown"},

@@ -19,6 +19,9 @@ cannot build a step's whole input out of embeddings at once.
 Text before a missing item goes early only when it is at least `overlap_min_tokens` long: a
 forward has a fixed cost (on CPU a 7-token one costs what ~40 prompt tokens do), so a short
 prefix such as `USER: ` before an image waits and goes in one forward with the image.
+
+Prompts finished by a step's leading chunks may share one forward (`num_packed`;
+actors/engine/prompt_pack.py), which then pays that fixed cost once for all of them.
 """
 
 from __future__ import annotations
@@ -148,3 +151,21 @@ def _cap_media(state: PrefillState, start: int, end: int, media_budget: int) -> 
             return lo + max(media_budget, 0)
         media_budget -= hi - lo
     return end
+
+
+# A chunk joins a pack while it is at most this many times the pack's tokens so far: the equal
+# prompts of a burst all pack, a 30-token text and a video's 400-token last chunk do not (the
+# text would wait for the video's forward).
+PACK_GROWTH = 2
+
+
+def num_packed(chunks: list[Chunk], prompt_tokens: list[int]) -> int:
+    """How many of the step's leading chunks run as one forward: each finishes its prompt
+    (`prompt_tokens`, each chunk's prompt length) and is at most PACK_GROWTH times the ones
+    before it; fewer than two run as before, one a forward."""
+    num, packed_tokens = 0, 0
+    for chunk, length in zip(chunks, prompt_tokens):
+        if chunk.end < length or chunk.num_tokens > PACK_GROWTH * packed_tokens > 0:
+            break
+        num, packed_tokens = num + 1, packed_tokens + chunk.num_tokens
+    return num if num > 1 else 0

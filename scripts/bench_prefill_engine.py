@@ -14,6 +14,9 @@ one process, each figure against its baseline in the same run:
    really encoding on this host's cores. ms from the start to the first token with overlap
    (the request goes in at once, the image follows through `add_item`) against without
    (encode, then add the request whole).
+4. A burst: `--burst` text prompts of 20-60 tokens reach the worker together; ms until each
+   has its first token (p50, p99; the last is the burst's whole prefill), with the prompts a
+   step plans together packed into one forward against one prompt a forward.
 
 Stage timings only (no encode, transfer or decode): the live figures come from
 scripts/bench_modalities.py (phase multi_turn) on a quiet host.
@@ -37,6 +40,7 @@ from actors.engine.lm_runner import LMRunner
 from actors.engine.prefill import PrefillEngine
 from actors.models.adapter import Part, load_adapter
 from actors.types import MediaItem, PrefillRequest, SamplingParams
+from benchkit.stats import pct
 from cluster.config import REPO_ROOT, load_config
 from cluster.media.identifiers import media_identifier
 from cluster.prepare import ensure_model
@@ -146,6 +150,31 @@ def short_behind_long(lm, args) -> dict:
         **summary,
         "short_ratio_srf_vs_queue": srf["short_ms"] / queue["short_ms"],
         "long_ratio_srf_vs_queue": srf["long_ms"] / queue["long_ms"],
+    }
+
+
+def burst(lm, args) -> dict:
+    rng = np.random.default_rng(9)
+    prompts = [
+        PrefillRequest(f"b{i}", tuple(int(t) for t in rng.integers(10, 1000, n)), (), GREEDY)
+        for i, n in enumerate(rng.integers(20, 61, args.burst))
+    ]
+    out = {}
+    for packed in (True, False, True, False, True, False):  # alternating: this host is noisy
+        settings = PrefillSettings(args.budget, pack_prompts=packed)
+        got = run(PrefillEngine(LMRunner(lm), settings), [(r, []) for r in prompts])
+        ms = [t for t, _ in got.values()]
+        row = out.setdefault("packed" if packed else "one_a_forward", {})
+        for q in (50, 99):
+            row.setdefault(f"first_token_ms_p{q}", []).append(pct(ms, q))
+    summary = {name: {k: statistics.median(v) for k, v in row.items()} for name, row in out.items()}
+    packed, apart = summary["packed"], summary["one_a_forward"]
+    return {
+        **summary,
+        "prompts": args.burst,
+        "prompt_tokens": sum(len(r.prompt_token_ids) for r in prompts),
+        "p50_ratio_packed_vs_apart": packed["first_token_ms_p50"] / apart["first_token_ms_p50"],
+        "p99_ratio_packed_vs_apart": packed["first_token_ms_p99"] / apart["first_token_ms_p99"],
     }
 
 
@@ -268,9 +297,10 @@ def main(argv=None) -> int:
         help="overlap: about this much text before the image",
     )
     p.add_argument("--overlap-trials", type=int, default=6)
+    p.add_argument("--burst", type=int, default=32, help="burst: prompts at once")
     p.add_argument(
         "--only",
-        choices=["multi_turn", "short_behind_long", "overlap_encode"],
+        choices=["multi_turn", "short_behind_long", "overlap_encode", "burst"],
         help="run one phase",
     )
     p.add_argument("--out", default="/tmp/bench_prefill_engine.json")
@@ -288,6 +318,7 @@ def main(argv=None) -> int:
         "multi_turn": lambda: multi_turn(planner, lm, encoder, args),
         "short_behind_long": lambda: short_behind_long(lm, args),
         "overlap_encode": lambda: overlap_encode(planner, lm, encoder, args),
+        "burst": lambda: burst(lm, args),
     }
     report = {"config": args.config, "args": vars(args)}
     report.update(

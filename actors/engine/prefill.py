@@ -39,9 +39,10 @@ from actors.engine.lm_runner import LMRunner
 from actors.engine.node_priority import NodePriority
 from actors.engine.preempt import gate_layers, jumpers, order_of
 from actors.engine.prefix_cache import BlockPool, MediaKey, block_hashes
+from actors.engine.prompt_pack import PackPart, forward_packed
 from actors.engine.sampling import Sampled
 from actors.types import PrefillRequest, TokenHistory
-from router.prefill_schedule import Order, PrefillState, Span, plan_step
+from router.prefill_schedule import Order, PrefillState, Span, num_packed, plan_step
 from router.worker_settings import PrefillSettings
 
 
@@ -266,7 +267,10 @@ class PrefillEngine:
             s.aging_tokens_per_s,
         )
         now, done = time.perf_counter(), []
-        for chunk in chunks:
+        if pack := self._packable(chunks):
+            self._forward_pack(pack)
+            now, done = time.perf_counter(), [job for job, _ in pack]
+        for chunk in chunks if not done else ():
             job = self.jobs[chunk.request_id]
             job.started_s = job.started_s or now
             job.hidden = self._forward(job, chunk.start, chunk.end)
@@ -299,6 +303,36 @@ class PrefillEngine:
                     self._nested_s += paused_s()  # not this chunk's compute
         finally:
             self._in_service = None
+
+    def _packable(self, chunks: list) -> list[tuple[_Job, int]]:
+        """The leading chunks that share one forward (`num_packed`), with where each starts."""
+        if not self.settings.pack_prompts or not self.runner.adapter.full_window_layers:
+            return []
+        jobs = [self.jobs[chunk.request_id] for chunk in chunks]
+        num = num_packed(chunks, [len(job.request.prompt_token_ids) for job in jobs])
+        return [(job, chunk.start) for job, chunk in zip(jobs[:num], chunks)]
+
+    def _forward_pack(self, pack: list[tuple[_Job, int]]) -> None:
+        """Prompts' last chunks in one forward; each one's compute is its share of the tokens.
+        A prompt that goes before the first of them may still run between the layers."""
+        started = time.perf_counter()
+        self._in_service = pack[0][0] if self.settings.preempt_at_layers else None
+        self._intake_seen, self._nested_s = 0, 0.0
+        parts = [
+            PackPart(job.embeds[:, start:], job.positions[..., start:], job.cache)
+            for job, start in pack
+        ]
+        try:
+            with self._urgent():
+                hidden = forward_packed(self.runner.adapter, parts)
+        finally:
+            self._in_service = None
+        compute_s = time.perf_counter() - started - self._nested_s
+        num_tokens = sum(part.num_new for part in parts)
+        for (job, _), part, last in zip(pack, parts, hidden, strict=True):
+            job.started_s = job.started_s or started
+            job.hidden, job.num_computed = last, len(job.request.prompt_token_ids)
+            job.compute_s += compute_s * part.num_new / num_tokens
 
     def _urgent(self):
         return self.priority.urgent() if self.settings.node_priority else nullcontext()

@@ -13,11 +13,13 @@ from transformers import AutoProcessor, Qwen2_5OmniThinkerForConditionalGenerati
 
 from actors.engine import kv  # noqa: E402
 from actors.engine.lm_runner import LMRunner  # noqa: E402
+from actors.engine.prefill import PrefillEngine  # noqa: E402
 from actors.models.adapter import Part, load_adapter  # noqa: E402
-from actors.types import MediaItem, SamplingParams  # noqa: E402
+from actors.types import MediaItem, PrefillRequest, SamplingParams  # noqa: E402
 from cluster.media.identifiers import media_identifier  # noqa: E402
 from cluster.prompt_plan import PromptPlanner  # noqa: E402
 from router.types import Modality  # noqa: E402
+from router.worker_settings import PrefillSettings  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0)
 RNG = np.random.default_rng(7)
@@ -178,10 +180,11 @@ def encode_batched(encoder, plans) -> list[list[torch.Tensor]]:
 
 
 def generate_batched(
-    family, cases: list[list], num_tokens: int
+    family, cases: list[list], num_tokens: int, packed: bool = False
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """Every case at once: one encoder batch per modality, one decode batch with each row's
-    own rope delta; (served tokens, each case's own generate, the rope deltas)."""
+    own rope delta; (served tokens, each case's own generate, the rope deltas). `packed`:
+    every prompt prefilled in one forward (actors/engine/prompt_pack.py), else one by one."""
     model, processor, planner, encoder, runner = family
     plans = [planner.plan(message(*parts), media(parts)) for parts in cases]
     wants = [
@@ -195,9 +198,9 @@ def generate_batched(
         for parts, plan in zip(cases, plans)
     ]
     batch, tokens, deltas = kv.BatchedKV(), [], []
-    for plan, embeddings in zip(plans, encode_batched(encoder, plans)):
-        first, packed, delta = runner.prefill(plan.token_ids, plan.placeholders, embeddings, GREEDY)
-        batch.join(packed)
+    prefill = prefill_packed if packed else prefill_apart
+    for first, packed_kv, delta in prefill(runner, plans, encode_batched(encoder, plans)):
+        batch.join(packed_kv)
         tokens.append([first.token_id])
         deltas.append(delta)
     for step in range(num_tokens - 1):
@@ -213,10 +216,34 @@ def generate_batched(
     return tokens, wants, deltas
 
 
-def test_omni_batched_encode_and_decode(omni):
+def prefill_apart(runner: LMRunner, plans, embeddings) -> list[tuple]:
+    return [
+        runner.prefill(plan.token_ids, plan.placeholders, items, GREEDY)
+        for plan, items in zip(plans, embeddings)
+    ]
+
+
+def prefill_packed(runner: LMRunner, plans, embeddings) -> list[tuple]:
+    """The prompts through a prefill engine whose one step computes all it can pack."""
+    budget = sum(len(plan.token_ids) for plan in plans)
+    settings = PrefillSettings(budget, pack_prompts=True)
+    engine = PrefillEngine(LMRunner(runner.adapter, budget), settings)
+    for i, (plan, items) in enumerate(zip(plans, embeddings)):
+        engine.add(PrefillRequest(f"r{i}", plan.token_ids, plan.placeholders, GREEDY), items)
+    steps = []
+    while engine.has_work:
+        steps.append(engine.step())
+    assert max(len(step) for step in steps) > 1, "some prompts shared a forward"
+    outs = {o.request_id: o for step in steps for o in step}
+    ordered = [outs[f"r{i}"] for i in range(len(plans))]
+    return [(o.first, o.packed_kv, o.rope_delta) for o in ordered]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["prefilled apart", "packed"])
+def test_omni_batched_encode_and_decode(omni, packed):
     """All cases at once: each row still equals its own generate."""
     tokens, wants, deltas = generate_batched(
-        omni, [OMNI_CASES[name]() for name in sorted(OMNI_CASES)], 6
+        omni, [OMNI_CASES[name]() for name in sorted(OMNI_CASES)], 6, packed
     )
     assert len(set(deltas)) > 2, "the cases should exercise different rope deltas"
     assert tokens == wants

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.prefill_schedule import Chunk, Order, PrefillState, Span, plan_step
+from router.prefill_schedule import Chunk, Order, PrefillState, Span, num_packed, plan_step
 
 
 def state(
@@ -146,3 +146,25 @@ def test_short_prompt_latency_figures_srf_vs_queue():
         "a queue: 4-5 steps for each short prompt"
     )
     # the long prompt pays one step (5 vs 4) for the short ones' 1 instead of 4.75 on average
+
+
+def _chunks(*spans: tuple[int, int]) -> list[Chunk]:
+    return [Chunk(f"r{i}", start, end) for i, (start, end) in enumerate(spans)]
+
+
+def test_a_burst_of_equal_prompts_packs_whole():
+    assert num_packed(_chunks(*[(0, 30)] * 17), [30] * 17) == 17
+
+
+def test_a_pack_takes_the_leading_chunks_that_finish_and_grow_it_at_most_twofold():
+    # 5, then 9 (at most 2 x 5), 17 (at most 2 x 14); 70 is above 2 x 31
+    assert num_packed(_chunks((0, 5), (0, 9), (0, 17), (0, 70)), [5, 9, 17, 70]) == 3
+    # a prompt's last chunk after its cached prefix or earlier chunks counts its new tokens
+    assert num_packed(_chunks((0, 10), (64, 80)), [10, 80]) == 2
+    # a chunk that leaves its prompt unfinished ends the pack
+    assert num_packed(_chunks((0, 10), (0, 10), (0, 12)), [10, 20, 12]) == 0
+
+
+def test_a_short_prompt_and_a_much_longer_one_do_not_pack():
+    assert num_packed(_chunks((0, 30), (0, 400)), [30, 400]) == 0
+    assert num_packed(_chunks((0, 30)), [30]) == 0, "one prompt alone is no pack"

@@ -26,6 +26,7 @@ CONFIG = ClusterConfig.model_validate(
             "prefix_cache_mb": 3.0,
             "preempt_at_layers": False,
             "node_priority": False,
+            "pack_prompts": False,
         },
         "decode": {"max_batch_size": 5, "kv_cache_mb": 2.5},
     }
