@@ -179,6 +179,7 @@ class PrefillEngine:
         self._intake_seen = 0  # intake entries judged for preemption in this chunk
         self._nested_s = 0.0  # in preempting prompts or paused for a peer's, during this chunk
         self._num_between_layers = 0  # prompts run so, since the worker started
+        self._num_packs = self._num_packed = 0  # packed forwards, and the prompts they finished
         self.priority = NodePriority(None, 1)  # the worker's, on its node's board
         gate_layers(runner.adapter.decoder_layers(), self)
         self._snapshot()
@@ -329,6 +330,7 @@ class PrefillEngine:
             self._in_service = None
         compute_s = time.perf_counter() - started - self._nested_s
         num_tokens = sum(part.num_new for part in parts)
+        self._num_packs, self._num_packed = self._num_packs + 1, self._num_packed + len(pack)
         for (job, _), part, last in zip(pack, parts, hidden, strict=True):
             job.started_s = job.started_s or started
             job.hidden, job.num_computed = last, len(job.request.prompt_token_ids)
@@ -566,4 +568,6 @@ class PrefillEngine:
             "prefix_blocks": len(self.pool.blocks),
             "prefix_referenced_blocks": self.pool.num_referenced(),
             "prompts_between_layers": self._num_between_layers,
+            "packed_forwards": self._num_packs,
+            "packed_prompts": self._num_packed,
         }

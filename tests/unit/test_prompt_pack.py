@@ -71,6 +71,8 @@ def test_prompts_planned_together_share_one_forward_and_leave_as_if_alone(lm):
     # Shortest first within the 64-token budget: 5 + 9 + 17 in one forward; 40 would not fit.
     assert [o.request_id for o in outs] == ["p5", "p9", "p17"] and len(forwards) == 1
     assert steps_of(engine) == [["p40"]]
+    stats = engine.stats()
+    assert (stats["packed_forwards"], stats["packed_prompts"]) == (1, 3)
     by_id = {r.request_id: r for r in PROMPTS}
     for out in outs:
         as_alone(lm, out, by_id[out.request_id])
