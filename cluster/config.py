@@ -361,11 +361,13 @@ class PrefillPoolConfig(PoolConfig):
     )
     pack_prompts: bool = Field(
         True,
-        description="Whole prompts that a step plans together (within max_chunk_tokens, none "
-        "with a cached prefix) run as one forward, each attending only to its own tokens: a "
-        "burst of short prompts pays a forward's fixed cost once, not once a prompt, and their "
-        "first tokens leave together. Needs a model whose every layer attends the whole window "
-        "with SDPA; others run one prompt a forward. False: always one prompt a forward.",
+        description="Prompts whose last chunks a step plans together run as one forward, each "
+        "attending only to its own tokens (its cached prefix included): a burst of short prompts "
+        "pays a forward's fixed cost once, not once a prompt, and their first tokens leave "
+        "together. A chunk joins while it is at most twice the pack so far and the prompts "
+        "together stay within max_chunk_tokens. Needs a model whose every layer attends the "
+        "whole window with SDPA; others run one prompt a forward. False: always one prompt a "
+        "forward.",
     )
 
     def settings(self) -> PrefillSettings:

@@ -159,13 +159,16 @@ def _cap_media(state: PrefillState, start: int, end: int, media_budget: int) -> 
 PACK_GROWTH = 2
 
 
-def num_packed(chunks: list[Chunk], prompt_tokens: list[int]) -> int:
+def num_packed(chunks: list[Chunk], prompt_tokens: list[int], max_slots: int) -> int:
     """How many of the step's leading chunks run as one forward: each finishes its prompt
     (`prompt_tokens`, each chunk's prompt length) and is at most PACK_GROWTH times the ones
-    before it; fewer than two run as before, one a forward."""
-    num, packed_tokens = 0, 0
+    before it, and the prompts together are at most `max_slots` long, their computed part
+    included (the pack's KV buffer and mask hold it all: a prompt after a long cached prefix
+    runs alone rather than have its prefix copied); fewer than two run as before."""
+    num, packed_tokens, slots = 0, 0, 0
     for chunk, length in zip(chunks, prompt_tokens):
-        if chunk.end < length or chunk.num_tokens > PACK_GROWTH * packed_tokens > 0:
+        grows_too_much = chunk.num_tokens > PACK_GROWTH * packed_tokens > 0
+        if chunk.end < length or grows_too_much or slots + length > max_slots:
             break
-        num, packed_tokens = num + 1, packed_tokens + chunk.num_tokens
+        num, packed_tokens, slots = num + 1, packed_tokens + chunk.num_tokens, slots + length
     return num if num > 1 else 0

@@ -310,7 +310,8 @@ class PrefillEngine:
         if not self.settings.pack_prompts or not self.runner.adapter.full_window_layers:
             return []
         jobs = [self.jobs[chunk.request_id] for chunk in chunks]
-        num = num_packed(chunks, [len(job.request.prompt_token_ids) for job in jobs])
+        lengths = [len(job.request.prompt_token_ids) for job in jobs]
+        num = num_packed(chunks, lengths, self.settings.max_chunk_tokens)
         return [(job, chunk.start) for job, chunk in zip(jobs[:num], chunks)]
 
     def _forward_pack(self, pack: list[tuple[_Job, int]]) -> None:

@@ -6,8 +6,9 @@ A forward's fixed cost (every layer's kernels launched, its Python run once) is 
 the pack instead of once a prompt: a burst of short prompts spent most of its prefill time on
 that cost one prompt at a time, and on a GPU that cost is nearly all of a short prompt's. The
 pack's keys and values live in one buffer, each prompt's slots after its own past, which the
-model fills in place; the model must attend the whole window in every layer with SDPA, which
-takes the pack's mask as is.
+model fills in place (which chunks pack, and how many slots they may take:
+router/prefill_schedule.py `num_packed`); the model must attend the whole window in every layer
+with SDPA, which takes the pack's mask as is.
 """
 
 from __future__ import annotations

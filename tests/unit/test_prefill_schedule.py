@@ -153,18 +153,21 @@ def _chunks(*spans: tuple[int, int]) -> list[Chunk]:
 
 
 def test_a_burst_of_equal_prompts_packs_whole():
-    assert num_packed(_chunks(*[(0, 30)] * 17), [30] * 17) == 17
+    assert num_packed(_chunks(*[(0, 30)] * 17), [30] * 17, 512) == 17
+    assert num_packed(_chunks(*[(0, 30)] * 17), [30] * 17, 500) == 16, "at most 500 slots"
 
 
 def test_a_pack_takes_the_leading_chunks_that_finish_and_grow_it_at_most_twofold():
     # 5, then 9 (at most 2 x 5), 17 (at most 2 x 14); 70 is above 2 x 31
-    assert num_packed(_chunks((0, 5), (0, 9), (0, 17), (0, 70)), [5, 9, 17, 70]) == 3
-    # a prompt's last chunk after its cached prefix or earlier chunks counts its new tokens
-    assert num_packed(_chunks((0, 10), (64, 80)), [10, 80]) == 2
+    assert num_packed(_chunks((0, 5), (0, 9), (0, 17), (0, 70)), [5, 9, 17, 70], 512) == 3
+    # a prompt's last chunk after its cached prefix or earlier chunks grows it by its new
+    # tokens, and fills the pack's slots with its whole prompt
+    assert num_packed(_chunks((0, 10), (64, 80)), [10, 80], 512) == 2
+    assert num_packed(_chunks((0, 10), (64, 80)), [10, 80], 64) == 0, "its past would not fit"
     # a chunk that leaves its prompt unfinished ends the pack
-    assert num_packed(_chunks((0, 10), (0, 10), (0, 12)), [10, 20, 12]) == 0
+    assert num_packed(_chunks((0, 10), (0, 10), (0, 12)), [10, 20, 12], 512) == 0
 
 
 def test_a_short_prompt_and_a_much_longer_one_do_not_pack():
-    assert num_packed(_chunks((0, 30), (0, 400)), [30, 400]) == 0
-    assert num_packed(_chunks((0, 30)), [30]) == 0, "one prompt alone is no pack"
+    assert num_packed(_chunks((0, 30), (0, 400)), [30, 400], 512) == 0
+    assert num_packed(_chunks((0, 30)), [30], 512) == 0, "one prompt alone is no pack"

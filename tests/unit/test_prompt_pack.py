@@ -114,17 +114,15 @@ def test_a_prompt_with_a_cached_prefix_packs_after_its_prefix(lm):
     as_alone(lm, outs[1], PROMPTS[0])
 
 
-def test_a_long_prompts_last_chunk_packs_with_short_prompts(lm):
+def test_a_long_prompts_last_chunk_runs_alone(lm):
+    """Its earlier chunks would fill the pack's KV buffer: at most a step's tokens of slots."""
     engine = PrefillEngine(LMRunner(lm, 64), PrefillSettings(64, pack_prompts=True))
     long = PrefillRequest("long", tuple(range(200, 280)), (), GREEDY)  # 80 tokens
     engine.add(long)
     assert engine.step() == [] and engine.jobs["long"].num_computed == 64
     engine.add(PROMPTS[0])
     engine.add(PROMPTS[2])
-    outs = one_step_packs(engine, lm)
-    assert [o.request_id for o in outs] == ["p5", "p9", "long"]  # 5, 9 and its last 16
-    for out, request in zip(outs, [PROMPTS[0], PROMPTS[2], long]):
-        as_alone(lm, out, request)
+    assert steps_of(engine) == [["p5", "p9"], ["long"]]
 
 
 def test_a_short_prompt_does_not_wait_for_a_much_longer_ones_forward(lm):
