@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from cluster.front_door import free_ports
@@ -64,23 +65,32 @@ class Job:
         return self.proc.returncode, self.out.read(), self.err.read()
 
     def kill(self) -> None:
-        """The job's process group, and the daemons of its private Ray (`ray start` detaches
-        them from the group: a job killed before its own clean-up would leave them running)."""
+        """The job's process group, and the processes of its private Ray (`ray start` runs in a
+        session of its own and detaches its daemons: a job killed before its own clean-up would
+        leave them running). A head still starting spawns more after a scan: scan again until
+        one finds none."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        if self.ray_tmpdir:
-            for pid in _pids_mentioning(self.ray_tmpdir):
+        for _ in range(KILL_SCANS if self.ray_tmpdir else 0):
+            if not (pids := _pids_mentioning(self.ray_tmpdir)):
+                break
+            for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+
+
+KILL_SCANS = 10
 
 
 def _pids_mentioning(text: str) -> list[int]:
-    """Processes whose command line contains `text`."""
+    """Processes whose command line or environment contains `text` (`ray start` names its
+    private RAY_TMPDIR only in its environment)."""
     found = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
             with contextlib.suppress(OSError):
-                if text.encode() in (entry / "cmdline").read_bytes():
+                if any(text.encode() in (entry / f).read_bytes() for f in ("cmdline", "environ")):
                     found.append(int(entry.name))
     return found
 

@@ -81,7 +81,10 @@ def pytest_itemcollected(item):
     default model takes about 80 s of one core on a new machine (unit tests run one torch
     thread, so a core is left); its build is atomic, so a second builder could only lose a
     race, never see half a checkpoint. The multi-node run and `serve run` bring Ray clusters
-    of their own, as does the check with Ray's autoscaler."""
+    of their own, as does the check with Ray's autoscaler. Nothing starts for
+    `--collect-only`: no test will take it."""
+    if item.config.option.collectonly:
+        return
     for name, (keys, make) in BACKGROUND.items():
         if name not in _considered and any(key in item.nodeid for key in keys):
             _considered.add(name)
