@@ -49,3 +49,10 @@ def test_the_cuda_ipc_hang_step_runs_that_test_then_dumps_stacks(tmp_path):
     assert "stand-in python: -m pytest -m gpu" in log
     assert "test_workers_sharing_a_gpu_equal_generate[cuda_ipc]" in log
     assert "--- stacks of" not in log
+
+
+def test_the_prefill_burst_step_runs_the_engine_benchmarks_burst_on_the_gpu_config(tmp_path):
+    done = run(tmp_path, 300, "prefill_burst")
+    assert done.returncode == 0 and "== prefill_burst: exit 0" in done.stdout
+    log = (tmp_path / "prefill_burst.log").read_text()
+    assert "scripts/bench_prefill_engine.py --config configs/single_gpu.yaml --only burst" in log
