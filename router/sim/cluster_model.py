@@ -102,7 +102,7 @@ PREFILL_SHORTEST_FIRST, PREFILL_FIFO = "shortest_first", "fifo"  # SimCosts.pref
 PREFILL_ORDERS = {PREFILL_SHORTEST_FIRST: Order.SHORTEST_REMAINING, PREFILL_FIFO: Order.ARRIVAL}
 # The engine's prefill settings the simulator models; max_chunk_tokens 0: a prompt in one go.
 SIM_PREFILL_FIELDS = ("max_chunk_tokens", "aging_tokens_per_s")
-SIM_PREFILL_SWITCHES = ("preempt_at_layers",)  # and these, true or false
+SIM_PREFILL_SWITCHES = ("preempt_at_layers", "pack_prompts")  # and these, true or false
 
 
 def _whole_prompts() -> PrefillSettings:
@@ -127,7 +127,8 @@ class SimCosts:
     # (shortest first then means shortest remaining first, chunk by chunk; 0: a prompt in one go),
     # and aging_tokens_per_s (each second a prompt has waited counts as that many tokens fewer);
     # of SIM_PREFILL_SWITCHES, preempt_at_layers (a prompt that fits one chunk and goes first
-    # runs at once, inside the job in service, which ends that much later).
+    # runs at once, inside the job in service, which ends that much later) and pack_prompts
+    # (whole prompts next in a worker's queue share one service, ending together).
     prefill: PrefillSettings = field(default_factory=_whole_prompts)
     decode_step_ms: float = 12.0
     decode_step_per_seq_ms: float = 0.15

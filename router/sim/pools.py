@@ -12,11 +12,12 @@ draws a multiplier (`Multipliers.service`) at its start, in the order the engine
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict, deque
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING
 
-from router.prefill_schedule import order_key
+from router.prefill_schedule import Chunk, num_packed, order_key
 from router.sim.cluster_model import PREFILL_ORDERS, SimCosts, SimWorker
 from router.types import Placement, WorkerKind
 
@@ -257,6 +258,7 @@ class Prefill:
         "nested",
         "nested_until",
         "delay_ms",
+        "packed",
     )
 
     def __init__(self, worker: SimWorker, node: int):
@@ -271,6 +273,7 @@ class Prefill:
         self.nested: dict[int, tuple[float, int]] = {}
         self.nested_until = 0.0
         self.delay_ms = 0.0
+        self.packed = False  # the job in service leads a pack (`pack_prompts`)
         self.busy_ms = 0.0
         self.prefix: OrderedDict[str, None] = OrderedDict()  # block hashes, LRU
         self.snap = KeySnapshots()
@@ -287,7 +290,10 @@ class PrefillPool:
     chunk-wise preemption); the service drawn at its start is spread over its chunks by tokens.
     With `preempt_at_layers` a prompt that fits one chunk and goes before the job in service runs
     at once, and the part in service ends that much later (the engine runs it between the
-    part's layers)."""
+    part's layers). With `pack_prompts` a worker that takes a whole prompt from its queue takes
+    the whole prompts behind it that the engine would pack with it (`num_packed`), all in one
+    service of prefill_fixed_ms + their uncached tokens / prefill_tokens_per_ms, ending together,
+    each one's service its share by tokens (no prompt jumps into a pack here)."""
 
     def __init__(
         self, workers: tuple[SimWorker, ...], nodes: list[str], costs: SimCosts, engine: Engine
@@ -299,6 +305,7 @@ class PrefillPool:
         self.chunk_tokens = costs.prefill.max_chunk_tokens
         self.aging = costs.prefill.aging_tokens_per_s
         self.preempts = costs.prefill.preempt_at_layers
+        self.packs = costs.prefill.pack_prompts
         self.arrived: dict[int, tuple[float, int]] = {}  # r -> (when, order) it reached its worker
         self.parts: dict[
             int, list
@@ -322,6 +329,8 @@ class PrefillPool:
     def _jump(self, p: int, r: int, now: float) -> bool:
         """Run r inside the job in service if it fits one chunk and goes before that job."""
         worker = self.workers[p]
+        if worker.packed:
+            return False
         uncached = self._uncached(worker, self.engine.requests[r].profile)
         fits = uncached <= self.chunk_tokens if self.chunk_tokens else True
         if not fits or self._key(r, uncached) >= self._key(worker.current[0], worker.left):
@@ -387,7 +396,7 @@ class PrefillPool:
             worker.delay_ms = 0.0
             return None
         _, ms, uncached = worker.current
-        worker.current = None
+        worker.current, worker.packed = None, False
         part = self.parts.get(r) if self.parts else None
         if part is not None:
             if part[0] > 0:
@@ -417,11 +426,47 @@ class PrefillPool:
         if worker.queue and worker.current is None:  # (a prompt run inside one leaves it busy)
             r = heappop(worker.queue)[1]
             part = self.parts.get(r) if self.parts else None
-            if part is None:
+            if part is None and self.packs and len(pack := self._pack(p, r)) > 1:
+                self._start_pack(p, pack, now)
+            elif part is None:
                 self.start(p, r, now)
             else:  # a prompt begun in chunks goes on where it stopped
                 worker.current = part[1]
                 self._run_chunk(p, r, now)
+
+    def _pack(self, p: int, r: int) -> list[tuple[int, int]]:
+        """r, just taken from p's queue, and the whole prompts next in it that the engine would
+        pack with r (`num_packed`), taken too: (request, uncached tokens) each."""
+        worker, max_slots = self.workers[p], self.chunk_tokens or math.inf
+        pack, chunks, lengths = [], [], []
+        while True:
+            prof = self.engine.requests[r].profile
+            uncached = self._uncached(worker, prof)
+            chunks.append(Chunk(str(r), prof.num_prompt_tokens - uncached, prof.num_prompt_tokens))
+            lengths.append(prof.num_prompt_tokens)
+            whole = not 0 < self.chunk_tokens < uncached
+            if not whole or (pack and num_packed(chunks, lengths, max_slots) < len(chunks)):
+                if not pack:
+                    return [(r, uncached)]
+                self._queue(p, r, prof.num_prompt_tokens)  # back, keyed as it came
+                return pack
+            pack.append((r, uncached))
+            if not worker.queue or (self.parts and worker.queue[0][1] in self.parts):
+                return pack
+            r = heappop(worker.queue)[1]
+
+    def _start_pack(self, p: int, pack: list[tuple[int, int]], now: float) -> None:
+        """One service for the pack, all ending together: the first in service, the others
+        finishing as prompts run inside it do, each with its share by tokens."""
+        worker, num_tokens = self.workers[p], sum(uncached for _, uncached in pack)
+        ms = self._service_ms(worker, num_tokens, now)
+        (r, uncached), others = pack[0], pack[1:]
+        worker.current, worker.left = (r, ms * uncached / num_tokens, uncached), uncached
+        worker.packed = True
+        heappush(self.engine.heap, (now + ms * 1e-3, EV_PF_DONE, p, r))
+        for other, tokens in others:
+            worker.nested[other] = (ms * tokens / num_tokens, tokens)
+            heappush(self.engine.heap, (now + ms * 1e-3, EV_PF_DONE, p, other))
 
     def waiting(self) -> int:
         """Requests queued (not in service) on any prefill worker: they use no CPU."""

@@ -483,3 +483,32 @@ def test_with_preemption_prompts_that_do_not_go_first_or_fit_a_chunk_wait():
     r = simulate(cluster, Workload("preempt", profiles, arrivals), "joint", slo_ms=50)
     assert r.ttft_ms[3:] == pytest.approx([7.0, 13.0], abs=1e-6)
     assert r.ttft_ms[1] > 35 / 3 + 14 - 1 and r.completed == 5
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_with_packing_the_prompts_queued_behind_one_share_a_service(pack):
+    # Four 20-token prompts 1 ms apart at an idle worker (5 ms + 10 tokens/ms): the first runs
+    # alone, 0..7 ms. Apart, the others follow one by one (7..14, 14..21, 21..28); packed, the
+    # three queued meanwhile share one service of 5 + 60 / 10 = 11 ms, all ending at 18 ms,
+    # each served its third.
+    profiles = [RequestProfile(20) for _ in range(4)]
+    arrivals = np.array([0.0, 0.001, 0.002, 0.003])
+    cluster = _hand_cluster().with_prefill(max_chunk_tokens=100, pack_prompts=pack)
+    r = simulate(cluster, Workload("burst", profiles, arrivals), "joint", slo_ms=50)
+    if pack:
+        assert r.ttft_ms == pytest.approx([7.0, 17.0, 16.0, 15.0], abs=1e-6)
+        assert r.service_ms == pytest.approx([7.0, 11 / 3, 11 / 3, 11 / 3], abs=1e-6)
+    else:
+        assert r.ttft_ms == pytest.approx([7.0, 13.0, 19.0, 25.0], abs=1e-6)
+
+
+def test_a_pack_takes_at_most_a_chunks_tokens_and_no_much_longer_prompt():
+    # Behind the first 20-token prompt: six more of 20 (at most 100 slots: five pack, 5 + 10 =
+    # 15 ms, 7..22; the sixth then alone, 22..29) and one of 90 tokens, more than twice a
+    # lone 20 (alone last, 29..43).
+    profiles = [RequestProfile(n) for n in [20] * 7 + [90]]
+    arrivals = np.arange(8) * 0.0001
+    cluster = _hand_cluster().with_prefill(max_chunk_tokens=100, pack_prompts=True)
+    r = simulate(cluster, Workload("burst", profiles, arrivals), "joint", slo_ms=50)
+    done_ms = [t + a * 1e3 for t, a in zip(r.ttft_ms, arrivals)]
+    assert done_ms == pytest.approx([7.0] + [22.0] * 5 + [29.0, 43.0], abs=1e-6)
