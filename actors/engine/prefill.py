@@ -6,7 +6,10 @@ Each `step()` starts newly added requests (splice the embeddings that are here, 
 longest cached prefix), lets `plan_step` share the step's token budget among them, runs each
 chunk on top of its request's cache and returns the request that finished: its first token
 and packed KV. A step ends with the chunk that finishes a prompt (the chunks planned after it
-are planned again next step), so a first token never waits for other requests' forwards.
+are planned again next step), so a first token never waits for the forwards planned after its
+own; where the leading chunks each finish their prompt, they share one forward and leave
+together (`pack_prompts`; prompt_pack.py), a chunk joining only while it is at most twice the
+pack so far.
 Finished prompts leave their full blocks in the prefix cache at the start of the next step,
 after their first tokens have left (a finished prompt keeps the worker's loop stepping).
 A prompt that arrives during a chunk's forward and goes before it runs whole between two of
