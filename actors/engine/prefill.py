@@ -273,8 +273,8 @@ class PrefillEngine:
         now, done = time.perf_counter(), []
         if pack := self._packable(chunks):
             self._forward_pack(pack)
-            now, done = time.perf_counter(), [job for job, _ in pack]
-        for chunk in chunks if not done else ():
+            now, done, chunks = time.perf_counter(), [job for job, _ in pack], []
+        for chunk in chunks:
             job = self.jobs[chunk.request_id]
             job.started_s = job.started_s or now
             job.hidden = self._forward(job, chunk.start, chunk.end)

@@ -444,10 +444,8 @@ class PrefillPool:
             uncached = self._uncached(worker, prof)
             chunks.append(Chunk(str(r), prof.num_prompt_tokens - uncached, prof.num_prompt_tokens))
             lengths.append(prof.num_prompt_tokens)
-            whole = not 0 < self.chunk_tokens < uncached
-            if not whole or (pack and num_packed(chunks, lengths, max_slots) < len(chunks)):
-                if not pack:
-                    return [(r, uncached)]
+            # (a prompt of more than a chunk is longer than max_slots: it packs with none)
+            if pack and num_packed(chunks, lengths, max_slots) < len(chunks):
                 self._queue(p, r, prof.num_prompt_tokens)  # back, keyed as it came
                 return pack
             pack.append((r, uncached))

@@ -130,14 +130,13 @@ def cluster_tpot(base: str, model: str, streams: int, max_tokens: int, rounds: i
     asyncio.run(_streams(url, model, streams, max_tokens))
     procs = {name: psutil.Process(pid) for name, pid in _serve_pids(base).items()}
     cpu = lambda: {n: sum(p.cpu_times()[:2]) for n, p in procs.items()}
-    before, steps_before, results = cpu(), decode_steps(base.removesuffix("/v1")), []
+    server = base.removesuffix("/v1")
+    before, steps_before, results = cpu(), decode_steps(server), []
     with CpuWatch() as watch:
         for _ in range(rounds):
             results += asyncio.run(_streams(url, model, streams, max_tokens))
     used = {n: s - before[n] for n, s in cpu().items()}
-    steps, borrowed = (
-        a - b for a, b in zip(decode_steps(base.removesuffix("/v1")), steps_before, strict=True)
-    )
+    steps, borrowed = (a - b for a, b in zip(decode_steps(server), steps_before, strict=True))
     tokens = sum(r.tokens for r in results)
     tpots = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
     ttfts = [r.ttft_s * 1e3 for r in results]  # all streams sent at once: a burst's first tokens
