@@ -19,7 +19,12 @@ from cluster.front_door import FrontDoor
 from router.autoscale import ScalingRule
 from router.router import SYNC_ABOVE_MS
 from router.types import Modality
-from router.worker_settings import DecodeSettings, EncoderSettings, PrefillSettings
+from router.worker_settings import (
+    CudaGraphs,
+    DecodeSettings,
+    EncoderSettings,
+    PrefillSettings,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "local_cpu.yaml"
@@ -403,6 +408,16 @@ class DecodePoolConfig(PoolConfig):
         "--stream-interval): 1 sends every token at once; more sends fewer, larger chunks, which "
         "cuts the per-chunk serving cost under load at the price of burstier streaming. The first "
         "token (from prefill) and the last always go at once.",
+    )
+    cuda_graphs: CudaGraphs = Field(
+        CudaGraphs.AUTO,
+        description="Replay each decode step as a CUDA graph captured per batch-size bucket "
+        "(1, 2, 4, then multiples of 8): no per-kernel launch cost, which is most of a small "
+        "model's step on a GPU. auto: on a CUDA device, for models whose every layer attends the "
+        "full window with SDPA (eager otherwise, and eager after a capture that fails, logged); "
+        "on: the same, but a worker that cannot use graphs refuses to start; off: eager. The "
+        "step then attends its batch's whole KV buffer under a mask, so the buffer grows by 256 "
+        "columns at a time (64 eager). CPU steps are always eager.",
     )
 
     def settings(self) -> DecodeSettings:
@@ -850,6 +865,8 @@ class ClusterConfig(Strict):
             )
         if self.model.device not in ("cpu", "cuda"):
             raise ValueError(f"model.device must be cpu or cuda, not {self.model.device!r}")
+        if self.decode.cuda_graphs is CudaGraphs.ON and self.model.device != "cuda":
+            raise ValueError("decode.cuda_graphs: on needs model.device: cuda (use auto or off)")
         self._check_transports()
         if self.media.video_max_frames > self.limits.max_video_frames:
             raise ValueError(

@@ -12,9 +12,18 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 MIB = 2**20
+
+
+class CudaGraphs(str, enum.Enum):
+    """Whether a decode worker replays its step as CUDA graphs (actors/engine/step_graphs.py)."""
+
+    AUTO = "auto"  # on a CUDA device, for a model whose layers all attend the full window
+    ON = "on"  # as auto, and a worker that cannot refuses to start
+    OFF = "off"  # eager steps
 
 
 def _bytes(mb: float) -> int:
@@ -59,6 +68,7 @@ class DecodeSettings:
 
     max_batch_size: int  # most requests in one decode step
     kv_cache_mb: float | None = None  # KV budget; None: rows are the only limit
+    cuda_graphs: CudaGraphs = CudaGraphs.OFF  # the step replayed as CUDA graphs
 
     @property
     def kv_cache_bytes(self) -> int | None:

@@ -7,8 +7,13 @@
    against the checkpoint's own `generate` stepping the same batch in one process,
    `(t(65 new) - t(1 new)) / 64`; and the ingress's and proxy's CPU per token.
 3. detok: the ingress's detokenizer, microseconds per token at 10 and 1,000 tokens.
+4. shared: the engine at `--batch-sizes`' first size beside a prefill process on the same
+   device, against the same steps alone (scripts/benchkit/decode_shared.py); not run unless
+   asked for.
 
-Usage: scripts/bench_decode.py [--config configs/local_cpu.yaml] [--only engine|http|detok]
+On a GPU, the engine and shared phases time eager steps and CUDA-graph replays.
+
+Usage: scripts/bench_decode.py [--config configs/local_cpu.yaml] [--only engine|http|detok|shared]
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from benchkit.live_server import add_front_door_flag
 from cluster.config import DEFAULT_CONFIG, load_config
 from cluster.prepare import ensure_model
 
-PHASES = ("engine", "http", "detok")
+PHASES = ("engine", "http", "detok")  # what runs without --only
 
 
 def engine_phase(cfg, args) -> dict:
@@ -74,6 +79,22 @@ def http_phase(cfg, args) -> dict:
     }
 
 
+def shared_phase(cfg, args) -> dict:
+    from benchkit.decode_shared import shared_table
+
+    device = args.device or cfg.model.device
+    return shared_table(
+        cfg.model.checkpoint_path,
+        cfg.model.dtype,
+        device,
+        args.batch_sizes[0],
+        args.steps,
+        args.prompt_tokens,
+        args.prefill_tokens,
+        args.threads,
+    )
+
+
 def detok_phase(cfg, args) -> dict:
     from transformers import AutoTokenizer
 
@@ -86,13 +107,14 @@ def detok_phase(cfg, args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--only", choices=PHASES, action="append", help="run these phases")
+    p.add_argument("--only", choices=(*PHASES, "shared"), action="append", help="run these")
     p.add_argument("--device", help="engine phase: override the config's device")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--steps", type=int, default=32, help="engine phase: timed steps per size")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="engine phase: torch threads")
     p.add_argument("--profile", type=int, metavar="B", help="engine phase: profile B-row forwards")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="shared phase: a prompt")
     p.add_argument("--streams", type=int, default=32, help="http phase: concurrent streams")
     p.add_argument("--new-tokens", type=int, default=64, help="http phase: tokens a stream")
     p.add_argument("--rounds", type=int, default=3, help="http phase: measured rounds")
@@ -100,7 +122,12 @@ def main(argv=None) -> int:
     add_front_door_flag(p)
     args = p.parse_args(argv)
     cfg = ensure_model(load_config(args.config))
-    phases = {"engine": engine_phase, "http": http_phase, "detok": detok_phase}
+    phases = {
+        "engine": engine_phase,
+        "http": http_phase,
+        "detok": detok_phase,
+        "shared": shared_phase,
+    }
     report = {"config": args.config, "args": vars(args)}
     for name in args.only or PHASES:
         if name in phases:

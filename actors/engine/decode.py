@@ -15,7 +15,7 @@ from collections import deque
 
 import torch
 
-from actors.engine import kv
+from actors.engine import kv, step_graphs
 from actors.engine.decode_state import DecodeScheduler, Sequence
 from actors.engine.grammar import GrammarError, ModelGrammars
 from actors.engine.lm_runner import LMRunner
@@ -31,7 +31,8 @@ class DecodeEngine:
         self.scheduler = DecodeScheduler(
             settings.max_batch_size, max_model_len, settings.kv_cache_bytes
         )
-        self.batch = kv.BatchedKV()
+        self.fixed = step_graphs.for_settings(runner.adapter, settings)  # None: eager steps
+        self.batch = self._new_batch()
         self._intake: deque[Sequence | str] = (
             deque()
         )  # new sequences and aborted ids, in the order they came
@@ -88,6 +89,7 @@ class DecodeEngine:
             [seq.request.rope_delta for seq in running],
             [seq.history() for seq in running],
             matchers if any(m is not None for m in matchers) else None,
+            self.fixed,
         )
         step_ms = (time.perf_counter() - started) * 1e3
         self.max_batch_seen = max(self.max_batch_seen, len(sampled))
@@ -120,8 +122,16 @@ class DecodeEngine:
         seqs = self.scheduler.clear()
         for seq in seqs:
             seq.aborted = True
-        self.batch = kv.BatchedKV()
+        self.batch = self._new_batch()
         return [DecodeOutput(seq.request_id, TokenChunk((), FinishReason.ERROR)) for seq in seqs]
+
+    def _new_batch(self) -> kv.BatchedKV:
+        """A graphed step attends the slab's whole width, and its graphs hold the slab's
+        memory: the slab grows by more columns at a time and stays when the batch empties
+        (each new slab means new captures)."""
+        if self.fixed is None:
+            return kv.BatchedKV()
+        return kv.BatchedKV(step_graphs.SPARE_SLOTS, keep_when_empty=True)
 
     def _apply_intake(self) -> None:
         while self._intake:
@@ -156,4 +166,5 @@ class DecodeEngine:
             "kv_reserved_bytes": self.scheduler.kv_reserved_bytes,
             "kv_budget_bytes": self.scheduler.kv_budget_bytes or 0,
             "waited_for_kv": self.scheduler.num_waited_for_kv,
+            **(self.fixed.stats() if self.fixed else {"cuda_graphs": 0}),
         }

@@ -4,7 +4,7 @@ A request's cache travels as ONE contiguous tensor [layers, 2, kv_heads, tokens,
 so each transport moves a single buffer. Inside a decode worker the running batch keeps
 one left-padded [batch, kv_heads, tokens, head_dim] buffer per layer and key/value, with
 spare rows and columns, plus a [batch, tokens] validity mask; requests join and leave in
-place between steps (`_Slab`).
+place between steps (`Slab`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from actors.engine.prompt_kv import PromptKV
 SPARE_SLOTS = 64  # decode steps the batch's buffers absorb before they must grow (and copy)
 
 
-class _Slab:
+class Slab:
     """The decode batch's K and V buffers, one [rows, kv_heads, columns, head_dim] pair per
     layer, with room to spare in rows and columns. The batch occupies rows [0, n) and
     columns [start, end); every row ends at `end` (left padding), so a step writes one column
@@ -52,12 +52,10 @@ class _Slab:
         cols = slice(self.start, self.end)
         return self.k[layer][: self.n, :, cols], self.v[layer][: self.n, :, cols]
 
-    def regrown(self, rows: int, left: int, right: int) -> _Slab:
+    def regrown(self, rows: int, left: int, right: int) -> Slab:
         """A copy with room for `rows` rows, `left` columns before the window, `right` after."""
         width = self.end - self.start
-        out = _Slab(
-            list(zip(self.k, self.v)), max(rows, self.n), left + width + right, left + width
-        )
+        out = Slab(list(zip(self.k, self.v)), max(rows, self.n), left + width + right, left + width)
         out.n, out.start, out.row_lengths = self.n, left, self.row_lengths
         for dst, src in zip(out.k + out.v, self.k + self.v):
             dst[: self.n, :, left : left + width] = src[: self.n, :, self.start : self.end]
@@ -66,12 +64,12 @@ class _Slab:
         return out
 
 
-class _SlabLayer(DynamicLayer):
+class SlabLayer(DynamicLayer):
     """One layer of the batch's cache as HF's attention sees it: the occupied window of the
     slab, and an update that writes the step's column in place (the stock layer would
     concatenate, i.e. copy the whole cache, every step)."""
 
-    def __init__(self, slab: _Slab, index: int):
+    def __init__(self, slab: Slab, index: int):
         super().__init__()
         self.slab, self.index = slab, index
         self.dtype, self.device, self.is_initialized = slab.dtype, slab.device, True
@@ -128,14 +126,18 @@ def unpack(packed: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 class BatchedKV:
     """The decode batch's cache: rows are requests, columns are token slots (left-padded),
-    in a `_Slab` that rows join and leave in place. Row i belongs to the caller's i-th
+    in a `Slab` that rows join and leave in place. Row i belongs to the caller's i-th
     sequence; `remove` moves the last rows into the holes (the caller reorders its sequences
     the same way). A step reads the slab's mask and lengths as views and grows them in
     place: no per-step copy, no device read. Its tensors are inference tensors: a decode
     step runs in inference mode, and so does every method that changes them in place."""
 
-    def __init__(self) -> None:
-        self._slab: _Slab | None = None
+    def __init__(self, spare_slots: int = SPARE_SLOTS, keep_when_empty: bool = False) -> None:
+        self._slab: Slab | None = None
+        self.spare_slots = spare_slots  # columns the slab grows by (a fixed step wants more)
+        # An empty batch keeps its buffers (step_graphs.py: graphs captured on them stay valid,
+        # so a request after an idle spell does not pay for new captures).
+        self.keep_when_empty = keep_when_empty
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -162,7 +164,7 @@ class BatchedKV:
         """Append one request's cache as a new last row, right-aligned with the others."""
         new, length = unpack(packed), packed.shape[-2]
         if self._slab is None:
-            self._slab = _Slab(new, rows=1, columns=length + SPARE_SLOTS, end=length)
+            self._slab = Slab(new, rows=1, columns=length + self.spare_slots, end=length)
         self._make_room(rows=self.num_rows + 1, before=length)
         s = self._slab
         start = min(s.start, s.end - length)
@@ -180,7 +182,7 @@ class BatchedKV:
 
     def _make_room(self, rows: int, before: int = 0, after: int = 0) -> None:
         """Regrow the slab if it lacks `rows` rows, `before` columns before `end` or `after`
-        columns after it (doubling rows, adding SPARE_SLOTS columns, so it seldom happens)."""
+        columns after it (doubling rows, adding spare columns, so it seldom happens)."""
         s = self._slab
         if s is None:
             return
@@ -188,7 +190,7 @@ class BatchedKV:
             return
         width = s.end - s.start
         new_rows = s.rows if rows <= s.rows else max(rows, 2 * s.rows)
-        self._slab = s.regrown(new_rows, max(before - width, 0), after + SPARE_SLOTS)
+        self._slab = s.regrown(new_rows, max(before - width, 0), after + self.spare_slots)
 
     @torch.inference_mode()
     def remove(self, rows: list[int]) -> list[int]:
@@ -218,22 +220,22 @@ class BatchedKV:
     def _trim(self) -> None:
         """Drop leading columns no row uses (known on the host: the longest row's length)."""
         s = self._slab
-        if s.n == 0:
+        if s.n == 0 and not self.keep_when_empty:
             self._slab = None
             return
-        s.start = max(s.start, s.end - max(s.row_lengths))
+        s.start = max(s.start, s.end - max(s.row_lengths, default=0))
 
     @torch.inference_mode()
     def as_cache(self) -> DynamicCache:
         """The batch's cache for one step: its layers write the step's column in place."""
         s = self._open_column()
         cache = DynamicCache()
-        cache.layers = [_SlabLayer(s, i) for i in range(len(s.k))]
+        cache.layers = [SlabLayer(s, i) for i in range(len(s.k))]
         return cache
 
     @torch.inference_mode()
-    def absorb(self, cache: DynamicCache) -> None:
-        """Take in the column a step (on `as_cache()`) wrote to every row."""
+    def absorb(self) -> None:
+        """Take in the column a step (on `as_cache()` or `open_fixed_step`) wrote to every row."""
         s = self._slab
         s.end += 1
         s.length[: s.n] += 1
@@ -245,9 +247,16 @@ class BatchedKV:
         s = self._open_column()
         return s.valid[: s.n, s.start : s.end + 1]
 
-    def _open_column(self) -> _Slab:
-        """Room for the step's column, marked valid for every row (idempotent)."""
-        self._make_room(rows=self.num_rows, after=1)
+    @torch.inference_mode()
+    def open_fixed_step(self, rows: int) -> Slab:
+        """The slab for a step over fixed buffers (step_graphs.py) of `rows` rows, at least
+        the batch's: room for them and for the step's column, marked valid as `as_cache` does."""
+        return self._open_column(rows)
+
+    def _open_column(self, rows: int = 0) -> Slab:
+        """Room for the step's column (and `rows` rows), marked valid for every row
+        (idempotent)."""
+        self._make_room(rows=max(rows, self.num_rows), after=1)
         s = self._slab
         s.valid[: s.n, s.end] = 1
         return s

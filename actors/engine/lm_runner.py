@@ -12,6 +12,7 @@ from transformers.cache_utils import DynamicCache
 from actors.engine import kv
 from actors.engine.prompt_kv import PromptKV
 from actors.engine.sampling import Sampled, on_device, sample_rows
+from actors.engine.step_graphs import FixedStep
 from actors.models.adapter import ModelAdapter
 from actors.types import PlaceholderRange, SamplingParams, TokenHistory
 
@@ -148,9 +149,21 @@ class LMRunner:
         rope_deltas: list[int] | None = None,
         histories: list[TokenHistory] | None = None,
         matchers: list | None = None,
+        fixed: FixedStep | None = None,
     ) -> list[Sampled | None]:
         """Feed each row its last token; the cache grows by one slot; returns the next tokens.
-        `matchers`: each row's grammar matcher or None (None: no row is constrained)."""
+        `matchers`: each row's grammar matcher or None (None: no row is constrained); `fixed`:
+        the forward on fixed buffers (a CUDA graph on a GPU) instead of the eager one."""
+        if fixed is not None:
+            logits = fixed.logits(batch, last_tokens, rope_deltas)
+        else:
+            logits = self._eager_logits(batch, last_tokens, rope_deltas)
+        batch.absorb()
+        return sample_rows(logits, params, positions, histories, matchers)
+
+    def _eager_logits(
+        self, batch: kv.BatchedKV, last_tokens: list[int], rope_deltas: list[int] | None
+    ) -> torch.Tensor:
         ids = on_device(self.device, last_tokens, torch.long).unsqueeze(1)
         cache = batch.as_cache()  # first: it may regrow the buffers the views below read
         position_ids = batch.lengths().unsqueeze(1)
@@ -161,6 +174,4 @@ class LMRunner:
         position_ids = self.adapter.step_positions(position_ids)
         mask = self.adapter.step_mask(batch.step_mask())
         hidden = self.adapter.forward(self.adapter.embed_tokens(ids), position_ids, cache, mask)
-        batch.absorb(cache)
-        logits = self.adapter.logits(hidden[:, -1])
-        return sample_rows(logits, params, positions, histories, matchers)
+        return self.adapter.logits(hidden[:, -1])

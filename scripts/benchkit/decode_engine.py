@@ -3,7 +3,8 @@ beyond the model's own forward, and how many host syncs it makes.
 
 The baseline is the forward `generate` runs each step: the language model over one token a
 row on a plain `DynamicCache` of the same batch and length, then the LM head and an argmax.
-Both sides time `steps` steps after a warm-up, on the same device and threads.
+Both sides time `steps` steps after a warm-up, on the same device and threads. On a GPU the
+engine is timed twice: eager, and replaying CUDA graphs (actors/engine/step_graphs.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from actors.engine.host_syncs import counting_syncs
 from actors.engine.lm_runner import LMRunner
 from actors.models.adapter import ModelAdapter
 from actors.types import DecodeRequest, SamplingParams
-from router.worker_settings import DecodeSettings
+from router.worker_settings import CudaGraphs, DecodeSettings
 
 WARMUP_STEPS = 3
 
@@ -38,10 +39,16 @@ def _prompt_kv(runner: LMRunner, num_tokens: int) -> tuple[torch.Tensor, int]:
 
 
 def engine_step_ms(
-    runner: LMRunner, packed: torch.Tensor, first: int, batch: int, steps: int
+    runner: LMRunner,
+    packed: torch.Tensor,
+    first: int,
+    batch: int,
+    steps: int,
+    graphs: CudaGraphs = CudaGraphs.OFF,
 ) -> tuple[list[float], float]:
-    """Wall ms of each of `steps` engine steps at `batch` rows, and host syncs per step."""
-    engine = _engine(runner, packed, first, batch, WARMUP_STEPS + steps + 8)
+    """Wall ms of each of `steps` engine steps at `batch` rows, and host syncs per step (the
+    warm-up captures the graphs, if any)."""
+    engine = _engine(runner, packed, first, batch, WARMUP_STEPS + steps + 8, graphs)
     for _ in range(WARMUP_STEPS):
         engine.step()
     with counting_syncs() as counts:
@@ -57,9 +64,15 @@ def engine_step_ms(
 
 
 def _engine(
-    runner: LMRunner, packed: torch.Tensor, first: int, batch: int, max_tokens: int
+    runner: LMRunner,
+    packed: torch.Tensor,
+    first: int,
+    batch: int,
+    max_tokens: int,
+    graphs: CudaGraphs = CudaGraphs.OFF,
 ) -> DecodeEngine:
-    engine = DecodeEngine(runner, DecodeSettings(max_batch_size=batch), max_model_len=1 << 20)
+    settings = DecodeSettings(max_batch_size=batch, cuda_graphs=graphs)
+    engine = DecodeEngine(runner, settings, max_model_len=1 << 20)
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     for i in range(batch):
         engine.add(DecodeRequest(f"r{i}", packed.shape[-2], first, greedy), packed)
@@ -99,23 +112,30 @@ def forward_step_ms(lm: ModelAdapter, packed: torch.Tensor, batch: int, steps: i
 def overhead_table(
     lm: ModelAdapter, batch_sizes: list[int], steps: int, prompt_tokens: int
 ) -> list[dict]:
-    """Per batch size: median step and forward ms, their difference, syncs per step."""
+    """Per batch size: median step and forward ms, their difference, syncs per step; on a
+    GPU also the graphed step's."""
     runner = LMRunner(lm)
     packed, first = _prompt_kv(runner, prompt_tokens)
     rows = []
     for batch in batch_sizes:
         step, syncs = engine_step_ms(runner, packed, first, batch, steps)
-        forward = forward_step_ms(lm, packed, batch, steps)
-        step_ms, forward_ms = statistics.median(step), statistics.median(forward)
-        rows.append(
-            {
-                "batch": batch,
-                "step_ms_p50": round(step_ms, 3),
-                "forward_ms_p50": round(forward_ms, 3),
-                "overhead_ms": round(step_ms - forward_ms, 3),
-                "syncs_per_step": syncs,
+        forward_ms = statistics.median(forward_step_ms(lm, packed, batch, steps))
+        step_ms = statistics.median(step)
+        row = {
+            "batch": batch,
+            "step_ms_p50": round(step_ms, 3),
+            "forward_ms_p50": round(forward_ms, 3),
+            "overhead_ms": round(step_ms - forward_ms, 3),
+            "syncs_per_step": syncs,
+        }
+        if runner.device.type == "cuda":
+            graphed, syncs = engine_step_ms(runner, packed, first, batch, steps, CudaGraphs.ON)
+            row |= {
+                "graphed_step_ms_p50": round(statistics.median(graphed), 3),
+                "graphed_vs_forward": round(statistics.median(graphed) / forward_ms, 3),
+                "graphed_syncs_per_step": syncs,
             }
-        )
+        rows.append(row)
     return rows
 
 

@@ -180,11 +180,12 @@ def encode_batched(encoder, plans) -> list[list[torch.Tensor]]:
 
 
 def generate_batched(
-    family, cases: list[list], num_tokens: int, packed: bool = False
+    family, cases: list[list], num_tokens: int, packed: bool = False, fixed=None
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """Every case at once: one encoder batch per modality, one decode batch with each row's
     own rope delta; (served tokens, each case's own generate, the rope deltas). `packed`:
-    every prompt prefilled in one forward (actors/engine/prompt_pack.py), else one by one."""
+    every prompt prefilled in one forward (actors/engine/prompt_pack.py), else one by one;
+    `fixed`: decode steps on fixed buffers (actors/engine/step_graphs.py)."""
     model, processor, planner, encoder, runner = family
     plans = [planner.plan(message(*parts), media(parts)) for parts in cases]
     wants = [
@@ -210,6 +211,7 @@ def generate_batched(
             [GREEDY] * len(plans),
             [len(p.token_ids) + step for p in plans],
             deltas,
+            fixed=fixed,
         )
         for t, token in zip(tokens, nxt):
             t.append(token.token_id)

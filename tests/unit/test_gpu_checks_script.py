@@ -56,3 +56,23 @@ def test_the_prefill_burst_step_runs_the_engine_benchmarks_burst_on_the_gpu_conf
     assert done.returncode == 0 and "== prefill_burst: exit 0" in done.stdout
     log = (tmp_path / "prefill_burst.log").read_text()
     assert "scripts/bench_prefill_engine.py --config configs/single_gpu.yaml --only burst" in log
+
+
+def test_the_graph_steps_run_the_graph_tests_and_an_eager_decode_config(tmp_path):
+    done = run(tmp_path, 300, "decode_graphs", "decode_http_eager")
+    assert done.returncode == 0 and "== decode_http_eager: exit 0" in done.stdout
+    assert "tests/unit/test_step_graphs.py" in (tmp_path / "decode_graphs.log").read_text()
+    assert "single_gpu_eager.yaml --only http" in (tmp_path / "decode_http_eager.log").read_text()
+    from cluster.config import load_config
+
+    eager = load_config(tmp_path / "single_gpu_eager.yaml")
+    assert eager.decode.cuda_graphs.value == "off" and eager.decode.max_batch_size == 128
+
+
+def test_the_shared_decode_steps_run_the_shared_phase_with_and_without_mps(tmp_path):
+    """Without an MPS control binary the MPS step says so and fails alone."""
+    done = run(tmp_path, 300, "decode_shared", "decode_shared_mps", PATH="/usr/bin:/bin")
+    assert "== decode_shared: exit 0" in done.stdout
+    assert "--only shared --batch-sizes 24" in (tmp_path / "decode_shared.log").read_text()
+    mps = (tmp_path / "decode_shared_mps.log").read_text()
+    assert "== decode_shared_mps: exit 3" in done.stdout and "no nvidia-cuda-mps-control" in mps

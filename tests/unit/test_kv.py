@@ -137,7 +137,7 @@ def _step(batch: kv.BatchedKV, seed: int) -> list[torch.Tensor]:
         v = torch.randn(batch.num_rows, HEADS, 1, DIM, generator=gen)
         cache.update(k, v, layer)
         new.append((k, v))
-    batch.absorb(cache)
+    batch.absorb()
     # per-row packed [layers, 2, heads, 1, dim] for the new slot
     return [torch.stack([torch.stack((k[r], v[r])) for k, v in new]) for r in range(batch.num_rows)]
 
