@@ -60,7 +60,7 @@ class GateView:
         if self.api_key and not bearer_ok(authorization, self.api_key):
             return None
         try:
-            self.admission.check_room()
+            self.admission.check_room(self.lanes.num_arriving + num_unreached)
             self.lanes.check_arriving(num_unreached)
         except Overloaded as exc:
             return exc

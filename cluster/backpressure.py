@@ -4,10 +4,14 @@ that only grows.
 Two budgets, each per worker of the stage it protects:
 - prompt tokens of requests that have not had their first token (they wait for encode
   and prefill), per prefill worker;
-- requests that are past their first token and still generating, per decode worker.
+- requests in the cluster, waiting for their first token or generating, per decode worker:
+  each holds a decode slot, now or once its prompt is prefilled.
 A request that would overrun either is refused at once with 429 and a Retry-After,
 right after its prompt is planned and before any worker is asked; one that arrives while a
-budget is already full is refused before its body is read. Plain Python, no Ray.
+budget is already full, counting the requests that arrived before it and are still being
+read or admitted, is refused before its body is read: a burst beyond the budget is refused
+as it arrives, not after waiting behind the admission of the requests that fill it. Plain
+Python, no Ray.
 """
 
 from __future__ import annotations
@@ -64,10 +68,12 @@ class Admission:
         requests beyond the new budgets wait for room as any would."""
         self.max_waiting_tokens, self.max_generating = max_waiting_tokens, max_generating
 
-    def check_room(self) -> None:
+    def check_room(self, num_admitting: int = 0) -> None:
         """At arrival, before the body is read: Overloaded at once if a budget is already
-        full, so a burst's refusals come in milliseconds, not after its parsing."""
-        self._check(0 if self.waiting else None)
+        full, counting `num_admitting` requests that came before and hold no ticket yet (their
+        bodies read or admitted), so a burst's refusals come in milliseconds, not after its
+        parsing."""
+        self._check(0 if self.waiting else None, num_admitting)
 
     def admit(self, prompt_tokens: int) -> Ticket:
         """A ticket for a request of `prompt_tokens`; Overloaded if a budget is full. A lone
@@ -78,9 +84,10 @@ class Admission:
         self.waiting += 1
         return Ticket(self, prompt_tokens)
 
-    def _check(self, more_tokens: int | None) -> None:
+    def _check(self, more_tokens: int | None, num_admitting: int = 0) -> None:
         """Overloaded if `more_tokens` waiting would pass the token budget (None: not checked;
-        0: the budget is already full) or the generating budget is full."""
+        0: the budget is already full) or the requests budget is full, `num_admitting` on
+        their way in counted."""
         if more_tokens is not None and (
             self.waiting_tokens + max(more_tokens, 1) > self.max_waiting_tokens
         ):
@@ -88,8 +95,9 @@ class Admission:
                 f"the cluster is at capacity: {self.waiting_tokens} prompt tokens are waiting for "
                 f"prefill (the limit is {self.max_waiting_tokens}); retry later"
             )
-        if self.generating >= self.max_generating:
+        if (held := self.generating + self.waiting + num_admitting) >= self.max_generating:
             raise Overloaded(
-                f"the cluster is at capacity: {self.generating} requests are generating "
-                f"(the limit is {self.max_generating}); retry later"
+                f"the cluster is at capacity: {held} requests are generating or on their way "
+                f"({self.generating} generating, {self.waiting} waiting for their first token, "
+                f"{num_admitting} being admitted; the limit is {self.max_generating}); retry later"
             )

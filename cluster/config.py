@@ -662,8 +662,10 @@ class LimitsConfig(Strict):
     max_generating_per_decode_worker: int = Field(
         256,
         ge=1,
-        description="Back-pressure: requests past their first token and still generating, per "
-        "decode worker (an autoscaled pool: per max_workers); beyond it, 429 with Retry-After.",
+        description="Back-pressure: requests in the cluster, waiting for their first token or "
+        "generating, per decode worker (an autoscaled pool: per max_workers); beyond it, 429 with "
+        "Retry-After. Requests still being read or admitted count too, so a burst beyond it is "
+        "refused as it arrives.",
     )
     max_admitting_text: int = Field(
         256,

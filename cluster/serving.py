@@ -243,7 +243,7 @@ class Serving:
         self, request: Request, endpoint: Endpoint, request_id: str, arrived_s: float
     ) -> Response:
         try:  # before the body is even read: refusals of a burst come in microseconds
-            self.admission.check_room()
+            self.admission.check_room(self.lanes.num_arriving)
             with self.lanes.arriving():
                 adm = await self._admit(request, endpoint, request_id, arrived_s)
         except Overloaded as exc:

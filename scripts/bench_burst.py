@@ -7,6 +7,9 @@ Run it beside a server (`./scripts/serve`):
     .venv/bin/python scripts/bench_burst.py [--port 8000] [--burst 1500] [--rounds 1]
 A Python client on the server's own cores cannot issue 1,500 requests in 100 ms, so the time
 that counts is from each request's last byte sent, not from the burst's start (also printed).
+Its own event loop still delays the answers it times by 100-250 ms at the end of such a burst
+(scripts/bench_floors.py); `--client c` sends and times them from C instead
+(scripts/benchkit/burst_client.c: every request the same body).
 
 `--held N`: what one refusal costs the ingress replica. One stream holds the only generating
 slot of a server started with `--set limits.max_generating_per_decode_worker=1`, and N
@@ -22,6 +25,7 @@ import time
 
 import psutil
 
+from benchkit import c_burst
 from benchkit.raw_burst import RawOutcome, burst, one, report, request_bytes, rounded
 from benchkit.rss import ingress_pid
 from benchkit.stats import pct
@@ -78,6 +82,7 @@ def main() -> None:
     ap.add_argument("--pause", type=float, default=5.0, help="seconds between rounds")
     ap.add_argument("--held", type=int, default=0, help="refusals at a held budget (see above)")
     ap.add_argument("--concurrency", type=int, default=32, help="--held: requests at a time")
+    ap.add_argument("--client", choices=("python", "c"), default="python", help="the burst's")
     args = ap.parse_args()
     model = model_name(args.port)
     for i in range(args.rounds):
@@ -86,6 +91,9 @@ def main() -> None:
         if args.held:
             pid = ingress_pid(f"http://127.0.0.1:{args.port}")
             print(json.dumps(asyncio.run(held(args.port, model, args.held, args.concurrency, pid))))
+        elif args.client == "c":
+            outcomes = c_burst.burst(args.port, request_bytes(model, 0), args.burst)
+            print(json.dumps(report(outcomes)))
         else:
             outcomes = asyncio.run(burst(args.port, model, args.burst, args.timeout))
             print(json.dumps(report(outcomes)))

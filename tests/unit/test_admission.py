@@ -31,33 +31,58 @@ def test_a_lone_prompt_larger_than_the_budget_is_let_in_when_nothing_waits():
     adm.admit(10)
 
 
-def test_generating_requests_bound_admission():
+def test_requests_in_the_cluster_bound_admission():
     adm = Admission(max_waiting_tokens=10_000, max_generating=2)
     tickets = [adm.admit(10) for _ in range(2)]
+    with pytest.raises(Overloaded, match="2 requests are generating or on their way"):
+        adm.admit(10)  # both still wait for their first token: each will hold a decode slot
     for t in tickets:
         t.first_token()
         t.first_token()  # a resumed request's second "first token" counts once
     assert adm.generating == 2
-    with pytest.raises(Overloaded, match="2 requests are generating"):
+    with pytest.raises(Overloaded, match=r"2 requests .* \(2 generating, 0 waiting"):
         adm.admit(10)
     tickets[0].release()
     adm.admit(10)
 
 
+def test_generating_never_passes_its_budget():
+    """Waiting tickets hold their slot: their first tokens cannot take generating past it."""
+    adm = Admission(max_waiting_tokens=10_000, max_generating=3)
+    tickets = []
+    while True:
+        try:
+            tickets.append(adm.admit(5))
+        except Overloaded:
+            break
+    for t in tickets:
+        t.first_token()
+    assert adm.generating == len(tickets) == 3
+
+
+def test_requests_still_being_admitted_count_at_arrival():
+    adm = Admission(max_waiting_tokens=10_000, max_generating=4)
+    adm.admit(10).first_token()
+    adm.check_room(num_admitting=2)  # 1 generating + 2 on their way: room for one more
+    with pytest.raises(Overloaded, match=r"1 generating, 0 waiting .* 3 being admitted"):
+        adm.check_room(num_admitting=3)
+
+
 def test_arrival_is_refused_only_while_a_budget_is_full():
-    adm = Admission(max_waiting_tokens=100, max_generating=1)
+    adm = Admission(max_waiting_tokens=100, max_generating=2)
     adm.check_room()  # empty: room
     waiting = adm.admit(60)
     adm.check_room()  # 60 of 100: a smaller prompt may still fit
     more = adm.admit(40)
     with pytest.raises(Overloaded, match="100 prompt tokens are waiting"):
         adm.check_room()
-    waiting.first_token()  # one generating: that budget is now full
-    with pytest.raises(Overloaded, match="1 requests are generating"):
-        adm.check_room()
-    waiting.release()
     more.release()
+    waiting.first_token()  # one generating, none waiting: room for one more
     adm.check_room()
+    with pytest.raises(Overloaded, match="2 requests are generating or on their way"):
+        adm.check_room(num_admitting=1)
+    waiting.release()
+    adm.check_room(num_admitting=1)
 
 
 def test_a_resized_budget_applies_to_the_next_arrival_and_tickets_keep_theirs():

@@ -54,7 +54,7 @@ async def call(gate, scope_) -> list[dict]:
 @pytest.fixture
 def view():
     lanes = AdmitLanes(max_text=2, max_media=1)
-    v = arrival_gate.GateView(Admission(100, 1), lanes, None, 3, max_request_bytes=1 << 20)
+    v = arrival_gate.GateView(Admission(100, 4), lanes, None, 3, max_request_bytes=1 << 20)
     refused = v.refused = []
     v.on_refused = lambda request_id, x_request_id: refused.append((request_id, x_request_id))
     arrival_gate.register(v)
@@ -64,7 +64,8 @@ def view():
 
 
 def fill_generating(view) -> None:
-    view.admission.admit(10).first_token()
+    for _ in range(view.admission.max_generating):
+        view.admission.admit(10).first_token()
 
 
 def test_a_request_at_a_full_budget_gets_an_openai_429_without_reaching_the_app(view):
@@ -79,7 +80,7 @@ def test_a_request_at_a_full_budget_gets_an_openai_429_without_reaching_the_app(
     assert head[b"retry-after"] == b"3" and head[b"x-request-id"] == b"abc-1"
     error = json.loads(body["body"])["error"]
     assert error["type"] == "rate_limit_error" and error["code"] == "server_overloaded"
-    assert "1 requests are generating" in error["message"]
+    assert "4 requests are generating" in error["message"]
     assert int(head[b"content-length"]) == len(body["body"])
     assert view.num_refused == 1 and view.refused[0][1] == "abc-1"
     assert view.refused[0][0].startswith("chatcmpl-")
@@ -143,6 +144,28 @@ def test_requests_on_their_way_to_the_handler_count_against_the_arrival_bound(vi
     assert "admitting 3 requests" in json.loads(refused[1]["body"])["error"]["message"]
     assert all(sent[0]["status"] == 200 for sent in held)
     assert arrival_gate._counts.unreached == 0
+
+
+def test_requests_on_their_way_count_against_the_requests_budget(view):
+    """With 3 of 4 requests in the cluster, one let through fills the budget before the
+    handler has it: the next arrival is refused at the gate, not behind its admission."""
+    for _ in range(3):
+        view.admission.admit(10)
+    app = App()
+    app.go.clear()
+
+    async def burst():
+        gate = arrival_gate.ArrivalGate(app)
+        held = asyncio.create_task(call(gate, scope()))
+        await asyncio.sleep(0)
+        refused = await call(gate, scope())
+        app.go.set()
+        return refused, await held
+
+    refused, held = asyncio.run(burst())
+    assert refused[0]["status"] == 429 and held[0]["status"] == 200 and app.calls == 1
+    message = json.loads(refused[1]["body"])["error"]["message"]
+    assert "0 generating, 3 waiting for their first token, 1 being admitted" in message
 
 
 def test_the_handler_learns_when_the_http_server_had_the_request_and_handed_it_on(view):
