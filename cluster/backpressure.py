@@ -20,6 +20,17 @@ import enum
 from dataclasses import dataclass
 
 
+def cluster_budgets(config) -> tuple[int, int]:
+    """The whole cluster's budgets under `config` (a ClusterConfig): prompt tokens waiting for
+    prefill, and requests in it. An autoscaled pool admits for the workers it may grow to: its
+    load is what grows it."""
+    limits = config.limits
+    return (
+        limits.max_waiting_tokens_per_prefill_worker * config.prefill.num_slots,
+        limits.max_generating_per_decode_worker * config.decode.num_slots,
+    )
+
+
 class Stage(str, enum.Enum):
     WAITING = "waiting"  # admitted, no first token yet
     GENERATING = "generating"  # first token sent, decoding

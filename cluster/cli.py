@@ -20,6 +20,7 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
     import ray
     from ray import serve
 
+    from cluster import haproxy_cap
     from cluster.app import build_app
     from cluster.controller import prestart
     from cluster.front_door import controller_options, missing_haproxy
@@ -39,12 +40,14 @@ def start(config: ClusterConfig, *, address: str | None = None) -> str:
             num_cpus=None if address else config.server.num_cpus_ray,
             include_dashboard=False,
         )
+        if not address:  # a Serve of our own: what an earlier one published is not ours
+            haproxy_cap.forget(config.server.port)
     check_placement(
         config
     )  # a pool pinned to a node type the cluster lacks: a clear error, before any actor starts
     serve.start(
         http_options={"host": config.server.host, "port": config.server.port},
-        controller_options=controller_options(door),
+        controller_options=controller_options(door, APP_NAME),
     )
     prestart(APP_NAME, config, spec.modalities)  # workers load while the ingress imports
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")

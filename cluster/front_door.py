@@ -13,8 +13,15 @@ in the ingress replicas' runtime env.
 from __future__ import annotations
 
 import enum
+import json
+import logging
+import os
 import random
 import socket
+
+from cluster import haproxy_cap
+
+log = logging.getLogger(__name__)
 
 
 class FrontDoor(str, enum.Enum):
@@ -64,12 +71,13 @@ def missing_haproxy(front_door: FrontDoor) -> str | None:
     return None
 
 
-def controller_options(front_door: FrontDoor) -> dict:
+def controller_options(front_door: FrontDoor, app_name: str | None = None) -> dict:
     """`serve.start(controller_options=...)`: the controller (created only by the first start on
     a cluster) and the HAProxy managers it starts take the front door from here. HAProxy also
     listens on a stats and a metrics port, on every interface; Serve's fixed defaults (8404,
     9101) would let a second Serve on the same host crash at start, so each controller that
-    epd starts gets two ports free on this host."""
+    epd starts gets two ports free on this host. With `app_name`, HAProxy also refuses what
+    exceeds that app's requests budget itself (cluster/haproxy_cap.py)."""
     env = serve_env(front_door)
     if front_door is FrontDoor.HAPROXY:
         stats, metrics = free_ports(2)
@@ -77,7 +85,29 @@ def controller_options(front_door: FrontDoor) -> dict:
             "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
         }
+        if app_name is not None:
+            env |= haproxy_cap_env(app_name)
     return {"runtime_env": {"env_vars": env}}
+
+
+def haproxy_cap_env(app_name: str) -> dict[str, str]:
+    """Serve runs epd's HAProxy wrapper instead of the binary, which it then runs itself: empty
+    (no cap, the replicas' gate alone) where the wrapper is not executable (an install that
+    dropped its mode) or no binary is found."""
+    from ray.serve._private.haproxy import _resolve_haproxy_binary
+
+    wrapper = haproxy_cap.__file__
+    try:
+        binary = _resolve_haproxy_binary()
+    except FileNotFoundError:
+        return {}
+    if not os.access(wrapper, os.X_OK) or os.path.samefile(binary, wrapper):
+        return {}
+    return {
+        "RAY_SERVE_HAPROXY_BINARY_PATH": os.path.abspath(wrapper),
+        haproxy_cap.BINARY_ENV: binary,
+        haproxy_cap.BACKEND_ENV: f"http-{app_name}",  # Serve's name for the app's backend
+    }
 
 
 # Ports below the kernel's ephemeral range (what `bind(0)` and every outgoing connection on the
@@ -129,3 +159,32 @@ def replica_runtime_env(front_door: FrontDoor) -> dict:
     if front_door is FrontDoor.HAPROXY:
         env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = GATE_CALLBACK
     return {"env_vars": env}
+
+
+# What HAProxy answers past the requests budget (the replicas' gate words theirs with counts).
+CAP_MESSAGE = (
+    "the cluster is at capacity: as many requests are in flight as it admits "
+    "(limits.max_generating_per_decode_worker per decode worker); retry later"
+)
+
+
+def publish_cap(config) -> None:
+    """A replica's part of HAProxy's cap (cluster/haproxy_cap.py): the cluster's requests budget
+    and the 429's body, for the HAProxy on this node. Nothing where another front door serves;
+    a failure is logged, and the replicas' gate alone refuses."""
+    from cluster.backpressure import cluster_budgets
+    from cluster.response_models import error_body
+
+    if config.server.front_door is not FrontDoor.HAPROXY:
+        return
+    limits = config.limits
+    body = error_body(CAP_MESSAGE, type="rate_limit_error", code="server_overloaded")
+    try:
+        haproxy_cap.publish(
+            config.server.port,
+            cluster_budgets(config)[1],
+            limits.retry_after_s,
+            json.dumps(body).encode(),
+        )
+    except OSError as exc:
+        log.warning("HAProxy's cap not published (the replicas refuse alone): %s", exc)

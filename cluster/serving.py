@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.exceptions import RayActorError, TaskCancelledError
 
 from actors.types import TokenChunk
-from cluster import arrival_gate, controller, leftovers, responses
+from cluster import arrival_gate, controller, front_door, leftovers, responses
 from cluster.admit_lanes import AdmitLanes
 from cluster.admitted import Admitted, Endpoint
-from cluster.backpressure import Admission, Overloaded, Ticket
+from cluster.backpressure import Admission, Overloaded, Ticket, cluster_budgets
 from cluster.config import ClusterConfig
 from cluster.errors import RequestError, error_response, overloaded
 from cluster.fleet_client import FleetClient
@@ -135,6 +135,7 @@ class Serving:
             limits.max_request_bytes,
         )
         self.gate.on_refused = self._refused_at_arrival
+        front_door.publish_cap(config)  # HAProxy refuses past the requests budget itself
         self.media_budget = self.path.intake.media_budget
         self.metrics.track_media(lambda: self.media_budget.in_flight)
 
@@ -166,12 +167,10 @@ class Serving:
 
     def _budget_share(self, num_replicas: int) -> tuple[int, int]:
         """This replica's share of the cluster's back-pressure budgets (waiting prompt tokens,
-        generating requests) when `num_replicas` share them."""
-        limits, share = self.config.limits, max(num_replicas, 1)
-        # An autoscaled pool admits for the workers it may grow to: its load is what grows it.
-        tokens = limits.max_waiting_tokens_per_prefill_worker * self.config.prefill.num_slots
-        generating = limits.max_generating_per_decode_worker * self.config.decode.num_slots
-        return math.ceil(tokens / share), math.ceil(generating / share)
+        requests) when `num_replicas` share them."""
+        share = max(num_replicas, 1)
+        tokens, requests = cluster_budgets(self.config)
+        return math.ceil(tokens / share), math.ceil(requests / share)
 
     def run_background(self) -> None:
         """Supervision (and so the controller heartbeat) and the metrics pushes."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+from contextlib import AsyncExitStack
 
 import httpx
 import numpy as np
@@ -17,6 +18,7 @@ import ray
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.backpressure import cluster_budgets
 from cluster.cli import APP_NAME
 from cluster.controller import NAMESPACE, controller_name
 from router.types import WorkerKind
@@ -228,3 +230,51 @@ def test_decoded_media_beyond_its_budget_waits_or_gets_429_and_text_goes_on(smal
             assert "limits.max_decoded_media_mb" in r.json()["error"]["message"], r.text
     assert _media_bytes_in_flight(app) == (0, 0, 0)  # every charge came back
     assert not any(wait_until_idle(app, within_s=20).values()), held(app)
+
+
+@pytest.fixture(scope="module")
+def one_slot(default_fleet):
+    """One request in flight per decode worker: a redeploy of live settings, so HAProxy's cap
+    changes over its admin socket, with no reload."""
+    return deploy(cluster_config(limits={"max_generating_per_decode_worker": 1}))
+
+
+def test_haproxy_refuses_past_the_requests_budget_before_the_replica(one_slot):
+    """With the requests budget held by streams, a burst is refused by HAProxy itself
+    (cluster/haproxy_cap.py), in the replicas' shape, without reaching a replica; once the
+    streams end, requests are served again."""
+    app, budget = one_slot, cluster_budgets(one_slot.config)[1]
+    refused_before = _refused_at_arrival(app)
+    body = {"model": app.config.model.served_name, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def burst_beside_held_streams():
+        async with (
+            httpx.AsyncClient(base_url=app.root, timeout=60) as client,
+            AsyncExitStack() as held,
+        ):
+            for _ in range(budget):
+                stream = client.stream(
+                    "POST",
+                    "/v1/chat/completions",
+                    json=body | {"max_tokens": 1000, "ignore_eos": True, "stream": True},
+                )
+                response = await held.enter_async_context(stream)
+                assert response.status_code == 200
+                await anext(response.aiter_lines())  # admitted and streaming
+            return await asyncio.gather(
+                *[
+                    client.post("/v1/chat/completions", json=body | {"max_tokens": 2})
+                    for _ in range(6)
+                ]
+            )
+
+    answers = asyncio.run(burst_beside_held_streams())
+    assert [a.status_code for a in answers] == [429] * 6, [a.text for a in answers]
+    for answer in answers:
+        assert answer.headers["x-epd-refused-by"] == "haproxy"
+        assert int(answer.headers["retry-after"]) == app.config.limits.retry_after_s
+        error = answer.json()["error"]
+        assert error["type"] == "rate_limit_error" and "capacity" in error["message"]
+    assert _refused_at_arrival(app) == refused_before  # no replica saw them
+    wait_until_idle(app, within_s=20)
+    assert app.chat([{"role": "user", "content": "and now?"}], max_tokens=2).status_code == 200
