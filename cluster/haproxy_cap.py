@@ -103,12 +103,29 @@ def publish(port: int, max_requests: int, retry_after_s: int, body: bytes) -> No
     directory.mkdir(parents=True, exist_ok=True)
     _write(directory / BODY, body)
     _write(directory / MAP, f"requests {max_requests}\nretry_after_s {retry_after_s}\n".encode())
+    set_live(port, requests=max_requests, retry_after_s=retry_after_s)
+
+
+def published(port: int) -> dict[str, int]:
+    """What the replicas published for `port` (empty: nothing)."""
+    try:
+        lines = (cap_dir(port) / MAP).read_text().splitlines()
+    except OSError:
+        return {}
+    return {key: int(value) for key, value in (line.split() for line in lines if line.strip())}
+
+
+def set_live(port: int, **values: int) -> list[str]:
+    """Set map entries (`requests`, `retry_after_s`) in the running HAProxy that loaded the rules
+    for `port`, without a reload; its answers (none where no HAProxy has loaded them yet: the
+    map file is enough then). The files stay as published."""
+    directory = cap_dir(port)
     try:
         admin = (directory / SOCKET).read_text().strip()
     except OSError:
-        return  # no HAProxy has loaded the rules on this node yet: the map file is enough
-    for key, value in (("requests", max_requests), ("retry_after_s", retry_after_s)):
-        _ask(admin, f"set map {directory / MAP} {key} {value}")
+        return []
+    path = directory / MAP
+    return [_ask(admin, f"set map {path} {key} {value}") for key, value in values.items()]
 
 
 def _write(path: Path, data: bytes) -> None:

@@ -9,7 +9,9 @@ A Python client on the server's own cores cannot issue 1,500 requests in 100 ms,
 that counts is from each request's last byte sent, not from the burst's start (also printed).
 Its own event loop still delays the answers it times by 100-250 ms at the end of such a burst
 (scripts/bench_floors.py); `--client c` sends and times them from C instead
-(scripts/benchkit/burst_client.c: every request the same body).
+(scripts/benchkit/burst_client.c: every request the same body). `--alternate-cap` turns
+HAProxy's own refusal (cluster/haproxy_cap.py) off in odd rounds and on in even ones, live in
+the same server: the replicas' gate alone is the baseline.
 
 `--held N`: what one refusal costs the ingress replica. One stream holds the only generating
 slot of a server started with `--set limits.max_generating_per_decode_worker=1`, and N
@@ -29,6 +31,7 @@ from benchkit import c_burst
 from benchkit.raw_burst import RawOutcome, burst, one, report, request_bytes, rounded
 from benchkit.rss import ingress_pid
 from benchkit.stats import pct
+from cluster import haproxy_cap
 
 
 async def held(port: int, model: str, n: int, concurrency: int, pid: int) -> dict:
@@ -83,20 +86,43 @@ def main() -> None:
     ap.add_argument("--held", type=int, default=0, help="refusals at a held budget (see above)")
     ap.add_argument("--concurrency", type=int, default=32, help="--held: requests at a time")
     ap.add_argument("--client", choices=("python", "c"), default="python", help="the burst's")
+    ap.add_argument(
+        "--alternate-cap",
+        action="store_true",
+        help="HAProxy's cap (cluster/haproxy_cap.py) off in odd rounds, on in even ones: the "
+        "replicas' gate alone as the baseline, in the same server",
+    )
     args = ap.parse_args()
     model = model_name(args.port)
-    for i in range(args.rounds):
-        if i:
-            time.sleep(args.pause)
-        if args.held:
-            pid = ingress_pid(f"http://127.0.0.1:{args.port}")
-            print(json.dumps(asyncio.run(held(args.port, model, args.held, args.concurrency, pid))))
-        elif args.client == "c":
-            outcomes = c_burst.burst(args.port, request_bytes(model, 0), args.burst)
-            print(json.dumps(report(outcomes)))
-        else:
-            outcomes = asyncio.run(burst(args.port, model, args.burst, args.timeout))
-            print(json.dumps(report(outcomes)))
+    budget = haproxy_cap.published(args.port).get("requests", 0)
+    if args.alternate_cap and not budget:
+        raise SystemExit(f"no HAProxy cap published for port {args.port}: nothing to alternate")
+    try:
+        for i in range(args.rounds):
+            if i:
+                time.sleep(args.pause)
+            if args.alternate_cap:
+                capped = i % 2 == 1
+                answers = haproxy_cap.set_live(args.port, requests=budget if capped else 0)
+                if not answers or any(answer.strip() for answer in answers):
+                    raise SystemExit(f"HAProxy did not take the cap's change: {answers}")
+                print(f"round {i + 1}: HAProxy cap {'on' if capped else 'off'}", flush=True)
+            run_round(args, model)
+    finally:
+        if args.alternate_cap:
+            haproxy_cap.set_live(args.port, requests=budget)
+
+
+def run_round(args, model: str) -> None:
+    if args.held:
+        pid = ingress_pid(f"http://127.0.0.1:{args.port}")
+        print(json.dumps(asyncio.run(held(args.port, model, args.held, args.concurrency, pid))))
+    elif args.client == "c":
+        outcomes = c_burst.burst(args.port, request_bytes(model, 0), args.burst)
+        print(json.dumps(report(outcomes)))
+    else:
+        outcomes = asyncio.run(burst(args.port, model, args.burst, args.timeout))
+        print(json.dumps(report(outcomes)))
 
 
 if __name__ == "__main__":

@@ -121,6 +121,7 @@ def test_haproxy_refuses_past_the_published_budget_and_follows_it_live(tmp_path)
     directory = haproxy_cap.cap_dir(port)
     shutil.rmtree(directory, ignore_errors=True)
     haproxy_cap.publish(port, 3, 7, BODY)
+    assert haproxy_cap.published(port) == {"requests": 3, "retry_after_s": 7}
     try:
         with _haproxy(tmp_path, port, backend_port) as proc:
             if os.geteuid() == 0:  # lowering a niceness takes CAP_SYS_NICE
@@ -139,7 +140,7 @@ def test_haproxy_refuses_past_the_published_budget_and_follows_it_live(tmp_path)
             haproxy_cap.publish(port, 5, 7, BODY)  # a redeploy: set live, no reload
             answers = asyncio.run(_burst(port, backend_port, 6, "/v1/completions"))
             assert sorted(code for code, _ in answers) == [200] * 5 + [429]
-            haproxy_cap.publish(port, 0, 7, BODY)  # no budget: no cap
+            assert haproxy_cap.set_live(port, requests=0) == ["\n"]  # no budget: no cap
             answers = asyncio.run(_burst(port, backend_port, 6, "/v1/completions"))
             assert [code for code, _ in answers] == [200] * 6
     finally:
