@@ -93,7 +93,10 @@ def test_clients_that_leave_mid_stream_leave_nothing_behind(app):
             "model": app.config.model.served_name,
             "messages": _messages(seed, "long " * 300),
             "temperature": 0,
-            "max_tokens": 64,
+            # long enough that no stream can end, whole in HAProxy's and the sockets' buffers,
+            # before its client's leaving reaches the replica
+            "max_tokens": 512,
+            "ignore_eos": True,
             "stream": True,
         }
         async with client.stream("POST", "/v1/chat/completions", json=body) as response:
