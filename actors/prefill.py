@@ -95,6 +95,10 @@ class PrefillWorker(ModelWorker):
         """The request's first token, once its prompt is prefilled. Items not received yet
         follow through `receive`; the text before them is prefilled meanwhile."""
         called_at_s = time.time()
+        if self.embeddings.is_closed(request.request_id):
+            # Its drop came first (the drop goes over Ray, this call over a link): queued now,
+            # it would be prefilled for nobody.
+            raise WorkerRequestError(f"request {request.request_id} was dropped before its prefill")
         if self.engine.on_early is None:  # prompts run between a chunk's layers: from that thread
             loop = asyncio.get_running_loop()
             self.engine.on_early = lambda outs: loop.call_soon_threadsafe(self._publish, outs)

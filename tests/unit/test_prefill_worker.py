@@ -105,6 +105,19 @@ def test_dropped_while_waiting_for_its_image_leaves_nothing(worker, prompt):
     asyncio.run(scenario())
 
 
+def test_a_prefill_call_that_comes_after_its_drop_is_refused_and_queues_nothing(worker, prompt):
+    """The drop goes over Ray, the prefill call over a link: the drop may come first."""
+
+    async def scenario():
+        worker.drop("late")
+        with pytest.raises(WorkerRequestError, match="dropped before its prefill"):
+            await asyncio.wait_for(worker.prefill(request("late", prompt)), 20)
+        assert not worker.engine.jobs and not worker.engine.has_work
+        assert worker.stats()["queued"] == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_slowed_workers_timings_count_its_emulated_slowness(ckpt):
     """Benchmarks emulate a slower device by sleeping after each step (WorkerSpec.slowdown); the
     router must see that worker as slower, so its reported compute is stretched alike, and its
