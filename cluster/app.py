@@ -28,7 +28,7 @@ from cluster.api_key import ApiKeyMiddleware
 from cluster.backpressure import Overloaded
 from cluster.config import REPO_ROOT, ClusterConfig, load_config
 from cluster.errors import RequestError, error_response
-from cluster.front_door import replica_runtime_env
+from cluster.front_door import replica_runtime_env, resync_cap
 from cluster.metrics import PREFIX
 from cluster.prepare import prepare
 from cluster.request_path import RETRY_AFTER_S
@@ -132,8 +132,10 @@ class Ingress:
 
     async def check_health(self) -> None:
         """Serve's periodic replica check: also starts supervision (and so the controller
-        heartbeat) and the metrics pushes in a replica that has had no request yet."""
+        heartbeat) and the metrics pushes in a replica that has had no request yet, and sets
+        HAProxy's cap again (off the loop: a socket round trip)."""
         self.serving.run_background()
+        await asyncio.to_thread(resync_cap, self.serving.config)
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request) -> Response:

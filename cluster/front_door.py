@@ -172,19 +172,26 @@ def publish_cap(config) -> None:
     """A replica's part of HAProxy's cap (cluster/haproxy_cap.py): the cluster's requests budget
     and the 429's body, for the HAProxy on this node. Nothing where another front door serves;
     a failure is logged, and the replicas' gate alone refuses."""
-    from cluster.backpressure import cluster_budgets
     from cluster.response_models import error_body
 
     if config.server.front_door is not FrontDoor.HAPROXY:
         return
-    limits = config.limits
     body = error_body(CAP_MESSAGE, type="rate_limit_error", code="server_overloaded")
     try:
-        haproxy_cap.publish(
-            config.server.port,
-            cluster_budgets(config)[1],
-            limits.retry_after_s,
-            json.dumps(body).encode(),
-        )
+        haproxy_cap.publish(config.server.port, *_cap(config), json.dumps(body).encode())
     except OSError as exc:
         log.warning("HAProxy's cap not published (the replicas refuse alone): %s", exc)
+
+
+def resync_cap(config) -> None:
+    """Set the budget in the running HAProxy again (each Serve health check): a reload that
+    raced the replica's publish loaded the map file a moment before it was written."""
+    if config.server.front_door is FrontDoor.HAPROXY:
+        requests, retry_after_s = _cap(config)
+        haproxy_cap.set_live(config.server.port, requests=requests, retry_after_s=retry_after_s)
+
+
+def _cap(config) -> tuple[int, int]:
+    from cluster.backpressure import cluster_budgets
+
+    return cluster_budgets(config)[1], config.limits.retry_after_s

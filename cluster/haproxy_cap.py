@@ -11,7 +11,9 @@ program, it adds epd's rules to epd's backend in each config it is given (`-f`) 
 real HAProxy with the same arguments. The rules read a directory of the HTTP port's own that
 the replicas fill (`publish`): the budget in an HAProxy map, also set live over HAProxy's admin
 socket when a redeploy changes it, and the 429's body. HAProxy counts every request in flight
-on the backend (`be_conn`), and one HAProxy sees only the clients of its own node.
+on the backend (`be_conn`), and one HAProxy sees only the clients of its own node; after a
+reload the new process does not count the streams its predecessor still carries (it lets
+through more, for the replicas' gate to refuse).
 
 Stdlib only: the program runs on every node under any python3, before epd's imports.
 """
@@ -125,7 +127,19 @@ def set_live(port: int, **values: int) -> list[str]:
     except OSError:
         return []
     path = directory / MAP
-    return [_ask(admin, f"set map {path} {key} {value}") for key, value in values.items()]
+    return [ask(admin, f"set map {path} {key} {value}") for key, value in values.items()]
+
+
+def live(port: int) -> dict[str, int]:
+    """The map as the running HAProxy for `port` holds it (empty: none has loaded the rules)."""
+    directory = cap_dir(port)
+    try:
+        admin = (directory / SOCKET).read_text().strip()
+    except OSError:
+        return {}
+    # each line of `show map`: <ref> <key> <value>
+    rows = (line.split() for line in ask(admin, f"show map {directory / MAP}").splitlines())
+    return {row[1]: int(row[2]) for row in rows if len(row) == 3 and row[2].isdigit()}
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -135,7 +149,8 @@ def _write(path: Path, data: bytes) -> None:
     partial.replace(path)
 
 
-def _ask(admin_socket: str, command: str) -> str:
+def ask(admin_socket: str, command: str) -> str:
+    """One command to an HAProxy's admin socket; its answer (or why there was none)."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(1.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import time
 from contextlib import AsyncExitStack
 
 import httpx
@@ -18,6 +19,7 @@ import ray
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster import haproxy_cap
 from cluster.backpressure import cluster_budgets
 from cluster.cli import APP_NAME
 from cluster.controller import NAMESPACE, controller_name
@@ -244,7 +246,10 @@ def test_haproxy_refuses_past_the_requests_budget_before_the_replica(one_slot):
     (cluster/haproxy_cap.py), in the replicas' shape, without reaching a replica; once the
     streams end, requests are served again."""
     app, budget = one_slot, cluster_budgets(one_slot.config)[1]
-    refused_before = _refused_at_arrival(app)
+    deadline = time.monotonic() + 30  # set at the redeploy, or at the next health check
+    while haproxy_cap.live(app.config.server.port).get("requests") != budget:
+        assert time.monotonic() < deadline, haproxy_cap.live(app.config.server.port)
+        time.sleep(0.2)
     body = {"model": app.config.model.served_name, "messages": [{"role": "user", "content": "hi"}]}
 
     async def burst_beside_held_streams():
@@ -268,7 +273,12 @@ def test_haproxy_refuses_past_the_requests_budget_before_the_replica(one_slot):
                 ]
             )
 
-    answers = asyncio.run(burst_beside_held_streams())
+    for _ in range(3):  # a reload under the burst: the new HAProxy does not see the old streams
+        _until_nothing_admitted(app)  # the streams of an attempt before have ended everywhere
+        before, refused_before = _haproxy_pid(app), _refused_at_arrival(app)
+        answers = asyncio.run(burst_beside_held_streams())
+        if _haproxy_pid(app) == before:
+            break
     assert [a.status_code for a in answers] == [429] * 6, [a.text for a in answers]
     for answer in answers:
         assert answer.headers["x-epd-refused-by"] == "haproxy"
@@ -278,3 +288,19 @@ def test_haproxy_refuses_past_the_requests_budget_before_the_replica(one_slot):
     assert _refused_at_arrival(app) == refused_before  # no replica saw them
     wait_until_idle(app, within_s=20)
     assert app.chat([{"role": "user", "content": "and now?"}], max_tokens=2).status_code == 200
+
+
+def _haproxy_pid(app) -> str:
+    """Which HAProxy process answers on the app's port now (its admin socket's `show info`)."""
+    directory = haproxy_cap.cap_dir(app.config.server.port)
+    info = haproxy_cap.ask((directory / haproxy_cap.SOCKET).read_text().strip(), "show info")
+    return next(line for line in info.splitlines() if line.startswith("Pid:"))
+
+
+def _until_nothing_admitted(app, within_s: float = 20) -> None:
+    deadline = time.monotonic() + within_s
+    while (ingress := app.http.get("/health", params={"verbose": 1}).json()["ingress"])[
+        "generating"
+    ] or ingress["waiting_tokens"]:
+        assert time.monotonic() < deadline, ingress
+        time.sleep(0.1)

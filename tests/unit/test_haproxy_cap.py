@@ -137,7 +137,9 @@ def test_haproxy_refuses_past_the_published_budget_and_follows_it_live(tmp_path)
             for path in ("/v1/models", "/other/v1/chat/completions"):
                 codes = [code for code, _ in asyncio.run(_burst(port, backend_port, 5, path))]
                 assert codes == [200] * 5, path
+            assert haproxy_cap.live(port) == {"requests": 3, "retry_after_s": 7}
             haproxy_cap.publish(port, 5, 7, BODY)  # a redeploy: set live, no reload
+            assert haproxy_cap.live(port) == {"requests": 5, "retry_after_s": 7}
             answers = asyncio.run(_burst(port, backend_port, 6, "/v1/completions"))
             assert sorted(code for code, _ in answers) == [200] * 5 + [429]
             assert haproxy_cap.set_live(port, requests=0) == ["\n"]  # no budget: no cap

@@ -116,9 +116,10 @@ def test_a_closed_request_refuses_late_tensors(workers):
     decode.abort("late")
     asyncio.run(decode.receive("late", 0, packed))
     assert decode.stats()["held_kv"] == 0
-    prefill.drop("gone")  # the prefill finished after its request was dropped
-    asyncio.run(prefill.prefill(PrefillRequest("gone", PROMPTS[2], (), GREEDY)))
-    assert prefill.stats()["held_kv"] == 0
+    prefill.drop("gone")  # the prefill call came after its request was dropped: refused
+    with pytest.raises(WorkerRequestError, match="dropped before its prefill"):
+        asyncio.run(prefill.prefill(PrefillRequest("gone", PROMPTS[2], (), GREEDY)))
+    assert prefill.stats()["held_kv"] == 0 and not prefill.engine.jobs
 
 
 def test_a_request_aborted_while_waiting_for_a_row_ends_its_stream(ckpt):
