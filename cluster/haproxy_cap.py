@@ -121,25 +121,27 @@ def set_live(port: int, **values: int) -> list[str]:
     """Set map entries (`requests`, `retry_after_s`) in the running HAProxy that loaded the rules
     for `port`, without a reload; its answers (none where no HAProxy has loaded them yet: the
     map file is enough then). The files stay as published."""
-    directory = cap_dir(port)
-    try:
-        admin = (directory / SOCKET).read_text().strip()
-    except OSError:
+    if (admin := _noted_socket(port)) is None:
         return []
-    path = directory / MAP
+    path = cap_dir(port) / MAP
     return [ask(admin, f"set map {path} {key} {value}") for key, value in values.items()]
 
 
 def live(port: int) -> dict[str, int]:
     """The map as the running HAProxy for `port` holds it (empty: none has loaded the rules)."""
-    directory = cap_dir(port)
-    try:
-        admin = (directory / SOCKET).read_text().strip()
-    except OSError:
+    if (admin := _noted_socket(port)) is None:
         return {}
     # each line of `show map`: <ref> <key> <value>
-    rows = (line.split() for line in ask(admin, f"show map {directory / MAP}").splitlines())
+    rows = (line.split() for line in ask(admin, f"show map {cap_dir(port) / MAP}").splitlines())
     return {row[1]: int(row[2]) for row in rows if len(row) == 3 and row[2].isdigit()}
+
+
+def _noted_socket(port: int) -> str | None:
+    """The admin socket of the HAProxy that last loaded the rules for `port`."""
+    try:
+        return (cap_dir(port) / SOCKET).read_text().strip()
+    except OSError:
+        return None
 
 
 def _write(path: Path, data: bytes) -> None:
