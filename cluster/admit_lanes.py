@@ -41,7 +41,8 @@ class Lane(str, enum.Enum):
     MEDIA = "media"
 
 
-def lane_of(body: bytes) -> Lane:
+def lane_of(body) -> Lane:
+    """`body`: bytes, or anything `in` looks into as bytes (request_body.HeldBody)."""
     return Lane.MEDIA if any(marker in body for marker in MEDIA_PART_TYPES) else Lane.TEXT
 
 
@@ -86,7 +87,7 @@ class AdmitLanes:
                 f"limits.max_admitting_text + limits.max_admitting_media = {limit}); retry later"
             )
 
-    async def run(self, body: bytes, admit: Callable[..., T], *args) -> T:
+    async def run(self, body, admit: Callable[..., T], *args) -> T:
         """`admit(body, *args)` on the body's lane; Overloaded at once if that lane is full."""
         lane = lane_of(body)
         if self.pending[lane] >= self.limits[lane]:

@@ -91,6 +91,7 @@ def _ingress_report(serving: Serving) -> dict:
         "served_ok": int(served or 0),
         "media_bytes_in_flight": serving.media_budget.in_flight,
         "media_waiting": serving.media_budget.num_waiting,
+        "body_bytes_in_flight": serving.bodies.in_flight,  # bodies being read and admitted
         "route_syncs": syncs,
         "refused_at_arrival": serving.gate.num_refused,  # by the HTTP server's gate
         **RELAY.stats(),  # relayed streams still open (zero when idle)

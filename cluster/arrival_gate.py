@@ -26,6 +26,7 @@ from starlette.middleware import Middleware
 from cluster import stream_relay
 from cluster.admit_lanes import AdmitLanes
 from cluster.backpressure import Admission, Overloaded
+from cluster.body_budget import BodyBudget, BodyCharge, content_length
 from cluster.errors import error_response, overloaded
 from cluster.request_log import bearer_ok
 
@@ -47,9 +48,11 @@ class GateView:
         api_key: str | None,
         retry_after_s: int,
         max_request_bytes: int,
+        bodies: BodyBudget | None = None,
     ):
         self.admission, self.lanes = admission, lanes
         self.max_request_bytes = max_request_bytes
+        self.bodies = bodies or BodyBudget(max_request_bytes, max_request_bytes)
         self.api_key, self.retry_after_s = api_key, retry_after_s
         self.on_refused: Callable[[str, str], None] = lambda request_id, x_request_id: None
         self.num_refused = 0
@@ -66,16 +69,25 @@ class GateView:
             return exc
         return None
 
+    def charge(self, length: int | None) -> BodyCharge | Overloaded:
+        """The body's charge to the bodies' budget, or why it does not fit."""
+        try:
+            return self.bodies.take(length)
+        except Overloaded as exc:
+            return exc
+
 
 class _Arrival:
     """A request the gate let through: when the HTTP server had it, when the gate handed it
-    on with its body, and whether the handler has it yet."""
+    on with its body, whether the handler has it yet, and its body's charge (the handler
+    gives it back when admission ends)."""
 
-    __slots__ = ("reached", "received_s", "handed_s")
+    __slots__ = ("reached", "received_s", "handed_s", "body")
 
-    def __init__(self):
+    def __init__(self, body: BodyCharge):
         self.reached = False
         self.received_s = self.handed_s = time.perf_counter()
+        self.body = body
 
 
 class _Counts:
@@ -127,27 +139,40 @@ class ArrivalGate:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
+        length = content_length(scope["headers"])
         why = view.refusal(_counts.unreached, _text(headers.get(b"authorization")))
-        if why is not None:
-            # the client's x-request-id or a new one, as Serve's own middleware would give it
-            x_request_id = _text(headers.get(b"x-request-id")) or str(
-                uuid.UUID(int=_IDS.getrandbits(128), version=4)
-            )
-            view.num_refused += 1
-            view.on_refused(f"{_PREFIXES[scope['path']]}{_IDS.getrandbits(128):032x}", x_request_id)
-            refused = overloaded(why, view.retry_after_s)
-            await error_response(refused, {"x-request-id": x_request_id})(scope, receive, send)
+        charge = view.charge(length) if why is None else why
+        if isinstance(charge, Overloaded):
+            await _refuse(view, charge, scope, receive, send)
             return
-        arrival = scope[_ARRIVAL] = _Arrival()
+        arrival = scope[_ARRIVAL] = _Arrival(charge)
         _counts.passed += 1
         try:
-            receive = await _whole_body(receive, view.max_request_bytes)
+            receive, size = await _whole_body(receive, view.max_request_bytes)
+            if length is None and isinstance(charge := view.charge(size), Overloaded):
+                await _refuse(view, charge, scope, receive, send)  # chunked: known only now
+                return
+            arrival.body = charge
             arrival.handed_s = time.perf_counter()
             await _with_relay(self.app, scope, receive, send)
         finally:
+            arrival.body.release()  # a no-op if the handler gave it back
             if not arrival.reached:  # it never reached the handler (its client left first)
                 arrival.reached = True
                 _counts.gone += 1
+
+
+async def _refuse(view: GateView, why: Overloaded, scope, receive, send) -> None:
+    """The 429 of a request refused at arrival, counted and logged by the serving."""
+    headers = dict(scope["headers"])
+    # the client's x-request-id or a new one, as Serve's own middleware would give it
+    x_request_id = _text(headers.get(b"x-request-id")) or str(
+        uuid.UUID(int=_IDS.getrandbits(128), version=4)
+    )
+    view.num_refused += 1
+    view.on_refused(f"{_PREFIXES[scope['path']]}{_IDS.getrandbits(128):032x}", x_request_id)
+    refused = overloaded(why, view.retry_after_s)
+    await error_response(refused, {"x-request-id": x_request_id})(scope, receive, send)
 
 
 async def _with_relay(app, scope, receive, send) -> None:
@@ -187,7 +212,8 @@ async def _whole_body(receive, limit: int):
     """The body read here, on the HTTP server's loop, and handed on as one message: Serve
     relays each message to epd's thread on its own, and a large upload's 64 kB reads were
     hundreds of hand-overs, which text requests beside it queued behind (docs/BENCHMARKS.md).
-    Past `limit` bytes the rest streams on as it comes, for the handler to refuse."""
+    Past `limit` bytes the rest streams on as it comes, for the handler to refuse. Returns
+    the new `receive` and the bytes read."""
     parts, size = [], 0
     while True:
         message = await receive()
@@ -209,7 +235,7 @@ async def _whole_body(receive, limit: int):
             return first
         return await receive()
 
-    return replay
+    return replay, size
 
 
 def _text(value: bytes | None) -> str | None:

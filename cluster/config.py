@@ -613,6 +613,16 @@ class LimitsConfig(Strict):
     max_request_bytes: int = Field(
         32 * 1024 * 1024, gt=0, description="Largest HTTP body accepted."
     )
+    max_request_bodies_mb: int = Field(
+        128,
+        ge=1,
+        description="Most MB of request bodies of 1 MiB or more (bodies carrying media) the "
+        "ingress reads and admits at once, charged from Content-Length as each arrives; one "
+        "that does not fit gets 429 with Retry-After before its body is read. Given back when "
+        "the request's admission ends. Smaller bodies (any text prompt) are never charged. "
+        "The default is an eighth of max_decoded_media_mb's default: compressed images decode "
+        "to about ten times their size, so more bodies than this could not be decoded at once.",
+    )
 
     @model_validator(mode="after")
     def _process_limits_need_processes(self) -> LimitsConfig:
@@ -625,6 +635,16 @@ class LimitsConfig(Strict):
                         f"limits.{name} applies to decoding processes only; "
                         "it cannot be enforced with limits.decode_in_process: true"
                     )
+        return self
+
+    @model_validator(mode="after")
+    def _one_body_fits(self) -> LimitsConfig:
+        """A body max_request_bytes allows must fit the bodies' budget, or it never could."""
+        if self.max_request_bodies_mb * 2**20 < self.max_request_bytes:
+            raise ValueError(
+                f"limits.max_request_bodies_mb = {self.max_request_bodies_mb} cannot hold one "
+                f"body of limits.max_request_bytes = {self.max_request_bytes}"
+            )
         return self
 
     @model_validator(mode="after")

@@ -37,7 +37,7 @@ from cluster.media.load import load_media_item
 from cluster.media.video import VideoSampling
 from cluster.prompt_plan import PromptError, PromptPlan, PromptPlanner
 from cluster.protocol import ChatCompletionRequest, to_template_messages
-from cluster.request_body import BodyError, parse_request
+from cluster.request_body import BodyError, HeldBody, parse_request
 from cluster.sampling_fields import ModelBounds, ParamError
 from router.types import Modality
 
@@ -60,7 +60,11 @@ class Intake:
         )
 
     def admit(
-        self, body: bytes, request_id: str, arrived_s: float, endpoint: Endpoint = Endpoint.CHAT
+        self,
+        body: bytes | HeldBody,
+        request_id: str,
+        arrived_s: float,
+        endpoint: Endpoint = Endpoint.CHAT,
     ) -> Admitted:
         started_s = time.perf_counter()
         try:

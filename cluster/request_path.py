@@ -42,6 +42,7 @@ from cluster.recovery import (
     lost_worker,
     worker_code_failure,
 )
+from cluster.request_body import HeldBody
 from cluster.routing import LiveRouting, RoutingUnavailable
 from cluster.trace import TraceWriter
 from router.types import RequestProfile, RouteDecision, WorkerKind
@@ -103,7 +104,11 @@ class RequestPath:
 
     # -- 1. admit -------------------------------------------------------------------------
     def admit(
-        self, body: bytes, request_id: str, arrived_s: float, endpoint: Endpoint = Endpoint.CHAT
+        self,
+        body: bytes | HeldBody,
+        request_id: str,
+        arrived_s: float,
+        endpoint: Endpoint = Endpoint.CHAT,
     ) -> Admitted:
         """Parse, validate, decode media and plan the prompt (cluster/intake.py)."""
         return self.intake.admit(body, request_id, arrived_s, endpoint)

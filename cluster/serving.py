@@ -26,6 +26,7 @@ from cluster import arrival_gate, controller, front_door, leftovers, responses
 from cluster.admit_lanes import AdmitLanes
 from cluster.admitted import Admitted, Endpoint
 from cluster.backpressure import Admission, Overloaded, Ticket, cluster_budgets
+from cluster.body_budget import MB, BodyBudget, content_length
 from cluster.config import ClusterConfig
 from cluster.errors import RequestError, error_response, overloaded
 from cluster.fleet_client import FleetClient
@@ -33,6 +34,7 @@ from cluster.metrics import Metrics
 from cluster.metrics_share import MetricsShare
 from cluster.placement import check_placement
 from cluster.prompt_plan import PromptPlanner
+from cluster.request_body import HeldBody
 from cluster.request_log import RequestLog, RequestRecord
 from cluster.request_path import RequestPath
 from cluster.response_models import SSE_DONE, error_body, sse_event
@@ -47,6 +49,12 @@ log = logging.getLogger(__name__)
 # Ray's own TaskCancelledError instead of asyncio's (epd never cancels Ray tasks itself).
 CLIENT_GONE = (asyncio.CancelledError, TaskCancelledError)
 RETIRE_POLL_S = 0.2
+
+
+async def _read_body(request: Request) -> bytes:
+    """The body, not kept on `request`: Starlette's `body()` keeps it there until the response
+    ends, a whole stream later (its media's text stays with the request, for a retry)."""
+    return b"".join([chunk async for chunk in request.stream()])
 
 
 def check_size(body: bytes, limit: int) -> None:
@@ -127,12 +135,14 @@ class Serving:
         self.fleet.num_replicas = num_replicas
         self.fleet.on_replicas = lambda n: self.admission.resize(*self._budget_share(n))
         self.metrics.track_load(lambda: self.admission.waiting, lambda: self.admission.generating)
+        self.bodies = BodyBudget(limits.max_request_bodies_mb * MB, limits.max_request_bytes)
         self.gate = arrival_gate.GateView(
             self.admission,
             self.lanes,
             config.server.api_key,
             limits.retry_after_s,
             limits.max_request_bytes,
+            self.bodies,
         )
         self.gate.on_refused = self._refused_at_arrival
         front_door.publish_cap(config)  # HAProxy refuses past the requests budget itself
@@ -221,6 +231,7 @@ class Serving:
         arrived_s = at_gate.received_s if at_gate else now_s
         request.state.handover_ms = (now_s - at_gate.handed_s) * 1e3 if at_gate else 0.0
         request.state.relay = at_gate is not None  # the gate can stream a relayed answer
+        request.state.body_charge = at_gate.body if at_gate else None
         try:
             return await self._respond(request, endpoint, request_id, arrived_s)
         except RequestError as exc:
@@ -283,12 +294,18 @@ class Serving:
     async def _admit(
         self, request: Request, endpoint: Endpoint, request_id: str, arrived_s: float
     ) -> Admitted:
-        body = await request.body()
-        # from arrival, less Serve's hand-over (a phase of its own in the timings)
-        body_ms = (time.perf_counter() - arrived_s) * 1e3 - request.state.handover_ms
-        check_size(body, self.config.limits.max_request_bytes)
-        # Off the event loop, in a lane of its own: text never waits behind media decoding.
-        adm = await self.lanes.run(body, self.path.admit, request_id, arrived_s, endpoint)
+        # charged at the gate, or here when no gate saw it (Serve's own proxy)
+        charge = request.state.body_charge or self.bodies.take(content_length(request.headers))
+        try:
+            body = await _read_body(request)
+            # from arrival, less Serve's hand-over (a phase of its own in the timings)
+            body_ms = (time.perf_counter() - arrived_s) * 1e3 - request.state.handover_ms
+            check_size(body, self.config.limits.max_request_bytes)
+            held, body = HeldBody(body), b""  # its parse lets it go: one copy of the media
+            # Off the event loop, in a lane of its own: text never waits behind media decoding.
+            adm = await self.lanes.run(held, self.path.admit, request_id, arrived_s, endpoint)
+        finally:
+            charge.release()  # the body is gone; its media are decoded (or refused)
         timings = dataclasses.replace(
             adm.timings, handover_ms=request.state.handover_ms, body_ms=body_ms
         )

@@ -14,7 +14,10 @@ import httpx
 import psutil
 
 KINDS = ("encoder", "prefill", "decode")  # worker kinds
-GROUPS = ("ingress", *KINDS)
+# "ingress, store pages": of the ingress's RSS, the object store's shared pages it wrote pixels
+# into (they stay mapped after the objects go); the rest is its own heap and code.
+STORE_PAGES = "ingress, store pages"
+GROUPS = ("ingress", STORE_PAGES, *KINDS)
 PERIOD_S = 0.2
 REFRESH_S = 2.0  # pids change when a worker is restarted
 
@@ -76,6 +79,19 @@ def _scan_ingress(workers: list[int]) -> int | None:
     return mine[0]["pid"] if len(mine) == 1 else None
 
 
+def _rss(pid: int) -> int:
+    return psutil.Process(pid).memory_info().rss
+
+
+def _shmem(pid: int) -> int:
+    """RssShmem of /proc/<pid>/status, in bytes (Linux)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class RssSampler(threading.Thread):
     """Sums RSS per group every PERIOD_S in the background; phases read windows of it."""
 
@@ -100,10 +116,10 @@ class RssSampler(threading.Thread):
         out = {}
         for group in GROUPS:
             total = 0
-            for pid in self.pids.get(group, []):
+            for pid in self.pids.get("ingress" if group == STORE_PAGES else group, []):
                 try:
-                    total += psutil.Process(pid).memory_info().rss
-                except psutil.Error:  # killed or restarted: it no longer counts
+                    total += _shmem(pid) if group == STORE_PAGES else _rss(pid)
+                except (psutil.Error, OSError):  # killed or restarted: it no longer counts
                     pass
             out[group] = total / 2**20
         return out

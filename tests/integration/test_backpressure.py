@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
+import socket
 import time
 from contextlib import AsyncExitStack
 
@@ -21,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import haproxy_cap
 from cluster.backpressure import cluster_budgets
+from cluster.body_budget import MB
 from cluster.cli import APP_NAME
 from cluster.controller import NAMESPACE, controller_name
 from router.types import WorkerKind
@@ -304,3 +307,71 @@ def _until_nothing_admitted(app, within_s: float = 20) -> None:
     ] or ingress["waiting_tokens"]:
         assert time.monotonic() < deadline, ingress
         time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def small_bodies(default_fleet):
+    """Room for one 1.5 MB body being read and admitted at a time."""
+    return deploy(cluster_config(limits={"max_request_bytes": 2 * MB, "max_request_bodies_mb": 2}))
+
+
+def test_a_large_body_beyond_the_bodies_budget_gets_429_before_it_is_read(small_bodies):
+    """One upload's body still arriving holds the bodies' budget: the next large one is refused
+    at once (its body never sent), text is still answered, and once the first upload ends the
+    budget is whole again."""
+    app = small_bodies
+    words = "hi " * (MB // 2)  # 1.5 MB; a model no server has: admitted, it is a quick 404
+    body = json.dumps({"model": "none", "messages": [{"role": "user", "content": words}]}).encode()
+    host, port = app.root.removeprefix("http://").split(":")
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port))) as held_upload:
+        held_upload.sendall(head + body[: len(body) // 2])  # the rest never comes, for now
+        assert _until(lambda: _ingress(app)["body_bytes_in_flight"] == len(body))
+        refused = _post_head_only(host, int(port), head)
+        assert refused.startswith(b"HTTP/1.1 429"), refused[:200]
+        assert b"limits.max_request_bodies_mb = 2" in refused and b"retry-after" in refused.lower()
+        text = app.chat([{"role": "user", "content": "still answered?"}], max_tokens=2)
+        assert text.status_code == 200, text.text
+        held_upload.sendall(body[len(body) // 2 :])
+        answer = held_upload.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 404"), answer[:200]  # admitted, then refused by name
+    assert _until(lambda: _ingress(app)["body_bytes_in_flight"] == 0)
+    again = _post_head_only(host, int(port), head, body)
+    assert again.startswith(b"HTTP/1.1 404"), again[:200]
+
+
+def _ingress(app) -> dict:
+    return app.http.get("/health", params={"verbose": 1}).json()["ingress"]
+
+
+def _until(check, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _post_head_only(host: str, port: int, head: bytes, body: bytes = b"") -> bytes:
+    """The answer to a request sent as its head (and `body`, if given), read to its end."""
+    with socket.create_connection((host, port), timeout=30) as conn:
+        conn.sendall(head + body)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer) < _answer_size(answer):
+            piece = conn.recv(65536)
+            if not piece:
+                break
+            answer += piece
+        return answer
+
+
+def _answer_size(answer: bytes) -> int:
+    head, _, _ = answer.partition(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return len(head) + 4 + int(line.split(b":")[1])
+    return len(answer) + 1  # read on until the connection closes

@@ -14,6 +14,7 @@ import pytest
 from cluster import arrival_gate
 from cluster.admit_lanes import AdmitLanes
 from cluster.backpressure import Admission
+from cluster.body_budget import MB, BodyBudget
 from cluster.front_door import GATE_CALLBACK, FrontDoor, replica_runtime_env
 
 
@@ -248,3 +249,68 @@ def test_only_replicas_that_serve_http_themselves_get_the_gate():
         "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
         not in (replica_runtime_env(FrontDoor.SERVE_PROXY)["env_vars"])
     )
+
+
+def test_a_large_body_past_the_bodies_budget_is_refused_before_it_is_read(view):
+    """A body that carries media is charged from its Content-Length as it arrives: with the
+    budget held by one still being admitted, the next gets its 429 at once, its body unread;
+    a small (text) one beside them is not refused; the handler finds the charge on its
+    arrival, and it comes back when the request ends at the latest."""
+    view.bodies = BodyBudget(3 * MB, 2 * MB)
+    big = [(b"content-length", str(2 * MB).encode())]
+    app, handed = App(), []
+    app.go.clear()  # the first is still being admitted
+
+    async def handler(scope_, receive, send):
+        handed.append(arrival_gate.reached(scope_).body.nbytes)
+        await app(scope_, receive, send)
+
+    async def reads(scope_, gate) -> tuple[list[dict], int]:
+        num_reads = 0
+
+        async def receive():
+            nonlocal num_reads
+            num_reads += 1
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        sent = []
+        await gate(scope_, receive, lambda m: _append(sent, m))
+        return sent, num_reads
+
+    async def run():
+        gate = arrival_gate.ArrivalGate(handler)
+        first = asyncio.create_task(reads(scope(headers=big), gate))
+        await asyncio.sleep(0)
+        refused = await reads(scope(headers=big), gate)
+        text = asyncio.create_task(reads(scope(headers=[(b"content-length", b"900")]), gate))
+        await asyncio.sleep(0)
+        app.go.set()
+        return refused, await first, await text
+
+    (refused, num_reads), (served, _), (text, _) = asyncio.run(run())
+    assert refused[0]["status"] == 429 and num_reads == 0
+    assert dict(refused[0]["headers"])[b"retry-after"] == b"3"
+    assert "limits.max_request_bodies_mb = 3" in json.loads(refused[1]["body"])["error"]["message"]
+    assert served[0]["status"] == 200 and text[0]["status"] == 200 and handed == [2 * MB, 0]
+    assert view.bodies.in_flight == 0 and view.num_refused == 1
+
+
+def test_a_chunked_body_past_the_bodies_budget_is_refused_once_read(view):
+    view.bodies = BodyBudget(2 * MB, 2 * MB)
+    held = view.bodies.take(2 * MB)
+    got = []
+    app = body_app(got)
+    messages = [piece(b"x" * MB, True), piece(b"x" * MB, False)]
+
+    async def receive():
+        return messages.pop(0)
+
+    sent = []
+    asyncio.run(arrival_gate.ArrivalGate(app)(scope(), receive, lambda m: _append(sent, m)))
+    assert got == [] and sent[0]["status"] == 429
+    held.release()
+    assert view.bodies.in_flight == 0
+
+
+async def _append(sent: list, message: dict) -> None:
+    sent.append(message)

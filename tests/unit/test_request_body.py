@@ -215,3 +215,25 @@ def test_bodies_json_refuses_are_refused_the_same_with_big_data_urls(raw, words)
     with pytest.raises(BodyError) as caught:
         parse_chat_request(raw)
     assert words in caught.value.message
+
+
+def test_a_held_body_is_let_go_by_its_parse_and_scanned_for_its_lane_before():
+    """Admission's parse takes the body from its holder: while the request waits to decode,
+    only the parsed request holds the media's text (one copy, not two)."""
+    import sys
+
+    from cluster.admit_lanes import Lane, lane_of
+    from cluster.request_body import HeldBody
+
+    url = "data:image/png;base64," + "A" * (128 * 1024)
+    part = {"type": "image_url", "image_url": {"url": url}}
+    raw = json.dumps({"model": "m", "messages": [{"role": "user", "content": [part]}]}).encode()
+    refs = sys.getrefcount(raw)
+    held = HeldBody(raw)
+    assert sys.getrefcount(raw) == refs + 1 and lane_of(held) is Lane.MEDIA
+    request = parse_chat_request(held)
+    assert sys.getrefcount(raw) == refs  # the holder let go: the bytes die with the caller's
+    assert request.messages[0].content[0].image_url.url == url
+    with pytest.raises(RuntimeError, match="parsed already"):
+        held.take()
+    assert lane_of(held) is Lane.TEXT  # nothing left to scan
