@@ -76,3 +76,12 @@ def test_the_shared_decode_steps_run_the_shared_phase_with_and_without_mps(tmp_p
     assert "--only shared --batch-sizes 24" in (tmp_path / "decode_shared.log").read_text()
     mps = (tmp_path / "decode_shared_mps.log").read_text()
     assert "== decode_shared_mps: exit 3" in done.stdout and "no nvidia-cuda-mps-control" in mps
+
+
+def test_the_media_uploads_step_serves_probes_and_stops(tmp_path):
+    done = run(tmp_path, 300, "media_uploads")
+    log = (tmp_path / "media_uploads.log").read_text()
+    assert "== media_uploads: exit 0" in done.stdout, done.stdout + log
+    assert "probe_server.py --url http://127.0.0.1:8000 --phases media" in log
+    serve = (tmp_path / "media_serve.log").read_text()
+    assert "-m cluster.cli serve --config configs/single_gpu.yaml" in serve
