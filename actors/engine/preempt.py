@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Protocol
 
 from router.prefill_schedule import Order, PrefillState, media_tokens, order_key
@@ -58,15 +59,18 @@ def jumpers(
     max_tokens: int,
     max_media_tokens: int | None,
     key: Callable[[PrefillState], tuple[float, int]],
+    cached: Callable[[Waiting], int] = lambda job: 0,
 ) -> list[Waiting]:
     """Of the prompts `new` to the worker since the step began (none aborted since: `aborted`),
     those that may run whole ahead of the chunk of `in_service`, in the order they would be
     served: each has every item's embeddings, fits one step's token and media budgets, and goes
     before `in_service` in the workers' order (`key`: order_key with the engine's order and
-    aging)."""
+    aging). Each is judged by what is left past the prefix the cache holds for it now
+    (`cached`, in tokens): a long conversation's new turn is a short prompt."""
     chosen = []
     for job in new:
         state = job.state()
+        state = replace(state, num_computed=max(state.num_computed, cached(job)))
         if (
             not job.taken
             and state.request_id not in aborted
@@ -74,7 +78,7 @@ def jumpers(
             and 0 < state.remaining <= max_tokens
             and (
                 max_media_tokens is None
-                or media_tokens(state, 0, state.num_tokens) <= max_media_tokens
+                or media_tokens(state, state.num_computed, state.num_tokens) <= max_media_tokens
             )
             and key(state) < key(in_service)
         ):

@@ -358,7 +358,7 @@ class PrefillEngine:
             new = [e for e in entries if isinstance(e, _Job)]
             aborted = {e for e in entries if isinstance(e, str)}
             key = order_of(self.order, s.aging_tokens_per_s)
-            args = (s.max_chunk_tokens, s.max_media_tokens_per_step, key)
+            args = (s.max_chunk_tokens, s.max_media_tokens_per_step, key, self._cached_tokens)
             for job in jumpers(new, aborted, outer.state(), *args):
                 self._run_whole(job)
         finally:
@@ -475,18 +475,26 @@ class PrefillEngine:
 
     def _reuse_prefix(self, job: _Job) -> None:
         """Continue from the longest cached prefix (whose media spans need no embeddings)."""
-        req = job.request
         if self.pool.capacity_bytes <= 0:
             return
-        bs = self.settings.prefix_block_tokens
-        job.hashes = block_hashes(req.prompt_token_ids, bs, media_keys(req))
-        # At least the last prompt token is computed: its hidden state gives the first token.
-        usable = job.hashes[: (len(req.prompt_token_ids) - 1) // bs]
-        payloads = self.pool.acquire(usable)
+        payloads = self.pool.acquire(usable := self._usable_blocks(job))
         job.held = usable[: len(payloads)]
         if payloads:
-            job.cache = self.runner.prompt_cache(len(req.prompt_token_ids), payloads)
-            job.num_cached = job.num_computed = len(payloads) * bs
+            job.cache = self.runner.prompt_cache(len(job.request.prompt_token_ids), payloads)
+            job.num_cached = job.num_computed = len(payloads) * self.settings.prefix_block_tokens
+
+    def _cached_tokens(self, job: _Job) -> int:
+        """Tokens of `job`'s prompt the prefix cache holds now (nothing is taken)."""
+        if self.pool.capacity_bytes <= 0:
+            return 0
+        return self.pool.match(self._usable_blocks(job)) * self.settings.prefix_block_tokens
+
+    def _usable_blocks(self, job: _Job) -> list[str]:
+        """The block hashes of `job`'s prompt (made once) that a cached prefix may cover: at
+        least the last prompt token is computed, its hidden state gives the first token."""
+        req, bs = job.request, self.settings.prefix_block_tokens
+        job.hashes = job.hashes or block_hashes(req.prompt_token_ids, bs, media_keys(req))
+        return job.hashes[: (len(req.prompt_token_ids) - 1) // bs]
 
     def _finish(self, job: _Job) -> PrefillOutput:
         req, finishing_s = job.request, time.perf_counter()

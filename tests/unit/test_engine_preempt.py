@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from actors.engine.lm_runner import LMRunner  # noqa: E402
 from actors.engine.preempt import jumpers, order_of  # noqa: E402
-from actors.engine.prefill import PrefillEngine, PrefillOutput  # noqa: E402
+from actors.engine.prefill import PrefillEngine, PrefillOutput, _Job  # noqa: E402
 from actors.types import PrefillRequest  # noqa: E402
 from router.prefill_schedule import Order, PrefillState, Span  # noqa: E402
 from router.worker_settings import PrefillSettings  # noqa: E402
@@ -110,6 +110,36 @@ def test_a_longer_arrival_waits_for_the_chunk_in_service(lm):
     assert [o.request_id for o in engine.step()] == ["long"]
 
 
+def test_a_new_turn_of_a_cached_conversation_jumps_as_the_short_prompt_it_is(lm):
+    """150 tokens, 144 of them in the prefix cache: what is left (6) goes ahead of a chunk of
+    a 160-token prompt, though the whole prompt is longer than a step's 64 tokens; its first
+    token and KV are those of running it alone."""
+    settings = PrefillSettings(64, prefix_cache_mb=4.0, preempt_at_layers=True)
+    engine = PrefillEngine(LMRunner(lm, 64), settings)
+    history = tuple(range(300, 444))  # 144 tokens: 9 blocks of 16
+    engine.add(PrefillRequest("earlier", history + (7, 8), (), GREEDY))
+    while engine.has_work:
+        engine.step()
+    engine.step()  # the finished prompt's blocks go into the cache at the next step
+    turn = PrefillRequest("turn", history + tuple(range(60, 66)), (), GREEDY)
+    assert engine._cached_tokens(_Job(turn, {}, 0, 0.0)) == 144
+    engine.add(LONG)
+    arriving_mid_chunk(engine, turn)
+    first = engine.step()
+    assert [o.request_id for o in first] == ["turn"] and engine.jobs["long"].num_computed == 64
+    assert first[0].num_cached_tokens == 144
+    alone_settings = PrefillSettings(64)
+    lone = PrefillEngine(LMRunner(lm, 64), alone_settings)
+    lone.add(turn)
+    while not (outs := lone.step()):
+        pass
+    assert first[0].first.token_id == outs[0].first.token_id, "as if alone"
+    torch.testing.assert_close(first[0].packed_kv, outs[0].packed_kv, rtol=1e-5, atol=1e-5)
+    while engine.has_work:
+        engine.step()
+    assert not engine.jobs and engine.pool.num_referenced() == 0
+
+
 @dataclass
 class _Waiting:
     state_: PrefillState
@@ -140,3 +170,16 @@ def test_jumpers_are_whole_shorter_complete_and_not_aborted_in_the_order_served(
     short_service = PrefillState("text", 20, 0, (), arrival=1)
     chosen = jumpers(new, set(), short_service, 128, None, key)
     assert [j.state().request_id for j in chosen] == ["aborted", "a"]
+
+
+def test_jumpers_judge_what_is_left_past_the_cached_prefix():
+    in_service = PrefillState("video", 2000, 512, (), arrival=0)
+    turn = waiting("turn", 200, 2)  # over one step's 128 tokens, unless mostly cached
+    pictured = waiting("pictured", 120, 3, [Span(0, 90)])  # its image in the cached prefix
+    key = order_of(Order.SHORTEST_REMAINING, 0.0)
+    assert jumpers([turn, pictured], set(), in_service, 128, 64, key) == []
+    cached = {"turn": 192, "pictured": 96}
+    chosen = jumpers(
+        [turn, pictured], set(), in_service, 128, 64, key, lambda j: cached[j.state().request_id]
+    )
+    assert [j.state().request_id for j in chosen] == ["turn", "pictured"]
