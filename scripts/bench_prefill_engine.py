@@ -17,6 +17,10 @@ one process, each figure against its baseline in the same run:
 4. A burst: `--burst` text prompts of 20-60 tokens reach the worker together; ms until each
    has its first token (p50, p99; the last is the burst's whole prefill), with the prompts a
    step plans together packed into one forward against one prompt a forward.
+5. A new turn mid-chunk: a conversation's `--history-tokens` are in the prefix cache; its new
+   turn (`--turn-tokens` more) arrives during the first chunk of a `--long-tokens` prompt. ms
+   from its arrival to its first token, judged past its cached prefix (the engine's rule)
+   against by its whole length (the rule before 2026-12-02), alternating.
 
 Stage timings only (no encode, transfer or decode): the live figures come from
 scripts/bench_modalities.py (phase multi_turn) on a quiet host.
@@ -282,6 +286,53 @@ def overlap_encode(planner, lm, encoder, args) -> dict:
     return report
 
 
+def turn_mid_chunk(lm, args) -> dict:
+    rng = np.random.default_rng(11)
+    tokens = lambda n: tuple(int(t) for t in rng.integers(10, 1000, n))  # noqa: E731
+    history, long = tokens(args.history_tokens), tokens(args.long_tokens)
+    turn = PrefillRequest("turn", history + tokens(args.turn_tokens), (), GREEDY)
+    out: dict[str, list[float]] = {}
+    for past_cache in (True, False) * 3:  # alternating: this host is noisy
+        settings = PrefillSettings(
+            args.budget,
+            prefix_block_tokens=args.block,
+            prefix_cache_mb=64.0,
+            preempt_at_layers=True,
+        )
+        engine = PrefillEngine(LMRunner(lm), settings)
+        run(engine, [(PrefillRequest("earlier", history + tokens(8), (), GREEDY), [])])
+        engine.step()  # the earlier prompt's blocks go into the cache
+        if not past_cache:
+            engine._cached_tokens = lambda job: 0  # the rule before: by the whole prompt
+        times = _first_token_mid_chunk(engine, PrefillRequest("long", long, (), GREEDY), turn)
+        out.setdefault("past_cache" if past_cache else "whole_length", []).append(times)
+    summary = {name: statistics.median(ms) for name, ms in out.items()}
+    return {
+        "turn_first_token_ms": summary,
+        "ratio": summary["past_cache"] / summary["whole_length"],
+        "runs": out,
+    }
+
+
+def _first_token_mid_chunk(engine: PrefillEngine, long: PrefillRequest, turn) -> float:
+    """ms from `turn`'s arrival (during the first layer of `long`'s first chunk, as from the
+    worker's loop while its device thread computes) to its first token."""
+    seen: dict[str, float] = {}
+    engine.on_early = lambda outs: seen.update((o.request_id, time.perf_counter()) for o in outs)
+
+    def arrive(_module, _args) -> None:
+        handle.remove()
+        seen["added"] = time.perf_counter()
+        engine.add(turn)
+
+    handle = engine.runner.adapter.decoder_layers()[0].register_forward_pre_hook(arrive)
+    engine.add(long)
+    while engine.has_work:
+        for output in engine.step():
+            seen.setdefault(output.request_id, time.perf_counter())
+    return (seen["turn"] - seen["added"]) * 1e3
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(REPO_ROOT / "configs" / "bench_cpu.yaml"))
@@ -298,9 +349,11 @@ def main(argv=None) -> int:
     )
     p.add_argument("--overlap-trials", type=int, default=6)
     p.add_argument("--burst", type=int, default=32, help="burst: prompts at once")
+    p.add_argument("--history-tokens", type=int, default=640, help="turn_mid_chunk: cached")
+    p.add_argument("--turn-tokens", type=int, default=20, help="turn_mid_chunk: the new turn")
     p.add_argument(
         "--only",
-        choices=["multi_turn", "short_behind_long", "overlap_encode", "burst"],
+        choices=["multi_turn", "short_behind_long", "overlap_encode", "burst", "turn_mid_chunk"],
         help="run one phase",
     )
     p.add_argument("--out", default="/tmp/bench_prefill_engine.json")
@@ -319,6 +372,7 @@ def main(argv=None) -> int:
         "short_behind_long": lambda: short_behind_long(lm, args),
         "overlap_encode": lambda: overlap_encode(planner, lm, encoder, args),
         "burst": lambda: burst(lm, args),
+        "turn_mid_chunk": lambda: turn_mid_chunk(lm, args),
     }
     report = {"config": args.config, "args": vars(args)}
     report.update(
