@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -52,7 +53,8 @@ class GateView:
     ):
         self.admission, self.lanes = admission, lanes
         self.max_request_bytes = max_request_bytes
-        self.bodies = bodies or BodyBudget(max_request_bytes, max_request_bytes)
+        # without a bodies' budget none applies
+        self.bodies = bodies or BodyBudget(sys.maxsize, max_request_bytes)
         self.api_key, self.retry_after_s = api_key, retry_after_s
         self.on_refused: Callable[[str, str], None] = lambda request_id, x_request_id: None
         self.num_refused = 0
