@@ -93,17 +93,22 @@ def test_both_replicas_serve_exact_answers(pair):
     # count lags there): else its first requests route alone.
     replicas = _replicas(pair)
     assert all(r["num_replicas"] >= 2 for r in replicas.values()), replicas
-    results = asyncio.run(all_at_once())
-    assert [text for _, text in results] == [
-        reference_generate(checkpoint, _messages(s), MAX_TOKENS)[1] for s in seeds
-    ]
-    replicas = _replicas(pair)
+    expected = [reference_generate(checkpoint, _messages(s), MAX_TOKENS)[1] for s in seeds]
+    # A second burst where the first went to one replica only: on a loaded host a replica's
+    # health check can time out, and HAProxy takes it out of rotation for a moment (one full
+    # suite run, 2026-12-02). Both must have served by then.
+    for num_bursts in (1, 2):
+        results = asyncio.run(all_at_once())
+        assert [text for _, text in results] == expected
+        replicas = _replicas(pair)
+        if all(r["served_ok"] > 0 for r in replicas.values()):
+            break
     assert all(r["served_ok"] > 0 for r in replicas.values()), replicas  # both took part
     # Each request asked the controller for the others' bookings on its way (each replica
     # counts its own); on a busy host some answers miss the 50 ms wait (SHARE_TIMEOUT_S) and
     # route on the last share instead.
     syncs = [r["route_syncs"] for r in replicas.values()]
-    assert sum(s["shared"] + s["unanswered"] for s in syncs) == len(seeds), replicas
+    assert sum(s["shared"] + s["unanswered"] for s in syncs) == num_bursts * len(seeds), replicas
     assert sum(s["shared"] for s in syncs) >= 1, replicas
     assert (
         len({str(_verbose(pair)["fleet"]) for _ in range(6)}) == 1
