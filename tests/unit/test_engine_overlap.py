@@ -151,10 +151,10 @@ def test_a_prefix_shorter_than_overlap_min_tokens_waits_and_goes_in_one_forward(
     assert engine.stats()["waiting_for_items"] == 1 and engine.stats()["queued"] == 1, (
         "parked: seen by drain checks"
     )
-    time.sleep(0.05)
+    time.sleep(0.3)  # long beside a loaded host's stalls (a 50 ms sleep once took 90)
     out, progress, *_ = prefill_late(engine, request, {0: (0, emb)})
     assert progress == [len(ids)], "one step: the whole prompt"
-    assert out.item_wait_ms >= 50 and out.queue_ms < 50, (
+    assert out.item_wait_ms >= 300 and out.queue_ms < out.item_wait_ms / 2, (
         "the wait for the image is item wait, not queueing"
     )
     assert decode_tokens(engine.runner, out, len(ids), 6) == hf_greedy(hf_model, 6, **inputs)
