@@ -14,10 +14,11 @@ import httpx
 import psutil
 
 KINDS = ("encoder", "prefill", "decode")  # worker kinds
-# "ingress, store pages": of the ingress's RSS, the object store's shared pages it wrote pixels
-# into (they stay mapped after the objects go); the rest is its own heap and code.
-STORE_PAGES = "ingress, store pages"
-GROUPS = ("ingress", STORE_PAGES, *KINDS)
+# Of the ingress's RSS: its heap (RssAnon), and the object store's shared pages it wrote pixels
+# into (RssShmem: they stay mapped after the objects go); the rest is code and mapped files.
+HEAP, STORE_PAGES = "ingress, heap", "ingress, store pages"
+_STATUS_FIELDS = {HEAP: "RssAnon:", STORE_PAGES: "RssShmem:"}
+GROUPS = ("ingress", HEAP, STORE_PAGES, *KINDS)
 PERIOD_S = 0.2
 REFRESH_S = 2.0  # pids change when a worker is restarted
 
@@ -83,11 +84,11 @@ def _rss(pid: int) -> int:
     return psutil.Process(pid).memory_info().rss
 
 
-def _shmem(pid: int) -> int:
-    """RssShmem of /proc/<pid>/status, in bytes (Linux)."""
+def _status_bytes(pid: int, field: str) -> int:
+    """A kB field of /proc/<pid>/status (RssAnon:, RssShmem:), in bytes (Linux)."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("RssShmem:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -116,9 +117,10 @@ class RssSampler(threading.Thread):
         out = {}
         for group in GROUPS:
             total = 0
-            for pid in self.pids.get("ingress" if group == STORE_PAGES else group, []):
+            field = _STATUS_FIELDS.get(group)
+            for pid in self.pids.get("ingress" if field else group, []):
                 try:
-                    total += _shmem(pid) if group == STORE_PAGES else _rss(pid)
+                    total += _status_bytes(pid, field) if field else _rss(pid)
                 except (psutil.Error, OSError):  # killed or restarted: it no longer counts
                     pass
             out[group] = total / 2**20
