@@ -151,10 +151,12 @@ class ArrivalGate:
         _counts.passed += 1
         try:
             receive, size = await _whole_body(receive, view.max_request_bytes)
-            if length is None and isinstance(charge := view.charge(size), Overloaded):
-                await _refuse(view, charge, scope, receive, send)  # chunked: known only now
-                return
-            arrival.body = charge
+            if length is None:  # chunked: its size is known only now
+                charge = view.charge(size)
+                if isinstance(charge, Overloaded):
+                    await _refuse(view, charge, scope, receive, send)
+                    return
+                arrival.body = charge
             arrival.handed_s = time.perf_counter()
             await _with_relay(self.app, scope, receive, send)
         finally:
