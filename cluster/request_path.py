@@ -44,6 +44,7 @@ from cluster.recovery import (
 )
 from cluster.request_body import HeldBody
 from cluster.routing import LiveRouting, RoutingUnavailable
+from cluster.store_pages import StorePages
 from cluster.trace import TraceWriter
 from router.types import RequestProfile, RouteDecision, WorkerKind
 
@@ -93,8 +94,9 @@ class RequestPath:
         )
         self.trace = TraceWriter(config.server.trace_path) if config.server.trace_path else None
         # Decoded media goes into the object store in the admission thread: the encode call
-        # then sends a reference, and the event loop never serializes pixels.
-        self.intake = Intake(config, planner, store=ray.put)
+        # then sends a reference, and the event loop never serializes pixels; the store's
+        # pages written are then unmapped here, so they are not counted as the ingress's RSS.
+        self.intake = Intake(config, planner, store=StorePages().putter(ray.put))
         self._decode_step = metrics.stage.labels("decode_step")  # observed once per step
         self.feeds = DecodeFeeds(
             fleet.owner, self._record_step, direct=config.transport.direct_links
