@@ -19,6 +19,7 @@ import ray
 from actors.engine.batching import MicroBatcher
 from actors.engine.encoder_cache import EncoderCache, EntryState
 from actors.runtime import ModelWorker, WorkerLoad, WorkerSpec
+from actors.store_pages import StorePages
 from actors.types import Delivered, EncodeJob, EncodeStats, WorkerRequestError, hop_ms
 from actors.worker_links import WorkerLinks, detached
 from router.worker_settings import EncoderSettings
@@ -49,6 +50,7 @@ class EncoderWorker(ModelWorker):
         )
         self._running = 0
         self.links = WorkerLinks()  # to prefill workers, for embeddings small enough to inline
+        self.store_pages = StorePages()
 
     def _encode(self, items: list) -> tuple[list[torch.Tensor], float]:
         """On the device thread: the items' embeddings, and the seconds the tower paused for
@@ -69,6 +71,9 @@ class EncoderWorker(ModelWorker):
             started = time.perf_counter()
             embeddings, paused_s = await self.run_device(self._encode, [job.item for job in jobs])
             encode_ms = (time.perf_counter() - started - paused_s) * 1e3
+            if self.store_pages.due(sum(job.item.data.nbytes for job in jobs)):
+                # The store's pages the pixels were read from, unmapped here (not timed).
+                await self.run_device(self.store_pages.release)
         finally:
             self._running -= len(jobs)
         for job, emb in zip(jobs, embeddings, strict=True):

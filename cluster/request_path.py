@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import ray
 
 from actors.engine.decode_state import finish_reason_of
+from actors.store_pages import StorePages
 from actors.types import (
     DecodeRequest,
     EncodeJob,
@@ -44,7 +45,6 @@ from cluster.recovery import (
 )
 from cluster.request_body import HeldBody
 from cluster.routing import LiveRouting, RoutingUnavailable
-from cluster.store_pages import StorePages
 from cluster.trace import TraceWriter
 from router.types import RequestProfile, RouteDecision, WorkerKind
 

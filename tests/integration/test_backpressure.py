@@ -235,10 +235,12 @@ def test_decoded_media_beyond_its_budget_waits_or_gets_429_and_text_goes_on(smal
             assert "limits.max_decoded_media_mb" in r.json()["error"]["message"], r.text
     assert _media_bytes_in_flight(app) == (0, 0, 0)  # every charge came back
     assert not any(wait_until_idle(app, within_s=20).values()), held(app)
-    # The ingress put every served image's 9 MB of pixels into the object store; the store's
-    # pages it wrote are not left mapped (and counted) in its RSS.
+    # The ingress put every served image's 9 MB of pixels into the object store, and an encoder
+    # read them; the store's pages are left mapped (and counted in RSS) in neither.
     assert 200 in codes
     assert _store_pages_mb(_ingress(app)["pid"]) < 9, "the store's pages stayed in the ingress"
+    encoders = app.http.get("/health", params={"verbose": 1}).json()["workers"]["encoder"]
+    assert max(_store_pages_mb(encoder["pid"]) for encoder in encoders) < 9
 
 
 def _store_pages_mb(pid: int) -> float:

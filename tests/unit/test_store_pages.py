@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from cluster.store_pages import RELEASE_EVERY_BYTES, StorePages, store_ranges
+from actors.store_pages import RELEASE_EVERY_BYTES, StorePages, store_ranges
 
 MAPS = """\
 55d0c0000000-55d0c0021000 r--p 00000000 fe:00 1 /usr/bin/python3.12

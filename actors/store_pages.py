@@ -1,13 +1,14 @@
-"""The object store's pages this process wrote, let go once written.
+"""The object store's pages this process wrote or read, let go once used.
 
 Putting an array into Ray's object store writes it through this process's shared mapping of
-the store (`/dev/shm/plasma...`), and every page written stays mapped here afterwards,
-counted in this process's RSS (RssShmem) though the object is the store's, bounded by its
-own budget, and may be gone. In the ingress, which puts every decoded image, that was about
-1 GiB of "its" RSS under a burst of big uploads (issue #29), enough to make it the kernel's
-and Ray's first choice to kill. `madvise(MADV_DONTNEED)` on a shared mapping only drops this
-process's page-table entries: the data stays in the store's shared memory, and a later read
-here maps it again. Linux only; elsewhere a no-op.
+the store (`/dev/shm/plasma...`), and reading one maps its pages the same way; every page
+touched stays mapped here afterwards, counted in this process's RSS (RssShmem) though the
+object is the store's, bounded by its own budget, and may be gone. In the ingress, which puts
+every decoded image, that was about 1 GiB of "its" RSS under a burst of big uploads (issue
+#29), enough to make it the kernel's first choice to kill; an encoder reads them all.
+`madvise(MADV_DONTNEED)` on a shared mapping only drops this process's page-table entries:
+the data stays in the store's shared memory, and a later access maps it again. Linux only;
+elsewhere a no-op.
 """
 
 from __future__ import annotations
@@ -55,18 +56,22 @@ class StorePages:
             self._madvise(start, end - start, MADV_DONTNEED)  # best effort: RSS, not data
         return sum(end - start for start, end in ranges)
 
+    def due(self, num_bytes: int) -> bool:
+        """`num_bytes` more of the store written or read here: True (and counting afresh)
+        once RELEASE_EVERY_BYTES have come since the last release."""
+        with self._lock:
+            self._unreleased_bytes += num_bytes
+            if self._unreleased_bytes < RELEASE_EVERY_BYTES:
+                return False
+            self._unreleased_bytes = 0
+            return True
+
     def putter(self, put: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """`put` (ray.put), then a release once RELEASE_EVERY_BYTES have been put since the
-        last one."""
+        """`put` (ray.put), each value's bytes noted."""
 
         def put_and_release(value: Any) -> Any:
             ref = put(value)
-            with self._lock:
-                self._unreleased_bytes += getattr(value, "nbytes", 0)
-                due = self._unreleased_bytes >= RELEASE_EVERY_BYTES
-                if due:
-                    self._unreleased_bytes = 0
-            if due:
+            if self.due(getattr(value, "nbytes", 0)):
                 self.release()
             return ref
 
