@@ -19,27 +19,12 @@ byte-fallback run that turns out invalid UTF-8 is the exception (tests/unit/test
 
 from __future__ import annotations
 
+from cluster.tokenizer_calls import plain_decode
+
 _KEEP = 256  # settled characters kept in one string behind its end; older ones go to _parts
 # Settled ids stay as context until the window is longer than this: a push then decodes the
 # window once, not also the newly settled ids alone to make them the next context.
 _WINDOW = 8
-
-
-def _plain_decode(tokenizer):
-    """`tokenizer.decode`, or the Rust tokenizer's own where transformers' adds nothing to it
-    (no clean-up of spaces, no family's own `_decode`): a token then costs no list
-    conversion and dispatch in Python."""
-    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    kind = type(tokenizer)
-    plain = (
-        isinstance(tokenizer, TokenizersBackend)
-        and kind.decode is PreTrainedTokenizerBase.decode
-        and kind._decode is TokenizersBackend._decode
-        and not tokenizer.clean_up_tokenization_spaces
-    )
-    return tokenizer._tokenizer.decode if plain else tokenizer.decode
 
 
 class IncrementalText:
@@ -60,7 +45,7 @@ class IncrementalText:
         skip_special_tokens: bool = True,
         include_stop: bool = False,
     ):
-        self._decode_ids = _plain_decode(tokenizer)
+        self._decode_ids = plain_decode(tokenizer)
         self._stop = stop
         self._skip_special = skip_special_tokens
         self._include_stop = include_stop

@@ -18,6 +18,7 @@ from actors.models.adapter import PlaceholderSpec, placeholder_spec
 from actors.models.qwen2_audio import split_windows
 from actors.types import MediaItem, PlaceholderRange
 from cluster.media.identifiers import media_identifier
+from cluster.tokenizer_calls import text_ids
 from router.types import Modality
 
 
@@ -40,6 +41,7 @@ class PromptPlanner:
         """`template`: a chat template file used instead of the checkpoint's."""
         self.processor = AutoProcessor.from_pretrained(checkpoint)
         self.tokenizer = self.processor.tokenizer
+        self.text_ids = text_ids(self.tokenizer)
         self.spec: PlaceholderSpec = placeholder_spec(checkpoint, self.processor, dtype)
         self.template = template.read_text() if template is not None else None
 
@@ -100,9 +102,7 @@ class PromptPlanner:
         layouts = [self.spec.layout(item) for item in items]
         counts = tuple(layout.num_embeddings for layout in layouts)
         text = self._expand(self.render(hf_messages, tools, template_kwargs), items, counts)
-        ids = np.asarray(
-            self.tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64
-        )
+        ids = np.asarray(self.text_ids(text), dtype=np.int64)
         ranges = tuple(
             PlaceholderRange(
                 r.offset, r.length, item.modality, layout.grid_thw, layout.seconds_per_grid

@@ -114,7 +114,7 @@ class TokenEndpoints:
             text = planner.processor.apply_chat_template(
                 hf_messages, add_generation_prompt=False, tokenize=False, **template
             )
-            ids = planner.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = planner.text_ids(text)
             return list(planner.plan_text(list(ids)).token_ids)  # no reserved media tokens
         except (ValueError, TemplateError) as exc:  # PromptError, or the template refused
             raise RequestError(400, f"Invalid 'messages': {exc}", "messages") from None

@@ -658,16 +658,16 @@ def test_decode_cost_is_flat(kind):
 def test_the_rust_decoder_serves_where_transformers_adds_nothing(tok):
     """The fast path decodes exactly as `tok.decode`; a tokenizer that cleans up spaces keeps
     transformers' own decode (the clean-up is not in the Rust decoder)."""
-    from cluster.detokenize import _plain_decode
+    from cluster.tokenizer_calls import plain_decode
 
     ids = encode(tok, SAMPLE)
-    assert _plain_decode(tok) == tok._tokenizer.decode
+    assert plain_decode(tok) == tok._tokenizer.decode
     for skip in (True, False):
-        assert _plain_decode(tok)(ids, skip_special_tokens=skip) == tok.decode(
+        assert plain_decode(tok)(ids, skip_special_tokens=skip) == tok.decode(
             ids, skip_special_tokens=skip
         )
     before, tok.clean_up_tokenization_spaces = tok.clean_up_tokenization_spaces, True
     try:
-        assert _plain_decode(tok) == tok.decode
+        assert plain_decode(tok) == tok.decode
     finally:
         tok.clean_up_tokenization_spaces = before
