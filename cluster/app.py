@@ -244,6 +244,7 @@ def build_app(config: ClusterConfig):
         graceful_shutdown_timeout_s=config.limits.request_timeout_s + 5,
         user_config=config.model_dump(mode="json"),
         version=code_version(),
+        logging_config={"enable_access_log": config.server.serve_access_log},
         _internal=True,
     ).bind()
 

@@ -7,9 +7,12 @@ each time), a text request, and a cache-hit repeat (the same image and prompt ag
 and prefix caches). For each: the client's TTFT and the medians of the server's `timings`
 (admit = body read + parse + media decode + plan, route, encode queue and compute, transfer,
 prefill call = prefill queue + forward + the hops, first_token = its way out), and the
-framework's share: server TTFT minus encode and prefill compute.
+framework's share: server TTFT minus encode and prefill compute. With `--beside-streams N`,
+text requests again while N decode streams loop (`text_beside_decode`, with p90s): admission's
+phases under an event loop busy streaming tokens.
 
 Usage: scripts/bench_ttft.py [--config configs/local_cpu.yaml] [--repeats 10]
+       [--beside-streams 32]
 """
 
 from __future__ import annotations
@@ -21,14 +24,16 @@ import json
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from benchkit.decode_http import run_streams
 from benchkit.http_client import Result, chat_body, stream_one
 from benchkit.live_server import add_front_door_flag, served, with_front_door
-from benchkit.stats import TTFT_PHASES
+from benchkit.stats import TTFT_PHASES, pct
 from benchkit.workload import Req, make_png
 from cluster.config import DEFAULT_CONFIG, load_config
 from cluster.prepare import ensure_model
@@ -69,6 +74,41 @@ def breakdown(results: list[Result]) -> dict:
     return out
 
 
+def beside_decode(url: str, model: str, reqs: list[Req], streams: int) -> dict:
+    """The text requests' breakdown (and p90s) while `streams` decode streams loop."""
+    stop = threading.Event()
+
+    def loop_streams():
+        while not stop.is_set():
+            asyncio.run(run_streams(url, model, streams, 64))
+
+    looping = threading.Thread(target=loop_streams, daemon=True)
+    looping.start()
+    time.sleep(2.0)  # the streams are decoding
+
+    async def spaced() -> list[Result]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            out = []
+            for req in reqs:
+                body = chat_body(req, model, 2)
+                out.append(await stream_one(client, url, body, 0.0, time.perf_counter()))
+                await asyncio.sleep(0.3)
+            return out
+
+    try:
+        results = asyncio.run(spaced())
+    finally:
+        stop.set()
+        looping.join()
+    p90 = lambda xs: round(pct(xs, 90), 2)  # noqa: E731
+    return breakdown(results) | {
+        "streams_beside": streams,
+        "client_ttft_ms_p90": p90([r.ttft_s * 1e3 for r in results]),
+        "admit_ms_p90": p90([r.timings["admit_ms"] for r in results]),
+        "plan_ms_p90": p90([r.timings["plan_ms"] for r in results]),
+    }
+
+
 def generate_ttft_ms(cfg, reqs: list[Req], threads: int) -> float:
     """Median ms of the checkpoint's processor + generate(max_new_tokens=1), one process."""
     import torch
@@ -107,6 +147,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default="/tmp/bench_ttft.json")
+    p.add_argument(
+        "--beside-streams", type=int, default=0, help="text again beside this many streams"
+    )
     add_front_door_flag(p)
     args = p.parse_args(argv)
     cfg = with_front_door(ensure_model(load_config(args.config)), args.front_door)
@@ -117,6 +160,9 @@ def main(argv=None) -> int:
         asyncio.run(one_by_one(url, model, requests("image", 3, args.seed + 1)))  # warm-up
         for kind, reqs in kinds.items():
             report[kind] = breakdown(asyncio.run(one_by_one(url, model, reqs)))
+        if args.beside_streams:
+            text = requests("text", max(args.repeats, 40), args.seed + 2)
+            report["text_beside_decode"] = beside_decode(url, model, text, args.beside_streams)
     threads = cfg.prefill.idle_torch_threads or cfg.prefill.torch_threads
     for kind in ("image", "text"):
         base_ms = generate_ttft_ms(cfg, kinds[kind], threads)

@@ -92,7 +92,7 @@ async def _stream_raw(host: str, port: int, request: bytes, t0: float) -> Result
     return Result(first - t0, (last - first) / (n - 1) if n > 1 else None, n, first - t0, last - t0)
 
 
-async def _streams(url: str, model: str, streams: int, max_tokens: int) -> list:
+async def run_streams(url: str, model: str, streams: int, max_tokens: int) -> list:
     parts = urlsplit(url)
     body = _body(model, max_tokens)
     head = f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
@@ -127,14 +127,14 @@ def cluster_tpot(base: str, model: str, streams: int, max_tokens: int, rounds: i
     """TPOT p50 of `streams` concurrent streams (after one warm-up round) and the ingress's
     and proxy's CPU ms per streamed token over the measured rounds."""
     url = f"{base}/chat/completions"
-    asyncio.run(_streams(url, model, streams, max_tokens))
+    asyncio.run(run_streams(url, model, streams, max_tokens))
     procs = {name: psutil.Process(pid) for name, pid in _serve_pids(base).items()}
     cpu = lambda: {n: sum(p.cpu_times()[:2]) for n, p in procs.items()}
     server = base.removesuffix("/v1")
     before, steps_before, results = cpu(), decode_steps(server), []
     with CpuWatch() as watch:
         for _ in range(rounds):
-            results += asyncio.run(_streams(url, model, streams, max_tokens))
+            results += asyncio.run(run_streams(url, model, streams, max_tokens))
     used = {n: s - before[n] for n, s in cpu().items()}
     steps, borrowed = (a - b for a, b in zip(decode_steps(server), steps_before, strict=True))
     tokens = sum(r.tokens for r in results)

@@ -10,9 +10,11 @@ first, so that the session builds each fleet once.
 from __future__ import annotations
 
 import base64
+import glob
 import io
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -164,3 +166,27 @@ def random_image(seed: int, width: int, height: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
     return Image.fromarray(base)
+
+
+def replica_log_text() -> str:
+    """Every ingress replica's log this session (Serve writes them to its session dir)."""
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    return "".join(
+        open(p, errors="replace").read()
+        for p in glob.glob(os.path.join(logs, "serve", "replica_*Ingress*.log"))
+    )
+
+
+def replica_log_lines(
+    *request_ids: str, within_s: float = 20, line: str = "x_request_id={} "
+) -> list[str]:
+    """The replica log line of each request id that holds `line` with the id in it: by
+    default epd's request line."""
+    deadline = time.monotonic() + within_s
+    while True:
+        lines = replica_log_text().splitlines()
+        found = [next((ln for ln in lines if line.format(rid) in ln), None) for rid in request_ids]
+        if all(found) or time.monotonic() > deadline:
+            assert all(found), f"no log line for {request_ids} in the replicas' logs"
+            return found
+        time.sleep(0.5)

@@ -5,10 +5,8 @@ reconfigures in place): requests in flight finish."""
 
 from __future__ import annotations
 
-import glob
 import json
 import math
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +16,7 @@ import pytest
 import ray
 
 from cluster import controller
-from tests.integration.conftest import cluster_config, deploy
+from tests.integration.conftest import cluster_config, deploy, replica_log_lines
 
 KEY = "sk-test-epd"
 LIMITS = {"max_generating_per_decode_worker": 40, "max_waiting_tokens_per_prefill_worker": 9000}
@@ -28,7 +26,8 @@ SLOW = {"slowdown": [8.0]}  # decode steps stretched: streams long enough to spa
 
 
 def _keyed_config():
-    return cluster_config(server={"api_key": KEY, "log_prompts": True}, limits=LIMITS, decode=SLOW)
+    server = {"api_key": KEY, "log_prompts": True, "serve_access_log": True}
+    return cluster_config(server=server, limits=LIMITS, decode=SLOW)
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +145,7 @@ def test_one_log_line_per_request(keyed):
     ok = keyed.http.post("/v1/chat/completions", json=body, headers=headers)
     bad = keyed.http.post("/v1/chat/completions", json={**body, "temperature": 9}, headers=headers)
     assert "," not in ok.headers["x-request-id"]  # one id, Serve's
-    lines = _log_lines_naming(ok.headers["x-request-id"], bad.headers["x-request-id"])
+    lines = replica_log_lines(ok.headers["x-request-id"], bad.headers["x-request-id"])
     assert f"request {ok.json()['id']} " in lines[0]
     assert (
         "status=ok" in lines[0]
@@ -174,27 +173,5 @@ def test_serve_logs_a_streamed_answer_as_200(keyed):
         headers = {"authorization": f"Bearer {KEY}", "x-request-id": rid}
         with keyed.http.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
             assert r.status_code == 200 and "[DONE]" in r.read().decode()
-    lines = _log_lines_naming(*ids, line="{} -- POST ")  # Serve's access line
+    lines = replica_log_lines(*ids, line="{} -- POST ")  # Serve's access line
     assert all(" /v1/chat/completions 200 " in ln for ln in lines), lines
-
-
-def _log_lines_naming(
-    *request_ids: str, within_s: float = 20, line: str = "x_request_id={} "
-) -> list[str]:
-    """The replica log line of each request id (Serve writes the ingress's log to its session
-    dir) that holds `line` with the id in it: by default epd's request line."""
-    logs = ray._private.worker._global_node.get_logs_dir_path()
-    deadline = time.monotonic() + within_s
-    while True:
-        text = "".join(
-            open(p, errors="replace").read()
-            for p in glob.glob(os.path.join(logs, "serve", "replica_*Ingress*.log"))
-        )
-        found = [
-            next((ln for ln in text.splitlines() if line.format(rid) in ln), None)
-            for rid in request_ids
-        ]
-        if all(found) or time.monotonic() > deadline:
-            assert all(found), f"no log line for {request_ids} in {logs}/serve"
-            return found
-        time.sleep(0.5)

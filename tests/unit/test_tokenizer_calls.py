@@ -50,9 +50,7 @@ def test_the_ids_are_transformers_own(tok, text):
     assert text_ids(tok)(text) == tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_short_texts_go_straight_to_the_backend_long_ones_through_transformers(
-    tok, monkeypatch
-):
+def test_short_texts_go_straight_to_the_backend_long_ones_through_transformers(tok, monkeypatch):
     ids = text_ids(tok)
     seen = _counting(tok, monkeypatch)
     ids(TEXTS[1])
