@@ -4,7 +4,8 @@ own processor + `generate(max_new_tokens=1)` in one process on the same image an
 
 Three kinds of request, one at a time on an idle server: a single-image request (a new image
 each time), a text request, and a cache-hit repeat (the same image and prompt again: encoder
-and prefix caches). For each: the client's TTFT and the medians of the server's `timings`
+and prefix caches). For each: the client's TTFT (a bare-socket client, benchkit/raw_client.py,
+that parses nothing per event) and the medians of the server's `timings`
 (admit = body read + parse + media decode + plan, route, encode queue and compute, transfer,
 prefill call = prefill queue + forward + the hops, first_token = its way out), and the
 framework's share: server TTFT minus encode and prefill compute. With `--beside-streams N`,
@@ -28,11 +29,10 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
-
 from benchkit.decode_http import run_streams
-from benchkit.http_client import Result, chat_body, stream_one
+from benchkit.http_client import Result, chat_body
 from benchkit.live_server import add_front_door_flag, served, with_front_door
+from benchkit.raw_client import RawChat
 from benchkit.stats import TTFT_PHASES, pct
 from benchkit.workload import Req, make_png
 from cluster.config import DEFAULT_CONFIG, load_config
@@ -49,14 +49,16 @@ def requests(kind: str, repeats: int, seed: int) -> list[Req]:
     return [Req(i, 0.0, f"Describe picture {i}.", make_png(rng)) for i in range(repeats)]
 
 
-async def one_by_one(url: str, model: str, reqs: list[Req]) -> list[Result]:
-    async with httpx.AsyncClient(timeout=120) as client:
-        out = []
+def one_by_one(url: str, model: str, reqs: list[Req], gap_s: float = 0.0) -> list[Result]:
+    """Each request after the last one's end (and `gap_s`), over one kept-alive connection."""
+    client, out = RawChat(url), []
+    try:
         for req in reqs:
-            out.append(
-                await stream_one(client, url, chat_body(req, model, 2), 0.0, time.perf_counter())
-            )
-        return out
+            out.append(client.stream(chat_body(req, model, 2)))
+            time.sleep(gap_s)
+    finally:
+        client.close()
+    return out
 
 
 def breakdown(results: list[Result]) -> dict:
@@ -86,17 +88,8 @@ def beside_decode(url: str, model: str, reqs: list[Req], streams: int) -> dict:
     looping.start()
     time.sleep(2.0)  # the streams are decoding
 
-    async def spaced() -> list[Result]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            out = []
-            for req in reqs:
-                body = chat_body(req, model, 2)
-                out.append(await stream_one(client, url, body, 0.0, time.perf_counter()))
-                await asyncio.sleep(0.3)
-            return out
-
     try:
-        results = asyncio.run(spaced())
+        results = one_by_one(url, model, reqs, gap_s=0.3)
     finally:
         stop.set()
         looping.join()
@@ -157,9 +150,9 @@ def main(argv=None) -> int:
     report: dict = {"config": args.config, "front_door": cfg.server.front_door.value}
     with served(cfg) as base:
         url, model = f"{base}/chat/completions", cfg.model.served_name
-        asyncio.run(one_by_one(url, model, requests("image", 3, args.seed + 1)))  # warm-up
+        one_by_one(url, model, requests("image", 3, args.seed + 1))  # warm-up
         for kind, reqs in kinds.items():
-            report[kind] = breakdown(asyncio.run(one_by_one(url, model, reqs)))
+            report[kind] = breakdown(one_by_one(url, model, reqs))
         if args.beside_streams:
             text = requests("text", max(args.repeats, 40), args.seed + 2)
             report["text_beside_decode"] = beside_decode(url, model, text, args.beside_streams)
