@@ -50,8 +50,11 @@ class StorePages:
         """Bytes of address space advised; 0 where the platform has no such call."""
         if self._madvise is None:
             return 0
-        with open(self.maps_path) as maps:
-            ranges = list(store_ranges(maps.read()))
+        try:
+            with open(self.maps_path) as maps:
+                ranges = list(store_ranges(maps.read()))
+        except OSError:  # no /proc here: only RSS is at stake, never a request
+            return 0
         for start, end in ranges:
             self._madvise(start, end - start, MADV_DONTNEED)  # best effort: RSS, not data
         return sum(end - start for start, end in ranges)

@@ -69,3 +69,7 @@ def test_a_put_releases_once_enough_has_been_put_since_the_last():
     assert released == [True]  # counted afresh after a release
     put(np.zeros(RELEASE_EVERY_BYTES, np.uint8))
     assert released == [True, True]  # a big image's pages go at once
+
+
+def test_a_process_without_proc_maps_releases_nothing_and_does_not_fail(tmp_path):
+    assert StorePages(maps_path=str(tmp_path / "no-such-maps")).release() == 0
