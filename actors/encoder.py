@@ -72,8 +72,9 @@ class EncoderWorker(ModelWorker):
             embeddings, paused_s = await self.run_device(self._encode, [job.item for job in jobs])
             encode_ms = (time.perf_counter() - started - paused_s) * 1e3
             if self.store_pages.due(sum(job.item.data.nbytes for job in jobs)):
-                # The store's pages the pixels were read from, unmapped here (not timed).
-                await self.run_device(self.store_pages.release)
+                # The store's pages the pixels were read from, unmapped here: off the event
+                # loop, and not a device step (neither compute nor load).
+                await asyncio.to_thread(self.store_pages.release)
         finally:
             self._running -= len(jobs)
         for job, emb in zip(jobs, embeddings, strict=True):
