@@ -15,6 +15,7 @@ import psutil
 
 from benchkit.cpu import CpuWatch
 from benchkit.http_client import Result, streaming_chat_body
+from benchkit.raw_client import TOKEN_MARKS
 from benchkit.rss import decode_steps, ingress_pid
 from benchkit.stats import pct
 
@@ -78,7 +79,7 @@ async def _stream_raw(host: str, port: int, request: bytes, t0: float) -> Result
         raise RuntimeError(f"the server answered {data[:300]!r}")
     block = data
     while True:
-        if b'"content":"' in block or b'"finish_reason":"' in block:
+        if any(mark in block for mark in TOKEN_MARKS):
             now = time.perf_counter()
             first, last = first or now, now
         if b"[DONE]" in data[-64:] or not (block := await reader.read(65536)):

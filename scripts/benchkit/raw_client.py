@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from benchkit.http_client import Result
 
-_TOKEN_MARKS = (b'"content":"', b'"finish_reason":"')
+TOKEN_MARKS = (b'"content":"', b'"finish_reason":"')  # an event that carries a token
 _END = b"0\r\n\r\n"  # the last chunk of a chunked body
 
 
@@ -67,7 +67,7 @@ class RawChat:
             data += block
             if not data.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"the server answered {bytes(data[:300])!r}")
-            if any(mark in block for mark in _TOKEN_MARKS):
+            if any(mark in block for mark in TOKEN_MARKS):
                 last = time.perf_counter()
                 first = first or last
         usage, timings = _last_event_with(data, b'"usage":{'), _last_event_with(data, b'"timings"')
