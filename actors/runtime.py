@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from actors.heap import keep_freed_memory
 from actors.host_cpu import HostCpu, usable_cores
 from actors.idle_cores import NodeBoard, ThreadPolicy
 from actors.models.source import resolve_checkpoint
@@ -67,6 +68,7 @@ class ModelWorker:
         from actors.engine.node_priority import NodePriority
         from actors.models.adapter import load_adapter
 
+        keep_freed_memory()  # a step's large blocks are reused by the next, not faulted in anew
         torch.set_num_threads(spec.torch_threads)  # oversubscribed threads collapse on small hosts
         # Received tensors are only ever read (caches grow by concatenation into new
         # tensors), which is what zero-copy deserialisation requires.
