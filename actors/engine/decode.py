@@ -55,6 +55,7 @@ class DecodeEngine:
             raise ValueError("max_batch_size cannot change while the worker runs")
         self.settings = settings
         self.scheduler.kv_budget_bytes = settings.kv_cache_bytes
+        self.batch.max_kept_bytes = settings.kv_cache_bytes
         self.max_batch_seen = 0  # the stat tells what the new budget let in
 
     def abort(self, request_id: str) -> None:
@@ -126,11 +127,12 @@ class DecodeEngine:
         return [DecodeOutput(seq.request_id, TokenChunk((), FinishReason.ERROR)) for seq in seqs]
 
     def _new_batch(self) -> kv.BatchedKV:
-        """A graphed step attends the slab's whole width, and its graphs hold the slab's
-        memory: the slab grows by more columns at a time and stays when the batch empties
-        (each new slab means new captures)."""
+        """The batch's buffers stay when it empties (within the KV budget): the next burst
+        reuses them. A graphed step attends the slab's whole width, and its graphs hold the
+        slab's memory: its slab grows by more columns at a time and always stays (each new
+        slab means new captures)."""
         if self.fixed is None:
-            return kv.BatchedKV()
+            return kv.BatchedKV(keep_when_empty=True, max_kept_bytes=self.settings.kv_cache_bytes)
         return kv.BatchedKV(step_graphs.SPARE_SLOTS, keep_when_empty=True)
 
     def _apply_intake(self) -> None:
@@ -165,6 +167,9 @@ class DecodeEngine:
             "steps": self.num_steps,
             "kv_reserved_bytes": self.scheduler.kv_reserved_bytes,
             "kv_budget_bytes": self.scheduler.kv_budget_bytes or 0,
+            "kv_buffer_bytes": self.batch.nbytes,  # held, also while idle (kv.py)
+            "kv_regrowths": self.batch.num_regrowths,
+            "kv_slides": self.batch.num_slides,
             "waited_for_kv": self.scheduler.num_waited_for_kv,
             **(self.fixed.stats() if self.fixed else {"cuda_graphs": 0}),
         }

@@ -63,6 +63,23 @@ class Slab:
         out.length[: self.n] = self.length[: self.n]
         return out
 
+    def slide(self, start: int) -> None:
+        """Move the window to begin at column `start`, in these buffers: no new memory, which
+        a fresh slab's would be (each page faulted in; tens of ms on the CPU host)."""
+        width, n = self.end - self.start, self.n
+        src, dst = slice(self.start, self.end), slice(start, start + width)
+        overlap = abs(start - self.start) < width  # then the window is read before it is written
+        for buf in self.k + self.v:  # [rows, kv_heads, columns, head_dim]
+            window = buf[:n, :, src]
+            buf[:n, :, dst] = window.clone() if overlap else window
+        window = self.valid[:n, src]  # [rows, columns]
+        self.valid[:n, dst] = window.clone() if overlap else window
+        self.start, self.end = start, start + width
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.k, *self.v])
+
 
 class SlabLayer(DynamicLayer):
     """One layer of the batch's cache as HF's attention sees it: the occupied window of the
@@ -132,12 +149,20 @@ class BatchedKV:
     place: no per-step copy, no device read. Its tensors are inference tensors: a decode
     step runs in inference mode, and so does every method that changes them in place."""
 
-    def __init__(self, spare_slots: int = SPARE_SLOTS, keep_when_empty: bool = False) -> None:
+    def __init__(
+        self,
+        spare_slots: int = SPARE_SLOTS,
+        keep_when_empty: bool = False,
+        max_kept_bytes: int | None = None,
+    ) -> None:
         self._slab: Slab | None = None
-        self.spare_slots = spare_slots  # columns the slab grows by (a fixed step wants more)
-        # An empty batch keeps its buffers (step_graphs.py: graphs captured on them stay valid,
-        # so a request after an idle spell does not pay for new captures).
-        self.keep_when_empty = keep_when_empty
+        self.spare_slots = spare_slots  # columns the slab grows by at least
+        # An empty batch keeps its buffers, so the next burst reuses them rather than faulting
+        # new ones in (and step_graphs.py's graphs captured on them stay valid); unless they
+        # are bigger than `max_kept_bytes` (the worker's KV budget), which a long prompt's
+        # window across every row can make them.
+        self.keep_when_empty, self.max_kept_bytes = keep_when_empty, max_kept_bytes
+        self.num_regrowths = self.num_slides = 0
 
     @property
     def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -154,6 +179,11 @@ class BatchedKV:
     @property
     def num_rows(self) -> int:
         return self._slab.n if self._slab is not None else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K and V buffers held, rows and columns to spare included."""
+        return self._slab.nbytes if self._slab is not None else 0
 
     @property
     def num_slots(self) -> int:
@@ -181,16 +211,25 @@ class BatchedKV:
         s.n, s.start = s.n + 1, start
 
     def _make_room(self, rows: int, before: int = 0, after: int = 0) -> None:
-        """Regrow the slab if it lacks `rows` rows, `before` columns before `end` or `after`
-        columns after it (doubling rows, adding spare columns, so it seldom happens)."""
+        """Make room for `rows` rows, `before` columns before `end` and `after` after it: the
+        window slides within the buffers when that frees `spare_slots` columns or more after
+        it; else the buffers grow (rows doubling, the columns after the window at least as
+        many as it has), so a batch seldom copies and, once grown, allocates nothing."""
         s = self._slab
         if s is None:
             return
         if rows <= s.rows and before <= s.end and s.end + after <= s.columns:
             return
         width = s.end - s.start
+        left = max(before - width, 0)  # columns needed before the window
+        if rows <= s.rows and left + width + after + self.spare_slots <= s.columns:
+            s.slide(left)
+            self.num_slides += 1
+            return
         new_rows = s.rows if rows <= s.rows else max(rows, 2 * s.rows)
-        self._slab = s.regrown(new_rows, max(before - width, 0), after + self.spare_slots)
+        right = after + max(self.spare_slots, width)
+        self._slab = s.regrown(new_rows, left, right)
+        self.num_regrowths += 1
 
     @torch.inference_mode()
     def remove(self, rows: list[int]) -> list[int]:
@@ -220,10 +259,14 @@ class BatchedKV:
     def _trim(self) -> None:
         """Drop leading columns no row uses (known on the host: the longest row's length)."""
         s = self._slab
-        if s.n == 0 and not self.keep_when_empty:
+        if s.n == 0 and not self._keeps(s):
             self._slab = None
             return
         s.start = max(s.start, s.end - max(s.row_lengths, default=0))
+
+    def _keeps(self, slab: Slab) -> bool:
+        limit = self.max_kept_bytes
+        return self.keep_when_empty and (limit is None or slab.nbytes <= limit)
 
     @torch.inference_mode()
     def as_cache(self) -> DynamicCache:

@@ -201,10 +201,15 @@ def test_as_cache_shares_the_batch_tensors():
         assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_random_join_remove_absorb_sequences_keep_invariants(seed):
+@pytest.mark.parametrize(
+    "seed,make",
+    [(seed, kv.BatchedKV) for seed in range(5)]
+    + [(seed, lambda: kv.BatchedKV(spare_slots=2, keep_when_empty=True)) for seed in range(5)],
+)
+def test_random_join_remove_absorb_sequences_keep_invariants(seed, make):
+    """Also with few spare columns and a kept slab: windows slide and slabs grow often."""
     rnd = random.Random(seed)
-    batch = kv.BatchedKV()
+    batch = make()
     rows: list[torch.Tensor] = []  # the expected per-row packed caches
     for op_index in range(60):
         op = rnd.choice(("join", "join", "remove", "absorb", "absorb"))
@@ -221,3 +226,51 @@ def test_random_join_remove_absorb_sequences_keep_invariants(seed):
         check_integrity(batch, rows)
         if rows:
             assert batch.num_slots == max(p.shape[3] for p in rows)
+
+
+def _storage(batch: kv.BatchedKV) -> int:
+    return batch._slab.k[0].untyped_storage().data_ptr()
+
+
+def test_an_emptied_batch_keeps_its_buffers_within_the_budget():
+    batch = kv.BatchedKV(keep_when_empty=True)
+    batch.join(packed_of(5, 0))
+    batch.join(packed_of(3, 1))
+    first, regrowths = _storage(batch), batch.num_regrowths
+    assert batch.remove([0, 1]) == [] and batch.num_rows == 0
+    check_integrity(batch)
+    batch.join(packed_of(4, 2))  # the next burst: the same buffers, nothing allocated
+    assert _storage(batch) == first and batch.num_regrowths == regrowths
+    check_integrity(batch, [packed_of(4, 2)])
+
+    small = kv.BatchedKV(keep_when_empty=True, max_kept_bytes=1)
+    small.join(packed_of(5, 0))
+    small.remove([0])
+    assert small._slab is None, "buffers above the KV budget go when the batch empties"
+
+
+def test_steps_past_the_spare_columns_slide_the_window_or_grow_geometrically():
+    batch = kv.BatchedKV(spare_slots=4, keep_when_empty=True)
+    rows = [packed_of(150, 0), packed_of(2, 1)]
+    for p in rows:
+        batch.join(p)
+
+    def steps(seeds: range) -> None:
+        nonlocal rows
+        for seed in seeds:
+            added = _step(batch, seed)
+            rows = [torch.cat((p, a), dim=3) for p, a in zip(rows, added)]
+
+    steps(range(200))
+    check_integrity(batch, rows)
+    assert batch.num_regrowths <= 3, "columns after the window grow with it, not 4 at a time"
+    # the long row leaves: its columns free up on the left, so later steps slide in place
+    rows = [rows[i] for i in batch.remove([0])]
+    storage, regrowths = _storage(batch), batch.num_regrowths
+    for seed in range(200, 600):  # until the window reaches the buffers' end
+        steps(range(seed, seed + 1))
+        if batch.num_slides:
+            break
+    check_integrity(batch, rows)
+    assert batch.num_slides == 1 and batch.num_regrowths == regrowths
+    assert _storage(batch) == storage, "slid within the same buffers"

@@ -392,3 +392,37 @@ def test_a_kv_budget_queues_a_burst_and_stays_token_exact(lm, hf_model):
         assert got[f"r{i}"] == hf_greedy(
             hf_model, max_tokens, input_ids=torch.tensor([token_ids])
         ), f"prompt {i}"
+
+
+def test_a_second_burst_reuses_the_batchs_buffers_and_stays_token_exact(lm, hf_model):
+    """The batch keeps its buffers when it empties (within the KV budget), so the next burst
+    allocates nothing; with 2 spare columns its window slides and grows often on the way.
+    Both bursts return HF's tokens."""
+    from actors.engine import kv
+
+    rnd = random.Random(5)
+    vocab = hf_model.config.text_config.vocab_size
+    prompts = [
+        (tuple(rnd.randrange(len(SPECIAL_TOKENS), vocab) for _ in range(n)), (), [], m)
+        for n, m in ((40, 3), (4, 30), (9, 26), (6, 24))
+    ]  # the long prompt leaves first: the window then slides into its columns
+    arrivals = [0, 0, 1, 2]
+    prefill, decode = engines(lm, 512)
+    decode.batch = kv.BatchedKV(spare_slots=2, keep_when_empty=True)
+    first, _ = run_engines(prompts, arrivals, prefill, decode)
+    held, regrowths = decode.stats()["kv_buffer_bytes"], decode.stats()["kv_regrowths"]
+    assert held > 0 and decode.stats()["kv_slides"] > 0, decode.stats()
+    second, _ = run_engines(prompts, arrivals, prefill, decode)
+    assert second == first
+    assert decode.stats()["kv_regrowths"] == regrowths, "the second burst fit the kept buffers"
+    for i, (token_ids, _, _, max_tokens) in enumerate(prompts):
+        want = hf_greedy(hf_model, max_tokens, input_ids=torch.tensor([token_ids]))
+        assert first[f"r{i}"] == want, f"prompt {i}"
+
+
+def test_buffers_above_the_kv_budget_go_when_the_batch_empties(lm):
+    prefill, _ = engines(lm, 512)
+    decode = DecodeEngine(LMRunner(lm), DecodeSettings(max_batch_size=4, kv_cache_mb=1e-3), 10_000)
+    prompts = [((50, 60, 70), (), [], 3)]
+    run_engines(prompts, [0], prefill, decode, expect_batching=False)
+    assert decode.stats()["kv_buffer_bytes"] == 0
