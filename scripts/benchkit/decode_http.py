@@ -137,7 +137,9 @@ def cluster_tpot(base: str, model: str, streams: int, max_tokens: int, rounds: i
         for _ in range(rounds):
             results += asyncio.run(run_streams(url, model, streams, max_tokens))
     used = {n: s - before[n] for n, s in cpu().items()}
-    steps, borrowed = (a - b for a, b in zip(decode_steps(server), steps_before, strict=True))
+    steps, borrowed, regrowths, slides = (
+        a - b for a, b in zip(decode_steps(server), steps_before, strict=True)
+    )
     tokens = sum(r.tokens for r in results)
     tpots = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
     ttfts = [r.ttft_s * 1e3 for r in results]  # all streams sent at once: a burst's first tokens
@@ -149,6 +151,8 @@ def cluster_tpot(base: str, model: str, streams: int, max_tokens: int, rounds: i
         "tokens": tokens,
         "decode_steps": steps,
         "decode_borrowed_share": round(borrowed / steps, 3) if steps else None,
+        "decode_kv_regrowths": regrowths,  # the batch's buffers grown (fresh memory)
+        "decode_kv_slides": slides,
         **{f"{n}_cpu_ms_per_token": round(s * 1e3 / tokens, 4) for n, s in used.items()},
         "cpu_ms_per_token_by_process": {
             n: round(s * 1e3 / tokens, 4) for n, s in watch.by_process.items() if s > 0

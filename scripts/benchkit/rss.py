@@ -41,12 +41,15 @@ def worker_pids(url: str) -> dict[str, list[int]]:
     }
 
 
-def decode_steps(url: str) -> tuple[int, int]:
-    """Device steps the decode workers have run so far, and how many of them on borrowed
-    cores."""
+DECODE_COUNTERS = ("steps", "borrowed_steps", "kv_regrowths", "kv_slides")
+
+
+def decode_steps(url: str) -> tuple[int, ...]:
+    """The decode workers' DECODE_COUNTERS so far, summed: device steps, those on borrowed
+    cores, and how often the batch's KV buffers grew or slid."""
     workers = (_health(url).get("workers") or {}).get("decode") or []
     stats = [w for w in workers if isinstance(w, dict)]
-    return sum(w.get("steps", 0) for w in stats), sum(w.get("borrowed_steps", 0) for w in stats)
+    return tuple(sum(w.get(key, 0) for w in stats) for key in DECODE_COUNTERS)
 
 
 def ingress_pid(url: str, known_workers: list[int] | None = None) -> int | None:
