@@ -4,9 +4,10 @@ glibc serves a large block (above a threshold that adapts up to 32 MiB) with its
 returns it on free, and trims the top of a heap once more than twice that threshold lies free
 there. A worker's steps allocate and free the same large blocks over and over (activations, a
 prompt's KV, the decode batch's buffers when they grow), so each step would fault them in
-afresh: on the 2-core VM, a 52 MB set of a decode batch's buffers took 80-100 ms fresh and 2-4
-ms from the heap beside an idle `epd serve` (docs/BENCHMARKS.md, 2026-12-02). A CUDA caching
-allocator does for device memory what this does for host memory: the process keeps its peak.
+afresh: on the 2-core VM a 219-token prefill of bench-llava's LM took 49 ms with the heap
+kept against 57-62 ms without, in one process (docs/BENCHMARKS.md, 2026-12-02). A CUDA
+caching allocator does for device memory what this does for host memory: the process keeps
+its peak.
 
 Plain ctypes; a C library without mallopt (musl, macOS) is left as it is.
 """

@@ -131,9 +131,11 @@ class DecodeEngine:
         reuses them. A graphed step attends the slab's whole width, and its graphs hold the
         slab's memory: its slab grows by more columns at a time and always stays (each new
         slab means new captures)."""
+        longest = self.scheduler.max_model_len + 1  # a row's tokens and the step's column
         if self.fixed is None:
-            return kv.BatchedKV(keep_when_empty=True, max_kept_bytes=self.settings.kv_cache_bytes)
-        return kv.BatchedKV(step_graphs.SPARE_SLOTS, keep_when_empty=True)
+            budget = self.settings.kv_cache_bytes
+            return kv.BatchedKV(keep_when_empty=True, max_kept_bytes=budget, max_columns=longest)
+        return kv.BatchedKV(step_graphs.SPARE_SLOTS, keep_when_empty=True, max_columns=longest)
 
     def _apply_intake(self) -> None:
         while self._intake:

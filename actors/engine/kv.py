@@ -154,9 +154,11 @@ class BatchedKV:
         spare_slots: int = SPARE_SLOTS,
         keep_when_empty: bool = False,
         max_kept_bytes: int | None = None,
+        max_columns: int | None = None,
     ) -> None:
         self._slab: Slab | None = None
         self.spare_slots = spare_slots  # columns the slab grows by at least
+        self.max_columns = max_columns  # a row's longest window (max_model_len): growth stops there
         # An empty batch keeps its buffers, so the next burst reuses them rather than faulting
         # new ones in (and step_graphs.py's graphs captured on them stay valid); unless they
         # are bigger than `max_kept_bytes` (the worker's KV budget), which a long prompt's
@@ -194,7 +196,8 @@ class BatchedKV:
         """Append one request's cache as a new last row, right-aligned with the others."""
         new, length = unpack(packed), packed.shape[-2]
         if self._slab is None:
-            self._slab = Slab(new, rows=1, columns=length + self.spare_slots, end=length)
+            columns = length + self._spare_after(0, length, self.spare_slots)
+            self._slab = Slab(new, rows=1, columns=columns, end=length)
         self._make_room(rows=self.num_rows + 1, before=length)
         s = self._slab
         start = min(s.start, s.end - length)
@@ -213,8 +216,9 @@ class BatchedKV:
     def _make_room(self, rows: int, before: int = 0, after: int = 0) -> None:
         """Make room for `rows` rows, `before` columns before `end` and `after` after it: the
         window slides within the buffers when that frees `spare_slots` columns or more after
-        it; else the buffers grow (rows doubling, the columns after the window at least as
-        many as it has), so a batch seldom copies and, once grown, allocates nothing."""
+        it (any, once they are `max_columns` wide); else the buffers grow (rows doubling; columns by a quarter of the window at least,
+        up to `max_columns`), so a long batch seldom copies and, once grown, allocates
+        nothing."""
         s = self._slab
         if s is None:
             return
@@ -222,14 +226,23 @@ class BatchedKV:
             return
         width = s.end - s.start
         left = max(before - width, 0)  # columns needed before the window
-        if rows <= s.rows and left + width + after + self.spare_slots <= s.columns:
+        room = s.columns - (left + width + after)  # free after the window once it slid
+        at_most = self.max_columns is not None and s.columns >= self.max_columns
+        if rows <= s.rows and room >= 0 and (room >= self.spare_slots or at_most):
             s.slide(left)
             self.num_slides += 1
             return
         new_rows = s.rows if rows <= s.rows else max(rows, 2 * s.rows)
-        right = after + max(self.spare_slots, width)
+        right = self._spare_after(left, width, after + max(self.spare_slots, width // 4), after)
         self._slab = s.regrown(new_rows, left, right)
         self.num_regrowths += 1
+
+    def _spare_after(self, left: int, width: int, wanted: int, needed: int = 0) -> int:
+        """Columns after a window of `width` behind `left`: `wanted`, but none past
+        `max_columns` (no window outgrows it), and never fewer than `needed`."""
+        if self.max_columns is None:
+            return wanted
+        return max(needed, min(wanted, self.max_columns - left - width))
 
     @torch.inference_mode()
     def remove(self, rows: list[int]) -> list[int]:

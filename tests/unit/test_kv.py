@@ -263,7 +263,7 @@ def test_steps_past_the_spare_columns_slide_the_window_or_grow_geometrically():
 
     steps(range(200))
     check_integrity(batch, rows)
-    assert batch.num_regrowths <= 3, "columns after the window grow with it, not 4 at a time"
+    assert batch.num_regrowths <= 6, "columns grow by a quarter of the window, not 4 at a time"
     # the long row leaves: its columns free up on the left, so later steps slide in place
     rows = [rows[i] for i in batch.remove([0])]
     storage, regrowths = _storage(batch), batch.num_regrowths
@@ -274,3 +274,24 @@ def test_steps_past_the_spare_columns_slide_the_window_or_grow_geometrically():
     check_integrity(batch, rows)
     assert batch.num_slides == 1 and batch.num_regrowths == regrowths
     assert _storage(batch) == storage, "slid within the same buffers"
+
+
+def test_columns_stop_growing_at_the_longest_window():
+    """Past `max_columns` no window can grow (max_model_len): the buffers stop there, and a
+    window at that width slides back even when that frees less than `spare_slots`."""
+    batch = kv.BatchedKV(spare_slots=64, keep_when_empty=True, max_columns=40)
+    rows = [packed_of(30, 0), packed_of(3, 1)]
+    batch.join(rows[0])
+    assert batch._slab.columns == 40, "the first row's buffers are no wider either"
+    batch.join(rows[1])
+    for seed in range(9):  # the long row reaches 39 tokens
+        added = _step(batch, seed)
+        rows = [torch.cat((p, a), dim=3) for p, a in zip(rows, added)]
+    assert batch._slab.columns == 40, batch._slab.columns
+    rows = [rows[i] for i in batch.remove([0])]  # its 27 leading columns free up
+    slides = batch.num_slides
+    for seed in range(9, 30):
+        added = _step(batch, seed)
+        rows = [torch.cat((p, a), dim=3) for p, a in zip(rows, added)]
+    check_integrity(batch, rows)
+    assert batch._slab.columns == 40 and batch.num_slides > slides
