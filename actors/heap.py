@@ -9,7 +9,9 @@ kept against 57-62 ms without, in one process (docs/BENCHMARKS.md, 2026-12-02). 
 caching allocator does for device memory what this does for host memory: the process keeps
 its peak.
 
-Plain ctypes; a C library without mallopt (musl, macOS) is left as it is.
+An operator's own malloc settings win: with MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_ or
+glibc.malloc tunables in the environment, the process is left as they set it. Plain ctypes; a
+C library without mallopt (musl, macOS) is left as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+from collections.abc import Mapping
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +38,20 @@ def _mallopt():
         return None
 
 
-def keep_freed_memory(mallopt=None) -> bool:
+def operator_set(environ: Mapping[str, str]) -> bool:
+    """Whether the environment already tunes glibc's malloc thresholds."""
+    own = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+    return any(name in environ for name in own) or "glibc.malloc." in environ.get(
+        "GLIBC_TUNABLES", ""
+    )
+
+
+def keep_freed_memory(mallopt=None, environ: Mapping[str, str] = os.environ) -> bool:
     """Fix glibc's thresholds for this process: blocks up to 32 MiB from the heap, and freed
-    heap memory kept. True if the C library took both settings."""
+    heap memory kept. True if the C library took both settings; False, changing nothing,
+    where the operator's environment sets them or the library has no mallopt."""
+    if operator_set(environ):
+        return False
     mallopt = mallopt or _mallopt()
     if mallopt is None:
         return False
