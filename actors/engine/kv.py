@@ -216,9 +216,9 @@ class BatchedKV:
     def _make_room(self, rows: int, before: int = 0, after: int = 0) -> None:
         """Make room for `rows` rows, `before` columns before `end` and `after` after it: the
         window slides within the buffers when that frees `spare_slots` columns or more after
-        it (any, once they are `max_columns` wide); else the buffers grow (rows doubling; columns by a quarter of the window at least,
-        up to `max_columns`), so a long batch seldom copies and, once grown, allocates
-        nothing."""
+        it (any, once they are `max_columns` wide); else the buffers grow (rows doubling;
+        columns by a quarter of the window at least, up to `max_columns`), so a long batch
+        seldom copies and, once grown, allocates nothing."""
         s = self._slab
         if s is None:
             return
