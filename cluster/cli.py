@@ -4,6 +4,7 @@ a shape."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import time
@@ -58,15 +59,32 @@ def _serve(args: argparse.Namespace) -> int:
     base = load_config(preset(args.config, args.model, args.device))
     config = with_model(base, args.model, args.served_model_name)
     config = prepare(apply(config, settings(args)))
-    url = start(config, address=args.address)
-    print(f"epd is serving {config.model.served_name} at {url}  (Ctrl-C stops it)", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Started with `&` by a script, a process inherits SIGINT ignored: Ctrl-C's path must stop
+    # it. Taken before the app answers, so a signal sent once it does is never lost.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        url = start(config, address=args.address)
+    except (KeyboardInterrupt, SystemExit):  # stopped while it starts: what came up goes
+        _stop_partial()
+        return 0
+    print(f"epd is serving {config.model.served_name} at {url}  (Ctrl-C stops it)", flush=True)
     try:
         while True:
             time.sleep(3600)
     except (KeyboardInterrupt, SystemExit):
         stop()
     return 0
+
+
+def _stop_partial() -> None:
+    """stop(), for a start cut short: Ray or Serve may not be up yet, and nothing is to go."""
+    import ray
+    from ray.serve.exceptions import RayServeException
+
+    if ray.is_initialized():
+        with contextlib.suppress(RayServeException):  # no Serve yet
+            stop()
 
 
 def stop(app_name: str = APP_NAME) -> None:

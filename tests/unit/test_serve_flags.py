@@ -5,6 +5,7 @@ starts."""
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,50 @@ def test_model_on_a_gpu_host_starts_from_the_gpu_preset(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert preset(config, model, device) == expected
     assert load_config(GPU_PRESET).model.device == "cuda"
+
+
+def test_serve_stops_on_ctrl_c_even_when_started_in_the_background(monkeypatch):
+    """A script's `epd serve &` inherits SIGINT ignored (bash's rule for background jobs):
+    serve takes it back, so Ctrl-C's path (SIGINT) still stops it and deletes the app."""
+    from cluster import cli
+
+    stopped: list[str] = []
+    monkeypatch.setattr(cli, "prepare", lambda config: config)
+    monkeypatch.setattr(cli, "start", lambda config, address=None: "http://127.0.0.1:1/v1")
+    monkeypatch.setattr(cli, "stop", lambda: stopped.append("stop"))
+
+    def sleep(_s: float) -> None:  # where serve waits: the signal arrives now
+        signal.raise_signal(signal.SIGINT)
+        raise AssertionError("SIGINT was ignored: serve slept through Ctrl-C")
+
+    monkeypatch.setattr(cli.time, "sleep", sleep)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert main(["serve"]) == 0
+    finally:
+        signal_defaults()
+        signal.signal(signal.SIGINT, before)
+    assert stopped == ["stop"]
+
+
+def test_ctrl_c_while_serve_starts_stops_it_quietly(monkeypatch):
+    """A script polls until the app answers, then sends SIGINT: that can land before `start`
+    returns. serve exits 0 (no traceback) and stops what came up; here Ray never started."""
+    from cluster import cli
+
+    def start(config, address=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "prepare", lambda config: config)
+    monkeypatch.setattr(cli, "start", start)
+    monkeypatch.setattr(cli, "stop", lambda: pytest.fail("stop() needs Ray, which never started"))
+    try:
+        assert main(["serve"]) == 0
+    finally:
+        signal_defaults()
+
+
+def signal_defaults() -> None:
+    """serve's handlers off again: pytest's own SIGINT handling, SIGTERM's default."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
