@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -138,13 +139,18 @@ class DecodeWorker(ModelWorker):
 
     def _step_while_busy(self, loop: asyncio.AbstractEventLoop) -> None:
         """On the device thread: steps back to back; each step's outputs go to the event loop."""
+        step_s = 0.0
         while self.engine.has_work and not loop.is_closed():
+            if self.settings.make_way_for_short:  # a peer's short prompt has the cores first
+                self.priority.between_steps(step_s)
+            started_s = time.perf_counter()
             try:
                 outputs = self._stretched(self.engine.step)
             except Exception:  # the batch's requests end with ERROR; the worker goes on
                 log.exception("decode step failed")
                 outputs = self.engine.fail_all()
             self.threads.step_done(self.engine.has_work)
+            step_s = time.perf_counter() - started_s
             if outputs:
                 self._done.extend(outputs)
                 try:
@@ -180,6 +186,7 @@ class DecodeWorker(ModelWorker):
             "messages": self.num_messages,
             "link_messages": self.link_messages,
             **self.device_thread_stats(),
+            **self.priority_stats(),  # waits between steps for a peer's short prompt
         }
 
 

@@ -18,6 +18,7 @@ import contextlib
 import mmap
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -75,6 +76,7 @@ class NodeBoard:
         self._fd = os.open(self.dir / str(self.pid), os.O_RDWR | os.O_CREAT, 0o644)
         self._flag: bytes | None = None  # as last written
         self._busy = self._urgent = False
+        self._lock = threading.Lock()
         # pid -> its file mapped: read without a syscall, which would hand the GIL to the
         # actor's event loop (a step asks between layers).
         self._views: dict[int, mmap.mmap] = {}
@@ -91,10 +93,11 @@ class NodeBoard:
         self._post()
 
     def _post(self) -> None:
-        flag = URGENT if self._urgent else BUSY if self._busy else IDLE
-        if flag != self._flag:
-            os.pwrite(self._fd, flag, 0)
-            self._flag = flag
+        with self._lock:  # busy is posted by the device thread, urgent also by the caller's
+            flag = URGENT if self._urgent else BUSY if self._busy else IDLE
+            if flag != self._flag:
+                os.pwrite(self._fd, flag, 0)
+                self._flag = flag
 
     def peer_pids(self) -> frozenset[int]:
         """The fleet's other workers on this node, as of the last listing (`rescan`)."""

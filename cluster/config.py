@@ -361,8 +361,9 @@ class PrefillPoolConfig(PoolConfig):
         "prompts that each fit one forward, the long forwards of the other workers on its node "
         "(encoder towers, other prefill workers' chunks of long prompts) pause between layers "
         "while the workers with work outnumber the node's cores, each for at most as long as it "
-        "has computed. Decode never pauses. False: the stages share the node's cores as the OS "
-        "schedules them.",
+        "has computed; a prefill worker is urgent from when such a prompt arrives. Decode waits "
+        "between steps (decode.make_way_for_short). False: the stages share the node's cores "
+        "as the OS schedules them.",
     )
     pack_prompts: bool = Field(
         True,
@@ -418,6 +419,15 @@ class DecodePoolConfig(PoolConfig):
         "on: the same, but a worker that cannot use graphs refuses to start; off: eager. The "
         "step then attends its batch's whole KV buffer under a mask, so the buffer grows by 256 "
         "columns at a time (64 eager). CPU steps are always eager.",
+    )
+
+    make_way_for_short: bool = Field(
+        True,
+        description="With prefill.node_priority, a decode worker waits between two steps while "
+        "a prefill worker on its node computes, or holds, a prompt that fits one forward, and "
+        "the workers with work outnumber the node's cores: for at most as long as its steps "
+        "since the last wait, never over 100 ms at once. Streams' next tokens wait that long, a "
+        "short prompt's first token less (docs/BENCHMARKS.md). False: decode never waits.",
     )
 
     def settings(self) -> DecodeSettings:
@@ -856,7 +866,7 @@ LIVE_FIELDS = {
         "pack_prompts",
         "slowdown",
     },
-    "decode": {"kv_cache_mb", "slowdown"},
+    "decode": {"kv_cache_mb", "make_way_for_short", "slowdown"},
 }
 
 

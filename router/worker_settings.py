@@ -69,6 +69,7 @@ class DecodeSettings:
     max_batch_size: int  # most requests in one decode step
     kv_cache_mb: float | None = None  # KV budget; None: rows are the only limit
     cuda_graphs: CudaGraphs = CudaGraphs.OFF  # the step replayed as CUDA graphs
+    make_way_for_short: bool = False  # wait between steps for a peer's short prompt
 
     @property
     def kv_cache_bytes(self) -> int | None:

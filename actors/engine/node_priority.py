@@ -12,9 +12,13 @@ Only while the node is oversubscribed: a forward pauses while a peer is urgent a
 workers with work outnumber the cores (itself included), since a pause on a node with a core
 to spare would leave that core idle. Bounded: a forward pauses at most as long as it has
 computed so far, so it keeps at least half of the wall clock and a stream of short prompts
-slows long work, never stops it. Decode steps never pause (they are short, and every
-stream's next token waits for them). A worker that dies while urgent is forgotten at the
-board's next listing (actors/idle_cores.py).
+slows long work, never stops it. A worker is urgent from the moment a short prompt waits in
+it (`wait_begins`), not only while it computes one: its own long chunk then reaches the next
+layer boundary, where the prompt runs, on cores its peers leave it. A decode loop makes way
+between two steps (`between_steps`), for at most as long as its steps since computed and
+never more than MAX_STEP_CREDIT_S at once: on the 2-core host the slowest text prompts beside
+video shared the cores with a decode step that never stopped (docs/BENCHMARKS.md). A worker
+that dies while urgent is forgotten at the board's next listing (actors/idle_cores.py).
 
 No torch, no Ray: the engines call `urgent()`, `yielding()` and `pause()`; tests drive it with
 several boards as several workers.
@@ -23,11 +27,15 @@ several boards as several workers.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
 POLL_S = 0.0005  # how often a paused forward looks at the board again
+# A decode loop's longest wait for a peer's short prompt: about one such forward on a busy
+# 2-core host; the streams' next tokens wait meanwhile.
+MAX_STEP_CREDIT_S = 0.1
 
 
 class Board(Protocol):
@@ -53,6 +61,10 @@ class NodePriority:
         self._paused_s = 0.0  # within it
         self.total_paused_s = 0.0  # since the worker started
         self.num_pauses = 0
+        self._num_computing = 0  # short-prompt forwards in progress (one may nest in another)
+        self._waiting: set[str] = set()  # short prompts here, not started yet
+        self._lock = threading.Lock()  # waits begin on the caller's thread, end on the device's
+        self._step_credit_s = 0.0  # how long a decode loop may still make way
 
     @contextlib.contextmanager
     def urgent(self) -> Iterator[None]:
@@ -62,12 +74,30 @@ class NodePriority:
             yield
             return
         outer, self._began_s = self._began_s, None
-        self.board.set_urgent(True)
+        self._post(computing=+1)
         try:
             yield
         finally:
-            self.board.set_urgent(False)
+            self._post(computing=-1)
             self._began_s = outer
+
+    def wait_begins(self, request_id: str) -> None:
+        """A short prompt waits here: urgent from now until `wait_ends`."""
+        self._post(begins=request_id)
+
+    def wait_ends(self, request_id: str) -> None:
+        """It started (its forward is urgent itself), or it left."""
+        self._post(ends=request_id)
+
+    def _post(self, computing: int = 0, begins: str = "", ends: str = "") -> None:
+        if self.board is None:
+            return
+        with self._lock:
+            self._num_computing += computing
+            if begins:
+                self._waiting.add(begins)
+            self._waiting.discard(ends)
+            self.board.set_urgent(self._num_computing > 0 or bool(self._waiting))
 
     @contextlib.contextmanager
     def yielding(self) -> Iterator[Callable[[], float]]:
@@ -82,8 +112,8 @@ class NodePriority:
     def pause(self) -> None:
         """Between two layers: wait while a peer is urgent, for at most as long as this forward
         has computed less what it has paused already."""
-        if self._began_s is None or self.board is None or not self._contended():
-            return
+        if self._began_s is None or self.board is None or self._waiting or not self._contended():
+            return  # a short prompt of its own waits: this forward goes on to the next layer
         started_s = now = self._clock()
         until = now + (now - self._began_s - self._paused_s) - self._paused_s
         if now >= until:
@@ -93,6 +123,20 @@ class NodePriority:
             self._sleep(min(POLL_S, until - now))
             now = self._clock()
         self._paused_s += now - started_s
+        self.total_paused_s += now - started_s
+
+    def between_steps(self, step_s: float) -> None:
+        """Between two steps of a decode loop (`step_s`: the last one's length): wait while a
+        peer is urgent, for at most as long as the steps since the last wait computed."""
+        credit_s = self._step_credit_s = min(self._step_credit_s + step_s, MAX_STEP_CREDIT_S)
+        if self.board is None or credit_s <= 0 or not self._contended():
+            return
+        started_s = now = self._clock()
+        self.num_pauses += 1
+        while now < started_s + credit_s and self._contended():
+            self._sleep(min(POLL_S, started_s + credit_s - now))
+            now = self._clock()
+        self._step_credit_s -= now - started_s
         self.total_paused_s += now - started_s
 
     def _contended(self) -> bool:

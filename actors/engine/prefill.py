@@ -227,10 +227,17 @@ class PrefillEngine:
     def _admit(self, job: _Job) -> None:
         """To the intake, or held aside while no chunk of it could run (its wait is item wait)."""
         if job.state().runnable:
+            if self._is_short(job.request):  # the node makes way from now (node_priority.py)
+                self.priority.wait_begins(job.request.request_id)
             self._intake.append(job)
         else:
             job.blocked_s = job.blocked_s or job.added_s
             self._parked[job.request.request_id] = job
+
+    def _is_short(self, request: PrefillRequest) -> bool:
+        """A prompt whose forward is one whole step: urgent on the node while it waits."""
+        s = self.settings
+        return s.node_priority and len(request.prompt_token_ids) <= s.max_chunk_tokens
 
     @property
     def has_work(self) -> bool:
@@ -412,6 +419,7 @@ class PrefillEngine:
         """Build the prompt's inputs, splice the items that are here and continue from the
         longest cached prefix."""
         req = job.request
+        self.priority.wait_ends(req.request_id)
         if req.sampling.grammar is not None and not self._attach_matcher(job):
             return
         job.embeds, job.positions, job.rope_delta = self.runner.text_inputs(
@@ -537,6 +545,7 @@ class PrefillEngine:
         self.pool.touch(hashes)
 
     def _drop(self, request_id: str) -> None:
+        self.priority.wait_ends(request_id)
         job = self.jobs.pop(request_id, None)
         if job is not None:
             self.pool.release(job.held)

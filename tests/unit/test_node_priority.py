@@ -122,6 +122,46 @@ def test_a_forward_pauses_only_while_the_busy_workers_outnumber_the_cores(
     third.close()
 
 
+def test_a_waiting_short_prompt_makes_its_worker_urgent_and_its_own_chunk_go_on(boards):
+    mine, peer = boards
+    t = FakeTime()
+    waiter = NodePriority(peer, 1, clock=t.clock, sleep=t.sleep)
+    waiter.wait_begins("a")
+    waiter.wait_begins("b")
+    assert mine.others_urgent(), "urgent from its arrival, before its forward"
+    with waiter.urgent():  # "a" starts; an urgent forward in progress, "b" still waits
+        waiter.wait_ends("a")
+    assert mine.others_urgent()
+    waiter.wait_ends("b")
+    assert not mine.others_urgent(), "nothing short waits or runs: no longer urgent"
+    waiter.wait_begins("c")
+    mine.set_urgent(True)  # a peer's short prompt runs too
+    with waiter.yielding() as paused_s:  # this worker's own long chunk, "c" behind it
+        t.now += 1.0
+        waiter.pause()
+        assert paused_s() == 0.0, "it goes on to the layer boundary where its own prompt runs"
+
+
+def test_a_decode_loop_waits_between_steps_at_most_its_credit(boards):
+    from actors.engine.node_priority import MAX_STEP_CREDIT_S
+
+    mine, peer = boards
+    t = FakeTime()
+    decode = NodePriority(mine, 1, clock=t.clock, sleep=t.sleep)
+    decode.between_steps(0.02)
+    assert t.sleeps == 0, "nobody urgent: no wait"
+    peer.set_urgent(True)  # and stays so
+    decode.between_steps(0.01)
+    assert decode.total_paused_s == pytest.approx(0.03), "as long as its steps since computed"
+    decode.between_steps(0.0)
+    assert decode.total_paused_s == pytest.approx(0.03), "then not before it steps again"
+    decode.between_steps(5.0)  # a long step: the wait is capped
+    assert decode.total_paused_s == pytest.approx(0.03 + MAX_STEP_CREDIT_S)
+    t.on_sleep = lambda: peer.set_urgent(False)
+    decode.between_steps(5.0)
+    assert decode.num_pauses == 3 and t.now < 5.0, "the peer's prompt ended: it stepped at once"
+
+
 def test_a_peer_that_died_urgent_is_forgotten_at_the_next_listing(tmp_path):
     import subprocess
     import sys

@@ -28,7 +28,12 @@ CONFIG = ClusterConfig.model_validate(
             "node_priority": False,
             "pack_prompts": False,
         },
-        "decode": {"max_batch_size": 5, "kv_cache_mb": 2.5, "cuda_graphs": "off"},
+        "decode": {
+            "max_batch_size": 5,
+            "kv_cache_mb": 2.5,
+            "cuda_graphs": "off",
+            "make_way_for_short": False,
+        },
     }
 )
 POOLS = {

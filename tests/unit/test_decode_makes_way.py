@@ -1,0 +1,81 @@
+"""The node makes way for a short prompt from its arrival (actors/engine/node_priority.py):
+the real prefill engine marks its worker urgent while such a prompt waits, and the real decode
+worker (tiny checkpoint, no Ray) waits between its steps meanwhile, with the same tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import pytest
+
+pytest.importorskip("torch")
+
+from actors import idle_cores  # noqa: E402
+from actors.decode import DecodeWorker  # noqa: E402
+from actors.engine.node_priority import NodePriority  # noqa: E402
+from actors.idle_cores import NodeBoard  # noqa: E402
+from actors.prefill import PrefillWorker  # noqa: E402
+from actors.runtime import WorkerSpec  # noqa: E402
+from router.worker_settings import DecodeSettings, PrefillSettings  # noqa: E402
+from tests.unit.test_engine_preempt import LONG, SHORT  # noqa: E402
+from tests.unit.test_idle_cores import live_pid  # noqa: E402, F401 (a fixture)
+from tests.unit.test_row_isolation import GREEDY, PROMPTS, _alone  # noqa: E402
+
+
+@pytest.fixture
+def boards(tmp_path, live_pid, monkeypatch):  # noqa: F811
+    """A worker's board and a peer's, on one node of one core."""
+    monkeypatch.setattr(idle_cores, "RESCAN_S", 0.0)
+    name = f"epd-cores-{uuid.uuid4().hex[:8]}"
+    mine, peer = NodeBoard(name, tmp_path), NodeBoard(name, tmp_path, pid=live_pid())
+    yield mine, peer
+    mine.close()
+    peer.close()
+
+
+@pytest.fixture(scope="module")
+def spec(ckpt):
+    return WorkerSpec(str(ckpt), "float32", "cpu", 1, 256)
+
+
+def test_a_short_prompt_is_urgent_from_its_arrival_until_it_runs(spec, boards):
+    mine, peer = boards
+    engine = PrefillWorker(spec, PrefillSettings(64, node_priority=True)).engine
+    engine.priority = NodePriority(mine, 1)
+    engine.add(LONG)  # 160 tokens: chunks of 64, never urgent
+    assert not peer.others_urgent()
+    engine.add(SHORT)
+    assert peer.others_urgent(), "waiting: the node's long forwards make way already"
+    while engine.has_work:
+        engine.step()
+    assert not peer.others_urgent(), "it ran and left"
+    engine.add(dataclasses.replace(SHORT, request_id="gone"))
+    engine.abort("gone")
+    engine.step()
+    assert not peer.others_urgent(), "an aborted prompt waits no more"
+    off = PrefillWorker(spec, PrefillSettings(64, node_priority=False)).engine
+    off.priority = NodePriority(mine, 1)
+    off.add(SHORT)
+    assert not peer.others_urgent(), "node_priority off: nobody makes way"
+
+
+@pytest.mark.parametrize("make_way", [True, False])
+def test_decode_waits_between_steps_for_a_peers_short_prompt_with_the_same_tokens(
+    spec, boards, make_way
+):
+    mine, peer = boards
+    prefill = PrefillWorker(spec, PrefillSettings(64))
+    settings = DecodeSettings(8, make_way_for_short=make_way)
+    alone = _alone(prefill, DecodeWorker(spec, settings), "alone", PROMPTS[1], GREEDY)
+    decode = DecodeWorker(spec, settings)
+    decode.priority = NodePriority(mine, 1)
+    peer.set_urgent(True)  # a short prompt's forward on the node's one core, all along
+    beside = _alone(prefill, decode, "beside", PROMPTS[1], GREEDY)
+    assert beside == alone, "a wait changes no token"
+    stats = decode.stats()  # as /health?verbose=1 shows it
+    if make_way:
+        assert stats["pauses_for_short"] >= GREEDY.max_tokens - 2, "it waited between steps"
+        assert stats["paused_for_short_ms"] > 0
+    else:
+        assert stats["pauses_for_short"] == 0
