@@ -70,11 +70,16 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     print(f"epd is serving {config.model.served_name} at {url}  (Ctrl-C stops it)", flush=True)
     try:
-        while True:
-            time.sleep(3600)
+        _idle()
     except (KeyboardInterrupt, SystemExit):
         stop()
     return 0
+
+
+def _idle() -> None:
+    """The main thread's wait while the app serves: SIGINT or SIGTERM ends it."""
+    while True:
+        time.sleep(3600)
 
 
 def _stop_partial() -> None:

@@ -100,11 +100,11 @@ def test_serve_stops_on_ctrl_c_even_when_started_in_the_background(monkeypatch):
     monkeypatch.setattr(cli, "start", lambda config, address=None: "http://127.0.0.1:1/v1")
     monkeypatch.setattr(cli, "stop", lambda: stopped.append("stop"))
 
-    def sleep(_s: float) -> None:  # where serve waits: the signal arrives now
+    def idle() -> None:  # where serve waits: the signal arrives now
         signal.raise_signal(signal.SIGINT)
         raise AssertionError("SIGINT was ignored: serve slept through Ctrl-C")
 
-    monkeypatch.setattr(cli.time, "sleep", sleep)
+    monkeypatch.setattr(cli, "_idle", idle)
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         assert main(["serve"]) == 0
