@@ -69,11 +69,13 @@ def text_vs_video(url: str, model: str, args) -> dict:
     rounds = []
     for r in range(args.rounds):
         texts, mixed = ["text"] * args.text_requests, mixed_kinds(args.text_requests, r)
+        alone_timings: dict[str, list[dict]] = {}
         alone = asyncio.run(
             replay(
                 url,
                 workload(texts, text_rate, 100 + r, model, args.max_tokens),
                 f"round {r}: text only",
+                alone_timings,
             )
         )
         mixed_timings: dict[str, list[dict]] = {}
@@ -91,6 +93,11 @@ def text_vs_video(url: str, model: str, args) -> dict:
                 "text_with_video_ms": with_video["text"],
                 "video_ms": with_video.get("video", []),
                 "text_tail_phases": tail_phases(with_video["text"], mixed_timings["text"]),
+                # where the median text's time went, alone and beside video (all texts)
+                "text_phases_p50_alone": tail_phases(alone["text"], alone_timings["text"], 1.0),
+                "text_phases_p50_with_video": tail_phases(
+                    with_video["text"], mixed_timings["text"], 1.0
+                ),
             }
         )
     stat = lambda key, q: float(np.median([pct(rd[key], q) for rd in rounds]))
@@ -279,6 +286,17 @@ def multi_turn(url: str, model: str, args) -> dict:
 # ----------------------------------------------------------------------------- main
 
 
+def summary(value):
+    """The report without its per-request lists (those are in --out): what fits a terminal."""
+    if isinstance(value, dict):
+        return {k: summary(v) for k, v in value.items() if k != "args" and not _samples(v)}
+    return [summary(v) for v in value] if isinstance(value, list) else value
+
+
+def _samples(value) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], (int, float))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(REPO_ROOT / "configs" / "bench_omni_cpu.yaml"))
@@ -343,9 +361,7 @@ def main(argv=None) -> int:
             Path(args.out).write_text(
                 json.dumps(report, indent=2)
             )  # each phase kept even if a later one fails
-    print(
-        json.dumps({k: v for k, v in report.items() if k != "args"}, indent=2, default=str)[:4000]
-    )
+    print(json.dumps(summary(report), indent=2, default=str))
     return 0
 
 
