@@ -119,7 +119,9 @@ class NodePriority:
         if now >= until:
             return
         self.num_pauses += 1
-        while now < until and self._contended():
+        # A short prompt that reaches this worker meanwhile ends the pause: it runs at the next
+        # layer boundary, not after the peer's.
+        while now < until and not self._waiting and self._contended():
             self._sleep(min(POLL_S, until - now))
             now = self._clock()
         self._paused_s += now - started_s

@@ -142,6 +142,20 @@ def test_a_waiting_short_prompt_makes_its_worker_urgent_and_its_own_chunk_go_on(
         assert paused_s() == 0.0, "it goes on to the layer boundary where its own prompt runs"
 
 
+def test_a_short_prompt_that_arrives_during_a_pause_ends_it(boards):
+    mine, peer = boards
+    t = FakeTime()
+    priority = NodePriority(mine, 1, clock=t.clock, sleep=t.sleep)
+    peer.set_urgent(True)  # and it stays so
+    t.on_sleep = lambda: t.sleeps == 2 and priority.wait_begins("text")  # from the caller's thread
+    with priority.yielding() as paused_s:
+        t.now += 1.0
+        priority.pause()
+    assert t.sleeps == 2 and paused_s() == pytest.approx(2 * 0.0005), (
+        "it went on to the layer boundary where its own prompt runs, not after the peer's"
+    )
+
+
 def test_a_decode_loop_waits_between_steps_at_most_its_credit(boards):
     from actors.engine.node_priority import MAX_STEP_CREDIT_S
 
