@@ -8,9 +8,11 @@ Plain os and threading, no torch."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -46,3 +48,39 @@ def set_process_niceness(niceness: int | None, tasks: Path = TASKS) -> int | Non
             thread_niceness(),
         )
     return thread_niceness()
+
+
+class NicenessBoost:
+    """The calling thread at a lower niceness for a while (a short prompt's forward), then back.
+    Raising it back needs no privilege; lowering it does, and a refusal is logged once and not
+    tried again."""
+
+    def __init__(self) -> None:
+        self.refused = False
+        self.num_boosts = 0
+
+    @contextlib.contextmanager
+    def at(self, niceness: int | None) -> Iterator[None]:
+        before = thread_niceness()
+        if self.refused or niceness is None or before is None or before <= niceness:
+            yield  # nothing to lower (already there, or nested in a boost)
+            return
+        tid = threading.get_native_id()
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError as exc:  # EPERM / EACCES
+            self.refused = True
+            log.warning(
+                "could not lower this worker's niceness to %d for a short prompt (%s); it keeps "
+                "%d. Lowering niceness needs CAP_SYS_NICE or a raised RLIMIT_NICE.",
+                niceness,
+                exc.strerror or exc,
+                before,
+            )
+            yield
+            return
+        self.num_boosts += 1
+        try:
+            yield
+        finally:
+            os.setpriority(os.PRIO_PROCESS, tid, before)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 
+from actors.thread_priority import set_process_niceness, thread_niceness
 from cluster import arrival_gate
 from cluster.admitted import Endpoint
 from cluster.api_key import ApiKeyMiddleware
@@ -83,6 +84,7 @@ def _ingress_report(serving: Serving) -> dict:
     admission = serving.admission
     return {
         "pid": os.getpid(),
+        "niceness": thread_niceness(),  # of the thread answering (server.ingress_niceness)
         "config_sha1": serving.config_sha1,
         "waiting_tokens": admission.waiting_tokens,
         "generating": admission.generating,
@@ -113,6 +115,7 @@ class Ingress:
         loads, a new fleet may be waited for) while requests go on; then it takes over, and
         the old one retires once the requests it holds have ended."""
         new = ClusterConfig.model_validate(config)
+        set_process_niceness(new.server.ingress_niceness)  # threads started later inherit it
         old = self.serving
         if old is not None and old.config_sha1 == new.fingerprint():
             return

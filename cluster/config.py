@@ -365,6 +365,18 @@ class PrefillPoolConfig(PoolConfig):
         "between steps (decode.make_way_for_short). False: the stages share the node's cores "
         "as the OS schedules them.",
     )
+    urgent_niceness: int | None = Field(
+        0,
+        ge=-20,
+        le=19,
+        description="With node_priority, the niceness of a prefill worker's device thread while "
+        "it computes prompts that each fit one forward, then back to the worker's (Ray's 15 "
+        "unless niceness is set): on a node whose stages share the cores, a decode worker at "
+        "niceness 0, Ray's own threads and a local client no longer take the core a text "
+        "prompt's forward needs (docs/BENCHMARKS.md, text beside video). Needs CAP_SYS_NICE "
+        "(root, or a raised RLIMIT_NICE); without it the thread keeps its niceness and the "
+        "worker's log says so once. None: never changed.",
+    )
     pack_prompts: bool = Field(
         True,
         description="Prompts whose last chunks a step plans together run as one forward, each "
@@ -839,6 +851,17 @@ class ServerConfig(Strict):
         description="Add the prompt's text to each request's log line (off: prompts may be "
         "private).",
     )
+    ingress_niceness: int | None = Field(
+        0,
+        ge=-20,
+        le=19,
+        description="Niceness of each ingress replica's threads (Linux), set when it takes its "
+        "config. Every request's admission and every streamed token pass through it: at Ray's "
+        "15 its work queued behind the node's model workers and a short prompt's admission "
+        "took 15-110 ms in the slowest tenth of text requests beside video on a 2-core host "
+        "(docs/BENCHMARKS.md). Needs CAP_SYS_NICE (root, or a raised RLIMIT_NICE); without it "
+        "the threads keep Ray's and the replica's log says so. None: Ray's.",
+    )
     serve_access_log: bool = Field(
         False,
         description="Serve's own access line per request in the replica's log, beside epd's "
@@ -863,6 +886,7 @@ LIVE_FIELDS = {
         "aging_tokens_per_s",
         "preempt_at_layers",
         "node_priority",
+        "urgent_niceness",
         "pack_prompts",
         "slowdown",
     },

@@ -55,6 +55,7 @@ class PrefillSettings:
     prefix_cache_mb: float = 0.0  # prefix cache budget; 0: no prefix caching
     preempt_at_layers: bool = False  # short prompts run between a longer chunk's layers
     node_priority: bool = False  # short prompts' forwards make the node's long ones pause
+    urgent_niceness: int | None = None  # of the device thread in a short prompt's forward
     pack_prompts: bool = False  # prompts whose last chunks one step plans share one forward
 
     @property

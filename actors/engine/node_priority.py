@@ -89,6 +89,11 @@ class NodePriority:
         """It started (its forward is urgent itself), or it left."""
         self._post(ends=request_id)
 
+    @property
+    def short_waiting(self) -> bool:
+        """A short prompt waits in this worker (work that can follow it should)."""
+        return bool(self._waiting)
+
     def _post(self, computing: int = 0, begins: str = "", ends: str = "") -> None:
         if self.board is None:
             return

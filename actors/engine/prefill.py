@@ -30,7 +30,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +44,7 @@ from actors.engine.preempt import gate_layers, jumpers, order_of
 from actors.engine.prefix_cache import BlockPool, MediaKey, block_hashes
 from actors.engine.prompt_pack import PackPart, forward_packed
 from actors.engine.sampling import Sampled
+from actors.thread_priority import NicenessBoost
 from actors.types import PrefillRequest, TokenHistory
 from router.prefill_schedule import Order, PrefillState, Span, num_packed, plan_step
 from router.worker_settings import PrefillSettings
@@ -184,6 +185,7 @@ class PrefillEngine:
         self._num_between_layers = 0  # prompts run so, since the worker started
         self._num_packs = self._num_packed = 0  # packed forwards, and the prompts they finished
         self.priority = NodePriority(None, 1)  # the worker's, on its node's board
+        self.boost = NicenessBoost()  # its device thread's, in a short prompt's forward
         gate_layers(runner.adapter.decoder_layers(), self)
         self._snapshot()
 
@@ -262,7 +264,11 @@ class PrefillEngine:
 
     def _step(self) -> list[PrefillOutput]:
         unkept, self._unkept = self._unkept, []
-        for hashes, packed in unkept:  # before any new request looks for its prefix
+        if unkept and self.priority.short_waiting:
+            # A short prompt goes first (a long prompt's blocks took 25-33 ms to keep); it
+            # looks for its prefix without them, and the next step keeps them.
+            self._unkept = unkept
+        for hashes, packed in () if self._unkept else unkept:  # before a new request looks
             self._keep_blocks(hashes, packed)
         self._apply_intake()
         failed, self._failed = self._failed, []
@@ -348,7 +354,14 @@ class PrefillEngine:
             job.compute_s += compute_s * part.num_new / num_tokens
 
     def _urgent(self):
-        return self.priority.urgent() if self.settings.node_priority else nullcontext()
+        """Around a short prompt's forward: the node's long forwards pause, and this thread
+        runs at `urgent_niceness` (a decode step at 0 would otherwise take its core)."""
+        if not self.settings.node_priority:
+            return nullcontext()
+        stack = ExitStack()
+        stack.enter_context(self.priority.urgent())
+        stack.enter_context(self.boost.at(self.settings.urgent_niceness))
+        return stack
 
     def between_layers(self) -> None:
         """Before each decoder layer (gate_layers): run whole, here, the prompts new to the intake
@@ -591,4 +604,5 @@ class PrefillEngine:
             "prompts_between_layers": self._num_between_layers,
             "packed_forwards": self._num_packs,
             "packed_prompts": self._num_packed,
+            "urgent_boosts": self.boost.num_boosts,  # short forwards run at urgent_niceness
         }

@@ -25,8 +25,9 @@ from typing import Any
 
 MB = 2**20
 # Decoding yields the CPU to the rest of the host: a text request's admission, prefill and decode
-# must not queue behind a burst of large images on the cores (nice 10 weighs about a tenth).
-DECODE_NICENESS = 10
+# must not queue behind a burst of large images on the cores. The lowest weight, below the
+# model workers at Ray's 15, whatever the ingress's own niceness (server.ingress_niceness).
+DECODE_NICENESS = 19
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,7 @@ def main() -> None:
     import cluster.media.decoders  # noqa: F401
 
     cap_memory(args.max_memory_mb)
-    os.nice(DECODE_NICENESS)
+    os.setpriority(os.PRIO_PROCESS, 0, DECODE_NICENESS)  # raising it needs no privilege
     conn.send("ready")
     serve(conn, max_tasks=args.max_tasks)
     os._exit(0)  # skip interpreter teardown: nothing to flush, and it is the slow part

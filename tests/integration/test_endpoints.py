@@ -171,6 +171,8 @@ def test_decode_workers_run_at_their_niceness_and_the_other_stages_at_rays(app, 
     others = {w["step_niceness"] for w in workers["encoder"] + workers["prefill"]} - {None}
     assert decode == {app.config.decode.niceness if _may_lower_niceness() else rays}, workers
     assert others == {rays}, "encoder and prefill keep Ray's"
+    ingress = app.http.get("/health", params={"verbose": 1}).json()["ingress"]["niceness"]
+    assert ingress == (app.config.server.ingress_niceness if _may_lower_niceness() else rays)
 
 
 def test_the_port_is_haproxys_and_it_hands_connections_to_the_replica(app):

@@ -9,11 +9,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
 from actors import thread_priority
-from actors.thread_priority import set_process_niceness, thread_niceness
+from actors.thread_priority import NicenessBoost, set_process_niceness, thread_niceness
 from cluster.config import DecodePoolConfig, EncoderPoolConfig, PrefillPoolConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice")
@@ -73,3 +74,62 @@ def test_decode_runs_at_niceness_zero_by_default_and_the_other_stages_at_rays():
     assert EncoderPoolConfig().niceness is None and PrefillPoolConfig().niceness is None
     with pytest.raises(ValueError, match="niceness"):
         DecodePoolConfig(niceness=20)
+
+
+def in_thread_at(raise_by: int, body):
+    """`body(base)` on a fresh thread whose niceness is `raise_by` above the process's (raising
+    needs no privilege, and only that thread changes); returns what it returned."""
+    out = {}
+
+    def run():
+        base = thread_niceness()
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), base + raise_by)
+        out["value"] = body(base)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(30)
+    return out["value"]
+
+
+def test_a_boost_lowers_the_thread_while_it_lasts_and_gives_it_back():
+    def body(base):
+        boost, seen = NicenessBoost(), {}
+        with boost.at(base + 1):
+            seen["inside"] = thread_niceness()
+            with boost.at(base + 1):  # nested: nothing to lower
+                seen["nested"] = thread_niceness()
+        seen["after"] = thread_niceness()
+        with boost.at(None):
+            seen["unset"] = thread_niceness()
+        return base, boost, seen
+
+    base, boost, seen = in_thread_at(6, body)
+    assert seen["after"] == seen["unset"] == base + 6, "back to the thread's own"
+    if boost.refused:  # no CAP_SYS_NICE here: it keeps its niceness
+        assert seen["inside"] == seen["nested"] == base + 6 and boost.num_boosts == 0
+    else:
+        assert seen["inside"] == seen["nested"] == base + 1 and boost.num_boosts == 1
+
+
+def test_a_refused_boost_is_logged_once_and_not_tried_again(monkeypatch, caplog):
+    calls = []
+
+    def refuse(which, who, niceness):
+        calls.append(niceness)
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(thread_priority.os, "setpriority", refuse)
+    boost, before = NicenessBoost(), thread_niceness()
+    with caplog.at_level(logging.WARNING, logger=thread_priority.__name__):
+        for _ in range(3):
+            with boost.at(before - 1):
+                assert thread_niceness() == before
+    assert boost.refused and calls == [before - 1], "tried once"
+    assert len(caplog.records) == 1 and "CAP_SYS_NICE" in caplog.text
+
+
+def test_prefill_boosts_short_forwards_to_niceness_zero_by_default():
+    assert PrefillPoolConfig().urgent_niceness == 0
+    assert PrefillPoolConfig().settings().urgent_niceness == 0
+    assert PrefillPoolConfig(urgent_niceness=None).settings().urgent_niceness is None

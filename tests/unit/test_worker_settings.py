@@ -26,6 +26,7 @@ CONFIG = ClusterConfig.model_validate(
             "prefix_cache_mb": 3.0,
             "preempt_at_layers": False,
             "node_priority": False,
+            "urgent_niceness": 5,
             "pack_prompts": False,
         },
         "decode": {
