@@ -22,7 +22,7 @@ from actors.heap import keep_freed_memory
 from actors.host_cpu import HostCpu, usable_cores
 from actors.idle_cores import NodeBoard, ThreadPolicy
 from actors.models.source import resolve_checkpoint
-from actors.thread_priority import set_process_niceness, thread_niceness
+from actors.thread_priority import NicenessBoost, set_process_niceness, thread_niceness
 from actors.wire import LinkAddress, LinkServer
 
 if TYPE_CHECKING:
@@ -92,7 +92,8 @@ class ModelWorker:
         borrows = board is not None and (spec.idle_torch_threads or 0) > spec.torch_threads
         host = HostCpu(peers=board.peer_pids).start() if borrows else None
         self.threads = ThreadPolicy(spec.torch_threads, spec.idle_torch_threads, board, host)
-        self.priority = NodePriority(board, usable_cores())  # short prompts first on the node
+        # Short prompts first on the node; their forwards at a lower niceness (prefill).
+        self.priority = NodePriority(board, usable_cores(), boost=NicenessBoost())
         self._num_threads = spec.torch_threads
         self.num_steps = self.num_borrowed_steps = 0  # device steps, those on borrowed cores
         self.busy_s = 0.0  # device time so far (slowdown included): autoscaling's measured load

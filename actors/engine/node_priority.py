@@ -20,6 +20,10 @@ never more than MAX_STEP_CREDIT_S at once: on the 2-core host the slowest text p
 video shared the cores with a decode step that never stopped (docs/BENCHMARKS.md). A worker
 that dies while urgent is forgotten at the board's next listing (actors/idle_cores.py).
 
+A short prompt's forward may also run at a lower niceness (`urgent(niceness)`, with the boost
+the worker gives, actors/thread_priority.py): a decode step at niceness 0 and a local client
+otherwise take the core it needs from a worker at Ray's 15.
+
 No torch, no Ray: the engines call `urgent()`, `yielding()` and `pause()`; tests drive it with
 several boards as several workers.
 """
@@ -46,6 +50,14 @@ class Board(Protocol):
     def num_others_busy(self) -> int: ...
 
 
+class Boost(Protocol):
+    """A thread's niceness lowered for a while (actors/thread_priority.py NicenessBoost)."""
+
+    num_boosts: int
+
+    def at(self, niceness: int | None) -> contextlib.AbstractContextManager[None]: ...
+
+
 class NodePriority:
     """This process's side of the node's priority: mark short work, pause long work."""
 
@@ -55,8 +67,10 @@ class NodePriority:
         num_cores: int,  # the node's cores this process may use (host_cpu.usable_cores)
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
+        boost: Boost | None = None,  # the thread's niceness in an urgent forward
     ):
         self.board, self.num_cores, self._clock, self._sleep = board, num_cores, clock, sleep
+        self.boost = boost
         self._began_s: float | None = None  # start of the long forward in progress
         self._paused_s = 0.0  # within it
         self.total_paused_s = 0.0  # since the worker started
@@ -67,16 +81,18 @@ class NodePriority:
         self._step_credit_s = 0.0  # how long a decode loop may still make way
 
     @contextlib.contextmanager
-    def urgent(self) -> Iterator[None]:
-        """Around the forward of short prompts: peers' long forwards make way meanwhile, and
-        this one does not pause for theirs (a short prompt run inside a long forward)."""
+    def urgent(self, niceness: int | None = None) -> Iterator[None]:
+        """Around the forward of short prompts: peers' long forwards make way meanwhile, this
+        one does not pause for theirs (a short prompt run inside a long forward), and with a
+        boost the calling thread runs at `niceness` (None: its own)."""
         if self.board is None:
             yield
             return
         outer, self._began_s = self._began_s, None
         self._post(computing=+1)
         try:
-            yield
+            with self.boost.at(niceness) if self.boost else contextlib.nullcontext():
+                yield
         finally:
             self._post(computing=-1)
             self._began_s = outer
@@ -88,6 +104,11 @@ class NodePriority:
     def wait_ends(self, request_id: str) -> None:
         """It started (its forward is urgent itself), or it left."""
         self._post(ends=request_id)
+
+    @property
+    def num_boosts(self) -> int:
+        """Urgent forwards this thread's niceness was lowered for."""
+        return self.boost.num_boosts if self.boost else 0
 
     @property
     def short_waiting(self) -> bool:
@@ -143,7 +164,8 @@ class NodePriority:
         while now < started_s + credit_s and self._contended():
             self._sleep(min(POLL_S, started_s + credit_s - now))
             now = self._clock()
-        self._step_credit_s -= now - started_s
+        # A sleep the OS stretched past the credit is not owed: the next step earns anew.
+        self._step_credit_s = max(0.0, self._step_credit_s - (now - started_s))
         self.total_paused_s += now - started_s
 
     def _contended(self) -> bool:

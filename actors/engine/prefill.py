@@ -30,7 +30,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -44,7 +44,6 @@ from actors.engine.preempt import gate_layers, jumpers, order_of
 from actors.engine.prefix_cache import BlockPool, MediaKey, block_hashes
 from actors.engine.prompt_pack import PackPart, forward_packed
 from actors.engine.sampling import Sampled
-from actors.thread_priority import NicenessBoost
 from actors.types import PrefillRequest, TokenHistory
 from router.prefill_schedule import Order, PrefillState, Span, num_packed, plan_step
 from router.worker_settings import PrefillSettings
@@ -185,7 +184,6 @@ class PrefillEngine:
         self._num_between_layers = 0  # prompts run so, since the worker started
         self._num_packs = self._num_packed = 0  # packed forwards, and the prompts they finished
         self.priority = NodePriority(None, 1)  # the worker's, on its node's board
-        self.boost = NicenessBoost()  # its device thread's, in a short prompt's forward
         gate_layers(runner.adapter.decoder_layers(), self)
         self._snapshot()
 
@@ -358,10 +356,7 @@ class PrefillEngine:
         runs at `urgent_niceness` (a decode step at 0 would otherwise take its core)."""
         if not self.settings.node_priority:
             return nullcontext()
-        stack = ExitStack()
-        stack.enter_context(self.priority.urgent())
-        stack.enter_context(self.boost.at(self.settings.urgent_niceness))
-        return stack
+        return self.priority.urgent(self.settings.urgent_niceness)
 
     def between_layers(self) -> None:
         """Before each decoder layer (gate_layers): run whole, here, the prompts new to the intake
@@ -604,5 +599,5 @@ class PrefillEngine:
             "prompts_between_layers": self._num_between_layers,
             "packed_forwards": self._num_packs,
             "packed_prompts": self._num_packed,
-            "urgent_boosts": self.boost.num_boosts,  # short forwards run at urgent_niceness
+            "urgent_boosts": self.priority.num_boosts,  # short forwards at urgent_niceness
         }

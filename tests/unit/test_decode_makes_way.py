@@ -17,7 +17,7 @@ from actors.engine.node_priority import NodePriority  # noqa: E402
 from actors.idle_cores import NodeBoard  # noqa: E402
 from actors.prefill import PrefillWorker  # noqa: E402
 from actors.runtime import WorkerSpec  # noqa: E402
-from actors.thread_priority import thread_niceness  # noqa: E402
+from actors.thread_priority import NicenessBoost, thread_niceness  # noqa: E402
 from router.worker_settings import DecodeSettings, PrefillSettings  # noqa: E402
 from tests.unit.test_engine_preempt import LONG, SHORT  # noqa: E402
 from tests.unit.test_idle_cores import live_pid  # noqa: E402, F401 (a fixture)
@@ -93,7 +93,7 @@ def test_a_short_prompts_forward_runs_at_urgent_niceness_and_a_chunk_at_the_work
 
     def body(base):
         engine = PrefillWorker(spec, dataclasses.replace(settings, urgent_niceness=base)).engine
-        engine.priority = NodePriority(mine, 1)
+        engine.priority = NodePriority(mine, 1, boost=NicenessBoost())
         forward, seen = engine.runner.forward_chunk, []
 
         def watched(*args):
@@ -105,7 +105,7 @@ def test_a_short_prompts_forward_runs_at_urgent_niceness_and_a_chunk_at_the_work
             engine.add(request)
             while engine.has_work:
                 engine.step()
-        return base, engine.boost, seen, thread_niceness()
+        return base, engine.priority.boost, seen, thread_niceness()
 
     base, boost, seen, after = in_thread_at(5, body)
     assert after == base + 5, "back to the worker's own after each short forward"

@@ -176,6 +176,17 @@ def test_a_decode_loop_waits_between_steps_at_most_its_credit(boards):
     assert decode.num_pauses == 3 and t.now < 5.0, "the peer's prompt ended: it stepped at once"
 
 
+def test_a_sleep_the_os_stretched_is_not_owed_by_the_next_steps(boards):
+    mine, peer = boards
+    t = FakeTime()
+    stretched = lambda s: t.sleep(s + 0.05)  # noqa: E731 (a loaded host oversleeps)
+    decode = NodePriority(mine, 1, clock=t.clock, sleep=stretched)
+    peer.set_urgent(True)  # and stays so
+    for _ in range(5):
+        decode.between_steps(0.002)
+    assert decode.num_pauses == 5, "each step earns a wait of its own again"
+
+
 def test_a_peer_that_died_urgent_is_forgotten_at_the_next_listing(tmp_path):
     import subprocess
     import sys
