@@ -858,9 +858,10 @@ class ServerConfig(Strict):
         description="Niceness of each ingress replica's threads (Linux), set when it takes its "
         "config. Every request's admission and every streamed token pass through it: at Ray's "
         "15 its work queued behind the node's model workers and a short prompt's admission "
-        "took 15-110 ms in the slowest tenth of text requests beside video on a 2-core host "
-        "(docs/BENCHMARKS.md). Needs CAP_SYS_NICE (root, or a raised RLIMIT_NICE); without it "
-        "the threads keep Ray's and the replica's log says so. None: Ray's.",
+        "took 9-37 ms in the slowest tenth of text requests beside video on a 2-core host, "
+        "4-7 ms at 0 (docs/BENCHMARKS.md). Needs CAP_SYS_NICE (root, or a raised RLIMIT_NICE); "
+        "without it the threads keep Ray's and the replica's log says so. None: left as Ray "
+        "started them.",
     )
     serve_access_log: bool = Field(
         False,
