@@ -266,8 +266,9 @@ class PrefillEngine:
             # A short prompt goes first (a long prompt's blocks took 25-33 ms to keep); it
             # looks for its prefix without them, and the next step keeps them.
             self._unkept = unkept
-        for hashes, packed in () if self._unkept else unkept:  # before a new request looks
-            self._keep_blocks(hashes, packed)
+        else:
+            for hashes, packed in unkept:  # before any new request looks for its prefix
+                self._keep_blocks(hashes, packed)
         self._apply_intake()
         failed, self._failed = self._failed, []
         if not self.jobs:
