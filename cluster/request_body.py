@@ -204,6 +204,9 @@ class HeldBody:
     def __contains__(self, part: bytes) -> bool:
         return self._data is not None and part in self._data
 
+    def __len__(self) -> int:
+        return len(self._data) if self._data is not None else 0
+
     def take(self) -> bytes:
         data, self._data = self._data, None
         if data is None:

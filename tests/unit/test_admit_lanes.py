@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from cluster.admit_lanes import MEDIA_THREADS, AdmitLanes, Lane, lane_of
+from cluster.admit_lanes import INLINE_TEXT_BYTES, MEDIA_THREADS, AdmitLanes, Lane, lane_of
 from cluster.backpressure import Overloaded
 
 TEXT = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -54,6 +54,31 @@ def test_text_is_admitted_while_every_media_thread_waits():
     text, waited_s, pending = asyncio.run(main())
     assert text == "admitted" and waited_s < 1.0
     assert pending == {Lane.TEXT: 0, Lane.MEDIA: 0}
+
+
+def test_a_short_text_body_is_admitted_on_the_loop_and_the_rest_in_lanes():
+    long_text = json.dumps({"messages": [{"role": "user", "content": "x" * INLINE_TEXT_BYTES}]})
+
+    async def main():
+        lanes = AdmitLanes(max_text=2, max_media=2)
+        where = lambda body: threading.get_ident()  # noqa: E731
+        try:
+            bodies = (TEXT, long_text.encode(), IMAGE)
+            return threading.get_ident(), [await lanes.run(body, where) for body in bodies]
+        finally:
+            lanes.close()
+
+    loop_thread, (short, long, media) = asyncio.run(main())
+    assert short == loop_thread  # no thread hop: the work is less than the hop
+    assert long != loop_thread and media != loop_thread  # bounded work only on the loop
+
+
+def test_an_inline_admission_raises_as_a_lane_would():
+    def refuse(body: bytes):
+        raise ValueError("bad body")
+
+    with pytest.raises(ValueError, match="bad body"):
+        asyncio.run(AdmitLanes(max_text=1, max_media=1).run(TEXT, refuse))
 
 
 def test_a_full_lane_refuses_at_once_and_the_other_lane_goes_on():
