@@ -108,6 +108,11 @@ _view: GateView | None = None
 _counts = _Counts()
 
 
+def num_unreached() -> int:
+    """Requests let through that the handler has not reached yet (read from its thread)."""
+    return _counts.unreached
+
+
 def register(view: GateView | None) -> None:
     """The serving the gate asks from now on (None: let everything through)."""
     global _view

@@ -124,7 +124,9 @@ class Serving:
             self.supervisor.handle_lost,
         )
         limits = config.limits
-        self.lanes = AdmitLanes(limits.max_admitting_text, limits.max_admitting_media)
+        self.lanes = AdmitLanes(
+            limits.max_admitting_text, limits.max_admitting_media, arrival_gate.num_unreached
+        )
         # Serve's count lags a redeploy that changed it on a replica reconfigured in place (it
         # still says 1 where 2 now run), so this replica would route its first requests alone,
         # with the whole budget, until its first heartbeat: the controller's count as well.

@@ -73,6 +73,42 @@ def test_a_short_text_body_is_admitted_on_the_loop_and_the_rest_in_lanes():
     assert long != loop_thread and media != loop_thread  # bounded work only on the loop
 
 
+def test_a_short_text_body_in_a_burst_goes_to_its_lane():
+    async def main():
+        lanes = AdmitLanes(max_text=2, max_media=2)
+        where = lambda body: threading.get_ident()  # noqa: E731
+        try:
+            with lanes.arriving():
+                alone = await lanes.run(TEXT, where)
+                with lanes.arriving():  # another request is being read meanwhile
+                    in_burst = await lanes.run(TEXT, where)
+            return threading.get_ident(), alone, in_burst
+        finally:
+            lanes.close()
+
+    loop_thread, alone, in_burst = asyncio.run(main())
+    assert alone == loop_thread and in_burst != loop_thread
+
+
+def test_a_short_text_body_goes_to_its_lane_while_more_are_on_their_way():
+    unreached = [3]  # let through at the HTTP server, not yet reached by the handler
+
+    async def main():
+        lanes = AdmitLanes(max_text=2, max_media=2, num_unreached=lambda: unreached[0])
+        where = lambda body: threading.get_ident()  # noqa: E731
+        try:
+            with lanes.arriving():
+                in_burst = await lanes.run(TEXT, where)
+                unreached[0] = 0
+                alone = await lanes.run(TEXT, where)
+            return threading.get_ident(), in_burst, alone
+        finally:
+            lanes.close()
+
+    loop_thread, in_burst, alone = asyncio.run(main())
+    assert in_burst != loop_thread and alone == loop_thread
+
+
 def test_an_inline_admission_raises_as_a_lane_would():
     def refuse(body: bytes):
         raise ValueError("bad body")
