@@ -51,13 +51,15 @@ def set_process_niceness(niceness: int | None, tasks: Path = TASKS) -> int | Non
 
 
 class NicenessBoost:
-    """The calling thread at a lower niceness for a while (a short prompt's forward), then back.
-    Raising it back needs no privilege; lowering it does, and a refusal is logged once and not
-    tried again."""
+    """The calling thread at a lower niceness for a while (a short prompt's forward), then back;
+    or another thread of the process, lent that niceness while a short prompt waits behind its
+    forward. Raising it back needs no privilege; lowering it does, and a refusal is logged
+    once and not tried again."""
 
     def __init__(self) -> None:
         self.refused = False
         self.num_boosts = 0
+        self.num_lent = 0  # long forwards lowered while a short prompt waited behind them
 
     @contextlib.contextmanager
     def at(self, niceness: int | None) -> Iterator[None]:
@@ -84,3 +86,26 @@ class NicenessBoost:
             yield
         finally:
             os.setpriority(os.PRIO_PROCESS, tid, before)
+
+    def lend(self, tid: int, niceness: int | None) -> int | None:
+        """Thread `tid` (of this process) lowered to `niceness` from another thread: a long
+        forward that a short prompt waits behind. Returns its niceness before, to `give_back`;
+        None if nothing was lowered."""
+        if self.refused or niceness is None or not hasattr(os, "setpriority"):
+            return None
+        try:
+            before = os.getpriority(os.PRIO_PROCESS, tid)
+            if before <= niceness:
+                return None
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except ProcessLookupError:  # the thread ended meanwhile
+            return None
+        except OSError:  # EPERM / EACCES: the boost in `at` logs it, once
+            return None
+        self.num_lent += 1
+        return before
+
+    def give_back(self, tid: int, niceness: int) -> None:
+        """Thread `tid` back at the niceness `lend` found."""
+        with contextlib.suppress(ProcessLookupError):
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)

@@ -22,7 +22,10 @@ that dies while urgent is forgotten at the board's next listing (actors/idle_cor
 
 A short prompt's forward may also run at a lower niceness (`urgent(niceness)`, with the boost
 the worker gives, actors/thread_priority.py): a decode step at niceness 0 and a local client
-otherwise take the core it needs from a worker at Ray's 15.
+otherwise take the core it needs from a worker at Ray's 15. While a short prompt waits behind
+this worker's own long forward, that forward is lent the same niceness until the prompt starts
+(`wait_begins(request_id, niceness)`): at Ray's 15 beside decode its layer took the prompt's
+wait with it (the slowest tenth of texts beside video queued 30-70 ms for their worker).
 
 No torch, no Ray: the engines call `urgent()`, `yielding()` and `pause()`; tests drive it with
 several boards as several workers.
@@ -56,6 +59,8 @@ class Boost(Protocol):
     num_boosts: int
 
     def at(self, niceness: int | None) -> contextlib.AbstractContextManager[None]: ...
+    def lend(self, tid: int, niceness: int | None) -> int | None: ...
+    def give_back(self, tid: int, niceness: int) -> None: ...
 
 
 class NodePriority:
@@ -79,6 +84,9 @@ class NodePriority:
         self._waiting: set[str] = set()  # short prompts here, not started yet
         self._lock = threading.Lock()  # waits begin on the caller's thread, end on the device's
         self._step_credit_s = 0.0  # how long a decode loop may still make way
+        self._long_tid: int | None = None  # the thread in a long forward (yielding)
+        self._lent: int | None = None  # its niceness before a waiting prompt lowered it
+        self._wait_niceness: int | None = None
 
     @contextlib.contextmanager
     def urgent(self, niceness: int | None = None) -> Iterator[None]:
@@ -97,8 +105,10 @@ class NodePriority:
             self._post(computing=-1)
             self._began_s = outer
 
-    def wait_begins(self, request_id: str) -> None:
-        """A short prompt waits here: urgent from now until `wait_ends`."""
+    def wait_begins(self, request_id: str, niceness: int | None = None) -> None:
+        """A short prompt waits here: urgent from now until `wait_ends`; a long forward of this
+        worker's in progress runs at `niceness` meanwhile (None: its own)."""
+        self._wait_niceness = niceness
         self._post(begins=request_id)
 
     def wait_ends(self, request_id: str) -> None:
@@ -124,16 +134,35 @@ class NodePriority:
                 self._waiting.add(begins)
             self._waiting.discard(ends)
             self.board.set_urgent(self._num_computing > 0 or bool(self._waiting))
+            self._lend()
+
+    def _lend(self) -> None:
+        """Under the lock: the long forward in progress at the waits' niceness while a short
+        prompt waits behind it, back at its own once none does or the forward ends."""
+        tid, boost = self._long_tid, self.boost
+        if boost is None or tid is None:
+            return
+        if self._waiting and self._lent is None:
+            self._lent = boost.lend(tid, self._wait_niceness)
+        elif (not self._waiting or self._began_s is None) and self._lent is not None:
+            boost.give_back(tid, self._lent)
+            self._lent = None
 
     @contextlib.contextmanager
     def yielding(self) -> Iterator[Callable[[], float]]:
         """Around a long forward: `pause()` may wait inside it. Gives a function that returns
         the seconds paused so far in it (not compute: costs and stats leave it out)."""
         self._began_s, self._paused_s = self._clock(), 0.0
+        with self._lock:
+            self._long_tid = threading.get_native_id()
+            self._lend()  # a short prompt came while the forward was planned
         try:
             yield lambda: self._paused_s
         finally:
             self._began_s = None
+            with self._lock:
+                self._lend()  # given back: the forward is over
+                self._long_tid = None
 
     def pause(self) -> None:
         """Between two layers: wait while a peer is urgent, for at most as long as this forward

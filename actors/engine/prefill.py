@@ -228,7 +228,7 @@ class PrefillEngine:
         """To the intake, or held aside while no chunk of it could run (its wait is item wait)."""
         if job.state().runnable:
             if self._is_short(job.request):  # the node makes way from now (node_priority.py)
-                self.priority.wait_begins(job.request.request_id)
+                self.priority.wait_begins(job.request.request_id, self.settings.urgent_niceness)
             self._intake.append(job)
         else:
             job.blocked_s = job.blocked_s or job.added_s

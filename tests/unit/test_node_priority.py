@@ -5,6 +5,8 @@ a long chunk for a peer's, and the encoder worker's tower pauses between its lin
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import uuid
 
@@ -13,8 +15,10 @@ import pytest
 from actors import idle_cores
 from actors.engine.node_priority import NodePriority
 from actors.idle_cores import BUSY, IDLE, URGENT, NodeBoard
+from actors.thread_priority import NicenessBoost, thread_niceness
 from tests.unit.test_idle_cores import live_pid  # noqa: F401 (a fixture)
 from tests.unit.test_lm_runner import lm  # noqa: F401 (a fixture)
+from tests.unit.test_thread_priority import in_thread_at
 
 
 @pytest.fixture(autouse=True)
@@ -154,6 +158,78 @@ def test_a_short_prompt_that_arrives_during_a_pause_ends_it(boards):
     assert t.sleeps == 2 and paused_s() == pytest.approx(2 * 0.0005), (
         "it went on to the layer boundary where its own prompt runs, not after the peer's"
     )
+
+
+class LendingLog:
+    """A boost that records what it is asked to lend and give back (no niceness changes)."""
+
+    num_boosts = 0
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def at(self, niceness):
+        return contextlib.nullcontext()
+
+    def lend(self, tid, niceness):
+        self.calls.append(("lend", tid, niceness))
+        return 15
+
+    def give_back(self, tid, niceness):
+        self.calls.append(("back", tid, niceness))
+
+
+def test_a_long_forward_is_lent_the_waits_niceness_until_no_short_prompt_waits(boards):
+    mine, _ = boards
+    log = LendingLog()
+    priority = NodePriority(mine, 1, boost=log)
+    priority.wait_begins("early", 0)
+    priority.wait_ends("early")
+    assert log.calls == [], "no long forward in progress: nothing to lend"
+    me = threading.get_native_id()
+    with priority.yielding():
+        priority.wait_begins("a", 0)
+        priority.wait_begins("b", 0)
+        assert log.calls == [("lend", me, 0)], "lent once, to the thread in the forward"
+        priority.wait_ends("a")
+        assert len(log.calls) == 1, "b still waits"
+        priority.wait_ends("b")
+        assert log.calls[-1] == ("back", me, 15)
+        priority.wait_begins("c", 0)
+    assert log.calls[-2:] == [("lend", me, 0), ("back", me, 15)], "given back as it ends"
+    priority.wait_ends("c")
+    with priority.yielding():  # a prompt already waiting as a forward begins
+        priority.wait_begins("d", 0)
+    assert log.calls[-2:] == [("lend", me, 0), ("back", me, 15)]
+
+
+def test_a_waiting_prompt_lowers_the_forwards_thread_itself(boards):
+    mine, _ = boards
+    priority = NodePriority(mine, 1, boost=NicenessBoost())
+    in_forward, release, seen = threading.Event(), threading.Event(), {}
+
+    def forward(base):
+        with priority.yielding():
+            in_forward.set()
+            release.wait(10)
+            seen["lent"] = thread_niceness()
+            priority.wait_ends("text")  # it starts: the forward is its own again
+            seen["after"] = thread_niceness()
+        return base
+
+    out = {}
+    device = threading.Thread(target=lambda: out.update(base=in_thread_at(6, forward)))
+    device.start()
+    in_forward.wait(10)
+    priority.wait_begins("text", thread_niceness())  # from the caller's thread
+    release.set()
+    device.join(30)
+    base = out["base"]
+    if priority.boost.num_lent == 0:  # no CAP_SYS_NICE here: lending is refused
+        assert seen["lent"] == base + 6
+    else:
+        assert seen["lent"] == thread_niceness() and priority.boost.num_lent == 1
+    assert seen["after"] == base + 6
 
 
 def test_a_decode_loop_waits_between_steps_at_most_its_credit(boards):
