@@ -370,7 +370,8 @@ class PrefillPoolConfig(PoolConfig):
         ge=-20,
         le=19,
         description="With node_priority, the niceness of a prefill worker's device thread while "
-        "it computes prompts that each fit one forward, then back to the worker's (Ray's 15 "
+        "it computes prompts that each fit one forward, and of a long forward such a prompt "
+        "waits behind until it starts; then back to the worker's (Ray's 15 "
         "unless niceness is set): on a node whose stages share the cores, a decode worker at "
         "niceness 0, Ray's own threads and a local client no longer take the core a text "
         "prompt's forward needs (docs/BENCHMARKS.md, text beside video). Needs CAP_SYS_NICE "
