@@ -68,17 +68,7 @@ class NicenessBoost:
             yield  # nothing to lower (already there, or nested in a boost)
             return
         tid = threading.get_native_id()
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, niceness)
-        except OSError as exc:  # EPERM / EACCES
-            self.refused = True
-            log.warning(
-                "could not lower this worker's niceness to %d for a short prompt (%s); it keeps "
-                "%d. Lowering niceness needs CAP_SYS_NICE or a raised RLIMIT_NICE.",
-                niceness,
-                exc.strerror or exc,
-                before,
-            )
+        if not self._lower(tid, niceness, before):
             yield
             return
         self.num_boosts += 1
@@ -95,15 +85,28 @@ class NicenessBoost:
             return None
         try:
             before = os.getpriority(os.PRIO_PROCESS, tid)
-            if before <= niceness:
+            if before <= niceness or not self._lower(tid, niceness, before):
                 return None
-            os.setpriority(os.PRIO_PROCESS, tid, niceness)
         except ProcessLookupError:  # the thread ended meanwhile
-            return None
-        except OSError:  # EPERM / EACCES: the boost in `at` logs it, once
             return None
         self.num_lent += 1
         return before
+
+    def _lower(self, tid: int, niceness: int, before: int) -> bool:
+        """Thread `tid` at `niceness`; False, logged once and never tried again, if refused."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+            return True
+        except PermissionError as exc:  # EPERM / EACCES
+            self.refused = True
+            log.warning(
+                "could not lower this worker's niceness to %d for a short prompt (%s); it keeps "
+                "%d. Lowering niceness needs CAP_SYS_NICE or a raised RLIMIT_NICE.",
+                niceness,
+                exc.strerror or exc,
+                before,
+            )
+            return False
 
     def give_back(self, tid: int, niceness: int) -> None:
         """Thread `tid` back at the niceness `lend` found."""

@@ -53,7 +53,7 @@ def lane_of(body) -> Lane:
 class AdmitLanes:
     def __init__(self, max_text: int, max_media: int, num_unreached: Callable[[], int] = int):
         """`num_unreached`: requests let through at the HTTP server that this loop has not
-        reached yet (cluster/arrival_gate.py), the rest of a burst."""
+        reached yet (cluster/arrival_gate.py), the rest of a burst; `int` gives 0: no gate."""
         self.num_unreached = num_unreached
         self.limits = {Lane.TEXT: max_text, Lane.MEDIA: max_media}
         self.pending = {Lane.TEXT: 0, Lane.MEDIA: 0}

@@ -129,6 +129,24 @@ def test_a_refused_boost_is_logged_once_and_not_tried_again(monkeypatch, caplog)
     assert len(caplog.records) == 1 and "CAP_SYS_NICE" in caplog.text
 
 
+def test_a_refused_lending_is_logged_once_and_nothing_is_tried_again(monkeypatch, caplog):
+    calls = []
+
+    def refuse(which, who, niceness):
+        calls.append(niceness)
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(thread_priority.os, "setpriority", refuse)
+    boost, before = NicenessBoost(), thread_niceness()
+    tid = threading.get_native_id()
+    with caplog.at_level(logging.WARNING, logger=thread_priority.__name__):
+        assert boost.lend(tid, before - 1) is None and boost.lend(tid, before - 1) is None
+        with boost.at(before - 1):
+            pass
+    assert boost.refused and calls == [before - 1] and boost.num_lent == 0
+    assert len(caplog.records) == 1 and "CAP_SYS_NICE" in caplog.text
+
+
 def test_prefill_boosts_short_forwards_to_niceness_zero_by_default():
     assert PrefillPoolConfig().urgent_niceness == 0
     assert PrefillPoolConfig().settings().urgent_niceness == 0
