@@ -4,7 +4,9 @@ that media decoding holds, and a lane that is full refuses at arrival (429, in
 microseconds) instead of growing a queue whose refusals would come as late as answers.
 A short text body that arrives alone is admitted on the event loop itself: its work (about a
 millisecond) is less than the two thread hops a lane costs (0.1-2 ms each on a loaded host,
-longer while the loop streams tokens and holds the GIL).
+longer while the loop streams tokens and holds the GIL). One that turns out not to be brief once
+parsed (a grammar to compile, media whose type names were escaped) is handed on to its lane
+half done (`Deferred`).
 A thread cannot be stopped, so a request that goes away (its client left) sets an event the
 admission work can read (`request_ended`) to stop waiting early. Plain asyncio and threads,
 no Ray."""
@@ -15,6 +17,7 @@ import asyncio
 import contextlib
 import contextvars
 import enum
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,11 +36,27 @@ T = TypeVar("T")
 _ended: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
     "admit_ended", default=None
 )
+_on_loop: contextvars.ContextVar[bool] = contextvars.ContextVar("admit_on_loop", default=False)
 
 
 def request_ended() -> threading.Event | None:
     """In a lane's thread: set once the request it admits has gone (None outside a lane)."""
     return _ended.get()
+
+
+def admitting_on_loop() -> bool:
+    """Whether this admission runs on the event loop: it must not block, and raises Deferred
+    for work that might."""
+    return _on_loop.get()
+
+
+class Deferred(Exception):
+    """Admission work on the loop that is not brief after all: `resume()` finishes it in the
+    lane, from where it stopped (nothing done twice)."""
+
+    def __init__(self, resume: Callable[[], object]):
+        super().__init__("deferred to an admission lane")
+        self.resume = resume
 
 
 class Lane(str, enum.Enum):
@@ -96,13 +115,15 @@ class AdmitLanes:
 
     def _inline(self, lane: Lane, body) -> bool:
         """A short text body that arrived alone: a burst's admissions go to the lane, where
-        they overlap the loop's hand-overs (a burst's first tokens came 8-20% later inline)."""
+        they overlap the loop's hand-overs (a burst's first tokens came 8-20% later inline).
+        Media stay on their lane: decoded on the loop, a small image's admission took longer
+        (docs/BENCHMARKS.md, 2026-12-02)."""
         alone = self.num_arriving + self.num_unreached() <= 1
         return lane is Lane.TEXT and len(body) <= INLINE_TEXT_BYTES and alone
 
     async def run(self, body, admit: Callable[..., T], *args) -> T:
-        """`admit(body, *args)` on the body's lane (a short text body on the loop itself);
-        Overloaded at once if that lane is full."""
+        """`admit(body, *args)` on the body's lane (a short text body that came alone on the
+        loop itself, unless it defers); Overloaded at once if that lane is full."""
         lane = lane_of(body)
         if self.pending[lane] >= self.limits[lane]:
             raise Overloaded(
@@ -111,14 +132,27 @@ class AdmitLanes:
             )
         ended, context = threading.Event(), contextvars.copy_context()
         context.run(_ended.set, ended)
+        work = functools.partial(admit, body, *args)
         if self._inline(lane, body):
-            return context.run(admit, body, *args)
+            try:
+                return context.run(_on_loop_run, work)
+            except Deferred as deferred:
+                work = deferred.resume
         self.pending[lane] += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._pools[lane], context.run, admit, body, *args)
+            return await loop.run_in_executor(self._pools[lane], context.run, work)
         except asyncio.CancelledError:
             ended.set()  # the thread goes on: what it waits for, it may stop waiting for
             raise
         finally:
             self.pending[lane] -= 1
+
+
+def _on_loop_run(work: Callable[[], T]) -> T:
+    """`work()` marked as on the loop (in a context of its own, copied for its lane)."""
+    token = _on_loop.set(True)
+    try:
+        return work()
+    finally:
+        _on_loop.reset(token)

@@ -21,7 +21,7 @@ import numpy as np
 from actors.engine import kv
 from actors.engine.grammar import GrammarError, grammar_of
 from actors.types import GrammarSpec, MediaItem, SamplingParams
-from cluster.admit_lanes import request_ended
+from cluster.admit_lanes import Deferred, admitting_on_loop, request_ended
 from cluster.admitted import AdmissionTimings, Admitted, Endpoint
 from cluster.backpressure import Overloaded
 from cluster.chat_tools import ToolMode, grammar_for
@@ -71,6 +71,29 @@ class Intake:
             request = parse_request(body, endpoint.request_model)
         except BodyError as exc:
             raise RequestError(400, exc.message, exc.param) from None
+        parse_ms = (time.perf_counter() - started_s) * 1e3
+        finish = functools.partial(self._admit_parsed, request, request_id, arrived_s, parse_ms)
+        if admitting_on_loop() and not self._brief(request):
+            raise Deferred(finish)  # the rest in a lane thread
+        return finish()
+
+    def _brief(self, request) -> bool:
+        """Whether the rest of `request`'s admission is brief, for the event loop: no tools or
+        grammar (a schema compiles) and no media (a text-lane body whose media part types were
+        escaped: decoding is for the media lane)."""
+        if not isinstance(request, ChatCompletionRequest):
+            return True
+        free_text = request.response_format is None or request.response_format.type == "text"
+        if request.tools or not free_text:
+            return False
+        try:
+            return not to_template_messages(request.messages)[1]
+        except RequestError:  # the lane names it, after the checks that come first
+            return False
+
+    def _admit_parsed(
+        self, request, request_id: str, arrived_s: float, parse_ms: float
+    ) -> Admitted:
         parsed_s = decoded_s = time.perf_counter()
         if request.model != self.config.model.served_name:
             raise RequestError(
@@ -98,7 +121,7 @@ class Intake:
         )
         ms = lambda a, b: (b - a) * 1e3  # noqa: E731
         timings = AdmissionTimings(
-            parse_ms=ms(started_s, parsed_s),
+            parse_ms=parse_ms,
             media_ms=ms(parsed_s, decoded_s),
             plan_ms=ms(decoded_s, time.perf_counter()),
         )

@@ -9,11 +9,12 @@ that parses nothing per event) and the medians of the server's `timings`
 (admit = body read + parse + media decode + plan, route, encode queue and compute, transfer,
 prefill call = prefill queue + forward + the hops, first_token = its way out), and the
 framework's share: server TTFT minus encode and prefill compute. With `--beside-streams N`,
-text requests again while N decode streams loop (`text_beside_decode`, with p90s): admission's
+text requests again while N decode streams loop (`text_beside_decode`, with p90s; with
+`--beside-kinds text image`, new images too: `image_beside_decode`): admission's
 phases under an event loop busy streaming tokens.
 
 Usage: scripts/bench_ttft.py [--config configs/local_cpu.yaml] [--repeats 10]
-       [--beside-streams 32]
+       [--beside-streams 32 [--beside-kinds text image]]
 """
 
 from __future__ import annotations
@@ -143,6 +144,13 @@ def main(argv=None) -> int:
     p.add_argument(
         "--beside-streams", type=int, default=0, help="text again beside this many streams"
     )
+    p.add_argument(
+        "--beside-kinds",
+        nargs="+",
+        choices=("text", "image"),
+        default=["text"],
+        help="which requests run again beside the streams (new images each time for image)",
+    )
     add_front_door_flag(p)
     args = p.parse_args(argv)
     cfg = with_front_door(ensure_model(load_config(args.config)), args.front_door)
@@ -153,9 +161,9 @@ def main(argv=None) -> int:
         one_by_one(url, model, requests("image", 3, args.seed + 1))  # warm-up
         for kind, reqs in kinds.items():
             report[kind] = breakdown(one_by_one(url, model, reqs))
-        if args.beside_streams:
-            text = requests("text", max(args.repeats, 40), args.seed + 2)
-            report["text_beside_decode"] = beside_decode(url, model, text, args.beside_streams)
+        for kind in args.beside_kinds if args.beside_streams else ():
+            again = requests(kind, max(args.repeats, 40), args.seed + 2)
+            report[f"{kind}_beside_decode"] = beside_decode(url, model, again, args.beside_streams)
     threads = cfg.prefill.idle_torch_threads or cfg.prefill.torch_threads
     for kind in ("image", "text"):
         base_ms = generate_ttft_ms(cfg, kinds[kind], threads)

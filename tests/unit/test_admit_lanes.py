@@ -10,7 +10,15 @@ import time
 
 import pytest
 
-from cluster.admit_lanes import INLINE_TEXT_BYTES, MEDIA_THREADS, AdmitLanes, Lane, lane_of
+from cluster.admit_lanes import (
+    INLINE_TEXT_BYTES,
+    MEDIA_THREADS,
+    AdmitLanes,
+    Deferred,
+    Lane,
+    admitting_on_loop,
+    lane_of,
+)
 from cluster.backpressure import Overloaded
 
 TEXT = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -71,6 +79,36 @@ def test_a_short_text_body_is_admitted_on_the_loop_and_the_rest_in_lanes():
     loop_thread, (short, long, media) = asyncio.run(main())
     assert short == loop_thread  # no thread hop: the work is less than the hop
     assert long != loop_thread and media != loop_thread  # bounded work only on the loop
+
+
+def test_work_on_the_loop_that_defers_is_finished_on_its_lane_from_where_it_stopped():
+    steps = []
+
+    def admit(body: bytes, request_id: str):
+        steps.append(("parse", request_id, admitting_on_loop(), threading.get_ident()))
+
+        def finish():
+            steps.append(("plan", request_id, admitting_on_loop(), threading.get_ident()))
+            return "admitted"
+
+        if admitting_on_loop():  # a grammar to compile after all: off the loop
+            raise Deferred(finish)
+        return finish()
+
+    async def main():
+        lanes = AdmitLanes(max_text=2, max_media=2)
+        try:
+            answer = await lanes.run(TEXT, admit, "r1")
+            return threading.get_ident(), answer, dict(lanes.pending)
+        finally:
+            lanes.close()
+
+    loop_thread, answer, pending = asyncio.run(main())
+    (parse, *_, on_loop, parse_thread), (plan, *_, off_loop, plan_thread) = steps
+    assert answer == "admitted" and (parse, plan) == ("parse", "plan")  # parsed once
+    assert on_loop and parse_thread == loop_thread
+    assert not off_loop and plan_thread != loop_thread
+    assert pending == {Lane.TEXT: 0, Lane.MEDIA: 0} and not admitting_on_loop()
 
 
 def test_a_short_text_body_in_a_burst_goes_to_its_lane():
