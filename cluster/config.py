@@ -292,6 +292,22 @@ class EncoderPoolConfig(PoolConfig):
         "model takes. Give `encoder` a list of pools to split encoding by modality, e.g. a vision "
         "pool and an audio pool.",
     )
+    urgent_images: bool = Field(
+        True,
+        description="A batch of still images alone is short work on its requests' way to their "
+        "first tokens, treated as a short prompt's forward is: the node's long forwards pause "
+        "between layers and decode waits between steps meanwhile, and the device thread runs at "
+        "urgent_niceness. Video and audio batches keep the worker's niceness and make way for "
+        "short prompts. False: images are encoded like any batch.",
+    )
+    urgent_niceness: int | None = Field(
+        0,
+        ge=-20,
+        le=19,
+        description="The niceness of an encoder's device thread while it encodes a batch of "
+        "still images (urgent_images); then back to the worker's (Ray's 15 unless niceness is "
+        "set). Needs CAP_SYS_NICE, as prefill.urgent_niceness does. None: never changed.",
+    )
 
     def settings(self) -> EncoderSettings:
         """What this pool's workers and their engines read (router/worker_settings.py)."""
@@ -880,7 +896,7 @@ INGRESS_ONLY_FIELDS = {"prefill": {"overlap_encode"}, "decode": {"stream_interva
 # Pool fields running workers take in place (the controller's `apply_live`): a redeploy that
 # changes only these, and ingress settings, keeps the fleet and its warm caches.
 LIVE_FIELDS = {
-    "encoder": {"max_wait_ms", "slowdown"},
+    "encoder": {"max_wait_ms", "urgent_images", "urgent_niceness", "slowdown"},
     "prefill": {
         "max_chunk_tokens",
         "max_media_tokens_per_step",

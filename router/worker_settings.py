@@ -37,6 +37,8 @@ class EncoderSettings:
     max_batch_size: int  # most items one tower forward pass takes
     max_wait_ms: float = 0.0  # how long a partial batch waits for more items
     cache_mb: float = 0.0  # encoder cache budget; 0: nothing kept once handed over
+    urgent_images: bool = False  # a batch of still images runs as a short prompt's forward does
+    urgent_niceness: int | None = None  # its device thread's niceness meanwhile; None: its own
 
     @property
     def cache_bytes(self) -> int:

@@ -361,6 +361,51 @@ def test_the_encoder_tower_pauses_between_its_linear_layers_for_an_urgent_peer(
     peer.close()
 
 
+class NicenessLog(LendingLog):
+    """A boost that records the niceness each urgent forward asks for."""
+
+    def at(self, niceness):
+        self.calls.append(("at", niceness))
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("urgent_images", [True, False])
+def test_a_batch_of_still_images_encodes_urgent_and_other_media_make_way(
+    ckpt,
+    tmp_path,
+    monkeypatch,
+    live_pid,  # noqa: F811
+    urgent_images,
+):
+    np = pytest.importorskip("numpy")
+    from actors.encoder import EncoderWorker
+    from actors.runtime import WorkerSpec
+    from actors.types import MediaItem
+    from router.types import Modality
+    from router.worker_settings import EncoderSettings
+
+    monkeypatch.setattr(idle_cores, "default_root", lambda: tmp_path)
+    board = f"epd-cores-{uuid.uuid4().hex[:8]}"
+    settings = EncoderSettings(1, urgent_images=urgent_images, urgent_niceness=0)
+    worker = EncoderWorker(WorkerSpec(str(ckpt), "float32", "cpu", 1, 256, board=board), settings)
+    peer = NodeBoard(board, tmp_path, pid=live_pid())
+    worker.priority.boost = log = NicenessLog()
+    seen = []  # whether the peer saw this worker urgent while it encoded
+    encode = worker.adapter.encode
+    monkeypatch.setattr(
+        worker.adapter, "encode", lambda items: seen.append(peer.others_urgent()) or encode(items)
+    )
+    pixels = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    [embedding], _ = worker._encode([MediaItem(Modality.IMAGE, "a" * 64, data=pixels)])
+    assert seen == [urgent_images] and embedding.shape[0] > 0
+    assert log.calls == ([("at", 0)] if urgent_images else []), "at the urgent niceness"
+    assert not peer.others_urgent(), "and no longer once it is done"
+    monkeypatch.setattr(worker.adapter, "encode", lambda items: seen.append(peer.others_urgent()))
+    worker._encode([MediaItem(Modality.VIDEO, "v" * 64, data=np.stack([pixels] * 4))])
+    assert seen[-1] is False, "a video's tower is a long forward: it makes way, never urgent"
+    peer.close()
+
+
 def test_a_nodes_cores_are_capped_by_a_containers_cpu_limit(tmp_path):
     from actors.host_cpu import usable_cores
 

@@ -16,7 +16,13 @@ from router.worker_settings import MIB, DecodeSettings, EncoderSettings, Prefill
 CONFIG = ClusterConfig.model_validate(
     {
         "model": {"checkpoint": "/tmp/ckpt", "served_name": "m", "max_model_len": 256},
-        "encoder": {"max_batch_size": 3, "max_wait_ms": 7.5, "cache_mb": 12.0},
+        "encoder": {
+            "max_batch_size": 3,
+            "max_wait_ms": 7.5,
+            "cache_mb": 12.0,
+            "urgent_images": False,
+            "urgent_niceness": 4,
+        },
         "prefill": {
             "max_chunk_tokens": 48,
             "max_media_tokens_per_step": 99,
