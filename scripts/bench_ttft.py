@@ -78,12 +78,13 @@ def breakdown(results: list[Result]) -> dict:
 
 
 def beside_decode(url: str, model: str, reqs: list[Req], streams: int) -> dict:
-    """The text requests' breakdown (and p90s) while `streams` decode streams loop."""
-    stop = threading.Event()
+    """The requests' breakdown (and p90s) while `streams` decode streams loop, and the
+    streams' own TPOT meanwhile (what the requests' priority costs decode)."""
+    stop, streamed = threading.Event(), []
 
     def loop_streams():
         while not stop.is_set():
-            asyncio.run(run_streams(url, model, streams, 64))
+            streamed.extend(asyncio.run(run_streams(url, model, streams, 64)))
 
     looping = threading.Thread(target=loop_streams, daemon=True)
     looping.start()
@@ -95,8 +96,10 @@ def beside_decode(url: str, model: str, reqs: list[Req], streams: int) -> dict:
         stop.set()
         looping.join()
     p90 = lambda xs: round(pct(xs, 90), 2)  # noqa: E731
+    tpots_ms = [r.tpot_s * 1e3 for r in streamed if r.tpot_s is not None]
     return breakdown(results) | {
         "streams_beside": streams,
+        "streams_tpot_ms_p50": round(pct(tpots_ms, 50), 2) if tpots_ms else None,
         "client_ttft_ms_p90": p90([r.ttft_s * 1e3 for r in results]),
         "admit_ms_p90": p90([r.timings["admit_ms"] for r in results]),
         "plan_ms_p90": p90([r.timings["plan_ms"] for r in results]),
