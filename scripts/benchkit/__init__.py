@@ -23,4 +23,7 @@ only its own command (argparse, main and what no other script does).
 
 A script run as `python scripts/<name>.py` has scripts/ first on sys.path, so `import benchkit`
 works without a path edit; pytest gets it from `pythonpath = ["scripts"]` (pyproject.toml).
+`cluster`, `actors` and `router` come from the venv's editable install, the tree it was made
+from, whichever folder the script runs in: compare two commits with `scripts/bench_ab`, which
+puts each side's own tree first (PYTHONPATH, inherited by Ray's workers).
 """
