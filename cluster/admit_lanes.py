@@ -116,8 +116,8 @@ class AdmitLanes:
     def _inline(self, lane: Lane, body) -> bool:
         """A short text body that arrived alone: a burst's admissions go to the lane, where
         they overlap the loop's hand-overs (a burst's first tokens came 8-20% later inline).
-        Media stay on their lane: decoded on the loop, a small image's admission took longer
-        (docs/BENCHMARKS.md, 2026-12-02)."""
+        Media stay on their lane: a small image decoded on the loop gained nothing, idle or
+        beside decode (docs/BENCHMARKS.md, 2026-12-03)."""
         alone = self.num_arriving + self.num_unreached() <= 1
         return lane is Lane.TEXT and len(body) <= INLINE_TEXT_BYTES and alone
 
