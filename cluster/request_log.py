@@ -1,14 +1,17 @@
 """One log line per finished request (logger `ray.serve.epd.requests`): id, outcome, tokens, TTFT
-and end-to-end time, and the prompt's text only where the config asks for it."""
+and end-to-end time, each phase of the TTFT, and the prompt's text only where the config asks
+for it."""
 
 from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # A child of Serve's logger, so the line lands in the replica's log beside Serve's own access lines.
 log = logging.getLogger("ray.serve.epd.requests")
+MIN_PHASE_MS = 0.05  # a phase shorter than this would print as 0.0: the line leaves it out
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,8 @@ class RequestRecord:
     e2e_ms: float | None = None
     finish_reason: str | None = None
     prompt: str | None = None
+    # the TTFT's phases (RequestTimings.phases_ms); those under MIN_PHASE_MS are left out
+    phases_ms: Mapping[str, float] | None = None
     x_request_id: str | None = field(default_factory=lambda: _serve_request_id())
 
     def line(self) -> str:
@@ -37,6 +42,11 @@ class RequestRecord:
             f"{name}={value:.1f}"
             for name, value in (("ttft_ms", self.ttft_ms), ("e2e_ms", self.e2e_ms))
             if value is not None
+        ]
+        parts += [
+            f"{name}={value:.1f}"
+            for name, value in (self.phases_ms or {}).items()
+            if value >= MIN_PHASE_MS
         ]
         if self.prompt is not None:
             parts.append(f"prompt={self.prompt!r}")

@@ -26,7 +26,7 @@ from actors.types import (
     hop_ms,
 )
 from actors.worker_links import WorkerLinks
-from cluster.admitted import Admitted, Endpoint, Job
+from cluster.admitted import AdmissionTimings, Admitted, Endpoint, Job
 from cluster.config import ClusterConfig, Transport
 from cluster.decode_feed import DecodeFeeds
 from cluster.errors import RequestError
@@ -75,6 +75,36 @@ class RequestTimings:
     prefill_queue_ms: float = 0.0
     prefill_compute_ms: float = 0.0  # its own device time within prefill_ms
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache gave its first prefill
+
+    def phases_ms(self, admission: AdmissionTimings) -> dict[str, float]:
+        """The time to first token phase by phase, in the order a request meets them (ms):
+        what the response's `timings`, the request log and the trace show. admit_ms holds
+        admission's parts and its lane wait; the prefill call goes out as the encoders start,
+        so its hop in and queue overlap the encode. `first_token_ms` is what is left: the
+        first token's way out through the ingress."""
+        ttft_ms = self.ttft_ms or 0.0
+        return {
+            "handover_ms": admission.handover_ms,
+            "body_ms": admission.body_ms,
+            "parse_ms": admission.parse_ms,
+            "media_ms": admission.media_ms,
+            "plan_ms": admission.plan_ms,
+            "admit_ms": self.admitted_ms,
+            "route_ms": self.route_ms,
+            "encode_hop_in_ms": self.encode_hop_in_ms,
+            "pixels_fetch_ms": self.pixels_fetch_ms,
+            "encode_queue_ms": self.encode_queue_ms,
+            "encode_compute_ms": self.encode_compute_ms,
+            "transfer_ms": self.transfer_ms,
+            "prefill_hop_in_ms": self.prefill_hop_in_ms,
+            "prefill_queue_ms": self.prefill_queue_ms,
+            "item_wait_ms": self.item_wait_ms,
+            "prefill_compute_ms": self.prefill_compute_ms,
+            "prefill_hop_out_ms": self.prefill_hop_out_ms,
+            "first_token_ms": max(
+                0.0, ttft_ms - self.admitted_ms - self.route_ms - self.prefill_call_ms
+            ),
+        }
 
 
 class RequestPath:
@@ -238,7 +268,12 @@ class RequestPath:
         self.routing.record_ttft(decision, trace.ttft_ms)
         if self.trace is not None:
             self.trace.record(
-                job.adm.arrived_s, trace.profile, decision, trace.ttft_ms, timings=trace
+                job.adm.arrived_s,
+                trace.profile,
+                decision,
+                trace.ttft_ms,
+                timings=trace,
+                phases_ms=trace.phases_ms(job.adm.timings),
             )
 
     def encode(self, job: Job, decision: RouteDecision) -> list:

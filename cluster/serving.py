@@ -425,6 +425,7 @@ class Serving:
                 (time.perf_counter() - adm.arrived_s) * 1e3,
                 first.finish_reason,
                 prompt,
+                trace.phases_ms(adm.timings) if trace.ttft_ms is not None else None,
             )
         )
 

@@ -27,11 +27,13 @@ class TraceWriter:
         decision: RouteDecision,
         ttft_ms: float,
         timings=None,
+        phases_ms: dict[str, float] | None = None,
     ) -> None:
         """`arrived_s` is a perf_counter reading; the trace counts from the writer's creation.
         `timings`: anything with the measured encode_ms, prefill_queue_ms and prefill_ms (the
         request path's RequestTimings), recorded so the simulator can fit its variability from
-        the trace."""
+        the trace. `phases_ms`: the request's TTFT phase by phase (RequestTimings.phases_ms),
+        kept as they are for whoever reads the trace."""
         measured = (
             None if timings is None else {key: getattr(timings, key) for key in MEASURED_STAGES}
         )
@@ -40,6 +42,8 @@ class TraceWriter:
         # its parts, so each stage's estimate can be set against what was measured
         rec["estimate_ms"] = {k: round(v, 3) for k, v in vars(decision.estimate).items()}
         rec["route"] = [decision.encoder, decision.prefill, decision.decode]
+        if phases_ms is not None:
+            rec["phases_ms"] = {k: round(v, 3) for k, v in phases_ms.items()}
         if decision.shares:  # split across encoders by modality
             rec["encoder_by_modality"] = dict(decision.encoder_by_modality)
         self._file.write(json.dumps(rec) + "\n")

@@ -26,7 +26,8 @@ per request, in any order (sorted by arrival on load); blank lines are skipped.
      "block_size": 16}                   # optional: tokens per block (default 16)
 
 Unknown keys are ignored (so the live cluster may log more: `estimated_ttft_ms`, its parts per
-stage in `estimate_ms`, and the chosen workers in `route`); a line that is not valid
+stage in `estimate_ms`, the chosen workers in `route`, and every phase of the measured TTFT
+in `phases_ms`, as the response's `timings` name them); a line that is not valid
 JSON or lacks / mistypes a field raises `WorkloadError` naming the file and line.
 
 `fit_costs` fits the simulated stage costs to a trace's measured timings (`epd plan`).

@@ -286,6 +286,11 @@ def test_estimated_ttft_is_reported_and_requests_are_traced(app):
         record["estimated_ttft_ms"], abs=0.01
     )
     assert record["estimate_ms"]["encode_ms"] > 0 and record["estimate_ms"]["prefill_ms"] > 0
+    # and every measured phase, as the response named it
+    phases = record["phases_ms"]
+    assert list(phases)[0] == "handover_ms" and list(phases)[-1] == "first_token_ms"
+    for name, ms in phases.items():
+        assert ms == pytest.approx(timings[name], abs=1e-3), name
 
 
 def test_one_access_line_a_request_epds_not_serves_too(app):

@@ -16,6 +16,9 @@ import pytest
 import ray
 
 from cluster import controller
+from cluster.admitted import AdmissionTimings
+from cluster.request_log import MIN_PHASE_MS
+from cluster.request_path import RequestTimings
 from tests.integration.conftest import cluster_config, deploy, replica_log_lines
 
 KEY = "sk-test-epd"
@@ -155,7 +158,14 @@ def test_one_log_line_per_request(keyed):
     assert (
         "ttft_ms=" in lines[0] and "e2e_ms=" in lines[0] and "log me please" in lines[0]
     )  # log_prompts is on
-    assert "status=400" in lines[1]
+    # the TTFT's phases as the response has them, but those that print as 0.0 (a text
+    # request's encode phases)
+    timings = ok.json()["timings"]
+    for name in RequestTimings().phases_ms(AdmissionTimings()):
+        shown = f" {name}={timings[name]:.1f}" in lines[0]
+        assert shown == (timings[name] >= MIN_PHASE_MS), (name, timings[name], lines[0])
+    assert "prefill_compute_ms=" in lines[0] and "encode_compute_ms=" not in lines[0]
+    assert "status=400" in lines[1] and "_ms=" not in lines[1]  # refused: no TTFT, no phases
 
 
 def test_serve_logs_a_streamed_answer_as_200(keyed):
