@@ -38,12 +38,11 @@ MIN_BORROW_TOKENS = 128
 
 @dataclass
 class _InFlight:
-    """A request in the engine: its items' encode stats so far, and its output if the prompt
-    finished (from the prefix cache) before every item came."""
+    """A request in the engine: its items' encode stats so far (a prompt whose cached prefix
+    covered an item finishes without it)."""
 
     num_items: int
     stats: dict[int, EncodeStats] = field(default_factory=dict)  # by slot
-    output: PrefillOutput | None = None
 
     @property
     def complete(self) -> bool:
@@ -80,13 +79,9 @@ class PrefillWorker(ModelWorker):
         kept for that call. Returns the wall clock of arrival, so the ingress can time the
         hand-over against the encoder's finish time."""
         if request_id in self._waiters:  # prefilling already: the engine splices it in
-            flight = self._in_flight[request_id]
-            flight.stats[slot] = encoded[1]
-            if flight.output is None:
-                self.engine.add_item(request_id, slot, encoded[0])
-                self.drive(self.engine, self._publish, self._fail_all)
-            elif flight.complete:  # the last item of a prompt that finished without it
-                self._settle(request_id, flight.output)
+            self._in_flight[request_id].stats[slot] = encoded[1]
+            self.engine.add_item(request_id, slot, encoded[0])
+            self.drive(self.engine, self._publish, self._fail_all)
         else:  # refused if the request is over (closed); freed by drop() if it ends later
             self.embeddings.put(request_id, encoded, slot)
         return time.time()
@@ -114,7 +109,10 @@ class PrefillWorker(ModelWorker):
         try:
             out: PrefillOutput = await done
         finally:
-            stats = self._in_flight.pop(request.request_id).stats
+            flight = self._in_flight.pop(request.request_id)
+            if not flight.complete:  # items its cached prefix covered may still come: refused
+                self.embeddings.close(request.request_id)
+            stats = flight.stats
             if self._waiters.pop(request.request_id, None) is not None:
                 self.engine.abort(
                     request.request_id
@@ -155,17 +153,11 @@ class PrefillWorker(ModelWorker):
         for out in outputs:
             if out.finished_s:  # its first token leaves now: prefill_ms counts until then
                 out = replace(out, prefill_ms=out.prefill_ms + (handed_s - out.finished_s) * 1e3)
-            flight = self._in_flight.get(out.request_id)
             if out.error is not None:
                 self._settle(
                     out.request_id, exc=WorkerRequestError(f"request {out.request_id}: {out.error}")
                 )
-            elif flight is not None and not flight.complete:
-                # The prefix cache covered an item still being encoded: the result waits for
-                # its encode stats (encoder-cache and transfer accounting), as it did before
-                # overlap.
-                flight.output = out
-            else:
+            else:  # also before an item its cached prefix covered: the request needs none
                 self._settle(out.request_id, out)
 
     def _fail_all(self, exc: Exception) -> None:

@@ -391,7 +391,11 @@ class RequestPath:
         async def deliver() -> list:
             try:
                 if self._pushes:  # the encode calls end once their embeddings arrived there
-                    return [done.received_at_s for done in await asyncio.gather(*encoded)]
+                    delivered = await asyncio.gather(*encoded)
+                    # here, not from the result: it may come before an item its cached prefix
+                    # made needless, whose encode still took place
+                    self._record_encodes([done.stats for done in delivered])
+                    return [done.received_at_s for done in delivered]
                 return await self.deliver(
                     WorkerKind.PREFILL,
                     decision.prefill,
@@ -404,13 +408,18 @@ class RequestPath:
 
         try:
             if self.config.prefill.overlap_encode:
-                return await overlapped(self._sent(prefill, request), deliver())
+                # pushed items the worker did not wait for finish on their own (overlapped)
+                return await overlapped(
+                    self._sent(prefill, request), deliver(), await_delivery=not self._pushes
+                )
             received = await deliver()
             return await self._sent(prefill, request), received
-        finally:
+        except BaseException:
             for call in encoded:  # a link's encode call nobody awaits any more (the prefill
                 if isinstance(call, asyncio.Future):  # call failed first): cancelled there too
                     call.cancel()
+            raise
+        finally:
             release()  # a delivery cancelled before it ever started released nothing
 
     def _first_chunk(self, job: Job, result: PrefillResult) -> TokenChunk:
@@ -489,13 +498,8 @@ class RequestPath:
         )  # overlap: the prefill waited for embeddings
         self.metrics.prefill_time.observe(result.prefill_ms / 1e3)
         self.metrics.queue_time.observe(result.queue_ms / 1e3)
-        for stats in result.encode_stats:
-            self.metrics.record_encoder_lookup(stats.cache_hit)
-            if stats.cache_hit:
-                continue
-            stage.labels("encode").observe(stats.encode_ms / 1e3)
-            stage.labels("encode_queue").observe(stats.queue_ms / 1e3)
-            self.metrics.encoder_batch.observe(stats.batch_size)
+        if not self._pushes:  # pushed ones are recorded as their encode calls end (deliver)
+            self._record_encodes(result.encode_stats)
         slowest = max(result.encode_stats, key=lambda s: s.queue_ms + s.encode_ms, default=None)
         if slowest is not None:
             trace.encode_queue_ms, trace.encode_compute_ms = slowest.queue_ms, slowest.encode_ms
@@ -509,6 +513,16 @@ class RequestPath:
         self.metrics.prompt_tokens.inc(result.num_prompt_tokens)
         self.metrics.prefix_cache_queries.inc(result.num_prompt_tokens)
         self.metrics.prefix_cache_hits.inc(result.num_cached_tokens)
+
+    def _record_encodes(self, encode_stats) -> None:
+        stage = self.metrics.stage
+        for stats in encode_stats:
+            self.metrics.record_encoder_lookup(stats.cache_hit)
+            if stats.cache_hit:
+                continue
+            stage.labels("encode").observe(stats.encode_ms / 1e3)
+            stage.labels("encode_queue").observe(stats.queue_ms / 1e3)
+            self.metrics.encoder_batch.observe(stats.batch_size)
 
     def _sent(self, prefill, request: PrefillRequest) -> Awaitable[PrefillResult]:
         """The prefill call, stamped with when it left: the worker times the hop in."""

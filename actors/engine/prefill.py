@@ -31,7 +31,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import DynamicCache
@@ -225,14 +225,23 @@ class PrefillEngine:
             self._intake.append(request_id)
 
     def _admit(self, job: _Job) -> None:
-        """To the intake, or held aside while no chunk of it could run (its wait is item wait)."""
-        if job.state().runnable:
+        """To the intake, or held aside while no chunk of it could run (its wait is item wait).
+        A prompt whose missing items all lie in its cached prefix runs now: a new turn about
+        the same image needs none of its embeddings, and waited for the encoder's round trip."""
+        if job.state().runnable or self._runs_from_cache(job):
             if self._is_short(job.request):  # the node makes way from now (node_priority.py)
                 self.priority.wait_begins(job.request.request_id, self.settings.urgent_niceness)
             self._intake.append(job)
         else:
             job.blocked_s = job.blocked_s or job.added_s
             self._parked[job.request.request_id] = job
+
+    def _runs_from_cache(self, job: _Job) -> bool:
+        """Whether `job` could run from the prefix the cache holds now. A peek from the
+        caller's thread: nothing is taken, and blocks evicted before its start leave it
+        waiting for its items in the engine, as a started prompt does."""
+        cached = self._cached_tokens(job)
+        return cached > job.num_computed and replace(job.state(), num_computed=cached).runnable
 
     def _is_short(self, request: PrefillRequest) -> bool:
         """A prompt whose forward is one whole step: urgent on the node while it waits."""

@@ -226,10 +226,10 @@ def test_repeated_image_hits_the_encoder_cache(app):
     image = {"type": "image_url", "image_url": {"url": png_data_url(random_image(404, 36, 36))}}
     messages = [{"role": "user", "content": [image, {"type": "text", "text": "again"}]}]
     before = _scrape(app)
-    answers = [
-        app.chat(messages, temperature=0, max_tokens=8).json()["choices"][0]["message"]["content"]
-        for _ in range(3)
-    ]
+    bodies = [app.chat(messages, temperature=0, max_tokens=8).json() for _ in range(3)]
+    answers = [body["choices"][0]["message"]["content"] for body in bodies]
+    # the repeats' prefix, image included, is cached: they never waited for its embeddings
+    assert [body["timings"]["item_wait_ms"] for body in bodies[1:]] == [0.0, 0.0], bodies
     after = _scrape(app)
     hits = after[("epd:mm_cache_hits_total", ())] - before.get(("epd:mm_cache_hits_total", ()), 0)
     misses = (
@@ -240,7 +240,9 @@ def test_repeated_image_hits_the_encoder_cache(app):
     assert len(set(answers)) == 1
     assert (
         misses >= 1 and hits >= 1 and hits + misses == 3
-    )  # two encoders: the least-loaded pick may alternate
+    )  # two encoders: the least-loaded pick may alternate; each lookup counted, used or not
+    workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]
+    assert all(w["held_embeddings"] == 0 for w in workers["prefill"]), workers["prefill"]
 
 
 def test_estimated_ttft_is_reported_and_requests_are_traced(app):

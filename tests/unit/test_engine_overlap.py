@@ -6,6 +6,7 @@ item up front. Prefix-cache hits need no late item; an abort while waiting frees
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -231,6 +232,44 @@ def test_a_prefix_hit_needs_no_late_item_and_one_arriving_after_the_end_is_dropp
         ],
     )
     assert decode_tokens(engine.runner, out, len(follow_up), 6) == want_ids
+
+
+def test_an_image_first_turn_whose_image_is_cached_runs_without_waiting_for_it(
+    lm, encoder, hf_model, processor
+):
+    """A follow-up turn about the same image: the image comes first, so nothing ran ahead of
+    it, and the request waited for an encoder round trip whose embeddings it never used."""
+    array = np.random.default_rng(8).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=text, images=[Image.fromarray(array)], return_tensors="pt")
+    ids = tuple(inputs["input_ids"][0].tolist())
+    ranges = placeholder_ranges(list(ids), hf_model.config.image_token_id)
+    [emb] = embed(encoder, [array])
+    # as served (prefill.overlap_min_tokens): the few tokens before the image wait with it
+    settings = dataclasses.replace(_cached(512), overlap_min_tokens=64)
+    engine = PrefillEngine(LMRunner(lm), settings)
+    engine.add(PrefillRequest("turn1", ids, ranges, GREEDY, media_identifiers=("img0",)), [emb])
+    while engine.has_work:
+        engine.step()
+    follow_up = ids + (21, 22, 23, 24, 25)
+    engine.add(PrefillRequest("turn2", follow_up, ranges, GREEDY, media_identifiers=("img0",)))
+    assert engine.has_work, "its image is in the cached prefix: it runs now"
+    while not (outs := engine.step()):
+        assert engine.has_work
+    [out] = outs
+    assert out.num_cached_tokens >= ranges[0].offset + ranges[0].length and out.item_wait_ms == 0
+    engine.add_item("turn2", 0, emb)  # the encoder's answer, after the end: dropped
+    engine.step()
+    assert not engine.jobs and engine.pool.num_referenced() == 0
+    want = hf_greedy(
+        hf_model, 6, input_ids=torch.tensor([follow_up]), pixel_values=inputs["pixel_values"]
+    )
+    assert decode_tokens(engine.runner, out, len(follow_up), 6) == want
+    # another image behind the same token ids is not in the cache: that turn waits for it
+    other = PrefillRequest("other", follow_up, ranges, GREEDY, media_identifiers=("img1",))
+    engine.add(other)
+    assert not engine.has_work and engine.stats()["waiting_for_items"] == 1
 
 
 def test_abort_while_waiting_for_an_item_frees_everything(lm, encoder, hf_model, processor):

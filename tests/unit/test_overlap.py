@@ -51,3 +51,24 @@ def test_receive_answers_that_come_after_the_result_are_still_awaited():
     the result or not: the transfer time is measured either way."""
     result, received = asyncio.run(overlapped(after(0.0, "first token"), after(0.03, [1.0])))
     assert (result, received) == ("first token", [1.0])
+
+
+def test_pushed_items_the_worker_did_not_wait_for_are_given_up():
+    """Over the object store the encoders push: a worker whose cached prefix covered an item
+    answers before it comes, and the first token must not wait for it."""
+
+    async def scenario():
+        delivery = asyncio.ensure_future(after(5.0, [1.0]))
+        started = asyncio.get_running_loop().time()
+        got = await overlapped(after(0.01, "first token"), delivery, await_delivery=False)
+        assert got == ("first token", None)
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert not delivery.done() and not delivery.cancelled(), "it ends on its own"
+        delivery.cancel()
+        # a delivery done by then is still read; one failing after the answer fails nothing
+        done = await overlapped(after(0.02, "t"), after(0.0, [2.0]), await_delivery=False)
+        assert done == ("t", [2.0])
+        late = after(0.05, exc=ConnectionError("encoder died"))
+        assert await overlapped(after(0.01, "t"), late, await_delivery=False) == ("t", None)
+
+    asyncio.run(scenario())
