@@ -31,14 +31,18 @@ class PromptKV(DynamicCache):
         return self.buffer
 
     def extend(self, blocks: list[torch.Tensor]) -> None:
-        """Append packed blocks [layers, 2, kv_heads, n, head_dim] (a cached prefix), in order."""
+        """Append packed blocks [layers, 2, kv_heads, n, head_dim] (a cached prefix), in order.
+        The layers' views are made once, at the end: made after each block, a 13-block
+        prefix (bench-llava's 219 tokens, one CPU thread) took 4.4 ms against 0.8."""
+        if not blocks:
+            return
+        buffer = self.allocate(blocks[0], blocks[0].shape[2], blocks[0].shape[4])
+        end = self.layers[0].length
         for block in blocks:
-            buffer = self.allocate(block, block.shape[2], block.shape[4])
-            start = self.layers[0].length
-            end = start + block.shape[3]
-            buffer[:, :, :, start:end] = block
-            for layer in self.layers:
-                layer.advance(end)
+            buffer[:, :, :, end : end + block.shape[3]] = block
+            end += block.shape[3]
+        for layer in self.layers:
+            layer.advance(end)
 
     def packed(self) -> torch.Tensor:
         """The whole prompt's KV in `kv.pack`'s layout: the buffer itself, no copy."""

@@ -58,6 +58,9 @@ def test_a_cached_prefix_then_the_rest_equals_the_whole_prompt():
     resumed = PromptKV(LAYERS, TOKENS)
     resumed.extend([b.clone() for b in blocks])
     assert resumed.get_seq_length() == 8
+    for i, layer in enumerate(resumed.layers):  # what attention reads before the next chunk
+        assert torch.equal(layer.keys[0], whole[i, 0, :, :8])
+        assert torch.equal(layer.values[0], whole[i, 1, :, :8])
     fill(resumed, steps[2:])
     assert torch.equal(kv.pack(resumed), whole)
 
