@@ -8,7 +8,9 @@ and prefix caches). For each: the client's TTFT (a bare-socket client, benchkit/
 that parses nothing per event) and the medians of the server's `timings`
 (admit = body read + parse + media decode + plan, route, encode queue and compute, transfer,
 prefill call = prefill queue + forward + the hops, first_token = its way out), and the
-framework's share: server TTFT minus encode and prefill compute. With `--beside-streams N`,
+framework's share: server TTFT minus encode and prefill compute. The baseline runs before the
+server starts and after it stops (this host drifts over minutes); its median over both windows
+is the ratio's, each window's beside it. With `--beside-streams N`,
 text requests again while N decode streams loop (`text_beside_decode`, with p90s; with
 `--beside-kinds text image`, new images too: `image_beside_decode`): admission's
 phases under an event loop busy streaming tokens.
@@ -106,36 +108,44 @@ def beside_decode(url: str, model: str, reqs: list[Req], streams: int) -> dict:
     }
 
 
-def generate_ttft_ms(cfg, reqs: list[Req], threads: int) -> float:
-    """Median ms of the checkpoint's processor + generate(max_new_tokens=1), one process."""
-    import torch
-    from PIL import Image
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+class Generate:
+    """The baseline: the checkpoint's processor + generate(max_new_tokens=1) in this process."""
 
-    torch.set_num_threads(threads)
-    path = cfg.model.checkpoint_path
-    dtype = getattr(torch, cfg.model.resolved_dtype)
-    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).to(cfg.model.device)
-    processor = AutoProcessor.from_pretrained(path)
-    times = []
-    for req in [reqs[0], *reqs]:  # the first one warms up
+    def __init__(self, cfg, threads: int):
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        torch.set_num_threads(threads)
+        self.cfg, path = cfg, cfg.model.checkpoint_path
+        dtype = getattr(torch, cfg.model.resolved_dtype)
+        self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+        self.model = self.model.to(cfg.model.device)
+        self.processor = AutoProcessor.from_pretrained(path)
+
+    def ttfts_ms(self, reqs: list[Req]) -> list[float]:
+        """Each request's ms to its first token, the first one a warm-up left out."""
+        return [self._one(req) for req in [reqs[0], *reqs]][1:]
+
+    def _one(self, req: Req) -> float:
+        import torch
+        from PIL import Image
+
         started = time.perf_counter()
         content = [{"type": "text", "text": req.prompt}]
         images = None
         if req.png is not None:
             content.insert(0, {"type": "image"})
             images = [Image.open(io.BytesIO(req.png)).convert("RGB")]
-        text = processor.apply_chat_template(
+        text = self.processor.apply_chat_template(
             [{"role": "user", "content": content}], add_generation_prompt=True
         )
-        inputs = processor(images=images, text=text, return_tensors="pt")
-        inputs = inputs.to(cfg.model.device, dtype=model.dtype)
+        inputs = self.processor(images=images, text=text, return_tensors="pt")
+        inputs = inputs.to(self.cfg.model.device, dtype=self.model.dtype)
         with torch.inference_mode():
-            model.generate(**inputs, max_new_tokens=1, do_sample=False)
-        if cfg.model.device == "cuda":
+            self.model.generate(**inputs, max_new_tokens=1, do_sample=False)
+        if self.cfg.model.device == "cuda":
             torch.cuda.synchronize()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times[1:])
+        return (time.perf_counter() - started) * 1e3
 
 
 def main(argv=None) -> int:
@@ -159,6 +169,10 @@ def main(argv=None) -> int:
     cfg = with_front_door(ensure_model(load_config(args.config)), args.front_door)
     kinds = {k: requests(k, args.repeats, args.seed) for k in ("image", "text", "repeat")}
     report: dict = {"config": args.config, "front_door": cfg.server.front_door.value}
+    # The baseline before the server starts and after it stops: this host drifts over minutes
+    # (generate's own idle image 6.9-12.3 ms between runs), and the two windows bracket it.
+    generate = Generate(cfg, cfg.prefill.idle_torch_threads or cfg.prefill.torch_threads)
+    before = {kind: generate.ttfts_ms(kinds[kind]) for kind in ("image", "text")}
     with served(cfg) as base:
         url, model = f"{base}/chat/completions", cfg.model.served_name
         one_by_one(url, model, requests("image", 3, args.seed + 1))  # warm-up
@@ -167,11 +181,13 @@ def main(argv=None) -> int:
         for kind in args.beside_kinds if args.beside_streams else ():
             again = requests(kind, max(args.repeats, 40), args.seed + 2)
             report[f"{kind}_beside_decode"] = beside_decode(url, model, again, args.beside_streams)
-    threads = cfg.prefill.idle_torch_threads or cfg.prefill.torch_threads
     for kind in ("image", "text"):
-        base_ms = generate_ttft_ms(cfg, kinds[kind], threads)
+        after = generate.ttfts_ms(kinds[kind])
+        base_ms = statistics.median(before[kind] + after)
         report[kind] |= {
-            "generate_ttft_ms": round(base_ms, 2),
+            "generate_ttft_ms": round(base_ms, 2),  # over both windows
+            "generate_ttft_ms_before": round(statistics.median(before[kind]), 2),
+            "generate_ttft_ms_after": round(statistics.median(after), 2),
             "ratio_vs_generate": round(report[kind]["client_ttft_ms"] / base_ms, 2),
         }
     Path(args.out).write_text(json.dumps(report, indent=2))
