@@ -48,6 +48,8 @@ class _Outbox:
 
 
 class DecodeWorker(ModelWorker):
+    LINKED_CALLS = frozenset({"submit"})  # a small KV rides in the call (request_path.py)
+
     def __init__(self, spec: WorkerSpec, settings: DecodeSettings):
         from actors.engine.decode import DecodeEngine  # in the worker only (runtime.py)
         from actors.engine.lm_runner import LMRunner
@@ -185,6 +187,7 @@ class DecodeWorker(ModelWorker):
             "open_streams": len(self._owner_of),
             "messages": self.num_messages,
             "link_messages": self.link_messages,
+            "submits_over_link": self.num_linked_calls["submit"],  # a small KV inside them
             **self.device_thread_stats(),
             **self.priority_stats(),  # waits between steps for a peer's short prompt
         }

@@ -50,7 +50,7 @@ class _InFlight:
 
 
 class PrefillWorker(ModelWorker):
-    LINKED_CALLS = frozenset({"prefill", "receive"})
+    LINKED_CALLS = frozenset({"prefill", "receive", "pop_kv"})
 
     def __init__(self, spec: WorkerSpec, settings: PrefillSettings):
         from actors.engine.lm_runner import LMRunner  # in the worker only (runtime.py)

@@ -13,6 +13,7 @@ import inspect
 import os
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ class ModelWorker:
         # tokens): autoscaling prices what arrives at the device time a unit took.
         self.work_in = self.work_done = 0
         self._link: LinkServer | None = None
+        self.num_linked_calls: Counter[str] = Counter()  # by method: what came over links
 
     async def link_address(self) -> LinkAddress:
         """Where an ingress replica reaches this worker over a direct link (actors/wire.py):
@@ -123,6 +125,7 @@ class ModelWorker:
     async def _linked_call(self, method: str, args: tuple):
         if method not in self.LINKED_CALLS:
             raise ValueError(f"{method!r} cannot be called over a link")
+        self.num_linked_calls[method] += 1
         answer = getattr(self, method)(*args)
         return await answer if inspect.isawaitable(answer) else answer
 

@@ -437,9 +437,13 @@ class RequestPath:
     ) -> AsyncIterator[TokenChunk]:
         prefill = self.fleet.pools[WorkerKind.PREFILL][decision.prefill]
         decoder = self.fleet.pools[WorkerKind.DECODE][decision.decode]
-        kv_ref = with_options(
-            prefill.pop_kv, self.fleet.transport_option(self.config.transport.kv)
-        ).remote(job.job_id)
+        kv_ref = (
+            None  # popped over the prefill worker's link in _submit_decode
+            if self._kv_inline(result)
+            else with_options(
+                prefill.pop_kv, self.fleet.transport_option(self.config.transport.kv)
+            ).remote(job.job_id)
+        )
         request = DecodeRequest(
             job.job_id,
             result.num_prompt_tokens,
@@ -452,7 +456,7 @@ class RequestPath:
         feed.listen(job.job_id)  # before the submit: its first chunk may come right after
         finished = False
         try:
-            if not await self._submit_decode(decoder, decision, request, kv_ref):
+            if not await self._submit_decode(prefill, decoder, decision, request, kv_ref):
                 return  # aborted before it reached the worker: nobody is listening
             async for chunk in feed.chunks(job.job_id, self.config.decode.stream_interval):
                 if chunk.finish_reason == FinishReason.ERROR:
@@ -469,12 +473,19 @@ class RequestPath:
                 detached(decoder.abort.remote, job.job_id)  # frees the row and the KV
 
     async def _submit_decode(
-        self, decoder, decision: RouteDecision, request: DecodeRequest, kv_ref
+        self, prefill, decoder, decision: RouteDecision, request: DecodeRequest, kv_ref
     ) -> bool:
         """Over the object store (and CUDA IPC) the KV rides on the submit call itself: no
-        copy waits in the decode worker for a call that may never come. Collective transfers
-        into one actor must be ordered, so there the KV is delivered first."""
+        copy waits in the decode worker for a call that may never come. A small one
+        (`_kv_inline`, no `kv_ref`) rides inside the workers' link calls, popped and submitted:
+        two link hops instead of two Ray calls and the store's put and fetch. Collective
+        transfers into one actor must be ordered, so there the KV is delivered first."""
         owner = self.fleet.owner
+        if kv_ref is None:
+            kv = await self.links.call(prefill, "pop_kv", request.request_id)
+            # in a task of its own, as a Ray submit is detached (cluster/leftovers.py)
+            submit = self.links.call(decoder, "submit", request, kv, owner)
+            return await detached(asyncio.ensure_future, submit)
         if not self.config.transport.kv.collective:
             return await detached(decoder.submit.remote, request, kv_ref, owner)
         await self.deliver(
@@ -485,6 +496,16 @@ class RequestPath:
             self.config.transport.kv,
         )
         return await detached(decoder.submit.remote, request, None, owner)
+
+    def _kv_inline(self, result: PrefillResult) -> bool:
+        """Whether the request's KV goes prefill -> ingress -> decode inside link calls: over
+        the object store, with links, and at most transport.inline_max_bytes (as small pixels
+        and embeddings do). Judged from the prompt's length: no larger than it may be."""
+        t = self.config.transport
+        if not (t.direct_links and t.kv == Transport.OBJECT_STORE):
+            return False
+        kv_bytes = result.num_prompt_tokens * self.planner.spec.kv_bytes_per_token
+        return kv_bytes <= t.inline_max_bytes
 
     def _record_step(self, step_ms: float) -> None:
         self._decode_step.observe(step_ms / 1e3)

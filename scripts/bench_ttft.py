@@ -7,13 +7,14 @@ each time), a text request, and a cache-hit repeat (the same image and prompt ag
 and prefix caches). For each: the client's TTFT (a bare-socket client, benchkit/raw_client.py,
 that parses nothing per event) and the medians of the server's `timings`
 (admit = body read + parse + media decode + plan, route, encode queue and compute, transfer,
-prefill call = prefill queue + forward + the hops, first_token = its way out), and the
-framework's share: server TTFT minus encode and prefill compute. The baseline runs before the
-server starts and after it stops (this host drifts over minutes); its median over both windows
-is the ratio's, each window's beside it. With `--beside-streams N`,
-text requests again while N decode streams loop (`text_beside_decode`, with p90s; with
-`--beside-kinds text image`, new images too: `image_beside_decode`): admission's
-phases under an event loop busy streaming tokens.
+prefill call = prefill queue + forward + the hops, first_token = its way out), the
+framework's share: server TTFT minus encode and prefill compute, and the wait from the first
+token to the second (`second_token_ms`: the KV's hand-over to decode and its first step).
+The baseline runs before the server starts and after it stops (this host drifts over
+minutes); its median over both windows is the ratio's, each window's beside it. With
+`--beside-streams N`, text requests again while N decode streams loop (`text_beside_decode`,
+with p90s; with `--beside-kinds text image`, new images too: `image_beside_decode`):
+admission's phases under an event loop busy streaming tokens.
 
 Usage: scripts/bench_ttft.py [--config configs/local_cpu.yaml] [--repeats 10]
        [--beside-streams 32 [--beside-kinds text image]]
@@ -76,6 +77,9 @@ def breakdown(results: list[Result]) -> dict:
     out["client_minus_server_ms"] = med(
         [r.ttft_s * 1e3 - t["ttft_ms"] for r, t in zip(results, timings)]
     )
+    # each request asks for two tokens: the second one's wait is the hand-over to decode
+    gaps = [r.tpot_s * 1e3 for r in results if r.tpot_s is not None]
+    out["second_token_ms"] = med(gaps) if gaps else None
     return out
 
 

@@ -222,6 +222,22 @@ def _decode_pid(app) -> int:
     return app.http.get("/health", params={"verbose": 1}).json()["workers"]["decode"][0]["pid"]
 
 
+def test_a_small_kv_goes_to_decode_inside_the_link_calls(app):
+    """A prompt's KV of at most transport.inline_max_bytes is popped from the prefill worker
+    and submitted to decode over their links, not through two Ray calls and the store."""
+
+    def submitted() -> int:
+        workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]
+        return sum(w["submits_over_link"] for w in workers["decode"])
+
+    before = submitted()
+    r = app.chat(MESSAGES, temperature=0, max_tokens=4)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    assert submitted() == before + 1
+    workers = app.http.get("/health", params={"verbose": 1}).json()["workers"]
+    assert all(w["held_kv"] == 0 for w in workers["prefill"] + workers["decode"]), workers
+
+
 def test_repeated_image_hits_the_encoder_cache(app):
     image = {"type": "image_url", "image_url": {"url": png_data_url(random_image(404, 36, 36))}}
     messages = [{"role": "user", "content": [image, {"type": "text", "text": "again"}]}]
