@@ -489,19 +489,23 @@ class TransportConfig(Strict):
         description="With direct_links and embeddings over object_store: an item's decoded "
         "pixels (ingress -> encoder) and its embeddings (encoder -> prefill) of at most this "
         "many bytes travel inside the link's call, as Ray inlines small arguments, instead of "
-        "a put and a fetch through the object store (each about a millisecond on a CPU host). "
-        "Larger ones still go through the object store; 0: always. Inline pixels stay in the "
-        "ingress until their request ends (at most this much per item).",
+        "a put and a fetch through the object store (each about a millisecond on a CPU host); "
+        "with kv over object_store, a prompt's KV cache of at most this size likewise goes "
+        "prefill -> ingress -> decode inside two link calls. Larger ones still go through the "
+        "object store; 0: always. Inline pixels stay in the ingress until their request ends "
+        "(at most this much per item).",
     )
 
     @model_validator(mode="after")
     def _inline_only_where_it_applies(self) -> TransportConfig:
         default = type(self).model_fields["inline_max_bytes"].default
-        if self.inline_max_bytes not in (0, default) and not self.inline_bytes:
+        stored = Transport.OBJECT_STORE in (self.embeddings, self.kv)
+        if self.inline_max_bytes not in (0, default) and not (self.direct_links and stored):
             raise ValueError(
                 f"inline_max_bytes ({self.inline_max_bytes}) applies only with direct_links "
-                f"and embeddings: object_store (here direct_links {self.direct_links}, "
-                f"embeddings {self.embeddings.value}); leave it unset or 0"
+                f"and embeddings or kv over object_store (here direct_links "
+                f"{self.direct_links}, embeddings {self.embeddings.value}, kv "
+                f"{self.kv.value}); leave it unset or 0"
             )
         return self
 

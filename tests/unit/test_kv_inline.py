@@ -33,3 +33,8 @@ def test_a_kv_up_to_inline_max_bytes_goes_inside_the_links():
 )
 def test_no_links_another_transport_or_no_inlining_keeps_the_ray_calls(transport):
     assert not inline(8, **transport)
+
+
+def test_the_bound_applies_to_kv_alone_when_embeddings_move_over_gloo():
+    assert inline(4096 // BYTES_PER_TOKEN, embeddings="gloo", inline_max_bytes=4096)
+    assert not inline(4096 // BYTES_PER_TOKEN + 1, embeddings="gloo", inline_max_bytes=4096)

@@ -314,8 +314,12 @@ def test_items_small_enough_to_ride_in_their_call_skip_the_store(transport, stor
             assert item.data.strides[0] > 0 and item.data.any(), item.data.strides
 
 
-@pytest.mark.parametrize("transport", [{"direct_links": False}, {"embeddings": "gloo"}])
+@pytest.mark.parametrize(
+    "transport", [{"direct_links": False}, {"embeddings": "gloo", "kv": "gloo"}]
+)
 def test_an_inline_bound_where_nothing_inlines_is_refused_by_name(transport):
+    """With embeddings over gloo but KV over the object store the bound still applies (to the
+    KV's way to decode), so only where neither rides the links is it refused."""
     with pytest.raises(ValidationError, match="inline_max_bytes"):
         intake(transport={**transport, "inline_max_bytes": 4096})
     intake(transport={**transport, "inline_max_bytes": 0})  # never inline: says what happens

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -164,10 +165,16 @@ def test_only_a_workers_declared_methods_can_be_called_over_a_link():
     async def prefill(value):
         return value
 
-    worker = SimpleNamespace(LINKED_CALLS=frozenset({"prefill"}), prefill=prefill, drop=prefill)
+    worker = SimpleNamespace(
+        LINKED_CALLS=frozenset({"prefill"}),
+        prefill=prefill,
+        drop=prefill,
+        num_linked_calls=Counter(),
+    )
     assert run(ModelWorker._linked_call(worker, "prefill", (3,))) == 3
     with pytest.raises(ValueError, match="'drop' cannot be called"):
         run(ModelWorker._linked_call(worker, "drop", (3,)))
+    assert worker.num_linked_calls == {"prefill": 1}  # what came over links, by method
 
 
 class Handle:
