@@ -10,6 +10,8 @@ import base64
 import binascii
 from dataclasses import dataclass
 
+import pybase64
+
 from cluster.media.errors import MediaError
 from cluster.media.fetch import FetchPolicy, fetch
 
@@ -76,13 +78,23 @@ def _fetched(url: str, kind: UrlKind, remote: FetchPolicy, param: str) -> tuple[
 
 def decode_base64(payload: str, *, noun: str, where: str, param: str) -> bytes:
     """Strict base64 -> non-empty bytes. `where` names the field in errors ("data URL", ...)."""
-    # Line breaks inside the payload are common (MIME-style wrapping); anything else is an error.
     try:
-        # bytes.translate, not a regex: 1.5 against 20 ms for a 400 kB payload here
-        raw = payload.encode("ascii").translate(None, _WHITESPACE)
-        data = base64.b64decode(raw, validate=True)
+        data = _strict_base64(payload)
     except (UnicodeEncodeError, binascii.Error, ValueError) as exc:
         raise MediaError(f"invalid base64 in {where}: {exc}", param) from None
     if not data:
         raise MediaError(f"empty {noun} data in {where}", param)
     return data
+
+
+def _strict_base64(payload: str) -> bytes:
+    """pybase64's SIMD decoder first (0.03 ms for a 600 kB image's payload here, against 2.3 for
+    the standard library's validated decode, most of it a regex). What it refuses goes the
+    standard library's way, which decides and names the problem as before: line breaks inside
+    the payload (MIME-style wrapping) are dropped; anything else is an error."""
+    try:
+        return pybase64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        # bytes.translate, not a regex: 1.5 against 20 ms for a 400 kB payload here
+        raw = payload.encode("ascii").translate(None, _WHITESPACE)
+        return base64.b64decode(raw, validate=True)

@@ -22,6 +22,7 @@ from cluster.media.errors import MediaError
 from cluster.media.fetch import FetchPolicy
 from cluster.media.image import decode_image_url
 from cluster.media.load import load_media_item
+from cluster.media.payload import decode_base64
 from router.types import Modality
 
 PARAM = "messages[1].content[2].image_url"
@@ -106,6 +107,32 @@ def test_wrapped_base64_and_mismatched_but_allowed_mime_are_accepted() -> None:
     wrapped = "\n".join(raw[i : i + 76] for i in range(0, len(raw), 76))
     out = decode(f"data:image/jpeg;base64,{wrapped}")  # declared JPEG, actually PNG
     np.testing.assert_array_equal(out, pixels())
+
+
+def test_base64_decodes_as_the_standard_library_does() -> None:
+    """The fast decoder and its fallback together accept and refuse what the strict standard
+    decoder (after line breaks are dropped) does, with the same bytes."""
+    rng = np.random.default_rng(0)
+    payloads = ["", "=", "YQ", "YQ=", "YQ==", "YQ===", "YWJj=", "YWJjZA==", "Y W", "é", "YQ==YQ=="]
+    for n in range(40):
+        raw = base64.b64encode(rng.bytes(n)).decode()
+        payloads += [raw, raw[:-1], raw + "=", raw.replace("A", "-"), "\n".join(raw)]
+    for payload in payloads:
+        try:
+            expected = base64.b64decode(
+                payload.encode("ascii").translate(None, b" \n"), validate=True
+            )
+        except (ValueError, UnicodeEncodeError):
+            expected = None
+        if not expected:
+            with pytest.raises(MediaError, match="base64|empty"):
+                payload_of(payload)
+        else:
+            assert payload_of(payload) == expected, payload
+
+
+def payload_of(payload: str) -> bytes:
+    return decode_base64(payload, noun="image", where="data URL", param=PARAM)
 
 
 # ----------------------------------------------------------------------- URL and payload rejections
