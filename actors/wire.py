@@ -15,17 +15,20 @@ a stream of a worker's messages (`STREAM`) or calls (`CALL`, several in flight o
 A link that breaks ends its stream and fails its calls with `LinkClosed`, as a dead actor's
 would; callers treat both alike.
 
-Plain asyncio and pickle: no Ray, no torch.
+Plain asyncio and pickle: no Ray, and torch only where a tensor is sent or received.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copyreg
+import io
 import itertools
 import logging
 import pickle
 import secrets
 import struct
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -56,8 +59,57 @@ class LinkAddress:
 
 
 def write_frame(writer: asyncio.StreamWriter, message) -> None:
-    data = pickle.dumps(message, protocol=5)
+    data = dumps(message)
     writer.write(_HEADER.pack(len(data)) + data)
+
+
+def dumps(message) -> bytes:
+    """`message` pickled, its CPU tensors as NumPy arrays: torch's own reduction writes each
+    through torch.save (a zip archive), 0.2 ms a small tensor there and back and 3 ms for 2 MB
+    here, against 0.02 and 1.2 this way (an encoder's embeddings, a small KV)."""
+    table = _tensor_table()
+    if table is None:  # no torch in this process: no tensor to send
+        return pickle.dumps(message, protocol=5)
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=5)
+    pickler.dispatch_table = table
+    pickler.dump(message)
+    return buffer.getvalue()
+
+
+_TABLE: dict | None = None
+
+
+def _tensor_table() -> dict | None:
+    """copyreg's reductions and a CPU tensor's as an array, once torch is loaded."""
+    global _TABLE
+    if _TABLE is None and (torch := sys.modules.get("torch")) is not None:
+        _TABLE = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
+    return _TABLE
+
+
+def _reduce_tensor(tensor):
+    import torch
+
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
+        return tensor.__reduce_ex__(5)
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    try:
+        return _tensor_of, (tensor.numpy(), None)
+    except TypeError:  # a dtype NumPy lacks (bfloat16, float8): its bits as integers
+        bits = _SAME_SIZE_INTS[tensor.element_size()]
+        return _tensor_of, (tensor.view(getattr(torch, bits)).numpy(), str(tensor.dtype)[6:])
+
+
+_SAME_SIZE_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def _tensor_of(array, dtype: str | None):
+    """The tensor `_reduce_tensor` sent (unpickled as a writable array of the frame's copy)."""
+    import torch
+
+    tensor = torch.from_numpy(array)
+    return tensor if dtype is None else tensor.view(getattr(torch, dtype))
 
 
 async def read_frame(reader: asyncio.StreamReader):

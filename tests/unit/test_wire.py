@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import warnings
 from collections import Counter
 from types import SimpleNamespace
 
@@ -90,6 +91,38 @@ def test_calls_are_answered_out_of_order_and_raise_the_workers_exception():
         link.close()
 
     run(main())
+
+
+def test_tensors_cross_a_link_as_arrays_exact_and_writable():
+    """A CPU tensor travels as its array (not through torch.save's archive), whatever its dtype
+    (bfloat16 as its bits) or strides, and arrives equal, of its dtype, and writable."""
+    import torch
+
+    sent = [
+        torch.randn(49, 64),
+        torch.randn(3, 5, dtype=torch.float64).t(),
+        torch.randn(4, 6).to(torch.bfloat16),
+        torch.arange(12).view(3, 4)[:, 1:],
+        torch.tensor(2.5, dtype=torch.float16),
+        torch.zeros(0, 3, dtype=torch.bool),
+        torch.randn(2, 2, requires_grad=True),
+    ]
+
+    async def main():
+        worker = Worker()
+        link = await wire.CallLink.open(await worker.server.address())
+        back = await link.call("echo_after", 0.0, sent)
+        link.close()
+        return back
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns of a tensor over a read-only array
+        received = run(main())
+    for tensor, got in zip(sent, received, strict=True):
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape
+        assert torch.equal(got, tensor.detach())
+    frame = wire.dumps(sent)
+    assert b"_rebuild_tensor" not in frame and b"_tensor_of" in frame
 
 
 async def _hanging(worker: Worker):
