@@ -5,9 +5,11 @@ microseconds of CPU on each side (its RPCs, its threads, cloudpickle); a decode 
 message or a prefill call's answer is a few kB of plain data. Over a link of its own it is a
 length-prefixed pickle on an asyncio stream: tens of microseconds. Tensors travel here only
 when small enough to inline (transport.inline_max_bytes: a small image's pixels in its encode
-call, its embeddings in the encoder's push); the rest stay on the object store or RDT. Ray
-still starts, places and watches the actors: a link is only a faster road between two live
-ones.
+call, its embeddings in the encoder's push); the rest stay on the object store or RDT. A
+call's buffers of 64 kB and more go beside its frame, through a ring of shared memory
+(actors/shm_ring.py) that the caller offers on its first such call and uses once the worker,
+on the same node, has attached. Ray still starts, places and watches the actors: a link is
+only a faster road between two live ones.
 
 The worker listens on its node's address (`LinkServer`); the ingress learns the address and
 a one-time token through a Ray call, connects, and names what it wants in its first frame:
@@ -21,20 +23,22 @@ Plain asyncio and pickle: no Ray, and torch only where a tensor is sent or recei
 from __future__ import annotations
 
 import asyncio
-import copyreg
-import io
 import itertools
 import logging
 import pickle
 import secrets
 import struct
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from actors.shm_ring import Region, RingOffer, RingReader, RingWriter
+from actors.wire_pickle import Pickled, dumps, loads
+
 log = logging.getLogger(__name__)
-_HEADER = struct.Struct("!I")  # a frame: its length, then a pickle
+_HEADER = struct.Struct("!II")  # a frame: its pickle's length, its number of ring regions
+_REGION = struct.Struct("!QQ")  # then each region (start, length); then the pickle
+MAX_REGIONS = 4096
 TOKEN_CHARS = 32
 MAX_FRAME_BYTES = 64 << 20  # a control message is kB; anything near this is a broken peer
 
@@ -45,6 +49,8 @@ class LinkKind(str, Enum):
 
 
 CANCEL = ""  # a call frame with this method: the caller stopped waiting for that call id
+RING_OFFER = "\0ring"  # one with this: the caller's ring (actors/shm_ring.py); answered attached
+RING_BYTES = 4 << 20  # a caller's ring: a few calls' pixels or KV in flight at once
 
 
 class LinkClosed(ConnectionError):
@@ -58,66 +64,23 @@ class LinkAddress:
     token: str  # proves the peer learnt the address from the worker (through Ray)
 
 
-def write_frame(writer: asyncio.StreamWriter, message) -> None:
-    data = dumps(message)
-    writer.write(_HEADER.pack(len(data)) + data)
+def write_frame(writer: asyncio.StreamWriter, message, ring: RingWriter | None = None) -> Pickled:
+    """`message` on its way: a header (its pickle's length, its buffers in `ring`), the
+    buffers' regions, the pickle."""
+    pickled = dumps(message, ring)
+    regions = b"".join(_REGION.pack(*region) for region in pickled.regions)
+    writer.write(_HEADER.pack(len(pickled.data), len(pickled.regions)) + regions + pickled.data)
+    return pickled
 
 
-def dumps(message) -> bytes:
-    """`message` pickled, its CPU tensors as NumPy arrays: torch's own reduction writes each
-    through torch.save (a zip archive), 0.2 ms a small tensor there and back and 3 ms for 2 MB
-    here, against 0.02 and 1.2 this way (an encoder's embeddings, a small KV)."""
-    table = _tensor_table()
-    if table is None:  # no torch in this process: no tensor to send
-        return pickle.dumps(message, protocol=5)
-    buffer = io.BytesIO()
-    pickler = pickle.Pickler(buffer, protocol=5)
-    pickler.dispatch_table = table
-    pickler.dump(message)
-    return buffer.getvalue()
-
-
-_TABLE: dict | None = None
-
-
-def _tensor_table() -> dict | None:
-    """copyreg's reductions and a CPU tensor's as an array, once torch is loaded."""
-    global _TABLE
-    if _TABLE is None and (torch := sys.modules.get("torch")) is not None:
-        _TABLE = {**copyreg.dispatch_table, torch.Tensor: _reduce_tensor}
-    return _TABLE
-
-
-def _reduce_tensor(tensor):
-    import torch
-
-    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
-        return tensor.__reduce_ex__(5)
-    tensor = tensor.detach().resolve_conj().resolve_neg()
+async def read_frame(reader: asyncio.StreamReader, ring: RingReader | None = None):
     try:
-        return _tensor_of, (tensor.numpy(), None)
-    except TypeError:  # a dtype NumPy lacks (bfloat16, float8): its bits as integers
-        bits = _SAME_SIZE_INTS[tensor.element_size()]
-        return _tensor_of, (tensor.view(getattr(torch, bits)).numpy(), str(tensor.dtype)[6:])
-
-
-_SAME_SIZE_INTS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
-
-
-def _tensor_of(array, dtype: str | None):
-    """The tensor `_reduce_tensor` sent (unpickled as a writable array of the frame's copy)."""
-    import torch
-
-    tensor = torch.from_numpy(array)
-    return tensor if dtype is None else tensor.view(getattr(torch, dtype))
-
-
-async def read_frame(reader: asyncio.StreamReader):
-    try:
-        (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-        if size > MAX_FRAME_BYTES:
-            raise LinkClosed(f"a frame of {size} bytes: not a link peer")
-        return pickle.loads(await reader.readexactly(size))
+        size, num_regions = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+        if size > MAX_FRAME_BYTES or num_regions > MAX_REGIONS:
+            raise LinkClosed(f"a frame of {size} bytes, {num_regions} regions: not a link peer")
+        regions = await reader.readexactly(num_regions * _REGION.size) if num_regions else b""
+        data = await reader.readexactly(size)
+        return loads(data, [Region(*r) for r in _REGION.iter_unpack(regions)], ring)
     except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
         raise LinkClosed(str(exc) or type(exc).__name__) from None
 
@@ -165,18 +128,24 @@ class LinkServer:
     async def _serve_calls(self, reader, writer) -> None:
         """Each call in a task of its own; a cancel frame cancels its call, as a cancelled Ray
         call would be; calls still running when the link breaks are cancelled too."""
-        link = id(writer)
+        link, ring = id(writer), None
         try:
             while True:
-                call_id, method, args = await read_frame(reader)
+                call_id, method, args = await read_frame(reader, ring)
                 if method == CANCEL:
                     if (task := self._calls.get((link, call_id))) is not None:
                         task.cancel()
-                    continue
-                task = asyncio.create_task(self._answer(writer, call_id, method, args))
-                self._calls[(link, call_id)] = task
-                task.add_done_callback(lambda _, key=(link, call_id): self._calls.pop(key, None))
+                elif method == RING_OFFER:  # the caller's ring, read here if on this node
+                    offered = RingReader.attach(RingOffer(*args)) if ring is None else None
+                    ring = ring or offered  # one a link: a second offer is declined
+                    write_frame(writer, (call_id, True, offered is not None))
+                else:
+                    task = asyncio.create_task(self._answer(writer, call_id, method, args))
+                    self._calls[(link, call_id)] = task
+                    task.add_done_callback(lambda _, k=(link, call_id): self._calls.pop(k, None))
         finally:
+            if ring is not None:
+                ring.close()
             for (owner, _), task in list(self._calls.items()):
                 if owner == link:
                     task.cancel()
@@ -252,6 +221,8 @@ class CallLink:
         self._waiting: dict[int, asyncio.Future] = {}
         self.failure: LinkClosed | None = None
         self._reader = asyncio.create_task(self._read(reader))
+        self._ring: RingWriter | None = None  # shared with the worker once it attached
+        self._ring_offer: asyncio.Task | None = None  # made on the first large buffer
 
     @classmethod
     async def open(cls, address: LinkAddress) -> CallLink:
@@ -263,7 +234,9 @@ class CallLink:
             raise self.failure
         call_id = next(self._ids)
         future = self._waiting[call_id] = asyncio.get_running_loop().create_future()
-        write_frame(self._writer, (call_id, method, args))
+        pickled = write_frame(self._writer, (call_id, method, args), self._ring)
+        if pickled.wants_ring and self._ring_offer is None:
+            self._ring_offer = asyncio.create_task(self._share_ring())
         try:
             return await future
         except asyncio.CancelledError:
@@ -272,6 +245,24 @@ class CallLink:
             raise
         finally:
             self._waiting.pop(call_id, None)  # answered, or its caller stopped waiting
+
+    async def _share_ring(self) -> None:
+        """Offer the worker a ring for this link's large buffers; use it once it attached."""
+        try:
+            ring = RingWriter.where_room(RING_BYTES)
+        except OSError as exc:
+            log.info("no shared-memory ring for a link (%s): buffers stay in frames", exc)
+            return
+        try:
+            attached = await self.call(RING_OFFER, *ring.offer)
+        except LinkClosed:
+            attached = False
+        finally:
+            ring.unlink()
+        if attached and self.failure is None:
+            self._ring = ring
+        else:
+            ring.close()
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
@@ -297,3 +288,6 @@ class CallLink:
             if not future.done():
                 future.set_exception(self.failure)
         self._writer.close()
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None

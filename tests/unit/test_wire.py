@@ -10,13 +10,15 @@ import warnings
 from collections import Counter
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import ray
 import ray.exceptions as rx
 
-from actors import wire
+from actors import wire, wire_pickle
 from actors.runtime import ModelWorker
 from actors.worker_links import WorkerLinks
+from tests.unit import test_shm_ring
 
 
 def run(coro):
@@ -121,8 +123,48 @@ def test_tensors_cross_a_link_as_arrays_exact_and_writable():
     for tensor, got in zip(sent, received, strict=True):
         assert got.dtype == tensor.dtype and got.shape == tensor.shape
         assert torch.equal(got, tensor.detach())
-    frame = wire.dumps(sent)
+    frame = wire_pickle.dumps(sent).data
     assert b"_rebuild_tensor" not in frame and b"_tensor_of" in frame
+
+
+def _large_calls(worker: Worker, num_calls: int):
+    """`num_calls` calls together (more than a ring holds at once), each echoing a tensor and
+    an array too large for a frame's inside, after one that makes the link offer its ring:
+    what was sent, what came back, and how far the link's ring was written (None: no ring)."""
+    import torch
+
+    async def main():
+        link = await wire.CallLink.open(await worker.server.address())
+        await link.call("echo_after", 0.0, torch.zeros(1 << 15))
+        await link._ring_offer
+        sent = [(torch.randn(300, 300), np.arange(n * 10_000)) for n in range(1, num_calls + 1)]
+        got = await asyncio.gather(*(link.call("echo_after", 0.01, value) for value in sent))
+        written = link._ring._head if link._ring is not None else None
+        link.close()
+        assert link._ring is None
+        return sent, got, written
+
+    return run(main())
+
+
+def test_large_buffers_cross_a_same_node_link_through_its_ring_exact_and_writable():
+    import torch
+
+    before = test_shm_ring.epd_segments()
+    sent, got, written = _large_calls(Worker(), 12)
+    assert written  # the calls' buffers went through the ring
+    assert test_shm_ring.epd_segments() == before  # named only until the worker attached
+    for (tensor, array), (got_tensor, got_array) in zip(sent, got, strict=True):
+        assert torch.equal(got_tensor, tensor) and np.array_equal(got_array, array)
+        assert got_array.flags.writeable
+
+
+def test_a_worker_on_another_node_leaves_the_buffers_in_the_frames(monkeypatch):
+    before = test_shm_ring.epd_segments()
+    monkeypatch.setattr(wire.RingReader, "attach", classmethod(lambda cls, offer: None))
+    sent, got, written = _large_calls(Worker(), 3)
+    assert written is None and test_shm_ring.epd_segments() == before
+    assert all(np.array_equal(g[1], s[1]) for s, g in zip(sent, got, strict=True))
 
 
 async def _hanging(worker: Worker):
