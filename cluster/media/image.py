@@ -20,6 +20,7 @@ from cluster.media.budget import DecodeCost, PixelBudget
 from cluster.media.errors import MediaError
 from cluster.media.fetch import FetchPolicy
 from cluster.media.payload import UrlKind, data_url_bytes
+from cluster.media.png_plain import decode_plain_png, plain_png_size
 
 # Formats we decode. MPO is what Pillow calls a JPEG with extra (multi-picture)
 # frames, which phone cameras produce; its first frame is an ordinary JPEG.
@@ -61,8 +62,15 @@ def decode_image_url(
     than PNG/JPEG/WebP, truncated data, zero-size images, images over `max_pixels`, and
     images the request's `budget` cannot pay for (charged before any pixel is decoded).
     """
+    require_strict_pillow()  # refused whichever decodes it: a server so configured pads
     _, data = data_url_bytes(url, kind=IMAGE_URL, remote=remote, param=param)
     check_header_pixels(data, max_pixels=max_pixels, param=param)
+    if (size := plain_png_size(data)) is not None:  # checked above: the header's size
+        if budget is not None:
+            budget.charge(DecodeCost(1, *size), param=param, noun="image")
+        if (rgb := decode_plain_png(data, *size)) is not None:
+            return rgb
+        budget = None  # charged: Pillow's way (to decode it, or to say why not) pays nothing
     image = _open_and_load(data, max_pixels=max_pixels, param=param, budget=budget)
     return convert_to_rgb(image)
 
