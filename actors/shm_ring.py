@@ -3,11 +3,11 @@
 A frame over a loopback socket costs more the larger it is (a link's 750 kB of pixels: about
 1.5 ms one way here, against 0.65 through a segment both ends map). The link's writer owns a
 segment and offers its name; the reader attaches, which works only on the same node (the same
-/dev/shm), and says so; then the name is unlinked, so a crash on either side leaves nothing
-behind. One producer, one consumer, in frame order: a frame names its buffers' places
-(`Region`), the reader copies each out and moves the tail (a counter in the segment's first
-bytes) past it, and the writer reuses what lies behind the tail. A buffer that finds no room
-goes inside its frame, as every buffer did before.
+/dev/shm), removes the name and says so: a crash on either side then leaves nothing behind.
+One producer, one consumer, in frame order: a frame names its buffers' places (`Region`),
+the reader copies each out and moves the tail (a counter in the segment's first bytes) past
+it, and the writer reuses what lies behind the tail. A buffer that finds no room goes inside
+its frame, as every buffer did before.
 
 Plain Python: no Ray, no torch, no asyncio.
 """
@@ -105,8 +105,11 @@ class RingWriter(_Ring):
         return region
 
     def unlink(self) -> None:
-        """Remove the name: the segment lives on while either end maps it."""
-        os.unlink(self._path)
+        """Remove the name (if the reader has not): the segment lives while either end maps it."""
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            pass
 
 
 class RingReader(_Ring):
@@ -117,8 +120,9 @@ class RingReader(_Ring):
         """The writer's ring, or None where its segment is not here (another node)."""
         if not isinstance(offer.name, str) or not _NAME.fullmatch(offer.name):
             return None
+        path = os.path.join(SHM_DIR, offer.name)
         try:
-            fd = os.open(os.path.join(SHM_DIR, offer.name), os.O_RDWR)
+            fd = os.open(path, os.O_RDWR)
         except OSError:
             return None
         num_bytes = os.fstat(fd).st_size
@@ -129,6 +133,7 @@ class RingReader(_Ring):
         if ring._map[_NONCE] != offer.nonce:
             ring.close()
             return None
+        os.unlink(path)  # both ends map it now: nothing is left if either dies before the other
         return ring
 
     def take(self, region: Region) -> bytearray:

@@ -23,8 +23,8 @@ def ring_pair():
     before = epd_segments()
     writer = RingWriter(1000)
     reader = RingReader.attach(writer.offer)
-    writer.unlink()  # as a link does once the reader attached
-    assert epd_segments() == before  # the name is gone; both ends still map the segment
+    assert epd_segments() == before  # the reader removed the name; both ends map the segment
+    writer.unlink()  # as a link does once its offer is answered: harmless now
     yield writer, reader
     writer.close()
     reader.close()
