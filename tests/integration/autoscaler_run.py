@@ -84,12 +84,26 @@ def encoder_nodes() -> int:
     return sum(1 for n in ray.nodes() if n["Alive"] and NODE_TYPE in n["Resources"])
 
 
+def verbose_health(root: str, within_s: float = 60.0) -> dict:
+    """/health?verbose=1's JSON. Just after the app is ready the front door may still answer
+    for it (its own 503 page, before its check finds the replica up): asked again until then."""
+    import httpx
+
+    deadline = time.monotonic() + within_s
+    while True:
+        answer = httpx.get(f"{root}/health", params={"verbose": 1}, timeout=30)
+        if answer.headers.get("content-type", "").startswith("application/json"):
+            return answer.json()
+        assert time.monotonic() < deadline, f"/health answered {answer.status_code}: {answer.text}"
+        time.sleep(0.5)
+
+
 def pool_view(root: str) -> dict:
     """What /health?verbose=1 and /metrics say of the encoder pool now."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    health = httpx.get(f"{root}/health", params={"verbose": 1}, timeout=30).json()
+    health = verbose_health(root)
     second = health["workers"]["encoder"][1]
     metrics = text_string_to_metric_families(httpx.get(f"{root}/metrics", timeout=30).text)
     return {
@@ -114,11 +128,10 @@ class Watch:
         self._thread.start()
 
     def _run(self) -> None:
-        import httpx
 
         t0 = time.monotonic()
         while not self._stop.wait(0.5):
-            pool = httpx.get(f"{self.root}/health", params={"verbose": 1}, timeout=30).json()
+            pool = verbose_health(self.root)
             pool = pool["fleet"]["pools"]["encoder"]
             self.seen.append([round(time.monotonic() - t0, 1), encoder_nodes(), pool["routed"]])
 

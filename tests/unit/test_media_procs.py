@@ -3,6 +3,8 @@ dead or exhausted children replaced, and nothing of the decode left in this proc
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import signal
 import time
@@ -12,6 +14,7 @@ from multiprocessing import Pipe
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from cluster.config import LimitsConfig
 from cluster.media.child import DecodeTask
@@ -86,14 +89,20 @@ def test_a_decode_over_the_memory_cap_is_refused_naming_the_limit_and_the_next_i
     )
     try:
         with pytest.raises(MediaError) as info:
-            small.decode(
-                task(png(4000, 4000))
-            )  # 16 MP: more than 256 MB of address space to decode
+            # 16 MP with an alpha band (Pillow's way, composited onto white): more than 256 MB
+            # of address space to decode
+            small.decode(task(rgba_png(4000, 4000)))
         assert "256 MB" in info.value.message and "max_decode_memory_mb" in info.value.message
         assert info.value.param == PARAM
         assert small.decode(task(png(8, 6)))[1].shape == (6, 8, 3)
     finally:
         small.shutdown()
+
+
+def rgba_png(width: int, height: int) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGBA", (width, height), (90, 20, 200, 128)).save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 def test_a_killed_child_fails_only_its_decode_and_is_replaced(pool: DecodePool) -> None:
