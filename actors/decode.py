@@ -186,7 +186,7 @@ class DecodeWorker(ModelWorker):
             "held_kv": len(self.inbox),
             "open_streams": len(self._owner_of),
             "messages": self.num_messages,
-            "link_messages": self.link_messages,
+            **self.link_stats(),
             "submits_over_link": self.num_linked_calls["submit"],  # a small KV inside them
             **self.device_thread_stats(),
             **self.priority_stats(),  # waits between steps for a peer's short prompt

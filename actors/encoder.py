@@ -191,7 +191,7 @@ class EncoderWorker(ModelWorker):
             "max_batch": self.batcher.max_batch_seen,
             **self.device_thread_stats(),
             "busy_s": self.busy_s,
-            "link_messages": self.link_messages,
+            **self.link_stats(),
             "work_in": self.work_in,
             "work_done": self.work_done,
             **self.priority_stats(),

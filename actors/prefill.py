@@ -214,7 +214,7 @@ class PrefillWorker(ModelWorker):
             "busy_s": self.busy_s,
             "work_in": self.work_in,
             "work_done": self.work_done,
-            "link_messages": self.link_messages,
+            **self.link_stats(),
             **self.priority_stats(),
         }
 

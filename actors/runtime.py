@@ -114,10 +114,14 @@ class ModelWorker:
             self._link = LinkServer(host, streamer=self.link_stream, caller=self._linked_call)
         return await self._link.address()
 
-    @property
-    def link_messages(self) -> int:
-        """Messages this worker sent over links (stream messages, call answers)."""
-        return self._link.num_sent if self._link is not None else 0
+    def link_stats(self) -> dict[str, int]:
+        """Messages this worker sent over links (stream messages, call answers), and the bytes
+        its callers handed it through shared-memory rings beside them (same-node links)."""
+        link = self._link
+        return {
+            "link_messages": link.num_sent if link is not None else 0,
+            "link_ring_bytes": link.num_ring_bytes if link is not None else 0,
+        }
 
     def link_stream(self, argument):
         raise ValueError(f"{type(self).__name__} streams nothing over a link")

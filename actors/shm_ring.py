@@ -115,6 +115,8 @@ class RingWriter(_Ring):
 class RingReader(_Ring):
     """The reader's end: attached by name, checked by nonce."""
 
+    num_taken_bytes = 0  # buffers copied out so far, for the worker's stats
+
     @classmethod
     def attach(cls, offer: RingOffer) -> RingReader | None:
         """The writer's ring, or None where its segment is not here (another node)."""
@@ -145,4 +147,5 @@ class RingReader(_Ring):
             raise ValueError(f"a ring region {region} the writer cannot have written")
         copy = bytearray(self._data[self._place(region)])
         self._tail[0] = start + num_bytes
+        self.num_taken_bytes += num_bytes
         return copy

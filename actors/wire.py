@@ -98,6 +98,13 @@ class LinkServer:
         self._server: asyncio.Server | None = None
         self._calls: dict[tuple[int, int], asyncio.Task] = {}  # (link, call id) -> its task
         self.num_sent = 0  # stream messages and call answers written, for the worker's stats
+        self._rings: set[RingReader] = set()  # callers' rings attached on live links
+        self._closed_ring_bytes = 0
+
+    @property
+    def num_ring_bytes(self) -> int:
+        """Bytes callers handed over through shared-memory rings rather than in frames."""
+        return self._closed_ring_bytes + sum(ring.num_taken_bytes for ring in self._rings)
 
     async def address(self) -> LinkAddress:
         """Listen (once) and say where."""
@@ -138,6 +145,8 @@ class LinkServer:
                 elif method == RING_OFFER:  # the caller's ring, read here if on this node
                     offered = RingReader.attach(RingOffer(*args)) if ring is None else None
                     ring = ring or offered  # one a link: a second offer is declined
+                    if offered is not None:
+                        self._rings.add(offered)
                     write_frame(writer, (call_id, True, offered is not None))
                 else:
                     task = asyncio.create_task(self._answer(writer, call_id, method, args))
@@ -145,6 +154,8 @@ class LinkServer:
                     task.add_done_callback(lambda _, k=(link, call_id): self._calls.pop(k, None))
         finally:
             if ring is not None:
+                self._rings.discard(ring)
+                self._closed_ring_bytes += ring.num_taken_bytes
                 ring.close()
             for (owner, _), task in list(self._calls.items()):
                 if owner == link:

@@ -244,6 +244,9 @@ def test_cluster_equals_generate_under_load(ray_session, references, transport, 
     # small images and their embeddings rode inside link calls, where they may
     inlined = sum(w["link_messages"] for w in workers["encoder"])
     assert inlined > 0 if config.transport.inline_bytes else inlined == 0, workers
+    # and the pixels (hundreds of kB an image) through the encode calls' shared-memory ring
+    ringed = sum(w["link_ring_bytes"] for w in workers["encoder"])
+    assert ringed > 0 if config.transport.inline_bytes else ringed == 0, workers
     assert all(w["cache_referenced_entries"] == 0 for w in workers["encoder"]), workers
     assert all(w["rows"] == 0 for w in workers["decode"]) and all(
         w["held_kv"] == 0 for w in workers["prefill"]

@@ -150,9 +150,10 @@ def _large_calls(worker: Worker, num_calls: int):
 def test_large_buffers_cross_a_same_node_link_through_its_ring_exact_and_writable():
     import torch
 
-    before = test_shm_ring.epd_segments()
-    sent, got, written = _large_calls(Worker(), 12)
-    assert written  # the calls' buffers went through the ring
+    before, worker = test_shm_ring.epd_segments(), Worker()
+    sent, got, written = _large_calls(worker, 12)
+    assert written  # the calls' buffers went through the ring, as the worker counts them
+    assert 360_000 <= worker.server.num_ring_bytes <= written
     assert test_shm_ring.epd_segments() == before  # named only until the worker attached
     for (tensor, array), (got_tensor, got_array) in zip(sent, got, strict=True):
         assert torch.equal(got_tensor, tensor) and np.array_equal(got_array, array)
@@ -162,8 +163,10 @@ def test_large_buffers_cross_a_same_node_link_through_its_ring_exact_and_writabl
 def test_a_worker_on_another_node_leaves_the_buffers_in_the_frames(monkeypatch):
     before = test_shm_ring.epd_segments()
     monkeypatch.setattr(wire.RingReader, "attach", classmethod(lambda cls, offer: None))
-    sent, got, written = _large_calls(Worker(), 3)
+    worker = Worker()
+    sent, got, written = _large_calls(worker, 3)
     assert written is None and test_shm_ring.epd_segments() == before
+    assert worker.server.num_ring_bytes == 0
     assert all(np.array_equal(g[1], s[1]) for s, g in zip(sent, got, strict=True))
 
 
