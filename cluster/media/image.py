@@ -142,8 +142,8 @@ def require_strict_pillow() -> None:
 def _open_and_load(
     data: bytes, *, max_pixels: int, param: str, budget: PixelBudget | None
 ) -> Image.Image:
-    """Open (header only), check format and size, then decode every pixel."""
-    require_strict_pillow()
+    """Open (header only), check format and size, then decode every pixel (Pillow's global
+    truncation flag already checked by the caller)."""
     # Why catch_warnings: Pillow only warns between MAX_IMAGE_PIXELS and twice that; make it an
     # error.
     with warnings.catch_warnings():

@@ -7,8 +7,8 @@ stream decodes to garbage that Pillow would refuse), so it is called here throug
 the checksums on: CRCs of all chunks and the zlib stream's Adler-32, as strict as Pillow.
 
 Only what both decode alike goes this way: 8-bit grey or truecolour PNGs and palette ones
-without a tRNS chunk (transparency is composited onto white, in Pillow: cluster/media/image.py), not
-interlaced, not animated. Anything else, and anything libspng refuses, is Pillow's, whose
+without a tRNS chunk (transparency is composited onto white, in Pillow: cluster/media/image.py),
+not interlaced, not animated. Anything else, and anything libspng refuses, is Pillow's, whose
 checks and messages stand. (An RGBA screenshot gained 3-5% this way, opaque or not: left to
 Pillow.) No torch here.
 """
