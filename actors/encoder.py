@@ -50,7 +50,8 @@ class EncoderWorker(ModelWorker):
             key=lambda job: job.item.modality,
         )
         self._running = 0
-        self.links = WorkerLinks()  # to prefill workers, for embeddings small enough to inline
+        # To prefill workers, for embeddings small enough to inline.
+        self.links = WorkerLinks(ring=spec.shared_memory)
         self.store_pages = StorePages()
 
     def _encode(self, items: list) -> tuple[list[torch.Tensor], float]:

@@ -47,6 +47,7 @@ class WorkerSpec:
     )
     board: str | None = None  # the fleet's name for its idle-core board (actors/idle_cores.py)
     niceness: int | None = None  # of the worker's threads (actors/thread_priority.py); None: Ray's
+    shared_memory: bool = True  # its own links' large call buffers through a ring (actors/wire.py)
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,9 @@ async def _frames(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 class CallLink:
     """The ingress's end of a link for calls: several in flight, answered in any order."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ring: bool = True
+    ):
         self._writer = writer
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future] = {}
@@ -234,10 +236,11 @@ class CallLink:
         self._reader = asyncio.create_task(self._read(reader))
         self._ring: RingWriter | None = None  # shared with the worker once it attached
         self._ring_offer: asyncio.Task | None = None  # made on the first large buffer
+        self._offers_ring = ring  # False: large buffers stay in frames (transport.shared_memory)
 
     @classmethod
-    async def open(cls, address: LinkAddress) -> CallLink:
-        return cls(*await _connect(address, LinkKind.CALL))
+    async def open(cls, address: LinkAddress, ring: bool = True) -> CallLink:
+        return cls(*await _connect(address, LinkKind.CALL), ring=ring)
 
     async def call(self, method: str, *args):
         """The worker's answer; its exception raised here; `LinkClosed` if the link broke."""
@@ -246,7 +249,7 @@ class CallLink:
         call_id = next(self._ids)
         future = self._waiting[call_id] = asyncio.get_running_loop().create_future()
         pickled = write_frame(self._writer, (call_id, method, args), self._ring)
-        if pickled.wants_ring and self._ring_offer is None:
+        if pickled.wants_ring and self._offers_ring and self._ring_offer is None:
             self._ring_offer = asyncio.create_task(self._share_ring())
         try:
             return await future

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -30,8 +31,9 @@ def detached(submit: Callable[..., T], *args) -> T:
 
 
 class WorkerLinks:
-    def __init__(self, direct: bool = True):
+    def __init__(self, direct: bool = True, ring: bool = True):
         self.direct = direct
+        self.ring = ring  # large call buffers through a shared-memory ring where it can
         self._links: dict[str, asyncio.Future] = {}  # actor id -> its CallLink, or None: Ray
 
     async def call(self, worker, method: str, *args):
@@ -61,7 +63,7 @@ class WorkerLinks:
         if opening is not None and opening.done() and _broken(opening):
             opening = None  # its worker restarted or its connection was cut: a new link
         if opening is None:  # shared: calls that come while it opens wait for the same one
-            opening = self._links[key] = asyncio.ensure_future(_open(worker))
+            opening = self._links[key] = asyncio.ensure_future(_open(worker, self.ring))
         return await asyncio.shield(opening)
 
     def close(self) -> None:
@@ -100,5 +102,5 @@ async def open_link(worker, connect: Callable[[wire.LinkAddress], Awaitable[T]])
         return None
 
 
-def _open(worker) -> Awaitable[wire.CallLink | None]:
-    return open_link(worker, wire.CallLink.open)
+def _open(worker, ring: bool) -> Awaitable[wire.CallLink | None]:
+    return open_link(worker, functools.partial(wire.CallLink.open, ring=ring))

@@ -483,6 +483,15 @@ class TransportConfig(Strict):
         "not a millisecond. False where the cluster's network allows only Ray's own ports; a "
         "link that cannot connect falls back to Ray by itself.",
     )
+    shared_memory: bool = Field(
+        True,
+        description="With direct_links: a link call's buffers of 64 kB or more (pixels, "
+        "inline embeddings, a small KV) go to a worker on the same node through a 4 MiB "
+        "shared-memory ring per link in /dev/shm (actors/shm_ring.py) instead of the TCP "
+        "frame; used only where /dev/shm has 256 MiB free, so a container's 64 MiB default "
+        "keeps them in frames by itself (`link_ring_bytes` in /health?verbose=1 shows which). "
+        "False: always in the frame.",
+    )
     inline_max_bytes: int = Field(
         1 << 20,
         ge=0,

@@ -75,6 +75,7 @@ class Fleet:
             # On each node, the board where workers post their work: idle-core borrowing and
             # node priority for short prompts (a live setting) read it.
             board=f"{BOARD_PREFIX}{uuid.uuid4().hex[:12]}",
+            shared_memory=config.transport.shared_memory,
         )
         # Per kind, one entry per worker index (slot); None where an autoscaled pool runs
         # fewer than its max_workers.

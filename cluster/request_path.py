@@ -131,7 +131,9 @@ class RequestPath:
         self.feeds = DecodeFeeds(
             fleet.owner, self._record_step, direct=config.transport.direct_links
         )
-        self.links = WorkerLinks(direct=config.transport.direct_links)  # prefill calls
+        self.links = WorkerLinks(  # prefill calls
+            direct=config.transport.direct_links, ring=config.transport.shared_memory
+        )
         self.fleet_retired: str | None = None  # why, once a redeploy retired this fleet
 
     # -- 1. admit -------------------------------------------------------------------------

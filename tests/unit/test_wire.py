@@ -127,16 +127,19 @@ def test_tensors_cross_a_link_as_arrays_exact_and_writable():
     assert b"_rebuild_tensor" not in frame and b"_tensor_of" in frame
 
 
-def _large_calls(worker: Worker, num_calls: int):
+def _large_calls(worker: Worker, num_calls: int, ring: bool = True):
     """`num_calls` calls together (more than a ring holds at once), each echoing a tensor and
-    an array too large for a frame's inside, after one that makes the link offer its ring:
-    what was sent, what came back, and how far the link's ring was written (None: no ring)."""
+    an array too large for a frame's inside, after one that makes the link offer its ring
+    (unless `ring` is off): what was sent, what came back, and how far the link's ring was
+    written (None: no ring)."""
     import torch
 
     async def main():
-        link = await wire.CallLink.open(await worker.server.address())
+        link = await wire.CallLink.open(await worker.server.address(), ring=ring)
         await link.call("echo_after", 0.0, torch.zeros(1 << 15))
-        await link._ring_offer
+        if link._ring_offer is not None:
+            await link._ring_offer
+        assert (link._ring_offer is not None) == ring  # off: never offered
         sent = [(torch.randn(300, 300), np.arange(n * 10_000)) for n in range(1, num_calls + 1)]
         got = await asyncio.gather(*(link.call("echo_after", 0.01, value) for value in sent))
         written = link._ring._head if link._ring is not None else None
@@ -160,11 +163,14 @@ def test_large_buffers_cross_a_same_node_link_through_its_ring_exact_and_writabl
         assert got_array.flags.writeable
 
 
-def test_a_worker_on_another_node_leaves_the_buffers_in_the_frames(monkeypatch):
+@pytest.mark.parametrize("why", ["a worker on another node", "transport.shared_memory off"])
+def test_buffers_stay_in_the_frames_where_no_ring_is_shared(why, monkeypatch):
     before = test_shm_ring.epd_segments()
-    monkeypatch.setattr(wire.RingReader, "attach", classmethod(lambda cls, offer: None))
+    elsewhere = why == "a worker on another node"
+    if elsewhere:  # the worker cannot attach the offered segment
+        monkeypatch.setattr(wire.RingReader, "attach", classmethod(lambda cls, offer: None))
     worker = Worker()
-    sent, got, written = _large_calls(worker, 3)
+    sent, got, written = _large_calls(worker, 3, ring=elsewhere)
     assert written is None and test_shm_ring.epd_segments() == before
     assert worker.server.num_ring_bytes == 0
     assert all(np.array_equal(g[1], s[1]) for s, g in zip(sent, got, strict=True))
