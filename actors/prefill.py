@@ -144,6 +144,7 @@ class PrefillWorker(ModelWorker):
             * self.spec.slowdown,  # the emulated slower device sleeps after each step
             call_in_ms=hop_ms(request.sent_at_s, called_at_s),
             returned_at_s=time.time(),
+            publish_ms=(time.perf_counter() - out.finished_s) * 1e3 if out.finished_s else 0.0,
         )
 
     def _publish(self, outputs: list[PrefillOutput]) -> None:

@@ -283,6 +283,9 @@ class PrefillResult:
     # it returns (the ingress times the way out): Ray's hops, apart from the worker's own time.
     call_in_ms: float = 0.0
     returned_at_s: float = 0.0
+    # From the last forward's end (first token sampled) to this answer's making: the step's
+    # hand-back from the device thread to the worker's loop, on the first token's path.
+    publish_ms: float = 0.0
 
 
 @dataclass(frozen=True)

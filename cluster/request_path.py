@@ -74,6 +74,7 @@ class RequestTimings:
     prefill_ms: float = 0.0
     prefill_queue_ms: float = 0.0
     prefill_compute_ms: float = 0.0  # its own device time within prefill_ms
+    prefill_publish_ms: float = 0.0  # the forward's end to the answer: the worker's hand-back
     num_cached_tokens: int | None = None  # prompt tokens the prefix cache gave its first prefill
 
     def phases_ms(self, admission: AdmissionTimings) -> dict[str, float]:
@@ -100,6 +101,7 @@ class RequestTimings:
             "prefill_queue_ms": self.prefill_queue_ms,
             "item_wait_ms": self.item_wait_ms,
             "prefill_compute_ms": self.prefill_compute_ms,
+            "prefill_publish_ms": self.prefill_publish_ms,
             "prefill_hop_out_ms": self.prefill_hop_out_ms,
             "first_token_ms": max(
                 0.0, ttft_ms - self.admitted_ms - self.route_ms - self.prefill_call_ms
@@ -531,6 +533,7 @@ class RequestPath:
         trace.item_wait_ms = result.item_wait_ms
         trace.prefill_ms, trace.prefill_queue_ms = result.prefill_ms, result.queue_ms
         trace.prefill_compute_ms = result.compute_ms
+        trace.prefill_publish_ms = result.publish_ms
         if trace.num_cached_tokens is None:  # a resumed attempt also finds its own output cached
             trace.num_cached_tokens = result.num_cached_tokens
         self.metrics.prompt_tokens.inc(result.num_prompt_tokens)

@@ -7,7 +7,8 @@ each time), a text request, and a cache-hit repeat (the same image and prompt ag
 and prefix caches). For each: the client's TTFT (a bare-socket client, benchkit/raw_client.py,
 that parses nothing per event) and the medians of the server's `timings`
 (admit = body read + parse + media decode + plan, route, encode queue and compute, transfer,
-prefill call = prefill queue + forward + the hops, first_token = its way out), the
+prefill call = prefill queue + forward + the first token's hand-back in the worker
+(prefill_publish) + the hops, first_token = its way out), the
 framework's share: server TTFT minus encode and prefill compute, and the wait from the first
 token to the second (`second_token_ms`: the KV's hand-over to decode and its first step).
 The baseline runs before the server starts and after it stops (this host drifts over

@@ -22,7 +22,7 @@ def pcts(values) -> dict[str, float]:
 TTFT_PHASES = (
     "handover admit body parse media plan route encode_hop_in pixels_fetch encode_queue "
     "encode_compute transfer prefill_call prefill_hop_in prefill_queue item_wait prefill_compute "
-    "prefill_hop_out first_token"
+    "prefill_publish prefill_hop_out first_token"
 ).split()
 
 

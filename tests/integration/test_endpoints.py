@@ -283,6 +283,11 @@ def test_estimated_ttft_is_reported_and_requests_are_traced(app):
     assert timings["prefill_ms"] <= timings["prefill_call_ms"]
     hops = timings["prefill_hop_in_ms"] + timings["prefill_hop_out_ms"]
     assert 0 < hops < timings["prefill_call_ms"] - timings["prefill_ms"] + 0.5, timings
+    # inside the call, its parts in turn: none overlaps another, the first token's hand-back too
+    inside = ("hop_in", "queue", "compute", "publish", "hop_out")
+    assert timings["prefill_publish_ms"] > 0, timings
+    inner_ms = sum(timings[f"prefill_{p}_ms"] for p in inside) + timings["item_wait_ms"]
+    assert inner_ms <= timings["prefill_call_ms"] + 0.5, timings
     assert _scrape(app)[("epd:estimated_ttft_seconds_count", ())] >= 1
     workload = load_trace(TRACE_PATH)  # the simulator's own loader reads what the cluster wrote
     assert len(workload) >= 1

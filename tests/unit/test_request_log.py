@@ -26,6 +26,7 @@ PATH_ORDER = [
     "prefill_queue_ms",
     "item_wait_ms",
     "prefill_compute_ms",
+    "prefill_publish_ms",
     "prefill_hop_out_ms",
     "first_token_ms",
 ]
@@ -45,6 +46,7 @@ def _image_request() -> tuple[RequestTimings, AdmissionTimings]:
         prefill_hop_out_ms=0.4,
         prefill_queue_ms=0.2,
         prefill_compute_ms=3.4,
+        prefill_publish_ms=0.3,
         item_wait_ms=8.3,
     )
     return trace, AdmissionTimings(0.9, 0.1, 0.3, 2.0, 0.7)
