@@ -299,6 +299,26 @@ def test_worker_links_answer_as_ray_would_and_reopen_after_a_break():
     run(main())
 
 
+@pytest.mark.parametrize("ring", [True, False], ids=["shared_memory", "frames_only"])
+def test_worker_links_pass_the_shared_memory_setting_to_each_link(ring):
+    """transport.shared_memory reaches the links an ingress or an encoder opens: the worker
+    counts ring bytes only where it is on."""
+    big = np.arange(1 << 15)  # 256 kB: a buffer the ring takes
+
+    async def main():
+        worker = Worker()
+        handle = Handle(await worker.server.address())
+        links = WorkerLinks(ring=ring)
+        await links.call(handle, "echo_after", 0.0, big)  # offers the ring where it is on
+        if (offer := (await links._links[handle._actor_id.hex()])._ring_offer) is not None:
+            await offer
+        assert np.array_equal(await links.call(handle, "echo_after", 0.0, big), big)
+        links.close()
+        return worker.server.num_ring_bytes
+
+    assert (run(main()) > 0) == ring
+
+
 def test_a_broken_link_under_a_call_names_the_actor():
     async def main():
         worker = Worker()
